@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+import quant_core
+from quant_core import _backend
+
+
+def test_cpp_backend_is_built_and_listed():
+    # A plain install builds the extension; CI must exercise it rather than silently skip it.
+    assert quant_core.available_backends()[:2] == ("reference", "cpp")
+    assert quant_core._C.__version__ == quant_core.__version__
+
+
+def test_auto_picks_cpp_on_cpu(monkeypatch):
+    monkeypatch.delenv(quant_core.BACKEND_ENV_VAR, raising=False)
+    assert quant_core.selected_backend("amax", torch.device("cpu")) == "cpp"
+
+
+@pytest.mark.parametrize("name", ["reference", "cpp"])
+def test_environment_variable_forces_backend(monkeypatch, name):
+    monkeypatch.setenv(quant_core.BACKEND_ENV_VAR, name)
+    assert quant_core.selected_backend("cast_to_fp8", torch.device("cpu")) == name
+
+
+def test_use_backend_overrides_environment(monkeypatch):
+    monkeypatch.setenv(quant_core.BACKEND_ENV_VAR, "cpp")
+    with quant_core.use_backend("reference"):
+        assert quant_core.selected_backend("amax", torch.device("cpu")) == "reference"
+    assert quant_core.selected_backend("amax", torch.device("cpu")) == "cpp"
+
+
+def test_unknown_backend_in_environment_is_rejected(monkeypatch):
+    monkeypatch.setenv(quant_core.BACKEND_ENV_VAR, "cuda")
+    with pytest.raises(ValueError, match="QUANT_CORE_BACKEND='cuda' is not a backend"):
+        quant_core.amax(torch.ones(3))
+
+
+def test_unknown_backend_in_use_backend_is_rejected():
+    with pytest.raises(ValueError, match="not one of"):
+        with quant_core.use_backend("fast"):  # type: ignore[arg-type]
+            pass
+
+
+def test_forcing_a_backend_on_the_wrong_device_raises():
+    with quant_core.use_backend("triton"):
+        with pytest.raises(ValueError, match="runs on cuda tensors only"):
+            quant_core.amax(torch.ones(3))
+
+
+def test_registering_a_kernel_twice_raises():
+    with pytest.raises(RuntimeError, match="already has a reference kernel"):
+        _backend.register_kernel("amax", "reference")(lambda x: x)
+
+
+def test_forced_backend_without_kernel_for_op_raises(monkeypatch):
+    monkeypatch.setitem(_backend._kernels, "only_reference_op", {"reference": lambda: None})
+    with quant_core.use_backend("cpp"):
+        with pytest.raises(NotImplementedError, match="cpp backend has no kernel for 'only_reference_op'"):
+            quant_core.selected_backend("only_reference_op", torch.device("cpu"))
+    assert quant_core.selected_backend("only_reference_op", torch.device("cpu")) == "reference"
