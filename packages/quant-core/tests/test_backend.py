@@ -38,15 +38,13 @@ def test_unknown_backend_in_environment_is_rejected(monkeypatch):
 
 
 def test_unknown_backend_in_use_backend_is_rejected():
-    with pytest.raises(ValueError, match="not one of"):
-        with quant_core.use_backend("fast"):  # type: ignore[arg-type]
-            pass
+    with pytest.raises(ValueError, match="not one of"), quant_core.use_backend("fast"):  # type: ignore[arg-type]
+        pass
 
 
 def test_forcing_a_backend_on_the_wrong_device_raises():
-    with quant_core.use_backend("triton"):
-        with pytest.raises(ValueError, match="runs on cuda tensors only"):
-            quant_core.amax(torch.ones(3))
+    with quant_core.use_backend("triton"), pytest.raises(ValueError, match="runs on cuda tensors only"):
+        quant_core.amax(torch.ones(3))
 
 
 def test_registering_a_kernel_twice_raises():
@@ -56,7 +54,15 @@ def test_registering_a_kernel_twice_raises():
 
 def test_forced_backend_without_kernel_for_op_raises(monkeypatch):
     monkeypatch.setitem(_backend._kernels, "only_reference_op", {"reference": lambda: None})
-    with quant_core.use_backend("cpp"):
-        with pytest.raises(NotImplementedError, match="cpp backend has no kernel for 'only_reference_op'"):
-            quant_core.selected_backend("only_reference_op", torch.device("cpu"))
+    with (
+        quant_core.use_backend("cpp"),
+        pytest.raises(NotImplementedError, match="cpp backend has no kernel for 'only_reference_op'"),
+    ):
+        quant_core.selected_backend("only_reference_op", torch.device("cpu"))
     assert quant_core.selected_backend("only_reference_op", torch.device("cpu")) == "reference"
+
+
+def test_available_backends_per_device():
+    assert quant_core.available_backends("cpu") == ("reference", "cpp")
+    assert "cpp" not in quant_core.available_backends("cuda")
+    assert quant_core.available_backends(torch.device("meta")) == ("reference",)

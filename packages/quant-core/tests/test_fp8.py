@@ -2,11 +2,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FLOAT_DTYPES, FP8_DTYPES, adversarial, bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import quant_core
+from quant_core.testing import FLOAT_DTYPES, FP8_DTYPES, adversarial, raw_bits
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 ONE = torch.ones((), dtype=torch.float32)
@@ -63,15 +63,29 @@ def test_scale_known_answers():
 def test_quantize_reference_known_answer():
     x = torch.tensor([[1.0, -2.0], [0.5, float("nan")]])
     q = quant_core.quantize_fp8_reference(x, E4M3, columnwise=True)
-    assert q.amax.item() == 2.0 and q.scale.item() == 224.0
+    assert q.amax.item() == 2.0
+    assert q.scale.item() == 224.0
     # 224 = 1.75 * 2^7 -> 0x76; -448 -> 0xFE; 112 -> 0x6E; NaN -> 0x7F.
-    assert bits(q.rowwise_data).tolist() == [[0x76, 0xFE], [0x6E, 0x7F]]
-    assert bits(q.columnwise_data).tolist() == [[0x76, 0x6E], [0xFE, 0x7F]]
+    assert raw_bits(q.rowwise_data).tolist() == [[0x76, 0xFE], [0x6E, 0x7F]]
+    assert raw_bits(q.columnwise_data).tolist() == [[0x76, 0x6E], [0xFE, 0x7F]]
 
 
 # ---- every backend equals the reference, bit for bit -------------------------------------------
 
-SHAPES = [(1,), (5,), (200_003,), (1, 1), (64, 64), (65, 63), (130, 257), (3, 17, 40), (2, 3, 4, 5), (0,), (0, 8), (8, 0)]
+SHAPES = [
+    (1,),
+    (5,),
+    (200_003,),
+    (1, 1),
+    (64, 64),
+    (65, 63),
+    (130, 257),
+    (3, 17, 40),
+    (2, 3, 4, 5),
+    (0,),
+    (0, 8),
+    (8, 0),
+]
 
 
 def assert_same(result: quant_core.Float8Quantized, expected: quant_core.Float8Quantized) -> None:
@@ -79,8 +93,8 @@ def assert_same(result: quant_core.Float8Quantized, expected: quant_core.Float8Q
         got, want = getattr(result, field), getattr(expected, field)
         assert (got is None) == (want is None), field
         if got is not None:
-            assert got.dtype == want.dtype and got.shape == want.shape, field
-            assert torch.equal(bits(got), bits(want)), field
+            assert (got.dtype, got.shape) == (want.dtype, want.shape), field
+            assert torch.equal(raw_bits(got), raw_bits(want)), field
     for field in ("scale", "scale_inv", "amax"):
         assert torch.equal(getattr(result, field), getattr(expected, field)), field
 
@@ -93,14 +107,22 @@ def test_quantize_equals_reference(backend, fp8_dtype, dtype, shape, power_2_sca
     x = adversarial(shape, dtype, seed=len(shape) * 7 + sum(shape))
     for rowwise, columnwise in [(True, False), (False, True), (True, True)]:
         kwargs = dict(power_2_scales=power_2_scales, rowwise=rowwise, columnwise=columnwise)
-        assert_same(quant_core.quantize_fp8(x, fp8_dtype, **kwargs), quant_core.quantize_fp8_reference(x, fp8_dtype, **kwargs))
+        assert_same(
+            quant_core.quantize_fp8(x, fp8_dtype, **kwargs), quant_core.quantize_fp8_reference(x, fp8_dtype, **kwargs)
+        )
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_quantize_reads_non_contiguous_views(backend, fp8_dtype, dtype):
     base = adversarial((192, 160), dtype, seed=11)
-    views = [base.t(), base[::3, 5::2], base.reshape(12, 16, 160).transpose(0, 1), base[:, :1], base.expand(2, 192, 160)]
+    views = [
+        base.t(),
+        base[::3, 5::2],
+        base.reshape(12, 16, 160).transpose(0, 1),
+        base[:, :1],
+        base.expand(2, 192, 160),
+    ]
     for view in views:
         assert_same(
             quant_core.quantize_fp8(view, fp8_dtype, columnwise=True),
@@ -118,7 +140,7 @@ def test_cast_covers_the_whole_fp32_grid(backend, fp8_dtype):
         x = torch.where(patterns >= 2**31, patterns - 2**32, patterns).to(torch.int32).view(torch.float32)
         got, _ = quant_core.cast_to_fp8(x, ONE, fp8_dtype)
         want, _ = quant_core.cast_to_fp8_reference(x, ONE, fp8_dtype)
-        assert torch.equal(bits(got), bits(want)), hex(low)
+        assert torch.equal(raw_bits(got), raw_bits(want)), hex(low)
 
 
 @settings(max_examples=80, deadline=None)
@@ -127,7 +149,9 @@ def test_cast_covers_the_whole_fp32_grid(backend, fp8_dtype):
     dtype=st.sampled_from(FLOAT_DTYPES),
     fp8_dtype=st.sampled_from(FP8_DTYPES),
     power_2_scales=st.booleans(),
-    values=st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True), min_size=1, max_size=50),
+    values=st.lists(
+        st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True), min_size=1, max_size=50
+    ),
 )
 def test_quantize_equals_reference_on_generated_inputs(shape, dtype, fp8_dtype, power_2_scales, values):
     numel = 1
@@ -147,10 +171,11 @@ def test_cast_fills_given_buffers_in_place(backend):
     rowwise, columnwise = quant_core.cast_to_fp8(
         x, scale, E4M3, columnwise=True, rowwise_out=rowwise_out, columnwise_out=columnwise_out
     )
-    assert rowwise is rowwise_out and columnwise is columnwise_out
+    assert rowwise is rowwise_out
+    assert columnwise is columnwise_out
     want_rowwise, want_columnwise = quant_core.cast_to_fp8_reference(x, scale, E4M3, columnwise=True)
-    assert torch.equal(bits(rowwise_out), bits(want_rowwise))
-    assert torch.equal(bits(columnwise_out), bits(want_columnwise))
+    assert torch.equal(raw_bits(rowwise_out), raw_bits(want_rowwise))
+    assert torch.equal(raw_bits(columnwise_out), raw_bits(want_columnwise))
 
 
 def test_round_trip_error_on_gaussian_data():
@@ -165,7 +190,7 @@ def test_round_trip_error_on_gaussian_data():
 
 
 def test_bad_fp8_dtype_raises():
-    with pytest.raises(ValueError, match="fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2"):
+    with pytest.raises(ValueError, match=r"fp8_dtype must be torch\.float8_e4m3fn or torch\.float8_e5m2"):
         quant_core.quantize_fp8(torch.ones(4), torch.bfloat16)
 
 
@@ -181,7 +206,11 @@ def test_no_usage_raises():
 
 @pytest.mark.parametrize(
     ("scale", "match"),
-    [(torch.ones(2), "one-element float32"), (torch.ones((), dtype=torch.float64), "one-element float32"), (2.0, "got float")],
+    [
+        (torch.ones(2), "one-element float32"),
+        (torch.ones((), dtype=torch.float64), "one-element float32"),
+        (2.0, "got float"),
+    ],
 )
 def test_bad_scale_raises(scale, match):
     with pytest.raises(ValueError, match=match):

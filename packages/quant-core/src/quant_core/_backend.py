@@ -73,10 +73,18 @@ def _triton_usable() -> bool:
     return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
 
 
-def available_backends() -> tuple[Backend, ...]:
-    """The backends that loaded on this machine, e.g. ('reference', 'cpp')."""
+def available_backends(device: torch.device | str | None = None) -> tuple[Backend, ...]:
+    """The backends that loaded on this machine, e.g. ('reference', 'cpp').
+
+    With `device`, only those whose kernels run on tensors of that device.
+    """
     _load_backends()
-    return tuple(b for b in BACKENDS if b == "reference" or b not in _load_errors)
+    device_type = None if device is None else torch.device(device).type
+    return tuple(
+        b
+        for b in BACKENDS
+        if b not in _load_errors and (device_type is None or _BACKEND_DEVICE[b] in (None, device_type))
+    )
 
 
 def requested_backend() -> Backend | Literal["auto"]:

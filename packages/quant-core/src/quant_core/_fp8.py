@@ -205,4 +205,3 @@ def dequantize_fp8_reference(
 ) -> torch.Tensor:
     """Plain-torch dequantize: fp32(data) * scale_inv, then cast to `dtype`."""
     return (data.float() * scale_inv).to(dtype)
-

@@ -1,0 +1,112 @@
+"""Every developer task of the quant-fsdp monorepo: `nox -l` lists them.
+
+torch is pinned to 2.13.0 (a CPU build that lies on disk on the project's machines); set
+QUANT_TORCH_SPEC (e.g. "torch==2.11.0") to test another release.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import nox
+import tomllib
+
+ROOT = pathlib.Path(__file__).parent
+# Lowest layer first: installing in this order lets pip resolve each package's siblings locally.
+PACKAGES = ("quant-core", "quant-tensors", "quant-fsdp", "quant-optim")
+TORCH_SPEC = os.environ.get("QUANT_TORCH_SPEC", "torch==2.13.0")
+TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "numpy")
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _install_packages(session: nox.Session, *extra: str) -> None:
+    """torch first (pinned), then all four packages from the working tree."""
+    session.install(TORCH_SPEC)
+    session.install(*(f"./packages/{p}" for p in PACKAGES), *extra)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run every package's unit tests and tests-integration against the working tree."""
+    _install_packages(session, *TEST_DEPS)
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check, ruff format --check and the import-linter layer contract."""
+    session.install("ruff>=0.6", "import-linter>=2.1")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    src_paths = os.pathsep.join(str(ROOT / "packages" / p / "src") for p in PACKAGES)
+    session.run("lint-imports", env={"PYTHONPATH": src_paths})
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build wheels and sdists of the four packages into dist/, then install quant-fsdp[optim] from dist/ alone."""
+    session.install("build>=1.2")
+    dist = ROOT / "dist"
+    for package in PACKAGES:
+        session.run("python", "-m", "build", "--outdir", str(dist), f"packages/{package}")
+    check = session.create_tmp()
+    venv_python = pathlib.Path(check) / "fresh" / "bin" / "python"
+    session.run("python", "-m", "venv", str(venv_python.parent.parent), external=True)
+    session.run(str(venv_python), "-m", "pip", "install", "-q", TORCH_SPEC, external=True)
+    session.run(
+        str(venv_python), "-m", "pip", "install", "-q", "--pre", "--no-index", "--find-links", str(dist),
+        "quant-fsdp[optim]", external=True,
+    )  # fmt: skip
+    session.run(
+        str(venv_python), "-c",
+        "import quant_core, quant_tensors, quant_fsdp, quant_optim; "
+        "print('installed from dist/:', quant_core.__version__, quant_tensors.__version__, "
+        "quant_fsdp.__version__, quant_optim.__version__, 'backends', quant_core.available_backends())",
+        external=True,
+    )  # fmt: skip
+
+
+@nox.session(venv_backend="none")
+def check_versions(session: nox.Session) -> None:
+    """Check that every inter-package version range admits the sibling's current version."""
+    from packaging.requirements import Requirement
+
+    versions = {}
+    for package in PACKAGES:
+        version_file = ROOT / "packages" / package / "src" / package.replace("-", "_") / "_version.py"
+        namespace: dict[str, str] = {}
+        exec(version_file.read_text(), namespace)
+        versions[package] = namespace["__version__"]
+    problems = []
+    for package in PACKAGES:
+        project = tomllib.loads((ROOT / "packages" / package / "pyproject.toml").read_text())["project"]
+        requirements = list(project.get("dependencies", []))
+        for extra in project.get("optional-dependencies", {}).values():
+            requirements += extra
+        for text in requirements:
+            requirement = Requirement(text)
+            if requirement.name in versions and not requirement.specifier.contains(
+                versions[requirement.name], prereleases=True
+            ):
+                problems.append(f"{package} requires {text}, but {requirement.name} is at {versions[requirement.name]}")
+            session.log(f"{package}: {text} (sibling at {versions.get(requirement.name, '-')})")
+    if problems:
+        session.error("; ".join(problems))
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Run the end-to-end demo (`quant-fsdp demo`): prints a table, writes results/demo.json."""
+    _install_packages(session)
+    session.run("quant-fsdp", "demo", "--out", str(ROOT / "results"), *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Run the benchmark suite (`quant-fsdp bench`): prints ratios, writes results/bench.json."""
+    _install_packages(session)
+    session.run("quant-fsdp", "bench", "--out", str(ROOT / "results"), *session.posargs)

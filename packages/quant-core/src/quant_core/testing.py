@@ -1,0 +1,85 @@
+"""Inputs and comparisons for testing quantization code (used by every quant-* package's tests)."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import math
+import pathlib
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from quant_core._backend import Backend, available_backends
+from quant_core._checks import FLOAT_DTYPES, FP8_DTYPES
+
+__all__ = ["FLOAT_DTYPES", "FP8_DTYPES", "adversarial", "kernel_backends", "raw_bits", "run_ranks"]
+
+# Values every kernel must get right besides random ones: signed zeros, fp32 denormals, a value
+# that is an fp16 denormal, +-Inf, NaN of both signs, values far above every format's max.
+_SPECIALS = (
+    0.0,
+    -0.0,
+    float("nan"),
+    -float("nan"),
+    float("inf"),
+    -float("inf"),
+    1e-40,
+    -1e-42,
+    6e-8,
+    1e30,
+    -3e5,
+    448.0,
+)
+
+
+def adversarial(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    """Gaussian values scaled over 16 decades, with `_SPECIALS` planted at random positions."""
+    generator = torch.Generator().manual_seed(seed)
+    n = math.prod(shape)
+    magnitudes = torch.logspace(-8, 8, max(n, 1))[torch.randperm(max(n, 1), generator=generator)][:n]
+    x = torch.randn(n, generator=generator) * magnitudes
+    positions = torch.randperm(n, generator=generator)[: min(n, len(_SPECIALS))]
+    x[positions] = torch.tensor(_SPECIALS[: len(positions)])
+    return x.reshape(shape).to(dtype)
+
+
+def raw_bits(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The bytes of a quantized buffer as uint8, so comparisons are bitwise (NaN codes included)."""
+    return None if t is None else t.view(torch.uint8)
+
+
+def kernel_backends() -> tuple[Backend, ...]:
+    """Every available backend except the reference, which they are all compared against."""
+    return tuple(b for b in available_backends() if b != "reference")
+
+
+def run_ranks(fn: Callable[..., None], world_size: int, *args: Any) -> None:
+    """Runs fn(rank, world_size, *args) in `world_size` processes joined in a gloo process group.
+
+    `fn` must be a module-level function. Each process loads fn's file by path rather than by
+    module name, so this works for test files that pytest imported under a path-derived name
+    (`--import-mode=importlib`). A failure in any rank re-raises here with that rank's traceback.
+    """
+    source = pathlib.Path(inspect.getfile(fn)).resolve()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = str(pathlib.Path(tmp) / "store")
+        mp.spawn(_rank_entry, args=(world_size, str(source), fn.__name__, store, args), nprocs=world_size, join=True)
+
+
+def _rank_entry(rank: int, world_size: int, source: str, name: str, store: str, args: tuple[Any, ...]) -> None:
+    spec = importlib.util.spec_from_file_location(f"_quant_rank_{pathlib.Path(source).stem}", source)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {source} in a rank process")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.set_num_threads(1)  # world_size processes share the machine's cores
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    try:
+        getattr(module, name)(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,98 @@
+"""`quant-fsdp bench`: every kernel against its plain-torch reference, side by side in one run.
+
+Ratios are what the targets of DESIGN section 9 are stated in; absolute numbers depend on the
+machine, so each result records the device, torch version and thread count it ran with.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+import platform
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.utils.benchmark as benchmark
+from rich.console import Console
+from rich.table import Table
+
+import quant_core
+
+
+@dataclass(frozen=True)
+class Result:
+    """One case measured on one backend."""
+
+    case: str
+    backend: str
+    median_ms: float
+    gb_per_s: float
+    speedup_vs_reference: float
+
+
+def _median_seconds(fn: Callable[[], object], min_run_time: float) -> float:
+    fn()  # warm up (allocator, lazy init)
+    return benchmark.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
+
+
+def _kernel_cases(size: int, device: torch.device) -> list[tuple[str, int, Callable[[], object]]]:
+    """(case name, bytes, call) for each kernel benchmark on a bf16 size x size input.
+
+    Bytes are the least traffic the op needs (read the input once, write each output once), the
+    convention of DESIGN section 9's bandwidth targets: 4 B/element for quantize with transpose.
+    """
+    x = torch.randn(size, size, device=device).to(torch.bfloat16)
+    n = x.numel()
+    return [
+        ("amax bf16", 2 * n, lambda: quant_core.amax(x)),
+        ("fp8 e4m3 quantize rowwise", 3 * n, lambda: quant_core.quantize_fp8(x)),
+        ("fp8 e4m3 quantize rowwise+columnwise", 4 * n, lambda: quant_core.quantize_fp8(x, columnwise=True)),
+    ]
+
+
+def benchmark_kernels(size: int, min_run_time: float, device: torch.device) -> list[Result]:
+    """Times every kernel case on each backend that runs on `device`, and on the reference."""
+    backends = quant_core.available_backends(device)
+    results = []
+    for case, num_bytes, call in _kernel_cases(size, device):
+        seconds = {}
+        for backend in backends:
+            with quant_core.use_backend(backend):
+                seconds[backend] = _median_seconds(call, min_run_time)
+        for backend, s in seconds.items():
+            results.append(Result(case, backend, s * 1e3, num_bytes / s / 1e9, seconds["reference"] / s))
+    return results
+
+
+def run_bench(out: pathlib.Path, *, size: int, min_run_time: float) -> int:
+    """Runs the suite on the CPU (and on CUDA when present), prints a table, writes bench.json."""
+    console = Console()
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    table = Table(title=f"quant-core kernels vs plain-torch reference ({size}x{size} bf16)")
+    for column in ("device", "case", "backend", "median ms", "GB/s", "x reference"):
+        table.add_column(column, justify="left" if column in ("device", "case", "backend") else "right")
+    records = []
+    for device in devices:
+        with console.status(f"benchmarking kernels on {device.type}"):
+            results = benchmark_kernels(size, min_run_time, device)
+        name = torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.machine()} cpu"
+        for r in results:
+            table.add_row(
+                name, r.case, r.backend, f"{r.median_ms:.3f}", f"{r.gb_per_s:.1f}", f"{r.speedup_vs_reference:.2f}"
+            )
+        records.append({"device": name, "results": [asdict(r) for r in results]})
+    console.print(table)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "quant_core": quant_core.__version__,
+        "threads": torch.get_num_threads(),
+        "size": size,
+        "devices": records,
+    }
+    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"wrote {out / 'bench.json'}")
+    return 0
