@@ -56,11 +56,13 @@ def build(session: nox.Session) -> None:
     check = session.create_tmp()
     venv_python = pathlib.Path(check) / "fresh" / "bin" / "python"
     session.run("python", "-m", "venv", str(venv_python.parent.parent), external=True)
-    session.run(str(venv_python), "-m", "pip", "install", "-q", TORCH_SPEC, external=True)
-    session.run(
-        str(venv_python), "-m", "pip", "install", "-q", "--pre", "--no-index", "--find-links", str(dist),
-        "quant-fsdp[optim]", external=True,
-    )  # fmt: skip
+    pip = (str(venv_python), "-m", "pip", "install", "-q", "--pre")
+    session.run(*pip, TORCH_SPEC, external=True)
+    # Our four packages from dist/ alone (no index), then the extra's resolution, which may only
+    # add third-party dependencies from the index since every quant-* requirement is now met.
+    session.run(*pip, "--no-index", "--no-deps", "--find-links", str(dist), *PACKAGES, external=True)
+    session.run(*pip, "--find-links", str(dist), "quant-fsdp[optim]", external=True)
+    session.run(str(venv_python), "-m", "pip", "check", external=True)
     session.run(
         str(venv_python), "-c",
         "import quant_core, quant_tensors, quant_fsdp, quant_optim; "

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace quant_core {
@@ -36,17 +37,17 @@ inline uint32_t float_to_bits(float f) {
 
 inline float bfloat16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
 
+// Exact fp16 -> fp32, written with selects rather than branches so loops over it vectorize.
 inline float float16_to_float(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000) << 16;
   const uint32_t exponent = (h >> 10) & 0x1F;
   const uint32_t mantissa = h & 0x3FF;
-  if (exponent == 0) {
-    // Zero or subnormal: mantissa * 2^-24 is exact in fp32.
-    const float magnitude = float(mantissa) * 5.9604644775390625e-08f;
-    return bits_to_float(sign | float_to_bits(magnitude));
-  }
-  if (exponent == 0x1F) return bits_to_float(sign | 0x7F800000u | (mantissa << 13));  // Inf, NaN
-  return bits_to_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
+  const uint32_t normal = ((exponent + 112) << 23) | (mantissa << 13);
+  const uint32_t inf_nan = 0x7F800000u | (mantissa << 13);
+  // Zero or subnormal: mantissa * 2^-24 is exact in fp32.
+  const uint32_t subnormal = float_to_bits(float(int32_t(mantissa)) * 5.9604644775390625e-08f);
+  const uint32_t magnitude = exponent == 0 ? subnormal : (exponent == 0x1F ? inf_nan : normal);
+  return bits_to_float(sign | magnitude);
 }
 
 // Reads element `index` of an input of the given dtype as fp32 (exact for all three dtypes).
@@ -61,6 +62,35 @@ inline float load(const void* base, int64_t index) {
   }
 }
 
+// [Note: magnitude keys] For amax, each dtype's |x| is compared as an integer in its own width:
+// the bits of a non-negative float order like its value, so max over (bits & ~sign) is the max
+// magnitude, and a key at or above the dtype's Inf pattern is non-finite. Integer max reductions
+// vectorize (16-bit ones even on baseline SSE2), where a float max with NaN semantics does not.
+template <DType D>
+struct MagnitudeKey {
+  // Signed: keys are below the sign bit, and SSE2 has a signed 16-bit max but no unsigned one.
+  using Bits = std::conditional_t<D == DType::kFloat32, int32_t, int16_t>;
+  using RawBits = std::conditional_t<D == DType::kFloat32, uint32_t, uint16_t>;
+  static constexpr Bits kAbsMask = D == DType::kFloat32 ? Bits(0x7FFFFFFF) : Bits(0x7FFF);
+  static constexpr Bits kInf = D == DType::kFloat32 ? Bits(0x7F800000)
+                               : D == DType::kBFloat16 ? Bits(0x7F80)
+                                                       : Bits(0x7C00);
+  // The key of a finite magnitude, 0 for NaN and +-Inf.
+  static Bits of(RawBits raw) {
+    const Bits magnitude = Bits(raw & RawBits(kAbsMask));
+    return magnitude < kInf ? magnitude : Bits(0);
+  }
+  static float to_float(Bits key) {
+    if constexpr (D == DType::kFloat32) {
+      return bits_to_float(uint32_t(key));
+    } else if constexpr (D == DType::kBFloat16) {
+      return bfloat16_to_float(uint16_t(key));
+    } else {
+      return float16_to_float(uint16_t(key));
+    }
+  }
+};
+
 // Calls fn(DType-constant) for a runtime dtype code, so kernels are written once as templates.
 template <class Fn>
 inline void dispatch_dtype(int dtype, Fn&& fn) {
@@ -72,44 +102,31 @@ inline void dispatch_dtype(int dtype, Fn&& fn) {
 }
 
 // fp8(v) of DESIGN section 3: saturate to +-max (Inf included), NaN to the canonical 0x7F (the
-// sign of a NaN is dropped: torch does not keep it reliably either), round to nearest even. Normal results round on the fp32 bits; subnormal results are
-// rounded by the FPU itself: adding 2^14 (E4M3) or 2^7 (E5M2), whose ulp is exactly the format's
-// subnormal step, rounds the sum to a multiple of that step with round-to-nearest-even.
-inline uint8_t encode_e4m3(float v) {
-  const uint32_t u = float_to_bits(v);
-  const uint8_t sign = uint8_t((u >> 24) & 0x80);
-  uint32_t magnitude = u & 0x7FFFFFFFu;
-  if (magnitude > 0x7F800000u) return 0x7F;               // NaN
-  magnitude = std::min(magnitude, 0x43E00000u);          // 448
-  if (magnitude >= 0x3C800000u) {                        // >= 2^-6: normal in E4M3
-    magnitude += 0x7FFFFu + ((magnitude >> 20) & 1u);    // round to 3 mantissa bits
-    return sign | uint8_t((magnitude >> 20) - (120u << 3));
-  }
-  const float shifted = bits_to_float(magnitude) + 16384.0f;  // ulp(2^14) = 2^-9
-  return sign | uint8_t(float_to_bits(shifted) - 0x46800000u);
-}
-
-inline uint8_t encode_e5m2(float v) {
-  const uint32_t u = float_to_bits(v);
-  const uint8_t sign = uint8_t((u >> 24) & 0x80);
-  uint32_t magnitude = u & 0x7FFFFFFFu;
-  if (magnitude > 0x7F800000u) return 0x7F;               // NaN
-  magnitude = std::min(magnitude, 0x47600000u);          // 57344
-  if (magnitude >= 0x38800000u) {                        // >= 2^-14: normal in E5M2
-    magnitude += 0xFFFFFu + ((magnitude >> 21) & 1u);    // round to 2 mantissa bits
-    return sign | uint8_t((magnitude >> 21) - (112u << 2));
-  }
-  const float shifted = bits_to_float(magnitude) + 128.0f;  // ulp(2^7) = 2^-16
-  return sign | uint8_t(float_to_bits(shifted) - 0x43000000u);
-}
-
+// sign of a NaN is dropped: torch does not keep it reliably either), round to nearest even.
+// Normal results round on the fp32 bits; subnormal results are rounded by the FPU itself: adding
+// 2^14 (E4M3) or 2^7 (E5M2), whose ulp is exactly the format's subnormal step, rounds the sum to
+// a multiple of that step with round-to-nearest-even. Both results are computed and one is
+// selected, so loops over this function vectorize.
 template <Fp8Format F>
 inline uint8_t encode_fp8(float v) {
-  if constexpr (F == Fp8Format::kE4M3) {
-    return encode_e4m3(v);
-  } else {
-    return encode_e5m2(v);
-  }
+  constexpr bool kE4M3 = F == Fp8Format::kE4M3;
+  constexpr int32_t kMaxBits = kE4M3 ? 0x43E00000 : 0x47600000;        // 448, 57344
+  constexpr int32_t kMinNormalBits = kE4M3 ? 0x3C800000 : 0x38800000;  // 2^-6, 2^-14
+  constexpr int kShift = kE4M3 ? 20 : 21;                              // 23 - mantissa bits
+  constexpr int32_t kRebias = kE4M3 ? (120 << 3) : (112 << 2);         // (127 - bias) << mantissa bits
+  constexpr float kSubnormalMagic = kE4M3 ? 16384.0f : 128.0f;         // ulp = 2^-9, 2^-16
+  constexpr int32_t kSubnormalMagicBits = kE4M3 ? 0x46800000 : 0x43000000;
+
+  const uint32_t u = float_to_bits(v);
+  const int32_t sign = int32_t((u >> 24) & 0x80);
+  const int32_t raw_magnitude = int32_t(u & 0x7FFFFFFFu);
+  const int32_t magnitude = std::min(raw_magnitude, kMaxBits);
+  const int32_t normal =
+      ((magnitude + ((1 << (kShift - 1)) - 1) + ((magnitude >> kShift) & 1)) >> kShift) - kRebias;
+  const int32_t subnormal =
+      int32_t(float_to_bits(bits_to_float(uint32_t(magnitude)) + kSubnormalMagic)) - kSubnormalMagicBits;
+  const int32_t code = sign | (magnitude >= kMinNormalBits ? normal : subnormal);
+  return uint8_t(raw_magnitude > 0x7F800000 ? 0x7F : code);
 }
 
 template <class Fn>

@@ -45,10 +45,22 @@ def _kernel_cases(size: int, device: torch.device) -> list[tuple[str, int, Calla
     """
     x = torch.randn(size, size, device=device).to(torch.bfloat16)
     n = x.numel()
+    e4m3 = torch.float8_e4m3fn
+    scale = torch.ones((), device=device)
+    rowwise_out = torch.empty(size, size, dtype=e4m3, device=device)
+    columnwise_out = torch.empty(size, size, dtype=e4m3, device=device)
     return [
         ("amax bf16", 2 * n, lambda: quant_core.amax(x)),
         ("fp8 e4m3 quantize rowwise", 3 * n, lambda: quant_core.quantize_fp8(x)),
         ("fp8 e4m3 quantize rowwise+columnwise", 4 * n, lambda: quant_core.quantize_fp8(x, columnwise=True)),
+        # The out= path of FSDP2's all-gather reuse: no fresh output pages to fault in.
+        (
+            "fp8 e4m3 cast rowwise+columnwise, out=",
+            4 * n,
+            lambda: quant_core.cast_to_fp8(
+                x, scale, e4m3, columnwise=True, rowwise_out=rowwise_out, columnwise_out=columnwise_out
+            ),
+        ),
     ]
 
 
