@@ -10,6 +10,7 @@ import datetime
 import json
 import pathlib
 import platform
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -55,7 +56,7 @@ def _kernel_cases(size: int, device: torch.device) -> list[tuple[str, int, Calla
         ("fp8 e4m3 quantize rowwise+columnwise", 4 * n, lambda: quant_core.quantize_fp8(x, columnwise=True)),
         # The out= path of FSDP2's all-gather reuse: no fresh output pages to fault in.
         (
-            "fp8 e4m3 cast rowwise+columnwise, out=",
+            "fp8 e4m3 cast rowwise+columnwise into out=",
             4 * n,
             lambda: quant_core.cast_to_fp8(
                 x, scale, e4m3, columnwise=True, rowwise_out=rowwise_out, columnwise_out=columnwise_out
@@ -80,7 +81,7 @@ def benchmark_kernels(size: int, min_run_time: float, device: torch.device) -> l
 
 def run_bench(out: pathlib.Path, *, size: int, min_run_time: float) -> int:
     """Runs the suite on the CPU (and on CUDA when present), prints a table, writes bench.json."""
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 120)  # logs: no wrapped tables
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     table = Table(title=f"quant-core kernels vs plain-torch reference ({size}x{size} bf16)")
     for column in ("device", "case", "backend", "median ms", "GB/s", "x reference"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -113,7 +114,7 @@ def _evaluate(
 
 def run_demo(out: pathlib.Path, *, world_size: int) -> int:
     """Runs the demo, prints the table, writes demo.json; returns the process exit code."""
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 120)  # logs: no wrapped tables
     weights = _weights()
     backends = quant_core.available_backends("cpu")
     rows = []
