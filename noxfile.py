@@ -101,6 +101,13 @@ def check_versions(session: nox.Session) -> None:
 
 
 @nox.session
+def docs(session: nox.Session) -> None:
+    """Build the user docs with mkdocs into site/ (warnings are errors)."""
+    session.install("mkdocs>=1.6")
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"))
+
+
+@nox.session
 def demo(session: nox.Session) -> None:
     """Run the end-to-end demo (`quant-fsdp demo`): prints a table, writes results/demo.json."""
     _install_packages(session)

@@ -66,3 +66,8 @@ def test_available_backends_per_device():
     assert quant_core.available_backends("cpu") == ("reference", "cpp")
     assert "cpp" not in quant_core.available_backends("cuda")
     assert quant_core.available_backends(torch.device("meta")) == ("reference",)
+
+
+def test_forcing_triton_says_why_it_is_unavailable():
+    with quant_core.use_backend("triton"), pytest.raises(RuntimeError, match="triton backend is unavailable: "):
+        quant_core.selected_backend("amax", torch.device("cuda"))
