@@ -10,6 +10,8 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <cstdint>
 #include <cstring>
 #include <thread>
@@ -160,5 +162,133 @@ inline void parallel_for(int64_t n, int64_t grain, int num_threads, Fn&& fn) {
 
 // Elements per thread chunk below which extra threads cost more than they save.
 constexpr int64_t kMinElementsPerThread = 1 << 16;
+
+}  // namespace quant_core
+
+namespace quant_core {
+
+// ---- more of DESIGN section 3, shared by the block formats ------------------------------------
+
+constexpr float kFloat32Max = 3.4028234663852886e+38f;
+
+// The largest integer s with amax * 2^s <= fmax, exactly, from the fp32 bits (amax >= 0); the
+// mirror of _numerics.max_exponent_within. A subnormal amax is normalised by an exact 2^64.
+inline int max_exponent_within(float amax, float fmax) {
+  const uint32_t fmax_bits = float_to_bits(fmax);
+  const int q = int(fmax_bits >> 23) - 127;
+  const uint32_t fmax_mantissa = fmax_bits & 0x7FFFFFu;
+  uint32_t bits = float_to_bits(amax);
+  int p = int(bits >> 23) - 127;
+  if ((bits >> 23) == 0) {
+    bits = float_to_bits(amax * 18446744073709551616.0f);
+    p = int(bits >> 23) - 127 - 64;
+  }
+  return q - p - ((bits & 0x7FFFFFu) > fmax_mantissa ? 1 : 0);
+}
+
+// 2^e as fp32, exactly, for e in [-127, 127] (2^-127 is subnormal).
+inline float power_of_two(int e) { return bits_to_float(e > -127 ? uint32_t(e + 127) << 23 : 0x00400000u); }
+
+// fp32 value of every FP8 code (NaN codes give a quiet NaN), built once.
+struct Fp8DecodeTable {
+  float e4m3[256];
+  float e5m2[256];
+  Fp8DecodeTable() {
+    for (int code = 0; code < 256; ++code) {
+      const float sign = code & 0x80 ? -1.0f : 1.0f;
+      const int e4 = (code >> 3) & 0xF, m3 = code & 0x7;
+      e4m3[code] = (e4 == 0xF && m3 == 0x7) ? std::numeric_limits<float>::quiet_NaN()
+                   : e4 == 0                ? sign * float(m3) * 0.001953125f  // m * 2^-9
+                                            : sign * std::ldexp(1.0f + float(m3) / 8.0f, e4 - 7);
+      const int e5 = (code >> 2) & 0x1F, m2 = code & 0x3;
+      e5m2[code] = e5 == 0x1F ? (m2 == 0 ? sign * std::numeric_limits<float>::infinity()
+                                         : std::numeric_limits<float>::quiet_NaN())
+                   : e5 == 0  ? sign * float(m2) * 1.52587890625e-05f  // m * 2^-16
+                              : sign * std::ldexp(1.0f + float(m2) / 4.0f, e5 - 15);
+    }
+  }
+};
+inline const Fp8DecodeTable& fp8_decode_table() {
+  static const Fp8DecodeTable table;
+  return table;
+}
+
+template <Fp8Format F>
+inline float decode_fp8(uint8_t code) {
+  return F == Fp8Format::kE4M3 ? fp8_decode_table().e4m3[code] : fp8_decode_table().e5m2[code];
+}
+
+// E2M1 (NVFP4 elements): the mirror of _numerics.encode_e2m1. The magnitude code counts the
+// rounding thresholds below |v|; a tie goes to the even code. NaN -> 0; saturates at 6.
+inline uint8_t encode_e2m1(float v) {
+  const float a = std::fabs(v);
+  const int code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+  const bool negative = std::signbit(v) && !std::isnan(v);
+  return uint8_t(code | (negative ? 0x8 : 0));
+}
+
+// Stochastic E2M1: the mirror of _numerics.encode_e2m1_stochastic (random24 is uniform in [0, 2^24)).
+inline uint8_t encode_e2m1_stochastic(float v, uint32_t random24) {
+  const float a = std::fabs(v);
+  const float step = a < 2.0f ? 0.5f : (a < 4.0f ? 1.0f : 2.0f);
+  const float lower = std::floor(a / step) * step;
+  const float fraction = (a - lower) / step;
+  float rounded = lower + (float(random24) < fraction * 16777216.0f ? step : 0.0f);
+  rounded = std::isnan(a) ? 0.0f : std::min(rounded, 6.0f);
+  return encode_e2m1(std::signbit(v) && !std::isnan(v) ? -rounded : rounded);
+}
+
+inline float decode_e2m1(uint8_t code) {
+  static constexpr float kValues[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float magnitude = kValues[code & 0x7];
+  return code & 0x8 ? -magnitude : magnitude;
+}
+
+// [Note: counter RNG] in _numerics.py: output `index` of the SplitMix64 stream seeded with `seed`.
+inline uint64_t splitmix64(uint64_t seed, uint64_t index) {
+  uint64_t z = (index + 1) * 0x9E3779B97F4A7C15ull + seed;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// ---- stores of dequantized values, round to nearest even, canonical NaN ([Note: FP8 NaN]) ----
+
+inline uint16_t float_to_bfloat16(float f) {
+  const uint32_t u = float_to_bits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// fp32 -> fp16 with round to nearest even, overflow to Inf and subnormal results, done with
+// exact fp32 arithmetic (M. Maratyszcza's FP16 method, as torch's c10 uses).
+inline uint16_t float_to_float16(float f) {
+  const uint32_t w = float_to_bits(f);
+  if ((w & 0x7FFFFFFFu) > 0x7F800000u) return 0x7E00;
+  const float scale_to_inf = 5.192296858534828e+33f;   // 2^112
+  const float scale_to_zero = 7.703719777548943e-34f;  // 2^-110
+  float base = (std::fabs(f) * scale_to_inf) * scale_to_zero;
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = bits_to_float((bias >> 1) + 0x07800000u) + base;
+  const uint32_t result_bits = float_to_bits(base);
+  const uint32_t exponent_bits = (result_bits >> 13) & 0x00007C00u;
+  const uint32_t mantissa_bits = result_bits & 0x00000FFFu;
+  return uint16_t((sign >> 16) | (exponent_bits + mantissa_bits));
+}
+
+// Writes fp32 `value` as element `index` of an output of dtype D (canonical NaN for fp32 too).
+template <DType D>
+inline void store(void* base, int64_t index, float value) {
+  if constexpr (D == DType::kFloat32) {
+    static_cast<float*>(base)[index] = std::isnan(value) ? std::numeric_limits<float>::quiet_NaN() : value;
+  } else if constexpr (D == DType::kBFloat16) {
+    static_cast<uint16_t*>(base)[index] = float_to_bfloat16(value);
+  } else {
+    static_cast<uint16_t*>(base)[index] = float_to_float16(value);
+  }
+}
 
 }  // namespace quant_core

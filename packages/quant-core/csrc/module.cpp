@@ -16,4 +16,18 @@ PYBIND11_MODULE(_C, m) {
         py::arg("K"), py::arg("stride_row"), py::arg("stride_col"), py::arg("scale"),
         py::arg("fp8_format"), py::arg("rowwise_MK"), py::arg("columnwise_KM"),
         py::arg("num_threads"), py::call_guard<py::gil_scoped_release>());
+
+  // The block formats, dequantize, transposes and the Hadamard transform: positional arguments
+  // exactly as declared in kernels.h.
+  const auto release = py::call_guard<py::gil_scoped_release>();
+  m.def("quantize_mxfp8", &quant_core::quantize_mxfp8, release);
+  m.def("quantize_fp8_blockwise", &quant_core::quantize_fp8_blockwise, release);
+  m.def("quantize_nvfp4", &quant_core::quantize_nvfp4, release);
+  m.def("dequantize_fp8", &quant_core::dequantize_fp8, release);
+  m.def("dequantize_mxfp8", &quant_core::dequantize_mxfp8, release);
+  m.def("dequantize_fp8_blockwise", &quant_core::dequantize_fp8_blockwise, release);
+  m.def("dequantize_nvfp4", &quant_core::dequantize_nvfp4, release);
+  m.def("transpose_bytes", &quant_core::transpose_bytes, release);
+  m.def("transpose_nvfp4", &quant_core::transpose_nvfp4, release);
+  m.def("hadamard_transform_16", &quant_core::hadamard_transform_16, release);
 }

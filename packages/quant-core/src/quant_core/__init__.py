@@ -2,7 +2,8 @@
 
 Every op picks a backend per call (see `quant_core._backend`, [Note: backends]):
 C++ for CPU tensors, Triton for CUDA tensors, the reference otherwise or when forced with
-QUANT_CORE_BACKEND=reference|cpp|triton or `use_backend(...)`.
+QUANT_CORE_BACKEND=reference|cpp|triton or `use_backend(...)`. Buffer layouts of every format:
+[Note: block layouts] in `quant_core._blocks` and packages/quant-core/README.md.
 """
 
 from quant_core._backend import (
@@ -13,16 +14,49 @@ from quant_core._backend import (
     selected_backend,
     use_backend,
 )
+from quant_core._blocks import BlockQuantized, BlockShape
+from quant_core._blockwise import (
+    BLOCKWISE_BLOCK,
+    dequantize_fp8_blockwise,
+    dequantize_fp8_blockwise_reference,
+    quantize_fp8_blockwise,
+    quantize_fp8_blockwise_reference,
+    transpose_fp8_blockwise,
+)
 from quant_core._fp8 import (
+    AmaxComputeAlgo,
     Float8Quantized,
     amax,
+    amax_from_history,
     amax_reference,
     cast_to_fp8,
     cast_to_fp8_reference,
+    dequantize_fp8,
     dequantize_fp8_reference,
     fp8_scale,
+    push_amax_,
     quantize_fp8,
     quantize_fp8_reference,
+    transpose_fp8,
+)
+from quant_core._mxfp8 import (
+    MXFP8_BLOCK,
+    dequantize_mxfp8,
+    dequantize_mxfp8_reference,
+    quantize_mxfp8,
+    quantize_mxfp8_reference,
+)
+from quant_core._nvfp4 import (
+    NVFP4_BLOCK,
+    dequantize_nvfp4,
+    dequantize_nvfp4_reference,
+    hadamard_signs,
+    hadamard_transform_16,
+    hadamard_transform_16_reference,
+    nvfp4_tensor_scale,
+    quantize_nvfp4,
+    quantize_nvfp4_reference,
+    transpose_nvfp4,
 )
 from quant_core._version import __version__
 
@@ -34,16 +68,48 @@ __all__ = [
     "available_backends",
     "selected_backend",
     "use_backend",
-    # per-tensor FP8
+    # per-tensor FP8 (current and delayed scaling)
+    "AmaxComputeAlgo",
     "Float8Quantized",
     "amax",
+    "amax_from_history",
     "amax_reference",
     "cast_to_fp8",
     "cast_to_fp8_reference",
+    "dequantize_fp8",
     "dequantize_fp8_reference",
     "fp8_scale",
+    "push_amax_",
     "quantize_fp8",
     "quantize_fp8_reference",
+    "transpose_fp8",
+    # block-scaled formats
+    "BlockQuantized",
+    "BlockShape",
+    # MXFP8
+    "MXFP8_BLOCK",
+    "dequantize_mxfp8",
+    "dequantize_mxfp8_reference",
+    "quantize_mxfp8",
+    "quantize_mxfp8_reference",
+    # blockwise FP8
+    "BLOCKWISE_BLOCK",
+    "dequantize_fp8_blockwise",
+    "dequantize_fp8_blockwise_reference",
+    "quantize_fp8_blockwise",
+    "quantize_fp8_blockwise_reference",
+    "transpose_fp8_blockwise",
+    # NVFP4
+    "NVFP4_BLOCK",
+    "dequantize_nvfp4",
+    "dequantize_nvfp4_reference",
+    "hadamard_signs",
+    "hadamard_transform_16",
+    "hadamard_transform_16_reference",
+    "nvfp4_tensor_scale",
+    "quantize_nvfp4",
+    "quantize_nvfp4_reference",
+    "transpose_nvfp4",
     # version
     "__version__",
 ]

@@ -49,3 +49,138 @@ def _cast_to_fp8(
         _pointer(columnwise_KM),
         torch.get_num_threads(),
     )
+
+
+def _out_dtype_code(out: torch.Tensor) -> int:
+    return _DTYPE_CODES[out.dtype]
+
+
+def _x_args(x_MK: torch.Tensor) -> tuple[int, ...]:
+    """(pointer, dtype code, M, K, stride_row, stride_col) of a 2-D input view."""
+    return (x_MK.data_ptr(), _DTYPE_CODES[x_MK.dtype], *x_MK.shape, *x_MK.stride())
+
+
+def _outputs(*buffers: torch.Tensor | None) -> tuple[int, ...]:
+    return tuple(_pointer(b) for b in buffers)
+
+
+@register_kernel("quantize_mxfp8", "cpp")
+def _quantize_mxfp8(x_MK: torch.Tensor, *buffers: torch.Tensor | None) -> None:
+    _C.quantize_mxfp8(*_x_args(x_MK), *_outputs(*buffers), torch.get_num_threads())
+
+
+@register_kernel("quantize_fp8_blockwise", "cpp")
+def _quantize_fp8_blockwise(
+    x_MK: torch.Tensor, block_rows: int, fp8_dtype: torch.dtype, power_2_scales: bool, *buffers: torch.Tensor | None
+) -> None:
+    _C.quantize_fp8_blockwise(
+        *_x_args(x_MK),
+        block_rows,
+        _FP8_FORMAT_CODES[fp8_dtype],
+        power_2_scales,
+        *_outputs(*buffers),
+        torch.get_num_threads(),
+    )
+
+
+@register_kernel("quantize_nvfp4", "cpp")
+def _quantize_nvfp4(
+    x_MK: torch.Tensor,
+    block_rows: int,
+    tensor_scale: torch.Tensor,
+    stochastic_rounding: bool,
+    seed: int,
+    *buffers: torch.Tensor | None,
+) -> None:
+    _C.quantize_nvfp4(
+        *_x_args(x_MK),
+        block_rows,
+        tensor_scale.data_ptr(),
+        stochastic_rounding,
+        seed & 0xFFFFFFFFFFFFFFFF,
+        *_outputs(*buffers),
+        torch.get_num_threads(),
+    )
+
+
+@register_kernel("dequantize_fp8", "cpp")
+def _dequantize_fp8(data_MK: torch.Tensor, scale_inv: torch.Tensor, out_MK: torch.Tensor) -> None:
+    R, C = data_MK.shape
+    _C.dequantize_fp8(
+        data_MK.data_ptr(),
+        _FP8_FORMAT_CODES[data_MK.dtype],
+        R,
+        C,
+        scale_inv.data_ptr(),
+        out_MK.data_ptr(),
+        _out_dtype_code(out_MK),
+        torch.get_num_threads(),
+    )
+
+
+@register_kernel("dequantize_mxfp8", "cpp")
+def _dequantize_mxfp8(data_2d: torch.Tensor, scale_inv: torch.Tensor, out_2d: torch.Tensor) -> None:
+    R, C = data_2d.shape
+    _C.dequantize_mxfp8(
+        data_2d.data_ptr(),
+        R,
+        C,
+        scale_inv.data_ptr(),
+        out_2d.data_ptr(),
+        _out_dtype_code(out_2d),
+        torch.get_num_threads(),
+    )
+
+
+@register_kernel("dequantize_fp8_blockwise", "cpp")
+def _dequantize_fp8_blockwise(
+    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, out_2d: torch.Tensor
+) -> None:
+    R, C = data_2d.shape
+    _C.dequantize_fp8_blockwise(
+        data_2d.data_ptr(),
+        _FP8_FORMAT_CODES[data_2d.dtype],
+        R,
+        C,
+        block_rows,
+        scale_inv.data_ptr(),
+        out_2d.data_ptr(),
+        _out_dtype_code(out_2d),
+        torch.get_num_threads(),
+    )
+
+
+@register_kernel("dequantize_nvfp4", "cpp")
+def _dequantize_nvfp4(
+    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, tensor_scale: torch.Tensor, out_2d: torch.Tensor
+) -> None:
+    R, C = out_2d.shape
+    _C.dequantize_nvfp4(
+        data_2d.data_ptr(),
+        R,
+        C,
+        block_rows,
+        scale_inv.data_ptr(),
+        tensor_scale.data_ptr(),
+        out_2d.data_ptr(),
+        _out_dtype_code(out_2d),
+        torch.get_num_threads(),
+    )
+
+
+@register_kernel("transpose_bytes", "cpp")
+def _transpose_bytes(data_MK: torch.Tensor, out_KM: torch.Tensor) -> None:
+    _C.transpose_bytes(
+        data_MK.data_ptr(), *data_MK.shape, *data_MK.stride(), out_KM.data_ptr(), torch.get_num_threads()
+    )
+
+
+@register_kernel("transpose_nvfp4", "cpp")
+def _transpose_nvfp4(packed_MK: torch.Tensor, out_KM: torch.Tensor) -> None:
+    R, C = packed_MK.shape[0], packed_MK.shape[1] * 2
+    _C.transpose_nvfp4(packed_MK.data_ptr(), R, C, out_KM.data_ptr(), torch.get_num_threads())
+
+
+@register_kernel("hadamard_transform_16", "cpp")
+def _hadamard_transform_16(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) -> None:
+    _C.hadamard_transform_16(*_x_args(x_MK), seed & 0xFFFFFFFFFFFFFFFF, out_MK.data_ptr(), torch.get_num_threads())

@@ -8,18 +8,16 @@ torch FP8 dtype; `.view(torch.uint8)` gives the raw bytes that collectives move.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from quant_core._backend import kernel, register_kernel
 from quant_core._checks import as_2d, check_float_input, check_fp8_dtype, check_scalar, output_buffer
+from quant_core._numerics import FLOAT32_MAX, divide, encode_fp8, finite_abs, to_output_dtype
 
-_FLOAT32_MAX = torch.finfo(torch.float32).max
 _FLOAT32_EXPONENT_MASK = 0x7F800000
-# [Note: FP8 NaN] Every NaN encodes to 0x7F (a NaN in both E4M3 and E5M2), whatever its sign:
-# torch's own conversions do not keep a NaN's sign reliably (its scalar fp16 -> fp32 path turns
-# -NaN into +NaN), so a signed NaN code could not be reproduced bit for bit across backends.
-_FP8_NAN_CODE = 0x7F
+AmaxComputeAlgo = Literal["max", "most_recent"]
 
 
 @dataclass(frozen=True)
@@ -52,8 +50,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 @register_kernel("amax", "reference")
 def amax_reference(x: torch.Tensor) -> torch.Tensor:
     """Plain-torch amax: NaN and +-Inf are ignored; empty or all non-finite gives 0."""
-    magnitude = x.float().abs()
-    finite = torch.where(torch.isfinite(magnitude), magnitude, 0.0)
+    finite = finite_abs(x)
     if finite.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     return finite.max()
@@ -63,9 +60,9 @@ def amax_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_scale(
-    amax: torch.Tensor, fp8_dtype: torch.dtype, *, power_2_scales: bool = False
+    amax: torch.Tensor, fp8_dtype: torch.dtype, *, margin: int = 0, power_2_scales: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, scale_inv) for current scaling: scale = fmax / amax (1 if amax is 0).
+    """(scale, scale_inv): scale = fmax / amax / 2^margin (1 if amax is 0).
 
     A scale that overflows fp32 (tiny amax) is clamped to the largest finite fp32; with
     `power_2_scales` it is rounded down to a power of two, so scaling is exact. Computed with
@@ -74,28 +71,48 @@ def fp8_scale(
     check_fp8_dtype(fp8_dtype)
     fmax = torch.finfo(fp8_dtype).max
     amax = amax.float()
-    scale = torch.where(amax > 0, fmax / amax, 1.0).clamp(max=_FLOAT32_MAX)
+    scale = torch.where(amax > 0, divide(fmax, amax) / 2.0**margin, 1.0).clamp(max=FLOAT32_MAX)
     if power_2_scales:
         # Keep the exponent bits only: the largest power of two <= scale (scale is normal here).
         scale = (scale.view(torch.int32) & _FLOAT32_EXPONENT_MASK).view(torch.float32)
     return scale, torch.reciprocal(scale)
 
 
+# ---- delayed scaling ---------------------------------------------------------------------------
+# The scale of step t comes from the amaxes of earlier steps (the history); the amax measured
+# while casting step t is pushed afterwards. Scalar bookkeeping on small tensors, so it is plain
+# torch on the history's device for every backend; the cast itself is `cast_to_fp8`.
+
+
+def amax_from_history(amax_history: torch.Tensor, amax_compute_algo: AmaxComputeAlgo = "max") -> torch.Tensor:
+    """The amax a delayed scale uses: the history's max, or its most recent entry (index 0)."""
+    if amax_history.dim() != 1 or amax_history.numel() == 0 or amax_history.dtype != torch.float32:
+        raise ValueError(
+            f"amax_history must be a non-empty 1-D float32 tensor, got {amax_history.dtype} of shape {tuple(amax_history.shape)}"
+        )
+    if amax_compute_algo == "max":
+        return amax_history.max()
+    if amax_compute_algo == "most_recent":
+        return amax_history[0].clone()
+    raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {amax_compute_algo!r}")
+
+
+def push_amax_(amax_history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """Shifts the history one step older (dropping the oldest) and writes `amax` at index 0, in place."""
+    amax_from_history(amax_history)  # validates the history
+    amax_history.copy_(torch.roll(amax_history, 1))
+    amax_history[0] = amax.reshape(())
+    return amax_history
+
+
 # ---- cast ------------------------------------------------------------------------------------
-
-
-def _encode_reference(v: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """fp8(v): clamp to +-fmax (so +-Inf saturates), round to nearest even; NaN -> 0x7F."""
-    fmax = torch.finfo(fp8_dtype).max
-    codes = v.clamp(-fmax, fmax).to(fp8_dtype).view(torch.uint8)
-    return torch.where(torch.isnan(v), _FP8_NAN_CODE, codes).view(fp8_dtype)
 
 
 def cast_to_fp8_reference(
     x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *, rowwise: bool = True, columnwise: bool = False
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Plain-torch cast with a given scale: (rowwise codes, columnwise codes) = fp8(x * scale)."""
-    codes = _encode_reference(x.float() * scale, fp8_dtype)
+    codes = encode_fp8(x.float() * scale, fp8_dtype)
     columnwise_data = as_2d(codes).t().contiguous() if columnwise else None
     return (codes if rowwise else None), columnwise_data
 
@@ -203,5 +220,48 @@ def quantize_fp8(
 def dequantize_fp8_reference(
     data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Plain-torch dequantize: fp32(data) * scale_inv, then cast to `dtype`."""
-    return (data.float() * scale_inv).to(dtype)
+    """Plain-torch dequantize: fp32(data) * scale_inv, rounded to `dtype` (canonical NaN)."""
+    return to_output_dtype(data.float() * scale_inv, dtype)
+
+
+def dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-tensor FP8 values of rowwise or columnwise data: fp32(data) * scale_inv, as `dtype`."""
+    if not isinstance(data, torch.Tensor) or data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"data must have an FP8 dtype, got {getattr(data, 'dtype', type(data).__name__)}")
+    check_scalar(scale_inv, "scale_inv", data.device)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16 for the dequantized values, got {dtype}")
+    out = torch.empty(data.shape, dtype=dtype, device=data.device)
+    if data.numel() > 0:
+        kernel("dequantize_fp8", data.device)(as_2d(data).contiguous(), scale_inv.reshape(()), as_2d(out))
+    return out
+
+
+@register_kernel("dequantize_fp8", "reference")
+def _dequantize_fp8_reference_kernel(data_MK: torch.Tensor, scale_inv: torch.Tensor, out_MK: torch.Tensor) -> None:
+    out_MK.copy_(dequantize_fp8_reference(data_MK, scale_inv, out_MK.dtype))
+
+
+def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
+    """Columnwise from rowwise per-tensor FP8 data: the contiguous (K, M) transpose of its (M, K) view.
+
+    Lossless (bytes are moved, not requantized); also moves 128 x 128 blockwise data.
+    """
+    if (
+        not isinstance(data, torch.Tensor)
+        or data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2)
+        or data.dim() == 0
+    ):
+        raise ValueError(
+            f"data must be FP8 data with at least one dim, got {getattr(data, 'dtype', type(data).__name__)}"
+        )
+    data_MK = as_2d(data)
+    out = torch.empty((data_MK.shape[1], data_MK.shape[0]), dtype=data.dtype, device=data.device)
+    if out.numel() > 0:
+        kernel("transpose_bytes", data.device)(data_MK.view(torch.uint8), out.view(torch.uint8))
+    return out
+
+
+@register_kernel("transpose_bytes", "reference")
+def _transpose_bytes_reference(data_MK: torch.Tensor, out_KM: torch.Tensor) -> None:
+    out_KM.copy_(data_MK.t())

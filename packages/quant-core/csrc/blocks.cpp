@@ -1,0 +1,355 @@
+// Block-scaled formats (MXFP8, blockwise FP8, NVFP4): one tile-based quantizer and one
+// dequantizer, specialised by a small policy per format; plus the lossless transposes and the
+// 16 x 16 Hadamard transform. The layouts are those of [Note: block layouts] (_blocks.py).
+//
+// Quantize reads x once, tile by tile (B x B for block size B): a b x b-tiled format computes one
+// scale per tile and writes the rowwise codes and their transpose; a 1 x B format computes a
+// scale per tile row for rowwise and per tile column for columnwise (the quantization of x^T).
+#include <memory>
+
+#include "common.h"
+#include "kernels.h"
+
+namespace quant_core {
+namespace {
+
+// What a policy computes for one block: the multiplier applied before encoding, the stored
+// dequantization scale, and whether every code of the block is forced to 0 (NVFP4's s = 0).
+struct BlockScale {
+  float multiplier;
+  float stored_float;    // blockwise FP8 scale_inv
+  uint8_t stored_byte;   // MXFP8 E8M0 byte, NVFP4 E4M3 byte
+  bool zero;
+};
+
+struct Mxfp8Policy {
+  static constexpr int kCodesPerByte = 1;
+  static constexpr bool kFloatScale = false;
+  BlockScale scale(float amax) const {
+    const int e = std::clamp(-max_exponent_within(amax, 448.0f), -127, 127);
+    return {power_of_two(-e), 0.0f, uint8_t(e + 127), false};
+  }
+  uint8_t encode(float v, uint64_t) const { return encode_fp8<Fp8Format::kE4M3>(v); }
+};
+
+template <Fp8Format F>
+struct BlockwisePolicy {
+  static constexpr int kCodesPerByte = 1;
+  static constexpr bool kFloatScale = true;
+  bool power_2_scales;
+  BlockScale scale(float amax) const {
+    constexpr float kFmax = F == Fp8Format::kE4M3 ? 448.0f : 57344.0f;
+    float scale = 1.0f;
+    if (amax > 0.0f) {
+      scale = power_2_scales ? power_of_two(std::min(max_exponent_within(amax, kFmax), 127))
+                             : std::min(kFmax / amax, kFloat32Max);
+    }
+    return {scale, 1.0f / scale, 0, false};
+  }
+  uint8_t encode(float v, uint64_t) const { return encode_fp8<F>(v); }
+};
+
+struct Nvfp4Policy {
+  static constexpr int kCodesPerByte = 2;
+  static constexpr bool kFloatScale = false;
+  float tensor_scale;  // S
+  bool stochastic_rounding;
+  uint64_t seed;
+  BlockScale scale(float amax) const {
+    const uint8_t s = encode_fp8<Fp8Format::kE4M3>(amax / 6.0f * tensor_scale);
+    const float s_f32 = decode_fp8<Fp8Format::kE4M3>(s);
+    return {s_f32 > 0.0f ? tensor_scale / s_f32 : 0.0f, 0.0f, s, s_f32 == 0.0f};
+  }
+  uint8_t encode(float v, uint64_t index) const {
+    return stochastic_rounding ? encode_e2m1_stochastic(v, uint32_t(splitmix64(seed, index) >> 40)) : encode_e2m1(v);
+  }
+};
+
+struct Outputs {
+  uint8_t* rowwise_data;
+  void* rowwise_scale;
+  uint8_t* columnwise_data;
+  void* columnwise_scale;
+};
+
+template <class Policy>
+inline void store_scale(void* scales, int64_t index, const BlockScale& s) {
+  if constexpr (Policy::kFloatScale) {
+    static_cast<float*>(scales)[index] = s.stored_float;
+  } else {
+    static_cast<uint8_t*>(scales)[index] = s.stored_byte;
+  }
+}
+
+// Writes `count` codes (one per byte in `codes`) to `out`, packing pairs for 4-bit formats.
+template <int kCodesPerByte>
+inline void write_codes(uint8_t* out, const uint8_t* codes, int64_t count) {
+  if constexpr (kCodesPerByte == 1) {
+    std::memcpy(out, codes, size_t(count));
+  } else {
+    for (int64_t i = 0; i < count / 2; ++i) out[i] = uint8_t(codes[2 * i] | (codes[2 * i + 1] << 4));
+  }
+}
+
+inline float finite_magnitude(float v) {
+  const float a = std::fabs(v);
+  return a <= kFloat32Max ? a : 0.0f;  // NaN and Inf count as 0
+}
+
+// Per-thread scratch for one tile: values and codes in both orientations.
+struct TileScratch {
+  explicit TileScratch(int64_t B)
+      : B(B), values(new float[size_t(B * B)]), codes(new uint8_t[size_t(B * B)]), codes_t(new uint8_t[size_t(B * B)]) {}
+  int64_t B;
+  std::unique_ptr<float[]> values;     // [row][col]
+  std::unique_ptr<uint8_t[]> codes;    // [row][col]
+  std::unique_ptr<uint8_t[]> codes_t;  // [col][row]
+};
+
+template <DType D, class Policy>
+void quantize_tile(const void* x, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col, int64_t B,
+                   bool two_d, const Policy& policy, const Outputs& out, int64_t r0, int64_t c0, TileScratch& t) {
+  constexpr int64_t kCpb = Policy::kCodesPerByte;
+  const int64_t h = std::min(B, M - r0), w = std::min(B, K - c0);
+  float* values = t.values.get();
+  uint8_t* codes = t.codes.get();
+  uint8_t* codes_t = t.codes_t.get();
+  for (int64_t i = 0; i < h; ++i) {
+    const int64_t offset = (r0 + i) * stride_row + c0 * stride_col;
+    for (int64_t j = 0; j < w; ++j) values[i * B + j] = load<D>(x, offset + j * stride_col);
+  }
+  const int64_t Mb = (M + B - 1) / B, Kb = (K + B - 1) / B;
+  if (two_d) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < h; ++i)
+      for (int64_t j = 0; j < w; ++j) amax = std::max(amax, finite_magnitude(values[i * B + j]));
+    const BlockScale s = policy.scale(amax);
+    for (int64_t i = 0; i < h; ++i) {
+      for (int64_t j = 0; j < w; ++j) {
+        const uint64_t index = uint64_t((r0 + i) * K + c0 + j);
+        const uint8_t code = s.zero ? 0 : policy.encode(values[i * B + j] * s.multiplier, index);
+        codes[i * B + j] = code;
+        codes_t[j * B + i] = code;
+      }
+    }
+    if (out.rowwise_scale != nullptr) store_scale<Policy>(out.rowwise_scale, (r0 / B) * Kb + c0 / B, s);
+    if (out.columnwise_scale != nullptr) store_scale<Policy>(out.columnwise_scale, (c0 / B) * Mb + r0 / B, s);
+  } else {
+    if (out.rowwise_data != nullptr) {
+      for (int64_t i = 0; i < h; ++i) {
+        float amax = 0.0f;
+        for (int64_t j = 0; j < w; ++j) amax = std::max(amax, finite_magnitude(values[i * B + j]));
+        const BlockScale s = policy.scale(amax);
+        for (int64_t j = 0; j < w; ++j) {
+          const uint64_t index = uint64_t((r0 + i) * K + c0 + j);
+          codes[i * B + j] = s.zero ? 0 : policy.encode(values[i * B + j] * s.multiplier, index);
+        }
+        store_scale<Policy>(out.rowwise_scale, (r0 + i) * Kb + c0 / B, s);
+      }
+    }
+    if (out.columnwise_data != nullptr) {
+      for (int64_t j = 0; j < w; ++j) {
+        float amax = 0.0f;
+        for (int64_t i = 0; i < h; ++i) amax = std::max(amax, finite_magnitude(values[i * B + j]));
+        const BlockScale s = policy.scale(amax);
+        for (int64_t i = 0; i < h; ++i) {
+          // Columnwise counters continue after x's M * K elements, in x^T's row-major order.
+          const uint64_t index = uint64_t(M * K + (c0 + j) * M + r0 + i);
+          codes_t[j * B + i] = s.zero ? 0 : policy.encode(values[i * B + j] * s.multiplier, index);
+        }
+        store_scale<Policy>(out.columnwise_scale, (c0 + j) * Mb + r0 / B, s);
+      }
+    }
+  }
+  if (out.rowwise_data != nullptr) {
+    for (int64_t i = 0; i < h; ++i) {
+      write_codes<kCpb>(out.rowwise_data + ((r0 + i) * K + c0) / kCpb, codes + i * B, w);
+    }
+  }
+  if (out.columnwise_data != nullptr) {
+    for (int64_t j = 0; j < w; ++j) {
+      write_codes<kCpb>(out.columnwise_data + ((c0 + j) * M + r0) / kCpb, codes_t + j * B, h);
+    }
+  }
+}
+
+template <class Policy>
+void quantize_blocks(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
+                     int64_t B, bool two_d, const Policy& policy, const Outputs& out, int num_threads) {
+  const void* x = reinterpret_cast<const void*>(x_MK);
+  const int64_t row_tiles = (M + B - 1) / B, col_tiles = (K + B - 1) / B;
+  const int64_t tile_grain = std::max<int64_t>(1, kMinElementsPerThread / (B * B));
+  dispatch_dtype(dtype, [&](auto d) {
+    constexpr DType D = decltype(d)::value;
+    parallel_for(row_tiles * col_tiles, tile_grain, num_threads, [&](int64_t, int64_t begin, int64_t end) {
+      TileScratch scratch(B);
+      for (int64_t t = begin; t < end; ++t) {
+        quantize_tile<D>(x, M, K, stride_row, stride_col, B, two_d, policy, out, (t / col_tiles) * B,
+                         (t % col_tiles) * B, scratch);
+      }
+    });
+  });
+}
+
+Outputs outputs(uintptr_t rowwise_data, uintptr_t rowwise_scale, uintptr_t columnwise_data, uintptr_t columnwise_scale) {
+  return {reinterpret_cast<uint8_t*>(rowwise_data), reinterpret_cast<void*>(rowwise_scale),
+          reinterpret_cast<uint8_t*>(columnwise_data), reinterpret_cast<void*>(columnwise_scale)};
+}
+
+// out[r, c] = decode(code[r, c]) * factor(block of (r, c)), rows split across threads.
+template <class Decode, class Factor>
+void dequantize_rows(int64_t R, int64_t C, int out_dtype, uintptr_t out_ptr, int num_threads, Decode decode,
+                     Factor factor) {
+  void* out = reinterpret_cast<void*>(out_ptr);
+  dispatch_dtype(out_dtype, [&](auto d) {
+    constexpr DType D = decltype(d)::value;
+    const int64_t row_grain = std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(C, 1));
+    parallel_for(R, row_grain, num_threads, [&](int64_t, int64_t row_begin, int64_t row_end) {
+      for (int64_t r = row_begin; r < row_end; ++r) {
+        for (int64_t c = 0; c < C; ++c) store<D>(out, r * C + c, decode(r, c) * factor(r, c));
+      }
+    });
+  });
+}
+
+}  // namespace
+
+void quantize_mxfp8(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
+                    uintptr_t rowwise_data, uintptr_t rowwise_scale, uintptr_t columnwise_data,
+                    uintptr_t columnwise_scale, int num_threads) {
+  quantize_blocks(x_MK, dtype, M, K, stride_row, stride_col, 32, false, Mxfp8Policy{},
+                  outputs(rowwise_data, rowwise_scale, columnwise_data, columnwise_scale), num_threads);
+}
+
+void quantize_fp8_blockwise(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
+                            int64_t block_rows, int fp8_format, bool power_2_scales, uintptr_t rowwise_data,
+                            uintptr_t rowwise_scale, uintptr_t columnwise_data, uintptr_t columnwise_scale,
+                            int num_threads) {
+  const Outputs out = outputs(rowwise_data, rowwise_scale, columnwise_data, columnwise_scale);
+  dispatch_fp8_format(fp8_format, [&](auto f) {
+    constexpr Fp8Format F = decltype(f)::value;
+    quantize_blocks(x_MK, dtype, M, K, stride_row, stride_col, 128, block_rows > 1, BlockwisePolicy<F>{power_2_scales},
+                    out, num_threads);
+  });
+}
+
+void quantize_nvfp4(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
+                    int64_t block_rows, uintptr_t tensor_scale, bool stochastic_rounding, uint64_t seed,
+                    uintptr_t rowwise_data, uintptr_t rowwise_scale, uintptr_t columnwise_data,
+                    uintptr_t columnwise_scale, int num_threads) {
+  const Nvfp4Policy policy{*reinterpret_cast<const float*>(tensor_scale), stochastic_rounding, seed};
+  quantize_blocks(x_MK, dtype, M, K, stride_row, stride_col, 16, block_rows > 1, policy,
+                  outputs(rowwise_data, rowwise_scale, columnwise_data, columnwise_scale), num_threads);
+}
+
+void dequantize_fp8(uintptr_t data, int fp8_format, int64_t R, int64_t C, uintptr_t scale_inv, uintptr_t out,
+                    int out_dtype, int num_threads) {
+  const auto* codes = reinterpret_cast<const uint8_t*>(data);
+  const float factor = *reinterpret_cast<const float*>(scale_inv);
+  dispatch_fp8_format(fp8_format, [&](auto f) {
+    constexpr Fp8Format F = decltype(f)::value;
+    dequantize_rows(R, C, out_dtype, out, num_threads, [&](int64_t r, int64_t c) { return decode_fp8<F>(codes[r * C + c]); },
+                    [&](int64_t, int64_t) { return factor; });
+  });
+}
+
+void dequantize_mxfp8(uintptr_t data, int64_t R, int64_t C, uintptr_t scale_inv, uintptr_t out, int out_dtype,
+                      int num_threads) {
+  const auto* codes = reinterpret_cast<const uint8_t*>(data);
+  const auto* scales = reinterpret_cast<const uint8_t*>(scale_inv);
+  const int64_t Cb = (C + 31) / 32;
+  dequantize_rows(
+      R, C, out_dtype, out, num_threads,
+      [&](int64_t r, int64_t c) { return decode_fp8<Fp8Format::kE4M3>(codes[r * C + c]); },
+      [&](int64_t r, int64_t c) { return power_of_two(int(scales[r * Cb + c / 32]) - 127); });
+}
+
+void dequantize_fp8_blockwise(uintptr_t data, int fp8_format, int64_t R, int64_t C, int64_t block_rows,
+                              uintptr_t scale_inv, uintptr_t out, int out_dtype, int num_threads) {
+  const auto* codes = reinterpret_cast<const uint8_t*>(data);
+  const auto* scales = reinterpret_cast<const float*>(scale_inv);
+  const int64_t Cb = (C + 127) / 128;
+  dispatch_fp8_format(fp8_format, [&](auto f) {
+    constexpr Fp8Format F = decltype(f)::value;
+    dequantize_rows(
+        R, C, out_dtype, out, num_threads, [&](int64_t r, int64_t c) { return decode_fp8<F>(codes[r * C + c]); },
+        [&](int64_t r, int64_t c) { return scales[(r / block_rows) * Cb + c / 128]; });
+  });
+}
+
+void dequantize_nvfp4(uintptr_t data, int64_t R, int64_t C, int64_t block_rows, uintptr_t scale_inv,
+                      uintptr_t tensor_scale, uintptr_t out, int out_dtype, int num_threads) {
+  const auto* packed = reinterpret_cast<const uint8_t*>(data);
+  const auto* scales = reinterpret_cast<const uint8_t*>(scale_inv);
+  const float S = *reinterpret_cast<const float*>(tensor_scale);
+  const int64_t Cb = (C + 15) / 16;
+  dequantize_rows(
+      R, C, out_dtype, out, num_threads,
+      [&](int64_t r, int64_t c) { return decode_e2m1(uint8_t((packed[(r * C + c) / 2] >> ((c & 1) * 4)) & 0xF)); },
+      [&](int64_t r, int64_t c) { return decode_fp8<Fp8Format::kE4M3>(scales[(r / block_rows) * Cb + c / 16]) / S; });
+}
+
+void transpose_bytes(uintptr_t src, int64_t R, int64_t C, int64_t stride_row, int64_t stride_col, uintptr_t dst,
+                     int num_threads) {
+  constexpr int64_t kTile = 64;
+  const auto* in = reinterpret_cast<const uint8_t*>(src);
+  auto* out = reinterpret_cast<uint8_t*>(dst);
+  const int64_t row_tiles = (R + kTile - 1) / kTile, col_tiles = (C + kTile - 1) / kTile;
+  parallel_for(row_tiles * col_tiles, kMinElementsPerThread / (kTile * kTile), num_threads,
+               [&](int64_t, int64_t begin, int64_t end) {
+                 for (int64_t t = begin; t < end; ++t) {
+                   const int64_t r0 = (t / col_tiles) * kTile, c0 = (t % col_tiles) * kTile;
+                   const int64_t r1 = std::min(R, r0 + kTile), c1 = std::min(C, c0 + kTile);
+                   for (int64_t c = c0; c < c1; ++c)
+                     for (int64_t r = r0; r < r1; ++r) out[c * R + r] = in[r * stride_row + c * stride_col];
+                 }
+               });
+}
+
+void transpose_nvfp4(uintptr_t src, int64_t R, int64_t C, uintptr_t dst, int num_threads) {
+  // src: R x C codes packed along C (R x C/2 bytes); dst: C x R codes packed along R.
+  const auto* in = reinterpret_cast<const uint8_t*>(src);
+  auto* out = reinterpret_cast<uint8_t*>(dst);
+  const int64_t row_grain = std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(R, 1));
+  parallel_for(C, row_grain, num_threads, [&](int64_t, int64_t c_begin, int64_t c_end) {
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      const int shift = int(c & 1) * 4;
+      for (int64_t r = 0; r < R; r += 2) {
+        const uint8_t low = (in[(r * C + c) / 2] >> shift) & 0xF;
+        const uint8_t high = (in[((r + 1) * C + c) / 2] >> shift) & 0xF;
+        out[(c * R + r) / 2] = uint8_t(low | (high << 4));
+      }
+    }
+  });
+}
+
+void hadamard_transform_16(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
+                           uint64_t seed, uintptr_t out_MK, int num_threads) {
+  float signs[16];
+  for (int j = 0; j < 16; ++j) signs[j] = (splitmix64(seed, uint64_t(j)) >> 63) ? -1.0f : 1.0f;
+  const void* x = reinterpret_cast<const void*>(x_MK);
+  void* out = reinterpret_cast<void*>(out_MK);
+  dispatch_dtype(dtype, [&](auto d) {
+    constexpr DType D = decltype(d)::value;
+    const int64_t groups = M * (K / 16);
+    parallel_for(groups, kMinElementsPerThread / 16, num_threads, [&](int64_t, int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t r = g / (K / 16), c0 = (g % (K / 16)) * 16;
+        float v[16];
+        for (int j = 0; j < 16; ++j) v[j] = load<D>(x, r * stride_row + (c0 + j) * stride_col) * signs[j];
+        for (int h = 1; h < 16; h *= 2) {
+          for (int i = 0; i < 16; i += 2 * h) {
+            for (int j = i; j < i + h; ++j) {
+              const float a = v[j], b = v[j + h];
+              v[j] = a + b;
+              v[j + h] = a - b;
+            }
+          }
+        }
+        for (int j = 0; j < 16; ++j) store<D>(out, r * K + c0 + j, v[j] * 0.25f);
+      }
+    });
+  });
+}
+
+}  // namespace quant_core

@@ -1,0 +1,234 @@
+"""What every block-scaled format (MXFP8, blockwise FP8, NVFP4) shares: layouts, checks, dispatch.
+
+[Note: block layouts] A tensor x is viewed as (M, K): M = product of the leading dims, K = last.
+- Rowwise data holds x's codes in x's shape (NVFP4: two codes per byte, so the last dim is K/2).
+  Rowwise scales are 2-D: (M, ceil(K/b)) for 1 x b blocks, (ceil(M/b), ceil(K/b)) for b x b tiles.
+- Columnwise data is always 2-D and holds x^T: for 1 x b blocks it is the rowwise quantization
+  of x^T (blocks run along M; different numbers from rowwise), for b x b tiles it is the exact
+  transpose of the rowwise codes and scales. Shapes (K, M) (NVFP4: (K, M/2)); scales
+  (K, ceil(M/b)) or (ceil(K/b), ceil(M/b)).
+- Every scale stored is a dequantization multiplier (`*_scale_inv`): E8M0 bytes for MXFP8, fp32
+  for blockwise FP8, E4M3 for NVFP4 (times 1/S, S = the tensor scale from `amax`).
+- Nothing is padded: edge blocks may be partial. An FSDP2 shard along dim 0 concatenates rowwise
+  data and scales along dim 0 (when its rows fall on block boundaries) and columnwise data and
+  scales along dim 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from quant_core._backend import kernel
+from quant_core._checks import FLOAT_DTYPES, as_2d, check_float_input
+from quant_core._numerics import finite_abs
+
+# (rows, cols) of a 2-D block, e.g. (1, 32) or (128, 128).
+BlockShape = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class BlockQuantized:
+    """A block-scaled quantization of a tensor; see [Note: block layouts] in quant_core._blocks."""
+
+    rowwise_data: torch.Tensor | None
+    """Codes of x in x's shape (NVFP4: uint8, last dim K/2), or None if rowwise was not asked for."""
+    rowwise_scale_inv: torch.Tensor | None
+    """Per-block dequantization multipliers of the rowwise data (2-D)."""
+    columnwise_data: torch.Tensor | None
+    """Codes of x^T, shape (K, M) (NVFP4: (K, M/2)), or None if columnwise was not asked for."""
+    columnwise_scale_inv: torch.Tensor | None
+    """Per-block dequantization multipliers of the columnwise data (2-D)."""
+    amax: torch.Tensor | None = None
+    """NVFP4 only: the global amax (fp32 0-d) the tensor scale comes from."""
+
+
+def num_blocks(size: int, block: int) -> int:
+    return -(-size // block)
+
+
+def scale_shape(rows: int, cols: int, block_shape: BlockShape) -> tuple[int, int]:
+    """Shape of the scales of a (rows, cols) operand quantized in `block_shape` blocks."""
+    return num_blocks(rows, block_shape[0]), num_blocks(cols, block_shape[1])
+
+
+def check_block_shape(block_shape: object, allowed: tuple[BlockShape, ...], format_name: str) -> BlockShape:
+    if tuple(block_shape) not in allowed:  # type: ignore[arg-type]
+        raise ValueError(f"{format_name} block_shape must be one of {allowed}, got {block_shape}")
+    return tuple(block_shape)  # type: ignore[return-value]
+
+
+def check_quantize_input(x: torch.Tensor, format_name: str) -> torch.Tensor:
+    """Checks x for a block quantizer: fp32/bf16/fp16 with at least one dim."""
+    check_float_input(x)
+    if x.dim() == 0:
+        raise ValueError(f"x is 0-d; {format_name} needs a last dim to lay blocks along (reshape it to (1,))")
+    return x
+
+
+def _buffer(
+    out: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != shape or out.dtype != dtype or out.device != device or not out.is_contiguous():
+        raise ValueError(
+            f"out.{name} must be a contiguous {dtype} tensor of shape {shape} on {device}, got {out.dtype} of "
+            f"shape {tuple(out.shape)} on {out.device} (contiguous={out.is_contiguous()})"
+        )
+    return out
+
+
+def quantize_blocks(
+    op: str,
+    x: torch.Tensor,
+    block_shape: BlockShape,
+    *,
+    rowwise: bool,
+    columnwise: bool,
+    data_dtype: torch.dtype,
+    scale_dtype: torch.dtype,
+    codes_per_byte: int,
+    kernel_args: tuple[object, ...],
+    amax: torch.Tensor | None = None,
+    out: BlockQuantized | None = None,
+) -> BlockQuantized:
+    """Allocates (or checks `out`'s) buffers and runs `op`'s kernel: the body of every block quantize.
+
+    The kernel is called as kernel(x_MK, *kernel_args, rowwise_data_MK, rowwise_scale_inv,
+    columnwise_data, columnwise_scale_inv), each buffer None when its usage is not asked for.
+    """
+    if not (rowwise or columnwise):
+        raise ValueError("ask for at least one usage: rowwise=True and/or columnwise=True")
+    x_MK = as_2d(x)
+    M, K = x_MK.shape
+    two_d = block_shape[0] > 1
+    device = x.device
+
+    def get(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return _buffer(None if out is None else getattr(out, name), name, shape, dtype, device)
+
+    rowwise_data = rowwise_scale = columnwise_data = columnwise_scale = None
+    if rowwise:
+        rowwise_data = get("rowwise_data", (*x.shape[:-1], K // codes_per_byte), data_dtype)
+        rowwise_scale = get("rowwise_scale_inv", scale_shape(M, K, block_shape), scale_dtype)
+    if columnwise:
+        columnwise_data = get("columnwise_data", (K, M // codes_per_byte), data_dtype)
+        columnwise_shape = scale_shape(K, M, block_shape[::-1] if two_d else block_shape)
+        columnwise_scale = get("columnwise_scale_inv", columnwise_shape, scale_dtype)
+    if x.numel() > 0:
+        rowwise_MK = None if rowwise_data is None else rowwise_data.view(M, K // codes_per_byte)
+        kernel(op, device)(x_MK, *kernel_args, rowwise_MK, rowwise_scale, columnwise_data, columnwise_scale)
+    return BlockQuantized(rowwise_data, rowwise_scale, columnwise_data, columnwise_scale, amax)
+
+
+# ---- reference building blocks ----------------------------------------------------------------
+
+
+def block_amax(x_MK: torch.Tensor, block_shape: BlockShape) -> torch.Tensor:
+    """Max |x| over the finite elements of each block: (ceil(M/br), ceil(K/bc)) fp32.
+
+    Edge blocks are padded with zeros, which never change a max of magnitudes.
+    """
+    rows, cols = block_shape
+    M, K = x_MK.shape
+    Mb, Kb = scale_shape(M, K, block_shape)
+    magnitude = torch.nn.functional.pad(finite_abs(x_MK), (0, Kb * cols - K, 0, Mb * rows - M))
+    return magnitude.reshape(Mb, rows, Kb, cols).amax(dim=(1, 3))
+
+
+def expand_blocks(per_block: torch.Tensor, block_shape: BlockShape, M: int, K: int) -> torch.Tensor:
+    """Repeats one value per block over the block's elements, cropped to (M, K)."""
+    rows, cols = block_shape
+    return per_block.repeat_interleave(rows, dim=0)[:M].repeat_interleave(cols, dim=1)[:, :K]
+
+
+# rowwise_fn(x_MK as fp32, index_offset) -> (codes of x_MK, 2-D scale_inv); index_offset is where
+# the element counter of x_MK starts (stochastic rounding, [Note: counter RNG]).
+RowwiseReference = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def quantize_blocks_reference(
+    x: torch.Tensor,
+    block_shape: BlockShape,
+    rowwise_fn: RowwiseReference,
+    *,
+    rowwise: bool,
+    columnwise: bool,
+    pack: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    amax: torch.Tensor | None = None,
+) -> BlockQuantized:
+    """The reference of every block format, given the format's rowwise quantization of a 2-D tensor.
+
+    Columnwise is rowwise_fn applied to x^T for 1 x b blocks (its element counter continuing after
+    x's M*K elements), and the exact transpose of the rowwise result for b x b tiles.
+    """
+    x_MK = as_2d(x).float()
+    M, K = x_MK.shape
+    pack = pack or (lambda codes: codes)
+    codes, scale_inv = rowwise_fn(x_MK, 0)
+    packed = pack(codes)
+    rowwise_data = packed.reshape(*x.shape[:-1], packed.shape[1]) if rowwise else None
+    rowwise_scale = scale_inv if rowwise else None
+    columnwise_data = columnwise_scale = None
+    if columnwise:
+        if block_shape[0] > 1:
+            columnwise_codes, columnwise_scale = codes.t().contiguous(), scale_inv.t().contiguous()
+        else:
+            columnwise_codes, columnwise_scale = rowwise_fn(x_MK.t(), M * K)
+        columnwise_data = pack(columnwise_codes)
+    return BlockQuantized(rowwise_data, rowwise_scale, columnwise_data, columnwise_scale, amax)
+
+
+def element_index(shape: tuple[int, int], offset: int, device: torch.device) -> torch.Tensor:
+    """Row-major element counter of a 2-D operand, starting at `offset` (int64)."""
+    return torch.arange(offset, offset + math.prod(shape), dtype=torch.int64, device=device).reshape(shape)
+
+
+def copy_into(result: BlockQuantized, *buffers: torch.Tensor | None) -> None:
+    """Writes a reference result into a kernel's output buffers (the reference kernels' tail)."""
+    fields = (result.rowwise_data, result.rowwise_scale_inv, result.columnwise_data, result.columnwise_scale_inv)
+    for buffer, value in zip(buffers, fields, strict=True):
+        if buffer is not None:
+            buffer.copy_(value.reshape(buffer.shape).view(buffer.dtype))
+
+
+def dequantize_blocks(
+    op: str,
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    block_shape: BlockShape,
+    data_dtype: torch.dtype,
+    scale_dtype: torch.dtype,
+    codes_per_byte: int,
+    kernel_args: tuple[object, ...],
+    format_name: str,
+) -> torch.Tensor:
+    """Checks a (data, scale_inv) pair of either usage and runs `op`'s dequantize kernel.
+
+    The kernel is called as kernel(data_2d, scale_inv, *kernel_args, out_2d) with contiguous
+    2-D operands; columnwise data is x^T's rowwise layout, so one kernel serves both usages.
+    """
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype must be one of {FLOAT_DTYPES} for the dequantized values, got {dtype}")
+    if not isinstance(data, torch.Tensor) or data.dtype != data_dtype or data.dim() == 0:
+        got = f"{data.dtype} of shape {tuple(data.shape)}" if isinstance(data, torch.Tensor) else type(data).__name__
+        raise ValueError(f"{format_name} data must be a {data_dtype} tensor with at least one dim, got {got}")
+    data_2d = data.reshape(-1, data.shape[-1]).contiguous()
+    R, C = data_2d.shape[0], data_2d.shape[1] * codes_per_byte
+    expected = scale_shape(R, C, block_shape)
+    if scale_inv.dtype != scale_dtype or tuple(scale_inv.shape) != expected or scale_inv.device != data.device:
+        raise ValueError(
+            f"{format_name} scale_inv for data of shape {tuple(data.shape)} in {block_shape} blocks must be a "
+            f"{scale_dtype} tensor of shape {expected} on {data.device}, got {scale_inv.dtype} of shape "
+            f"{tuple(scale_inv.shape)} on {scale_inv.device}"
+        )
+    out = torch.empty((*data.shape[:-1], C), dtype=dtype, device=data.device)
+    if out.numel() > 0:
+        kernel(op, data.device)(data_2d, scale_inv.contiguous(), *kernel_args, out.view(R, C))
+    return out

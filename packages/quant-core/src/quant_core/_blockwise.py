@@ -1,0 +1,175 @@
+"""Blockwise FP8 (DESIGN section 3): 1 x 128 blocks (activations, gradients), 128 x 128 tiles (weights).
+
+Per block: with power-of-two scales (the default) scale = the largest power of two with
+block_amax * scale <= fmax (1 for an all-zero block); otherwise scale = fmax / block_amax
+(clamped to the largest fp32). codes = fp8(x * scale); stored: scale_inv = 1 / scale (fp32).
+Columnwise of 1 x 128 is the 1 x 128 quantization of x^T; of 128 x 128 the exact transpose.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quant_core._backend import register_kernel
+from quant_core._blocks import (
+    BlockQuantized,
+    BlockShape,
+    block_amax,
+    check_block_shape,
+    check_quantize_input,
+    copy_into,
+    dequantize_blocks,
+    expand_blocks,
+    quantize_blocks,
+    quantize_blocks_reference,
+)
+from quant_core._checks import check_fp8_dtype
+from quant_core._fp8 import transpose_fp8
+from quant_core._numerics import FLOAT32_MAX, divide, encode_fp8, max_exponent_within, power_of_two, to_output_dtype
+
+BLOCKWISE_BLOCK = 128
+BLOCKWISE_SHAPES: tuple[BlockShape, ...] = ((1, BLOCKWISE_BLOCK), (BLOCKWISE_BLOCK, BLOCKWISE_BLOCK))
+
+
+def _block_scale(amax: torch.Tensor, fmax: float, power_2_scales: bool) -> torch.Tensor:
+    if power_2_scales:
+        exponent = torch.where(amax > 0, max_exponent_within(amax, fmax).clamp(max=127), 0)
+        return power_of_two(exponent)
+    return torch.where(amax > 0, divide(fmax, amax), 1.0).clamp(max=FLOAT32_MAX)
+
+
+def quantize_fp8_blockwise_reference(
+    x: torch.Tensor,
+    block_shape: BlockShape = (1, BLOCKWISE_BLOCK),
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    *,
+    power_2_scales: bool = True,
+    rowwise: bool = True,
+    columnwise: bool = False,
+) -> BlockQuantized:
+    """Plain-torch blockwise FP8 quantization (the spec in code)."""
+    check_quantize_input(x, "blockwise FP8")
+    block_shape = check_block_shape(block_shape, BLOCKWISE_SHAPES, "blockwise FP8")
+    fmax = torch.finfo(check_fp8_dtype(fp8_dtype)).max
+
+    def rowwise_fn(x_MK: torch.Tensor, index_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = _block_scale(block_amax(x_MK, block_shape), fmax, power_2_scales)
+        codes = encode_fp8(x_MK * expand_blocks(scale, block_shape, *x_MK.shape), fp8_dtype)
+        return codes, torch.reciprocal(scale)
+
+    return quantize_blocks_reference(x, block_shape, rowwise_fn, rowwise=rowwise, columnwise=columnwise)
+
+
+def quantize_fp8_blockwise(
+    x: torch.Tensor,
+    block_shape: BlockShape = (1, BLOCKWISE_BLOCK),
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    *,
+    power_2_scales: bool = True,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    out: BlockQuantized | None = None,
+) -> BlockQuantized:
+    """Blockwise FP8 codes and fp32 scale_inv per block, for the usages asked for, in one pass.
+
+    Args:
+        x: fp32/bf16/fp16 tensor with at least one dim; edge blocks may be partial.
+        block_shape: (1, 128) for activations and gradients, (128, 128) for weights.
+        fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        power_2_scales: scales are powers of two (exact scaling) rather than fmax / amax.
+        out: a previous result whose buffers are refilled in place.
+    """
+    check_quantize_input(x, "blockwise FP8")
+    block_shape = check_block_shape(block_shape, BLOCKWISE_SHAPES, "blockwise FP8")
+    return quantize_blocks(
+        "quantize_fp8_blockwise",
+        x,
+        block_shape,
+        rowwise=rowwise,
+        columnwise=columnwise,
+        data_dtype=check_fp8_dtype(fp8_dtype),
+        scale_dtype=torch.float32,
+        codes_per_byte=1,
+        kernel_args=(block_shape[0], fp8_dtype, power_2_scales),
+        out=out,
+    )
+
+
+@register_kernel("quantize_fp8_blockwise", "reference")
+def _quantize_fp8_blockwise_reference_kernel(
+    x_MK: torch.Tensor, block_rows: int, fp8_dtype: torch.dtype, power_2_scales: bool, *buffers: torch.Tensor | None
+) -> None:
+    result = quantize_fp8_blockwise_reference(
+        x_MK,
+        (block_rows, BLOCKWISE_BLOCK),
+        fp8_dtype,
+        power_2_scales=power_2_scales,
+        rowwise=buffers[0] is not None,
+        columnwise=buffers[2] is not None,
+    )
+    copy_into(result, *buffers)
+
+
+def dequantize_fp8_blockwise_reference(
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block_shape: BlockShape = (1, BLOCKWISE_BLOCK),
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Plain-torch blockwise FP8 dequantize: fp32(code) * scale_inv of its block."""
+    data_MK = data.reshape(-1, data.shape[-1])
+    factor = expand_blocks(scale_inv, block_shape, *data_MK.shape)
+    return to_output_dtype(data_MK.float() * factor, dtype).reshape(data.shape)
+
+
+def dequantize_fp8_blockwise(
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block_shape: BlockShape = (1, BLOCKWISE_BLOCK),
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Blockwise FP8 values of rowwise (x's shape) or columnwise ((K, M)) data and its scale_inv."""
+    block_shape = check_block_shape(block_shape, BLOCKWISE_SHAPES, "blockwise FP8")
+    if not isinstance(data, torch.Tensor) or data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(
+            f"blockwise FP8 data must have an FP8 dtype, got {getattr(data, 'dtype', type(data).__name__)}"
+        )
+    return dequantize_blocks(
+        "dequantize_fp8_blockwise",
+        data,
+        scale_inv,
+        dtype,
+        block_shape=block_shape,
+        data_dtype=data.dtype,
+        scale_dtype=torch.float32,
+        codes_per_byte=1,
+        kernel_args=(block_shape[0],),
+        format_name="blockwise FP8",
+    )
+
+
+@register_kernel("dequantize_fp8_blockwise", "reference")
+def _dequantize_fp8_blockwise_reference_kernel(
+    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, out_2d: torch.Tensor
+) -> None:
+    out_2d.copy_(dequantize_fp8_blockwise_reference(data_2d, scale_inv, (block_rows, BLOCKWISE_BLOCK), out_2d.dtype))
+
+
+def transpose_fp8_blockwise(data: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless columnwise from rowwise for 128 x 128 tiles: (data^T, scale_inv^T), both contiguous.
+
+    `data` is rowwise data of any shape (viewed as (M, K)); the result equals the columnwise
+    usage of quantizing the same tensor, bit for bit.
+    """
+    if data.dim() == 0 or data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(
+            f"data must be FP8 rowwise data with at least one dim, got {data.dtype} of shape {tuple(data.shape)}"
+        )
+    data_MK = data.reshape(-1, data.shape[-1])
+    expected = (-(-data_MK.shape[0] // BLOCKWISE_BLOCK), -(-data_MK.shape[1] // BLOCKWISE_BLOCK))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(
+            f"scale_inv of 128 x 128 tiles for data of shape {tuple(data.shape)} must have shape {expected}, "
+            f"got {tuple(scale_inv.shape)} (1 x 128 data cannot be transposed losslessly: quantize x^T instead)"
+        )
+    return transpose_fp8(data_MK), scale_inv.t().contiguous()

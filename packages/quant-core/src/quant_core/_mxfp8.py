@@ -1,0 +1,100 @@
+"""MXFP8 (DESIGN section 3): E4M3 codes in blocks of 32 with a power-of-two E8M0 scale each.
+
+Per block: e = the smallest integer with block_amax <= 448 * 2^e, clamped to [-127, 127]
+(an all-zero block gets -127); stored as the byte e + 127; codes = e4m3(x / 2^e); dequantized
+e4m3(code) * 2^e. Rowwise blocks run along K, columnwise blocks along M ([Note: block layouts]).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quant_core._backend import register_kernel
+from quant_core._blocks import (
+    BlockQuantized,
+    block_amax,
+    check_quantize_input,
+    copy_into,
+    dequantize_blocks,
+    expand_blocks,
+    quantize_blocks,
+    quantize_blocks_reference,
+)
+from quant_core._numerics import E4M3_MAX, encode_fp8, max_exponent_within, power_of_two, to_output_dtype
+
+MXFP8_BLOCK = 32
+_BLOCK_SHAPE = (1, MXFP8_BLOCK)
+E8M0_BIAS = 127
+
+
+def _rowwise_reference(x_MK: torch.Tensor, index_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    M, K = x_MK.shape
+    exponent = (-max_exponent_within(block_amax(x_MK, _BLOCK_SHAPE), E4M3_MAX)).clamp(-127, 127)
+    codes = encode_fp8(x_MK * expand_blocks(power_of_two(-exponent), _BLOCK_SHAPE, M, K), torch.float8_e4m3fn)
+    return codes, (exponent + E8M0_BIAS).to(torch.uint8)
+
+
+def quantize_mxfp8_reference(x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False) -> BlockQuantized:
+    """Plain-torch MXFP8 quantization (the spec in code)."""
+    check_quantize_input(x, "MXFP8")
+    return quantize_blocks_reference(x, _BLOCK_SHAPE, _rowwise_reference, rowwise=rowwise, columnwise=columnwise)
+
+
+def quantize_mxfp8(
+    x: torch.Tensor, *, rowwise: bool = True, columnwise: bool = False, out: BlockQuantized | None = None
+) -> BlockQuantized:
+    """MXFP8 codes (torch.float8_e4m3fn) and E8M0 scales (uint8) for the usages asked for.
+
+    Rowwise and columnwise come from one pass over x. `out` (e.g. a previous result) is refilled in
+    place when given. Any shape with at least one dim; edge blocks may be partial.
+    """
+    check_quantize_input(x, "MXFP8")
+    return quantize_blocks(
+        "quantize_mxfp8",
+        x,
+        _BLOCK_SHAPE,
+        rowwise=rowwise,
+        columnwise=columnwise,
+        data_dtype=torch.float8_e4m3fn,
+        scale_dtype=torch.uint8,
+        codes_per_byte=1,
+        kernel_args=(),
+        out=out,
+    )
+
+
+@register_kernel("quantize_mxfp8", "reference")
+def _quantize_mxfp8_reference_kernel(x_MK: torch.Tensor, *buffers: torch.Tensor | None) -> None:
+    rowwise, _, columnwise, _ = buffers
+    copy_into(quantize_mxfp8_reference(x_MK, rowwise=rowwise is not None, columnwise=columnwise is not None), *buffers)
+
+
+def dequantize_mxfp8_reference(
+    data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Plain-torch MXFP8 dequantize of rowwise or columnwise data: e4m3(code) * 2^(byte - 127)."""
+    data_MK = data.reshape(-1, data.shape[-1]) if data.dim() else data.reshape(1, 1)
+    M, K = data_MK.shape
+    factor = expand_blocks(power_of_two(scale_inv.to(torch.int32) - E8M0_BIAS), _BLOCK_SHAPE, M, K)
+    return to_output_dtype(data_MK.float() * factor, dtype).reshape(data.shape)
+
+
+def dequantize_mxfp8(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """MXFP8 values of rowwise (x's shape) or columnwise ((K, M)) data and its E8M0 scales."""
+    return dequantize_blocks(
+        "dequantize_mxfp8",
+        data,
+        scale_inv,
+        dtype,
+        block_shape=_BLOCK_SHAPE,
+        data_dtype=torch.float8_e4m3fn,
+        scale_dtype=torch.uint8,
+        codes_per_byte=1,
+        kernel_args=(),
+        format_name="MXFP8",
+    )
+
+
+@register_kernel("dequantize_mxfp8", "reference")
+def _dequantize_mxfp8_reference_kernel(data_2d: torch.Tensor, scale_inv: torch.Tensor, out_2d: torch.Tensor) -> None:
+    out_2d.copy_(dequantize_mxfp8_reference(data_2d, scale_inv, out_2d.dtype))

@@ -1,0 +1,159 @@
+"""Reference numerics shared by every format (DESIGN section 3), in plain torch.
+
+These are the spec in code: the C++ and Triton kernels reproduce them bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+
+# [Note: FP8 NaN] Every NaN encodes to 0x7F (a NaN in both E4M3 and E5M2), whatever its sign:
+# torch's own conversions do not keep a NaN's sign reliably (its scalar fp16 -> fp32 path turns
+# -NaN into +NaN), so a signed NaN code could not be reproduced bit for bit across backends.
+# For the same reason dequantized outputs carry the canonical NaN of their dtype.
+FP8_NAN_CODE = 0x7F
+
+
+def divide(numerator: float, denominator: torch.Tensor) -> torch.Tensor:
+    """numerator / denominator as one correctly rounded fp32 division.
+
+    torch evaluates `python_float / tensor` as reciprocal(tensor) * python_float, two roundings
+    that differ from IEEE division in the last bit (448 / 3: 0x4315 5556 vs 0x4315 5555).
+    """
+    return denominator.new_tensor(numerator) / denominator
+
+
+def finite_abs(x: torch.Tensor) -> torch.Tensor:
+    """|x| in fp32 with NaN and +-Inf replaced by 0, the input of every amax."""
+    magnitude = x.float().abs()
+    return torch.where(torch.isfinite(magnitude), magnitude, 0.0)
+
+
+def encode_fp8(v: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """fp8(v): clamp to +-fmax (so +-Inf saturates), round to nearest even; NaN -> 0x7F."""
+    fmax = torch.finfo(fp8_dtype).max
+    codes = v.clamp(-fmax, fmax).to(fp8_dtype).view(torch.uint8)
+    return torch.where(torch.isnan(v), FP8_NAN_CODE, codes).view(fp8_dtype)
+
+
+def power_of_two(exponent: torch.Tensor) -> torch.Tensor:
+    """2^exponent as fp32, exactly, for int32 exponents in [-127, 127] (2^-127 is subnormal)."""
+    exponent = exponent.to(torch.int32)
+    bits = torch.where(exponent > -127, (exponent + 127) << 23, 0x00400000)
+    return bits.view(torch.float32)
+
+
+def max_exponent_within(amax: torch.Tensor, fmax: float) -> torch.Tensor:
+    """The largest integer s with amax * 2^s <= fmax, exactly, for fp32 amax > 0 (int32).
+
+    With amax = m * 2^p (m in [1, 2)) and fmax = f * 2^q (f in [1, 2)): s = q - p if m <= f,
+    else q - p - 1. Read off the fp32 bits, so no rounded division decides a boundary case.
+    Subnormal amax gives a large s; callers clamp it to what their scale format can hold.
+    """
+    fmax_bits = torch.tensor(fmax, dtype=torch.float32).view(torch.int32).item()
+    q, f_mantissa = (fmax_bits >> 23) - 127, fmax_bits & 0x7FFFFF
+    bits = amax.float().view(torch.int32)
+    exponent_field, mantissa = bits >> 23, bits & 0x7FFFFF
+    # A subnormal amax (exponent field 0) is m * 2^-126 with m < 1: normalise it to get p.
+    normalised = (amax.float() * 2.0**64).view(torch.int32)
+    p = torch.where(exponent_field > 0, exponent_field - 127, (normalised >> 23) - 127 - 64)
+    m = torch.where(exponent_field > 0, mantissa, normalised & 0x7FFFFF)
+    return (q - p - (m > f_mantissa).to(torch.int32)).to(torch.int32)
+
+
+def to_output_dtype(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rounds fp32 `values` to `dtype` (nearest even), with the dtype's canonical NaN (see Note)."""
+    out = values.to(dtype)
+    if dtype == torch.float32:
+        return torch.where(torch.isnan(out), float("nan"), out)
+    return torch.where(torch.isnan(out), torch.tensor(float("nan"), dtype=dtype), out)
+
+
+# ---- E2M1 (NVFP4 elements) ----------------------------------------------------------------------
+
+# The 8 magnitudes of E2M1, indexed by the 3-bit code.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def encode_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """4-bit E2M1 codes (uint8, one per element) of fp32 v: nearest even, saturating at 6, NaN -> 0.
+
+    The magnitude code counts the rounding thresholds below |v|. A tie goes to the even code, so
+    thresholds whose lower neighbour has an even code count only when exceeded (>) and those whose
+    lower neighbour is odd count when reached (>=).
+    """
+    a = v.abs()
+    code = (a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5) + (a > 5.0)
+    negative = torch.signbit(v) & ~torch.isnan(v)
+    return (code | (negative.to(torch.uint8) << 3)).to(torch.uint8)
+
+
+def encode_e2m1_stochastic(v: torch.Tensor, random24: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes with stochastic rounding: up with probability equal to the distance from below.
+
+    `random24` holds one uniform 24-bit integer per element. Between neighbours lo < |v| < hi
+    (steps 0.5, 1 and 2 are powers of two, so the fraction is exact), the magnitude rounds up iff
+    random24 < (|v| - lo) / (hi - lo) * 2^24. Saturates at 6; NaN -> 0.
+    """
+    a = v.abs()
+    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+    lower_steps = torch.floor(a / step)  # exact: step is a power of two
+    lower = lower_steps * step
+    fraction = (a - lower) / step
+    rounded = lower + torch.where(random24.float() < fraction * 2.0**24, step, 0.0)
+    rounded = torch.where(torch.isnan(a), 0.0, torch.clamp(rounded, max=E2M1_MAX))
+    return encode_e2m1(torch.where(torch.signbit(v) & ~torch.isnan(v), -rounded, rounded))
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """(R, C) 4-bit codes -> (R, C/2) bytes; the even element goes in the low nibble."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """(R, C/2) bytes -> (R, C) 4-bit codes."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of 4-bit E2M1 codes."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    magnitude = table[(codes & 0x7).long()]
+    return torch.where((codes & 0x8) != 0, -magnitude, magnitude)
+
+
+# ---- counter-based random numbers -------------------------------------------------------------
+
+# [Note: counter RNG] Stochastic rounding and Hadamard signs draw element `index` of the SplitMix64
+# stream started at `seed` (state seed + (index + 1) * golden, then the SplitMix64 finalizer): a
+# pure function of (seed, element index), so every backend and every shard draws the same bits. uint64 arithmetic is done on int64 tensors, whose
+# multiplication wraps modulo 2^64; right shifts are made logical by masking.
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+def _signed64(value: int) -> int:
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _logical_shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """Output `index` of the SplitMix64 stream seeded with `seed`, as int64 holding the uint64 bits."""
+    x = (index.to(torch.int64) + 1) * _signed64(_GOLDEN) + _signed64(seed)
+    x = (x ^ _logical_shift_right(x, 30)) * _signed64(_MIX1)
+    x = (x ^ _logical_shift_right(x, 27)) * _signed64(_MIX2)
+    return x ^ _logical_shift_right(x, 31)
+
+
+def random24(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """A uniform 24-bit integer per index: the top 24 bits of splitmix64(seed, index)."""
+    return _logical_shift_right(splitmix64(seed, index), 40)

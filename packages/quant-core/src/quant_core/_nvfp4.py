@@ -1,0 +1,317 @@
+"""NVFP4 (DESIGN section 3): E2M1 codes, two per byte, with an E4M3 scale per 1 x 16 block or 16 x 16 tile.
+
+Tensor scale S = 448 * 6 / global_amax (1 if 0, clamped to the largest fp32), global_amax over
+the whole unsharded tensor (pass it in when quantizing a shard). Per block:
+s = e4m3(block_amax / 6 * S), enc = S / fp32(s), q = e2m1(x * enc) (q = 0 where s = 0),
+dequantized fp32(q) * (fp32(s) / S). Codes pack along the last dim, even element in the low
+nibble, so the packed dim must be even. Optional stochastic rounding draws from the counter RNG
+([Note: counter RNG]); `hadamard_transform_16` is the 16 x 16 random Hadamard transform applied
+to wgrad operands before quantization.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from quant_core._backend import kernel, register_kernel
+from quant_core._blocks import (
+    BlockQuantized,
+    BlockShape,
+    block_amax,
+    check_block_shape,
+    check_quantize_input,
+    copy_into,
+    dequantize_blocks,
+    element_index,
+    expand_blocks,
+    quantize_blocks,
+    quantize_blocks_reference,
+)
+from quant_core._checks import as_2d, check_float_input, check_scalar
+from quant_core._fp8 import amax as global_amax_of
+from quant_core._numerics import (
+    E2M1_MAX,
+    E4M3_MAX,
+    FLOAT32_MAX,
+    decode_e2m1,
+    divide,
+    encode_e2m1,
+    encode_e2m1_stochastic,
+    encode_fp8,
+    pack_nibbles,
+    random24,
+    splitmix64,
+    to_output_dtype,
+    unpack_nibbles,
+)
+
+NVFP4_BLOCK = 16
+NVFP4_SHAPES: tuple[BlockShape, ...] = ((1, NVFP4_BLOCK), (NVFP4_BLOCK, NVFP4_BLOCK))
+
+
+def nvfp4_tensor_scale(global_amax: torch.Tensor) -> torch.Tensor:
+    """S = 448 * 6 / global_amax as fp32 0-d (1 if global_amax is 0; clamped to the largest fp32)."""
+    global_amax = global_amax.float().reshape(())
+    return torch.where(global_amax > 0, divide(E4M3_MAX * E2M1_MAX, global_amax), 1.0).clamp(max=FLOAT32_MAX)
+
+
+def _check_packable(x_MK_shape: tuple[int, int], columnwise: bool) -> None:
+    M, K = x_MK_shape
+    if M * K == 0:
+        return  # nothing to pack
+    if K % 2:
+        raise ValueError(
+            f"NVFP4 packs two codes per byte along the last dim, which must be even; got K={K}. Pad K to a multiple of 2 (of 16 for the quantized GEMM)"
+        )
+    if columnwise and M % 2:
+        raise ValueError(
+            f"NVFP4 columnwise data packs two codes per byte along dim 0 of the (M, K) view, which must be even; got M={M}"
+        )
+
+
+def quantize_nvfp4_reference(
+    x: torch.Tensor,
+    block_shape: BlockShape = (1, NVFP4_BLOCK),
+    *,
+    global_amax: torch.Tensor | None = None,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+) -> BlockQuantized:
+    """Plain-torch NVFP4 quantization (the spec in code)."""
+    check_quantize_input(x, "NVFP4")
+    block_shape = check_block_shape(block_shape, NVFP4_SHAPES, "NVFP4")
+    _check_packable(tuple(as_2d(x).shape), columnwise)
+    global_amax = finite_global_amax(x) if global_amax is None else global_amax.float().reshape(())
+    result = _quantize_with_tensor_scale_reference(
+        x, block_shape, nvfp4_tensor_scale(global_amax), rowwise, columnwise, stochastic_rounding, seed
+    )
+    return dataclasses.replace(result, amax=global_amax)
+
+
+def _quantize_with_tensor_scale_reference(
+    x: torch.Tensor,
+    block_shape: BlockShape,
+    S: torch.Tensor,
+    rowwise: bool,
+    columnwise: bool,
+    stochastic_rounding: bool,
+    seed: int,
+) -> BlockQuantized:
+    """The NVFP4 reference given the tensor scale S (what the kernels receive)."""
+
+    def rowwise_fn(x_MK: torch.Tensor, index_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        M, K = x_MK.shape
+        s = encode_fp8(block_amax(x_MK, block_shape) / E2M1_MAX * S, torch.float8_e4m3fn)
+        s_f32 = s.float()
+        enc = torch.where(s_f32 > 0, S / s_f32, 0.0)
+        v = x_MK * expand_blocks(enc, block_shape, M, K)
+        if stochastic_rounding:
+            codes = encode_e2m1_stochastic(v, random24(seed, element_index((M, K), index_offset, x_MK.device)))
+        else:
+            codes = encode_e2m1(v)
+        codes = torch.where(expand_blocks(s_f32 == 0, block_shape, M, K), 0, codes).to(torch.uint8)
+        return codes, s
+
+    return quantize_blocks_reference(
+        x, block_shape, rowwise_fn, rowwise=rowwise, columnwise=columnwise, pack=pack_nibbles
+    )
+
+
+def finite_global_amax(x: torch.Tensor) -> torch.Tensor:
+    """The global amax NVFP4 uses when none is given: max |x| over finite elements (fp32 0-d)."""
+    return global_amax_of(x)
+
+
+def quantize_nvfp4(
+    x: torch.Tensor,
+    block_shape: BlockShape = (1, NVFP4_BLOCK),
+    *,
+    global_amax: torch.Tensor | None = None,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    out: BlockQuantized | None = None,
+) -> BlockQuantized:
+    """NVFP4 codes (uint8, two per byte) and E4M3 block scales for the usages asked for, in one pass.
+
+    Args:
+        x: fp32/bf16/fp16 tensor with at least one dim; the packed dims must be even.
+        block_shape: (1, 16) for activations and gradients, (16, 16) for weights.
+        global_amax: amax of the whole (unsharded) tensor; computed from x when None.
+        stochastic_rounding: round E2M1 stochastically with the counter RNG keyed by `seed` and
+            the element index (rowwise: m * K + k; columnwise: M * K + k * M + m).
+        out: a previous result whose buffers are refilled in place.
+    """
+    check_quantize_input(x, "NVFP4")
+    block_shape = check_block_shape(block_shape, NVFP4_SHAPES, "NVFP4")
+    _check_packable(tuple(as_2d(x).shape), columnwise)
+    if global_amax is None:
+        global_amax = finite_global_amax(x)
+    check_scalar(global_amax, "global_amax", x.device)
+    global_amax = global_amax.reshape(())
+    return quantize_blocks(
+        "quantize_nvfp4",
+        x,
+        block_shape,
+        rowwise=rowwise,
+        columnwise=columnwise,
+        data_dtype=torch.uint8,
+        scale_dtype=torch.float8_e4m3fn,
+        codes_per_byte=2,
+        kernel_args=(block_shape[0], nvfp4_tensor_scale(global_amax), stochastic_rounding, int(seed)),
+        amax=global_amax,
+        out=out,
+    )
+
+
+@register_kernel("quantize_nvfp4", "reference")
+def _quantize_nvfp4_reference_kernel(
+    x_MK: torch.Tensor,
+    block_rows: int,
+    tensor_scale: torch.Tensor,
+    stochastic_rounding: bool,
+    seed: int,
+    *buffers: torch.Tensor | None,
+) -> None:
+    result = _quantize_with_tensor_scale_reference(
+        x_MK,
+        (block_rows, NVFP4_BLOCK),
+        tensor_scale,
+        buffers[0] is not None,
+        buffers[2] is not None,
+        stochastic_rounding,
+        seed,
+    )
+    copy_into(result, *buffers)
+
+
+# ---- dequantize and transpose -------------------------------------------------------------------
+
+
+def dequantize_nvfp4_reference(
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    global_amax: torch.Tensor,
+    block_shape: BlockShape = (1, NVFP4_BLOCK),
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Plain-torch NVFP4 dequantize: fp32(q) * (fp32(s) / S) with S from global_amax."""
+    packed = data.reshape(-1, data.shape[-1])
+    values = _dequantize_with_tensor_scale_reference(packed, scale_inv, nvfp4_tensor_scale(global_amax), block_shape)
+    return to_output_dtype(values, dtype).reshape(*data.shape[:-1], values.shape[1])
+
+
+def _dequantize_with_tensor_scale_reference(
+    packed: torch.Tensor, scale_inv: torch.Tensor, S: torch.Tensor, block_shape: BlockShape
+) -> torch.Tensor:
+    codes = unpack_nibbles(packed)
+    factor = scale_inv.float() / S
+    return decode_e2m1(codes) * expand_blocks(factor, block_shape, *codes.shape)
+
+
+def dequantize_nvfp4(
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    global_amax: torch.Tensor,
+    block_shape: BlockShape = (1, NVFP4_BLOCK),
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """NVFP4 values of rowwise (last dim K/2) or columnwise ((K, M/2)) data; the last dim doubles."""
+    block_shape = check_block_shape(block_shape, NVFP4_SHAPES, "NVFP4")
+    check_scalar(global_amax, "global_amax", data.device)
+    return dequantize_blocks(
+        "dequantize_nvfp4",
+        data,
+        scale_inv,
+        dtype,
+        block_shape=block_shape,
+        data_dtype=torch.uint8,
+        scale_dtype=torch.float8_e4m3fn,
+        codes_per_byte=2,
+        kernel_args=(block_shape[0], nvfp4_tensor_scale(global_amax)),
+        format_name="NVFP4",
+    )
+
+
+@register_kernel("dequantize_nvfp4", "reference")
+def _dequantize_nvfp4_reference_kernel(
+    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, tensor_scale: torch.Tensor, out_2d: torch.Tensor
+) -> None:
+    values = _dequantize_with_tensor_scale_reference(data_2d, scale_inv, tensor_scale, (block_rows, NVFP4_BLOCK))
+    out_2d.copy_(to_output_dtype(values, out_2d.dtype))
+
+
+def transpose_nvfp4(data: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless columnwise from rowwise for 16 x 16 tiles: codes transposed and repacked, scales transposed.
+
+    `data` is rowwise packed data (viewed as (M, K/2)); M must be even. The result equals the
+    columnwise usage of quantizing the same tensor with 16 x 16 tiles, bit for bit.
+    """
+    if data.dim() == 0 or data.dtype != torch.uint8:
+        raise ValueError(
+            f"data must be NVFP4 rowwise data (uint8) with at least one dim, got {data.dtype} of shape {tuple(data.shape)}"
+        )
+    packed = data.reshape(-1, data.shape[-1])
+    M, K = packed.shape[0], packed.shape[1] * 2
+    if M % 2:
+        raise ValueError(f"NVFP4 transpose repacks codes in pairs along dim 0, which must be even; got M={M}")
+    expected = (-(-M // NVFP4_BLOCK), -(-K // NVFP4_BLOCK))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(
+            f"scale_inv of 16 x 16 tiles for data of shape {tuple(data.shape)} must have shape {expected}, got "
+            f"{tuple(scale_inv.shape)} (1 x 16 data cannot be transposed losslessly: quantize x^T instead)"
+        )
+    out = torch.empty((K, M // 2), dtype=torch.uint8, device=data.device)
+    if out.numel() > 0:
+        kernel("transpose_nvfp4", data.device)(packed.contiguous(), out)
+    return out, scale_inv.t().contiguous()
+
+
+@register_kernel("transpose_nvfp4", "reference")
+def _transpose_nvfp4_reference(packed_MK: torch.Tensor, out_KM: torch.Tensor) -> None:
+    out_KM.copy_(pack_nibbles(unpack_nibbles(packed_MK).t()))
+
+
+# ---- random Hadamard transform ------------------------------------------------------------------
+
+
+def hadamard_signs(seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 16 random signs (+-1, fp32) of the transform: element j is -1 iff the top bit of draw j is set."""
+    draws = splitmix64(seed, torch.arange(NVFP4_BLOCK, device=device))
+    return torch.where(draws < 0, -1.0, 1.0)
+
+
+def hadamard_transform_16_reference(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """Plain-torch 16 x 16 random Hadamard transform along the last dim (the spec in code).
+
+    Each group of 16 is multiplied by the seed's signs, put through the 4-stage fast
+    Walsh-Hadamard butterfly (stage h adds and subtracts elements h apart, in fp32) and scaled by
+    1/4, so the transform is orthonormal; the result is rounded to x's dtype.
+    """
+    groups = x.float().reshape(-1, NVFP4_BLOCK) * hadamard_signs(seed, x.device)
+    for h in (1, 2, 4, 8):
+        pairs = groups.reshape(-1, NVFP4_BLOCK // (2 * h), 2, h)
+        first, second = pairs[:, :, 0, :], pairs[:, :, 1, :]
+        groups = torch.stack((first + second, first - second), dim=2).reshape(-1, NVFP4_BLOCK)
+    return to_output_dtype(groups * 0.25, x.dtype).reshape(x.shape)
+
+
+def hadamard_transform_16(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """16 x 16 random Hadamard transform of x along its last dim (which must be a multiple of 16)."""
+    check_float_input(x)
+    if x.dim() == 0 or x.shape[-1] % NVFP4_BLOCK:
+        raise ValueError(f"the Hadamard transform mixes groups of 16 along the last dim; got shape {tuple(x.shape)}")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() > 0:
+        kernel("hadamard_transform_16", x.device)(as_2d(x), int(seed), out.view(-1, x.shape[-1]))
+    return out
+
+
+@register_kernel("hadamard_transform_16", "reference")
+def _hadamard_reference_kernel(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) -> None:
+    out_MK.copy_(hadamard_transform_16_reference(x_MK, seed))
