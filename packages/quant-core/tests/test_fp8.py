@@ -232,3 +232,62 @@ def test_mismatched_output_buffer_raises_and_writes_nothing(kwargs, match):
     with pytest.raises(ValueError, match=match):
         quant_core.cast_to_fp8(torch.ones(4, 6), ONE, E4M3, **kwargs)
     assert torch.equal(out.view(torch.uint8), before)
+
+
+# ---- delayed scaling, dequantize, transpose ------------------------------------------------------
+
+
+def test_delayed_scaling_history_and_margin():
+    history = torch.zeros(4)
+    for value in (3.0, 1.0, 2.0):
+        quant_core.push_amax_(history, torch.tensor(value))
+    assert history.tolist() == [2.0, 1.0, 3.0, 0.0]  # newest first
+    assert quant_core.amax_from_history(history).item() == 3.0
+    assert quant_core.amax_from_history(history, "most_recent").item() == 2.0
+    for value in (5.0, 6.0):  # the history keeps its length: the oldest entries fall off
+        quant_core.push_amax_(history, torch.tensor(value))
+    assert history.tolist() == [6.0, 5.0, 2.0, 1.0]
+    # scale = fmax / amax / 2^margin: 448 / 7 / 4 = 16.
+    scale, scale_inv = quant_core.fp8_scale(torch.tensor(7.0), E4M3, margin=2)
+    assert (scale.item(), scale_inv.item()) == (16.0, 1 / 16)
+
+
+def test_delayed_scaling_rejects_bad_history_and_algo():
+    with pytest.raises(ValueError, match="non-empty 1-D float32"):
+        quant_core.amax_from_history(torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="'max' or 'most_recent'"):
+        quant_core.amax_from_history(torch.zeros(3), "mean")  # type: ignore[arg-type]
+
+
+def test_fp8_scale_is_one_ieee_division():
+    # 448 / 3 rounds to 0x43155555; torch's `448.0 / tensor` (reciprocal, then multiply) gives ...56.
+    scale, _ = quant_core.fp8_scale(torch.tensor(3.0), E4M3)
+    assert scale.view(torch.int32).item() == 0x43155555
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", [(1,), (70, 90), (3, 5, 40), (0, 4)])
+def test_dequantize_equals_reference(backend, fp8_dtype, out_dtype, shape):
+    q = quant_core.quantize_fp8_reference(adversarial(shape, torch.float32, seed=2), fp8_dtype, columnwise=True)
+    for data in (q.rowwise_data, q.columnwise_data):
+        got = quant_core.dequantize_fp8(data, q.scale_inv, out_dtype)
+        want = quant_core.dequantize_fp8_reference(data, q.scale_inv, out_dtype)
+        assert (got.dtype, got.shape) == (out_dtype, data.shape)
+        bitwise = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[out_dtype]
+        assert torch.equal(got.view(bitwise), want.view(bitwise))
+
+
+@pytest.mark.parametrize("shape", [(1,), (70, 90), (3, 5, 40), (300, 200)])
+def test_transpose_equals_columnwise(backend, shape):
+    q = quant_core.quantize_fp8(adversarial(shape, torch.bfloat16, seed=8), columnwise=True)
+    assert torch.equal(raw_bits(quant_core.transpose_fp8(q.rowwise_data)), raw_bits(q.columnwise_data))
+    back = quant_core.transpose_fp8(q.columnwise_data)  # and back again: the (M, K) view of rowwise
+    assert torch.equal(raw_bits(back), raw_bits(q.rowwise_data.reshape(back.shape)))
+
+
+def test_dequantize_and_transpose_reject_non_fp8_data():
+    with pytest.raises(ValueError, match="data must have an FP8 dtype"):
+        quant_core.dequantize_fp8(torch.ones(3), torch.tensor(1.0))
+    with pytest.raises(ValueError, match="data must be FP8 data"):
+        quant_core.transpose_fp8(torch.ones(3, 3, dtype=torch.uint8))

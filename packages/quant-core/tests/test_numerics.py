@@ -1,0 +1,74 @@
+"""The shared reference numerics (quant_core._numerics) against values worked out independently."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quant_core import _numerics
+
+
+def _splitmix64_python(seed: int, index: int) -> int:
+    mask = (1 << 64) - 1
+    z = ((index + 1) * 0x9E3779B97F4A7C15 + seed) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 123456789, 2**63 + 5, 2**64 - 1])
+def test_splitmix64_matches_arbitrary_precision_integers(seed):
+    indices = [0, 1, 2, 1000, 2**31 + 7, 2**40 + 3]
+    got = _numerics.splitmix64(seed, torch.tensor(indices))
+    assert [v & (2**64 - 1) for v in got.tolist()] == [_splitmix64_python(seed, i) for i in indices]
+    # SplitMix64's published first output for seed 0 (state 0x9E3779B97F4A7C15).
+    assert _splitmix64_python(0, 0) == 0xE220A8397B1DCDAF
+
+
+def test_random24_is_the_top_24_bits():
+    draws = _numerics.random24(42, torch.arange(5))
+    assert draws.tolist() == [_splitmix64_python(42, i) >> 40 for i in range(5)]
+    assert all(0 <= d < 2**24 for d in draws.tolist())
+
+
+def test_max_exponent_within_known_answers():
+    amax = torch.tensor([448.0, 448.00003, 1.0, 224.0, 449.0, 2.0**-140, 3e38, 0.0])
+    # s with amax * 2^s <= 448: 0, -1, 8 (256 <= 448 < 512), 1, -1, 148, -120, and 199 for zero.
+    assert _numerics.max_exponent_within(amax, 448.0).tolist() == [0, -1, 8, 1, -1, 148, -120, 199]
+    assert _numerics.max_exponent_within(torch.tensor([57344.0, 1.0]), 57344.0).tolist() == [0, 15]
+
+
+def test_power_of_two_is_exact_down_to_the_subnormal_end():
+    values = _numerics.power_of_two(torch.tensor([-127, -126, -1, 0, 1, 127])).tolist()
+    assert values == [2.0**-127, 2.0**-126, 0.5, 1.0, 2.0, 2.0**127]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "bits", "nan_bits"),
+    [
+        (torch.float32, torch.int32, 0x7FC00000),
+        (torch.bfloat16, torch.int16, 0x7FC0),
+        (torch.float16, torch.int16, 0x7E00),
+    ],
+)
+def test_outputs_carry_the_canonical_nan(dtype, bits, nan_bits):
+    values = -torch.tensor([float("nan"), 1.0])  # a negative NaN
+    out = _numerics.to_output_dtype(values, dtype)
+    assert out.view(bits)[0].item() == nan_bits
+    assert out[1].item() == -1.0
+
+
+def test_divide_is_a_single_rounding():
+    assert _numerics.divide(448.0, torch.tensor([3.0])).view(torch.int32).item() == 0x43155555
+
+
+def test_e2m1_decode_inverts_encode_on_the_grid():
+    grid = torch.tensor(list(_numerics.E2M1_VALUES) + [-v for v in _numerics.E2M1_VALUES])
+    assert torch.equal(_numerics.decode_e2m1(_numerics.encode_e2m1(grid)), grid)
+
+
+def test_nibbles_pack_even_element_low():
+    codes = torch.tensor([[0x1, 0x2, 0xF, 0x8]], dtype=torch.uint8)
+    packed = _numerics.pack_nibbles(codes)
+    assert packed.tolist() == [[0x21, 0x8F]]
+    assert torch.equal(_numerics.unpack_nibbles(packed), codes)
