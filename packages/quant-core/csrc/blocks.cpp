@@ -196,17 +196,22 @@ Outputs outputs(uintptr_t rowwise_data, uintptr_t rowwise_scale, uintptr_t colum
           reinterpret_cast<uint8_t*>(columnwise_data), reinterpret_cast<void*>(columnwise_scale)};
 }
 
-// out[r, c] = decode(code[r, c]) * factor(block of (r, c)), rows split across threads.
+// out[r, c] = decode(r, c) * factor(r, block column), for blocks of `block_cols` along each row;
+// rows split across threads, one factor computed per block.
 template <class Decode, class Factor>
-void dequantize_rows(int64_t R, int64_t C, int out_dtype, uintptr_t out_ptr, int num_threads, Decode decode,
-                     Factor factor) {
+void dequantize_rows(int64_t R, int64_t C, int64_t block_cols, int out_dtype, uintptr_t out_ptr, int num_threads,
+                     Decode decode, Factor factor) {
   void* out = reinterpret_cast<void*>(out_ptr);
   dispatch_dtype(out_dtype, [&](auto d) {
     constexpr DType D = decltype(d)::value;
     const int64_t row_grain = std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(C, 1));
     parallel_for(R, row_grain, num_threads, [&](int64_t, int64_t row_begin, int64_t row_end) {
       for (int64_t r = row_begin; r < row_end; ++r) {
-        for (int64_t c = 0; c < C; ++c) store<D>(out, r * C + c, decode(r, c) * factor(r, c));
+        for (int64_t c0 = 0; c0 < C; c0 += block_cols) {
+          const float f = factor(r, c0 / block_cols);
+          const int64_t c1 = std::min(C, c0 + block_cols);
+          for (int64_t c = c0; c < c1; ++c) store<D>(out, r * C + c, decode(r, c) * f);
+        }
       }
     });
   });
@@ -248,8 +253,9 @@ void dequantize_fp8(uintptr_t data, int fp8_format, int64_t R, int64_t C, uintpt
   const float factor = *reinterpret_cast<const float*>(scale_inv);
   dispatch_fp8_format(fp8_format, [&](auto f) {
     constexpr Fp8Format F = decltype(f)::value;
-    dequantize_rows(R, C, out_dtype, out, num_threads, [&](int64_t r, int64_t c) { return decode_fp8<F>(codes[r * C + c]); },
-                    [&](int64_t, int64_t) { return factor; });
+    dequantize_rows(
+        R, C, std::max<int64_t>(C, 1), out_dtype, out, num_threads,
+        [&](int64_t r, int64_t c) { return decode_fp8<F>(codes[r * C + c]); }, [&](int64_t, int64_t) { return factor; });
   });
 }
 
@@ -259,9 +265,9 @@ void dequantize_mxfp8(uintptr_t data, int64_t R, int64_t C, uintptr_t scale_inv,
   const auto* scales = reinterpret_cast<const uint8_t*>(scale_inv);
   const int64_t Cb = (C + 31) / 32;
   dequantize_rows(
-      R, C, out_dtype, out, num_threads,
+      R, C, 32, out_dtype, out, num_threads,
       [&](int64_t r, int64_t c) { return decode_fp8<Fp8Format::kE4M3>(codes[r * C + c]); },
-      [&](int64_t r, int64_t c) { return power_of_two(int(scales[r * Cb + c / 32]) - 127); });
+      [&](int64_t r, int64_t block) { return power_of_two(int(scales[r * Cb + block]) - 127); });
 }
 
 void dequantize_fp8_blockwise(uintptr_t data, int fp8_format, int64_t R, int64_t C, int64_t block_rows,
@@ -272,8 +278,8 @@ void dequantize_fp8_blockwise(uintptr_t data, int fp8_format, int64_t R, int64_t
   dispatch_fp8_format(fp8_format, [&](auto f) {
     constexpr Fp8Format F = decltype(f)::value;
     dequantize_rows(
-        R, C, out_dtype, out, num_threads, [&](int64_t r, int64_t c) { return decode_fp8<F>(codes[r * C + c]); },
-        [&](int64_t r, int64_t c) { return scales[(r / block_rows) * Cb + c / 128]; });
+        R, C, 128, out_dtype, out, num_threads, [&](int64_t r, int64_t c) { return decode_fp8<F>(codes[r * C + c]); },
+        [&](int64_t r, int64_t block) { return scales[(r / block_rows) * Cb + block]; });
   });
 }
 
@@ -284,43 +290,66 @@ void dequantize_nvfp4(uintptr_t data, int64_t R, int64_t C, int64_t block_rows, 
   const float S = *reinterpret_cast<const float*>(tensor_scale);
   const int64_t Cb = (C + 15) / 16;
   dequantize_rows(
-      R, C, out_dtype, out, num_threads,
+      R, C, 16, out_dtype, out, num_threads,
       [&](int64_t r, int64_t c) { return decode_e2m1(uint8_t((packed[(r * C + c) / 2] >> ((c & 1) * 4)) & 0xF)); },
-      [&](int64_t r, int64_t c) { return decode_fp8<Fp8Format::kE4M3>(scales[(r / block_rows) * Cb + c / 16]) / S; });
+      [&](int64_t r, int64_t block) { return decode_fp8<Fp8Format::kE4M3>(scales[(r / block_rows) * Cb + block]) / S; });
 }
 
 void transpose_bytes(uintptr_t src, int64_t R, int64_t C, int64_t stride_row, int64_t stride_col, uintptr_t dst,
                      int num_threads) {
+  // 64 x 64 tiles: rows copied into L1 (contiguous when stride_col is 1), transposed there, and
+  // written out as contiguous rows of the output.
   constexpr int64_t kTile = 64;
   const auto* in = reinterpret_cast<const uint8_t*>(src);
   auto* out = reinterpret_cast<uint8_t*>(dst);
   const int64_t row_tiles = (R + kTile - 1) / kTile, col_tiles = (C + kTile - 1) / kTile;
   parallel_for(row_tiles * col_tiles, kMinElementsPerThread / (kTile * kTile), num_threads,
                [&](int64_t, int64_t begin, int64_t end) {
+                 uint8_t tile[kTile][kTile], tile_t[kTile][kTile];
                  for (int64_t t = begin; t < end; ++t) {
                    const int64_t r0 = (t / col_tiles) * kTile, c0 = (t % col_tiles) * kTile;
-                   const int64_t r1 = std::min(R, r0 + kTile), c1 = std::min(C, c0 + kTile);
-                   for (int64_t c = c0; c < c1; ++c)
-                     for (int64_t r = r0; r < r1; ++r) out[c * R + r] = in[r * stride_row + c * stride_col];
+                   const int64_t h = std::min(kTile, R - r0), w = std::min(kTile, C - c0);
+                   for (int64_t i = 0; i < h; ++i) {
+                     const uint8_t* row = in + (r0 + i) * stride_row + c0 * stride_col;
+                     if (stride_col == 1) {
+                       std::memcpy(tile[i], row, size_t(w));
+                     } else {
+                       for (int64_t j = 0; j < w; ++j) tile[i][j] = row[j * stride_col];
+                     }
+                   }
+                   for (int64_t i = 0; i < kTile; ++i)
+                     for (int64_t j = 0; j < kTile; ++j) tile_t[j][i] = tile[i][j];
+                   for (int64_t j = 0; j < w; ++j) std::memcpy(out + (c0 + j) * R + r0, tile_t[j], size_t(h));
                  }
                });
 }
 
 void transpose_nvfp4(uintptr_t src, int64_t R, int64_t C, uintptr_t dst, int num_threads) {
-  // src: R x C codes packed along C (R x C/2 bytes); dst: C x R codes packed along R.
+  // src: R x C codes packed along C (R x C/2 bytes); dst: C x R codes packed along R (R even).
+  // 64 x 64-code tiles: unpack into L1, transpose, repack into contiguous output rows.
+  constexpr int64_t kTile = 64;
   const auto* in = reinterpret_cast<const uint8_t*>(src);
   auto* out = reinterpret_cast<uint8_t*>(dst);
-  const int64_t row_grain = std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(R, 1));
-  parallel_for(C, row_grain, num_threads, [&](int64_t, int64_t c_begin, int64_t c_end) {
-    for (int64_t c = c_begin; c < c_end; ++c) {
-      const int shift = int(c & 1) * 4;
-      for (int64_t r = 0; r < R; r += 2) {
-        const uint8_t low = (in[(r * C + c) / 2] >> shift) & 0xF;
-        const uint8_t high = (in[((r + 1) * C + c) / 2] >> shift) & 0xF;
-        out[(c * R + r) / 2] = uint8_t(low | (high << 4));
-      }
-    }
-  });
+  const int64_t row_tiles = (R + kTile - 1) / kTile, col_tiles = (C + kTile - 1) / kTile;
+  parallel_for(row_tiles * col_tiles, kMinElementsPerThread / (kTile * kTile), num_threads,
+               [&](int64_t, int64_t begin, int64_t end) {
+                 uint8_t codes_t[kTile][kTile];
+                 for (int64_t t = begin; t < end; ++t) {
+                   const int64_t r0 = (t / col_tiles) * kTile, c0 = (t % col_tiles) * kTile;
+                   const int64_t h = std::min(kTile, R - r0), w = std::min(kTile, C - c0);
+                   for (int64_t i = 0; i < h; ++i) {
+                     const uint8_t* row = in + ((r0 + i) * C + c0) / 2;
+                     for (int64_t j = 0; j < w; j += 2) {
+                       codes_t[j][i] = row[j / 2] & 0xF;
+                       codes_t[j + 1][i] = row[j / 2] >> 4;
+                     }
+                   }
+                   for (int64_t j = 0; j < w; ++j) {
+                     uint8_t* dst_row = out + ((c0 + j) * R + r0) / 2;
+                     for (int64_t i = 0; i < h; i += 2) dst_row[i / 2] = uint8_t(codes_t[j][i] | (codes_t[j][i + 1] << 4));
+                   }
+                 }
+               });
 }
 
 void hadamard_transform_16(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,

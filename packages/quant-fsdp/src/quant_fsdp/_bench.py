@@ -43,6 +43,7 @@ def _kernel_cases(size: int, device: torch.device) -> list[tuple[str, int, Calla
 
     Bytes are the least traffic the op needs (read the input once, write each output once), the
     convention of DESIGN section 9's bandwidth targets: 4 B/element for quantize with transpose.
+    Scales are left out of the count (at most 1/16 of the data).
     """
     x = torch.randn(size, size, device=device).to(torch.bfloat16)
     n = x.numel()
@@ -50,18 +51,64 @@ def _kernel_cases(size: int, device: torch.device) -> list[tuple[str, int, Calla
     scale = torch.ones((), device=device)
     rowwise_out = torch.empty(size, size, dtype=e4m3, device=device)
     columnwise_out = torch.empty(size, size, dtype=e4m3, device=device)
+    fp8 = quant_core.quantize_fp8(x, columnwise=True)
+    mxfp8 = quant_core.quantize_mxfp8(x)
+    blockwise = quant_core.quantize_fp8_blockwise(x, (128, 128))
+    nvfp4 = quant_core.quantize_nvfp4(x, (16, 16))
     return [
-        ("amax bf16", 2 * n, lambda: quant_core.amax(x)),
-        ("fp8 e4m3 quantize rowwise", 3 * n, lambda: quant_core.quantize_fp8(x)),
-        ("fp8 e4m3 quantize rowwise+columnwise", 4 * n, lambda: quant_core.quantize_fp8(x, columnwise=True)),
+        ("amax", 2 * n, lambda: quant_core.amax(x)),
+        ("fp8 quantize rowwise", 3 * n, lambda: quant_core.quantize_fp8(x)),
+        ("fp8 quantize rowwise+columnwise", 4 * n, lambda: quant_core.quantize_fp8(x, columnwise=True)),
         # The out= path of FSDP2's all-gather reuse: no fresh output pages to fault in.
         (
-            "fp8 e4m3 cast rowwise+columnwise into out=",
+            "fp8 cast rowwise+columnwise into out=",
             4 * n,
             lambda: quant_core.cast_to_fp8(
                 x, scale, e4m3, columnwise=True, rowwise_out=rowwise_out, columnwise_out=columnwise_out
             ),
         ),
+        ("fp8 dequantize to bf16", 3 * n, lambda: quant_core.dequantize_fp8(fp8.rowwise_data, fp8.scale_inv, torch.bfloat16)),
+        ("fp8 transpose", 2 * n, lambda: quant_core.transpose_fp8(fp8.rowwise_data)),
+        ("mxfp8 quantize rowwise+columnwise", 4 * n, lambda: quant_core.quantize_mxfp8(x, columnwise=True)),
+        (
+            "mxfp8 dequantize to bf16",
+            3 * n,
+            lambda: quant_core.dequantize_mxfp8(mxfp8.rowwise_data, mxfp8.rowwise_scale_inv, torch.bfloat16),
+        ),
+        (
+            "blockwise 1x128 quantize rowwise+columnwise",
+            4 * n,
+            lambda: quant_core.quantize_fp8_blockwise(x, (1, 128), columnwise=True),
+        ),
+        ("blockwise 128x128 quantize rowwise", 3 * n, lambda: quant_core.quantize_fp8_blockwise(x, (128, 128))),
+        (
+            "blockwise 128x128 transpose",
+            2 * n,
+            lambda: quant_core.transpose_fp8_blockwise(blockwise.rowwise_data, blockwise.rowwise_scale_inv),
+        ),
+        (
+            "blockwise 128x128 dequantize to bf16",
+            3 * n,
+            lambda: quant_core.dequantize_fp8_blockwise(
+                blockwise.rowwise_data, blockwise.rowwise_scale_inv, (128, 128), torch.bfloat16
+            ),
+        ),
+        ("nvfp4 1x16 quantize rowwise+columnwise", 3 * n, lambda: quant_core.quantize_nvfp4(x, columnwise=True)),
+        (
+            "nvfp4 1x16 quantize, stochastic rounding",
+            2.5 * n,
+            lambda: quant_core.quantize_nvfp4(x, stochastic_rounding=True, seed=1),
+        ),
+        ("nvfp4 16x16 quantize rowwise", 2.5 * n, lambda: quant_core.quantize_nvfp4(x, (16, 16))),
+        ("nvfp4 16x16 transpose", n, lambda: quant_core.transpose_nvfp4(nvfp4.rowwise_data, nvfp4.rowwise_scale_inv)),
+        (
+            "nvfp4 dequantize to bf16",
+            2.5 * n,
+            lambda: quant_core.dequantize_nvfp4(
+                nvfp4.rowwise_data, nvfp4.rowwise_scale_inv, nvfp4.amax, (16, 16), torch.bfloat16
+            ),
+        ),
+        ("hadamard 16x16 transform", 4 * n, lambda: quant_core.hadamard_transform_16(x, seed=1)),
     ]
 
 
@@ -83,7 +130,7 @@ def run_bench(out: pathlib.Path, *, size: int, min_run_time: float) -> int:
     """Runs the suite on the CPU (and on CUDA when present), prints a table, writes bench.json."""
     console = Console(width=None if sys.stdout.isatty() else 120)  # logs: no wrapped tables
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
-    table = Table(title=f"quant-core kernels vs plain-torch reference ({size}x{size} bf16)")
+    table = Table(title=f"quant-core kernels vs plain-torch reference ({size}x{size} bf16 input)")
     for column in ("device", "case", "backend", "median ms", "GB/s", "x reference"):
         table.add_column(column, justify="left" if column in ("device", "case", "backend") else "right")
     records = []
