@@ -58,7 +58,8 @@ struct Nvfp4Policy {
   BlockScale scale(float amax) const {
     const uint8_t s = encode_fp8<Fp8Format::kE4M3>(amax / 6.0f * tensor_scale);
     const float s_f32 = decode_fp8<Fp8Format::kE4M3>(s);
-    return {s_f32 > 0.0f ? tensor_scale / s_f32 : 0.0f, 0.0f, s, s_f32 == 0.0f};
+    // enc = S / s is clamped to the largest fp32 like every scale (S may already be, and s < 1).
+    return {s_f32 > 0.0f ? std::min(tensor_scale / s_f32, kFloat32Max) : 0.0f, 0.0f, s, s_f32 == 0.0f};
   }
   uint8_t encode(float v, uint64_t index) const {
     return stochastic_rounding ? encode_e2m1_stochastic(v, uint32_t(splitmix64(seed, index) >> 40)) : encode_e2m1(v);

@@ -289,3 +289,17 @@ def test_dequantize_checks_its_scales():
         quant_core.dequantize_mxfp8(q.rowwise_data, q.rowwise_scale_inv, torch.int8)
     with pytest.raises(ValueError, match="MXFP8 data must be a torch.float8_e4m3fn tensor"):
         quant_core.dequantize_mxfp8(q.rowwise_data.view(torch.uint8), q.rowwise_scale_inv)
+
+
+@pytest.mark.parametrize("backend_name", quant_core.available_backends())
+def test_nvfp4_encode_factor_is_clamped_like_every_scale(backend_name):
+    # Own amax 2^-130: S = 2688 / 2^-130 overflows and clamps to the largest fp32 (just under 2^128);
+    # s = e4m3(2^-130 / 6 * S) = e4m3(0.0417) = 0x13 (0.04296875) < 1, so S / s overflows too and must
+    # clamp to the same largest fp32. Then 2^-130 * that is just under 0.25 -> 0, -2^-131 * that is
+    # about -0.125 -> -0 (0x8), and the zeros keep their sign.
+    # Unclamped, enc = Inf would turn the tiny values into +-6 and 0 * Inf into NaN -> 0.
+    x = torch.tensor([[2.0**-130, -(2.0**-131), 0.0, -0.0]])
+    with quant_core.use_backend(backend_name):
+        q = quant_core.quantize_nvfp4(x)
+    assert q.rowwise_scale_inv.view(torch.uint8).tolist() == [[0x13]]
+    assert q.rowwise_data.tolist() == [[0x80, 0x80]]  # codes [0, 8, 0, 8], packed low nibble first

@@ -2,7 +2,8 @@
 
 Tensor scale S = 448 * 6 / global_amax (1 if 0, clamped to the largest fp32), global_amax over
 the whole unsharded tensor (pass it in when quantizing a shard). Per block:
-s = e4m3(block_amax / 6 * S), enc = S / fp32(s), q = e2m1(x * enc) (q = 0 where s = 0),
+s = e4m3(block_amax / 6 * S), enc = S / fp32(s) (clamped to the largest fp32, like every scale),
+q = e2m1(x * enc) (q = 0 where s = 0),
 dequantized fp32(q) * (fp32(s) / S). Codes pack along the last dim, even element in the low
 nibble, so the packed dim must be even. Optional stochastic rounding draws from the counter RNG
 ([Note: counter RNG]); `hadamard_transform_16` is the 16 x 16 random Hadamard transform applied
@@ -107,7 +108,8 @@ def _quantize_with_tensor_scale_reference(
         M, K = x_MK.shape
         s = encode_fp8(block_amax(x_MK, block_shape) / E2M1_MAX * S, torch.float8_e4m3fn)
         s_f32 = s.float()
-        enc = torch.where(s_f32 > 0, S / s_f32, 0.0)
+        # enc is a scale like any other: clamped to the largest fp32 (S may already be, and s < 1).
+        enc = torch.where(s_f32 > 0, S / s_f32, 0.0).clamp(max=FLOAT32_MAX)
         v = x_MK * expand_blocks(enc, block_shape, M, K)
         if stochastic_rounding:
             codes = encode_e2m1_stochastic(v, random24(seed, element_index((M, K), index_offset, x_MK.device)))
