@@ -67,7 +67,11 @@ def _kernel_cases(size: int, device: torch.device) -> list[tuple[str, int, Calla
                 x, scale, e4m3, columnwise=True, rowwise_out=rowwise_out, columnwise_out=columnwise_out
             ),
         ),
-        ("fp8 dequantize to bf16", 3 * n, lambda: quant_core.dequantize_fp8(fp8.rowwise_data, fp8.scale_inv, torch.bfloat16)),
+        (
+            "fp8 dequantize to bf16",
+            3 * n,
+            lambda: quant_core.dequantize_fp8(fp8.rowwise_data, fp8.scale_inv, torch.bfloat16),
+        ),
         ("fp8 transpose", 2 * n, lambda: quant_core.transpose_fp8(fp8.rowwise_data)),
         ("mxfp8 quantize rowwise+columnwise", 4 * n, lambda: quant_core.quantize_mxfp8(x, columnwise=True)),
         (
