@@ -1,0 +1,195 @@
+"""What MXFP8, blockwise FP8 and NVFP4 tensors share: four buffers laid out as quant-core's blocks.
+
+Buffers ([Note: block layouts] in quant_core._blocks): rowwise_data and rowwise_scale_inv of the
+(M, K) view, columnwise_data and columnwise_scale_inv of x^T. With b x b tiles the columnwise
+buffers are the exact transpose of the rowwise ones, so either follows from the other; with
+1 x b blocks columnwise is quantized separately (its blocks run along M).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+import quant_core
+from quant_tensors._tensor import QuantizedTensor
+from quant_tensors.float8 import _drop_usages
+from quant_tensors.quantizer import Quantizer
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockScaledTensor(QuantizedTensor):
+    """Base of MXFP8Tensor, Float8BlockwiseTensor and NVFP4Tensor."""
+
+    _buffer_names: ClassVar[tuple[str, ...]] = (
+        "rowwise_data",
+        "rowwise_scale_inv",
+        "columnwise_data",
+        "columnwise_scale_inv",
+    )
+    _metadata_names: ClassVar[tuple[str, ...]] = ("quantizer", "block_shape")
+
+    block: ClassVar[int]  # block size b of 1 x b blocks and b x b tiles
+    codes_per_byte: ClassVar[int] = 1
+    scale_dtype: ClassVar[torch.dtype]
+    format_name: ClassVar[str]
+
+    rowwise_data: torch.Tensor | None
+    rowwise_scale_inv: torch.Tensor | None
+    columnwise_data: torch.Tensor | None
+    columnwise_scale_inv: torch.Tensor | None
+    block_shape: tuple[int, int]
+
+    # Format hooks: quant-core's dequantize and 2-D transpose for this format.
+    def _dequantize_buffers(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _transpose_buffers(self, data: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    @property
+    def tiled(self) -> bool:
+        """True for b x b tiles (columnwise = exact transpose), False for 1 x b blocks."""
+        return self.block_shape[0] > 1
+
+    @property
+    def usages(self) -> tuple[bool, bool]:
+        return self.rowwise_data is not None, self.columnwise_data is not None
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.dtype
+        if self.rowwise_data is not None:
+            return self._dequantize_buffers(self.rowwise_data, self.rowwise_scale_inv, dtype)
+        values_KM = self._dequantize_buffers(self.columnwise_data, self.columnwise_scale_inv, dtype)
+        return values_KM.t().reshape(self.shape)
+
+    def update_usage(self, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
+        for wanted, present, usage in (
+            (columnwise, self.columnwise_data, "columnwise"),
+            (rowwise, self.rowwise_data, "rowwise"),
+        ):
+            if wanted and present is None and not self.tiled:
+                raise ValueError(
+                    f"{self.format_name} with {self.block_shape} blocks cannot derive {usage} data from the other "
+                    "usage: its 1-D blocks run along different dims. Quantize with both usages instead."
+                )
+        if columnwise and self.columnwise_data is None:
+            self.columnwise_data, self.columnwise_scale_inv = self._transpose_buffers(
+                self.rowwise_data, self.rowwise_scale_inv
+            )
+        if rowwise and self.rowwise_data is None:
+            data, self.rowwise_scale_inv = self._transpose_buffers(self.columnwise_data, self.columnwise_scale_inv)
+            self.rowwise_data = data.reshape(*self.shape[:-1], data.shape[-1])
+        _drop_usages(self, rowwise, columnwise)
+
+    def _row_alignment(self) -> int:
+        return self.block if self.tiled or self.columnwise_data is not None else 1
+
+    def _slice_rows(self, start: int, stop: int) -> dict[str, torch.Tensor | None]:
+        b, cpb = self.block, self.codes_per_byte
+        block_rows = self.block_shape[0]
+        buffers: dict[str, torch.Tensor | None] = {
+            "rowwise_data": None,
+            "rowwise_scale_inv": None,
+            "columnwise_data": None,
+            "columnwise_scale_inv": None,
+        }
+        if self.rowwise_data is not None:
+            buffers["rowwise_data"] = self.rowwise_data.reshape(-1, self.rowwise_data.shape[-1])[start:stop]
+            buffers["rowwise_scale_inv"] = self.rowwise_scale_inv[start // block_rows : _ceil_div(stop, block_rows)]
+        if self.columnwise_data is not None:
+            buffers["columnwise_data"] = self.columnwise_data[:, start // cpb : stop // cpb]
+            buffers["columnwise_scale_inv"] = self.columnwise_scale_inv[:, start // b : _ceil_div(stop, b)]
+        return buffers
+
+    @classmethod
+    def _data_dtype(cls, layout: dict[str, Any]) -> torch.dtype:
+        raise NotImplementedError
+
+    @classmethod
+    def _allocate_buffers(cls, shape, device, rowwise, columnwise, *, block_shape, **layout):
+        M, K = (math.prod(shape[:-1]), shape[-1]) if shape else (1, 1)
+        b, cpb, tiled = cls.block, cls.codes_per_byte, block_shape[0] > 1
+        data_dtype = cls._data_dtype(layout)
+        rowwise_scales = (_ceil_div(M, block_shape[0]), _ceil_div(K, b))
+        columnwise_scales = (_ceil_div(K, b), _ceil_div(M, b)) if tiled else (K, _ceil_div(M, b))
+        zeros = lambda shape_, dtype: torch.zeros(shape_, dtype=dtype, device=device)  # noqa: E731
+        return {
+            "rowwise_data": zeros((*shape[:-1], K // cpb), data_dtype) if rowwise else None,
+            "rowwise_scale_inv": zeros(rowwise_scales, cls.scale_dtype) if rowwise else None,
+            "columnwise_data": zeros((K, M // cpb), data_dtype) if columnwise else None,
+            "columnwise_scale_inv": zeros(columnwise_scales, cls.scale_dtype) if columnwise else None,
+        }
+
+
+@dataclass(kw_only=True, eq=False)
+class BlockQuantizer(Quantizer):
+    """Base of the block-scaled formats' quantizers: `_quantize` runs the format's quant-core op."""
+
+    @property
+    def block_shape(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    @property
+    def can_derive_columnwise(self) -> bool:
+        return self.block_shape[0] > 1
+
+    @property
+    def dim_multiple(self) -> tuple[int, int]:
+        block = self.tensor_class.block
+        return block, block
+
+    def _metadata(self) -> dict[str, Any]:
+        return {"block_shape": self.block_shape}
+
+    def _allocation(self) -> dict[str, Any]:
+        return {"block_shape": self.block_shape}
+
+    def _quantize_core(
+        self,
+        x: torch.Tensor,
+        rowwise: bool,
+        columnwise: bool,
+        out: quant_core.BlockQuantized | None,
+        amax: torch.Tensor | None,
+    ) -> quant_core.BlockQuantized:
+        raise NotImplementedError
+
+    def _quantize(self, x, *, out, amax):
+        if out is not None and tuple(out.block_shape) != self.block_shape:
+            raise ValueError(f"quantize_ into {out.block_shape} blocks with a {self.block_shape} quantizer")
+        rowwise, columnwise = self.produced_usages if out is None else out.usages
+        core_out = None if out is None else quant_core.BlockQuantized(*_contiguous_buffers(out))
+        result = self._quantize_core(x, rowwise, columnwise, core_out, amax)
+        if out is not None:
+            if getattr(out, "amax", None) is not None and result.amax is not None:
+                out.amax.copy_(result.amax)
+            return out
+        extra = {"amax": result.amax} if "amax" in self.tensor_class._buffer_names else {}
+        return self.tensor_class(
+            x.shape,
+            x.dtype,
+            rowwise_data=result.rowwise_data,
+            rowwise_scale_inv=result.rowwise_scale_inv,
+            columnwise_data=result.columnwise_data,
+            columnwise_scale_inv=result.columnwise_scale_inv,
+            quantizer=self,
+            **extra,
+            **self._metadata(),
+        )
+
+
+def _contiguous_buffers(t: BlockScaledTensor) -> tuple[torch.Tensor | None, ...]:
+    buffers = (t.rowwise_data, t.rowwise_scale_inv, t.columnwise_data, t.columnwise_scale_inv)
+    if any(b is not None and not b.is_contiguous() for b in buffers):
+        raise ValueError(
+            f"quantize_ needs contiguous destination buffers; this {type(t).__name__} is a slice whose columnwise "
+            "buffers are views (quantize the whole tensor instead)"
+        )
+    return buffers

@@ -1,0 +1,243 @@
+"""QuantizedTensor: the wrapper-subclass base every format derives from, and its op table.
+
+[Note: quantized tensor] A QuantizedTensor is a `_make_wrapper_subclass` tensor whose `.dtype`
+is the nominal high-precision dtype and whose `.shape` is the logical shape; its values live in
+plain tensors ("buffers", declared per class in `_buffer_names`, each possibly None when that
+usage is absent) plus non-tensor metadata (`_metadata_names`). The rowwise/columnwise layouts are
+quant-core's ([Note: block layouts] in quant_core._blocks): rowwise buffers follow the (M, K)
+view of the tensor (M = product of the leading dims), columnwise buffers hold x^T.
+
+Ops reach `__torch_dispatch__`, which looks them up in the op tables along the class's MRO (each
+class registers its own with `implements`; registering an op twice in one class raises). An op not in the table raises
+NotImplementedError, except those in `DEQUANTIZE_FALLBACK_OPS`, which run on the dequantized
+tensor with a one-time warning per (class, op): no silent slow paths.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch.utils._pytree import tree_map
+
+aten = torch.ops.aten
+
+# Ops that may run on the dequantized tensor (one warning per class and op): reductions and
+# comparisons people use to inspect weights. Everything else raises.
+DEQUANTIZE_FALLBACK_OPS = frozenset(
+    {
+        aten.abs.default,
+        aten.sum.default,
+        aten.sum.dim_IntList,
+        aten.mean.default,
+        aten.mean.dim,
+        aten.max.default,
+        aten.min.default,
+        aten.linalg_vector_norm.default,
+        aten.isnan.default,
+        aten.isfinite.default,
+        aten.eq.Tensor,
+        aten.allclose.default,
+        aten.equal.default,
+    }
+)
+
+
+class QuantizedTensor(torch.Tensor):
+    """Base of every quantized format; see [Note: quantized tensor] in quant_tensors._tensor."""
+
+    _buffer_names: ClassVar[tuple[str, ...]] = ()
+    _metadata_names: ClassVar[tuple[str, ...]] = ()
+    _warned_fallbacks: ClassVar[set[tuple[type, Any]]] = set()
+
+    quantizer: Any  # the Quantizer that produced it (requantization, FSDP, copy_ from high precision)
+
+    @staticmethod
+    def __new__(cls, shape: Sequence[int], dtype: torch.dtype, *, requires_grad: bool = False, **fields: Any):
+        device = next(fields[name].device for name in cls._buffer_names if fields.get(name) is not None)
+        return torch.Tensor._make_wrapper_subclass(
+            cls, tuple(shape), dtype=dtype, device=device, requires_grad=requires_grad
+        )
+
+    def __init__(self, shape: Sequence[int], dtype: torch.dtype, *, requires_grad: bool = False, **fields: Any):
+        unknown = set(fields) - set(self._buffer_names) - set(self._metadata_names)
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no field(s) {sorted(unknown)}")
+        for name in self._buffer_names + self._metadata_names:
+            setattr(self, name, fields.get(name))
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # ---- construction helpers ----------------------------------------------------------------
+
+    def buffers(self) -> dict[str, torch.Tensor | None]:
+        """The buffers by name (None for an absent usage)."""
+        return {name: getattr(self, name) for name in self._buffer_names}
+
+    def metadata(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._metadata_names}
+
+    def _rebuilt(
+        self,
+        *,
+        shape: Sequence[int] | None = None,
+        dtype: torch.dtype | None = None,
+        fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        **changes: Any,
+    ) -> QuantizedTensor:
+        """A new wrapper of the same class: buffers mapped through `fn`, then `changes` applied."""
+        fields: dict[str, Any] = {**self.buffers(), **self.metadata()}
+        if fn is not None:
+            fields.update({k: (None if v is None else fn(v)) for k, v in self.buffers().items()})
+        fields.update(changes)
+        return type(self)(self.shape if shape is None else shape, self.dtype if dtype is None else dtype, **fields)
+
+    # ---- what every format provides ----------------------------------------------------------
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The high-precision values, as `dtype` (default: the nominal dtype)."""
+        raise NotImplementedError
+
+    def update_usage(self, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
+        """Adds a usage (by lossless transpose where the format allows it) or drops one, in place."""
+        raise NotImplementedError
+
+    @property
+    def usages(self) -> tuple[bool, bool]:
+        """(has rowwise data, has columnwise data)."""
+        raise NotImplementedError
+
+    def _row_alignment(self) -> int:
+        """Rows of the (M, K) view a dim-0 slice must start and end on (block boundaries)."""
+        raise NotImplementedError
+
+    def _slice_rows(self, start: int, stop: int) -> dict[str, torch.Tensor | None]:
+        """Buffers of rows [start, stop) of the (M, K) view (aligned as `_row_alignment` says)."""
+        raise NotImplementedError
+
+    @classmethod
+    def _allocate_buffers(
+        cls, shape: tuple[int, ...], device: torch.device, rowwise: bool, columnwise: bool, **layout: Any
+    ) -> dict[str, torch.Tensor | None]:
+        """Buffers of a tensor of `shape` with the given usages whose values are all zero."""
+        raise NotImplementedError
+
+    def _allocation(self) -> dict[str, Any]:
+        """Keyword arguments of `_allocate_buffers` that reproduce this tensor's layout."""
+        return {k: v for k, v in self.metadata().items() if k != "quantizer"}
+
+    def _zeros_like_buffers(self, shape: Sequence[int]) -> dict[str, torch.Tensor | None]:
+        """Buffers of an all-zero tensor of `shape` with this tensor's usages and layout."""
+        return self._allocate_buffers(tuple(shape), self.device, *self.usages, **self._allocation())
+
+    # ---- dispatch ----------------------------------------------------------------------------
+
+    @classmethod
+    def implements(cls, *ops: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Registers the decorated function for `ops` in this class's own table; twice raises."""
+        table = cls.__dict__.get("_ops")
+        if table is None:
+            table = {}
+            cls._ops = table  # type: ignore[attr-defined]
+
+        def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+            for op in ops:
+                if op in table:
+                    raise RuntimeError(f"{op} is registered twice for {cls.__name__}")
+                table[op] = fn
+            return fn
+
+        return decorate
+
+    @classmethod
+    def _handler(cls, func: Any) -> Callable[..., Any] | None:
+        for klass in cls.__mro__:
+            table = klass.__dict__.get("_ops", {})
+            handler = table.get(func) or table.get(func.overloadpacket)
+            if handler is not None:
+                return handler
+        return None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        handler = cls._handler(func)
+        if handler is not None:
+            return handler(func, args, kwargs)
+        if func in DEQUANTIZE_FALLBACK_OPS:
+            if (cls, func) not in QuantizedTensor._warned_fallbacks:
+                QuantizedTensor._warned_fallbacks.add((cls, func))
+                warnings.warn(
+                    f"{func} is not implemented for {cls.__name__}: it runs on the dequantized tensor "
+                    "(a high-precision copy). This warning is shown once per op.",
+                    stacklevel=2,
+                )
+            unwrap = lambda t: t.dequantize() if isinstance(t, QuantizedTensor) else t  # noqa: E731
+            return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        raise NotImplementedError(
+            f"{func} is not supported on {cls.__name__}: its op table (quant_tensors README) has no entry for it. "
+            "Call .dequantize() first if a high-precision result is what you want."
+        )
+
+    # ---- serialization (torch.save / torch.load(weights_only=True), deepcopy) ----------------
+
+    def __tensor_flatten__(self) -> tuple[list[str], dict[str, Any]]:
+        present = [name for name, t in self.buffers().items() if t is not None]
+        return present, {"metadata": self.metadata(), "dtype": self.dtype}
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner_tensors, context, outer_size, outer_stride):
+        buffers = {name: inner_tensors.get(name) for name in cls._buffer_names}
+        return cls(outer_size, context["dtype"], **buffers, **context["metadata"])
+
+    def __reduce_ex__(self, protocol: int):
+        return _rebuild_quantized_tensor, (
+            type(self),
+            tuple(self.shape),
+            self.dtype,
+            self.requires_grad,
+            self.buffers(),
+            self.metadata(),
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> QuantizedTensor:
+        result = self._rebuilt(fn=lambda t: t.clone(), **copy.deepcopy(self.metadata(), memo))
+        result.requires_grad_(self.requires_grad)
+        memo[id(self)] = result
+        return result
+
+    def untyped_storage(self) -> torch.UntypedStorage:  # type: ignore[override]
+        """The storage of the first present data buffer (a wrapper has none of its own).
+
+        Lets code that sizes, frees or compares storages (FSDP2's bookkeeping) see real bytes.
+        """
+        for name in ("rowwise_data", "columnwise_data"):
+            buffer = getattr(self, name, None)
+            if buffer is not None:
+                return buffer.untyped_storage()
+        raise RuntimeError(f"{type(self).__name__} holds no data buffer")
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        present = ", ".join(
+            f"{name}={tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}"
+            for name, t in self.buffers().items()
+            if t is not None
+        )
+        return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, {present})"
+
+
+def _rebuild_quantized_tensor(
+    cls: type[QuantizedTensor],
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    requires_grad: bool,
+    buffers: dict[str, torch.Tensor | None],
+    metadata: dict[str, Any],
+) -> QuantizedTensor:
+    """Unpickles a QuantizedTensor from its raw buffers (registered as a safe global)."""
+    tensor = cls(shape, dtype, **buffers, **metadata)
+    tensor.requires_grad_(requires_grad)
+    return tensor

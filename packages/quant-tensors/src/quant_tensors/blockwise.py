@@ -1,0 +1,69 @@
+"""Blockwise FP8: 1 x 128 blocks (activations, gradients) or 128 x 128 tiles (weights), fp32 scales."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+import quant_core
+from quant_tensors._block_tensor import BlockQuantizer, BlockScaledTensor
+
+
+class Float8BlockwiseTensor(BlockScaledTensor):
+    """Blockwise-scaled FP8; with 128 x 128 tiles columnwise is a lossless transpose of rowwise."""
+
+    block = quant_core.BLOCKWISE_BLOCK
+    scale_dtype = torch.float32
+    format_name = "blockwise FP8"
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return (self.rowwise_data if self.rowwise_data is not None else self.columnwise_data).dtype
+
+    @classmethod
+    def _data_dtype(cls, layout):
+        return layout.get("fp8_dtype", torch.float8_e4m3fn)
+
+    def _allocation(self):
+        return {"block_shape": self.block_shape, "fp8_dtype": self.fp8_dtype}
+
+    def _dequantize_buffers(self, data, scale_inv, dtype):
+        return quant_core.dequantize_fp8_blockwise(data, scale_inv, self.block_shape, dtype)
+
+    def _transpose_buffers(self, data, scale_inv):
+        return quant_core.transpose_fp8_blockwise(data, scale_inv)
+
+
+@dataclass(kw_only=True, eq=False)
+class Float8BlockQuantizer(BlockQuantizer):
+    """Blockwise FP8 quantizer: power-of-two scales by default, both usages in one pass."""
+
+    tile: bool = False
+    """128 x 128 tiles (weights) instead of 1 x 128 blocks (activations and gradients)."""
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    """torch.float8_e4m3fn or torch.float8_e5m2."""
+    power_2_scales: bool = True
+    """Scales are powers of two (exact scaling) rather than fmax / amax."""
+
+    tensor_class: ClassVar[type[BlockScaledTensor]] = Float8BlockwiseTensor
+    format_name: ClassVar[str] = "blockwise FP8"
+
+    @property
+    def block_shape(self) -> tuple[int, int]:
+        return (quant_core.BLOCKWISE_BLOCK if self.tile else 1, quant_core.BLOCKWISE_BLOCK)
+
+    def _allocation(self):
+        return {"block_shape": self.block_shape, "fp8_dtype": self.fp8_dtype}
+
+    def _quantize_core(self, x, rowwise, columnwise, out, amax):
+        return quant_core.quantize_fp8_blockwise(
+            x,
+            self.block_shape,
+            self.fp8_dtype,
+            power_2_scales=self.power_2_scales,
+            rowwise=rowwise,
+            columnwise=columnwise,
+            out=out,
+        )

@@ -1,0 +1,207 @@
+"""Per-tensor FP8: Float8Tensor and its quantizers (current and delayed scaling).
+
+Buffers: rowwise_data (x's shape, FP8), columnwise_data ((K, M), FP8, the exact transpose) and
+one scale_inv (fp32 0-d) shared by both. Columnwise follows from rowwise losslessly and back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import torch
+
+import quant_core
+from quant_tensors._tensor import QuantizedTensor
+from quant_tensors.quantizer import Quantizer
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _m_k(shape: tuple[int, ...]) -> tuple[int, int]:
+    return (math.prod(shape[:-1]), shape[-1]) if shape else (1, 1)
+
+
+class Float8Tensor(QuantizedTensor):
+    """Per-tensor scaled FP8 (current or delayed scaling); see quant_tensors.float8."""
+
+    _buffer_names = ("rowwise_data", "columnwise_data", "scale_inv")
+    _metadata_names = ("quantizer",)
+
+    rowwise_data: torch.Tensor | None
+    columnwise_data: torch.Tensor | None
+    scale_inv: torch.Tensor
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return (self.rowwise_data if self.rowwise_data is not None else self.columnwise_data).dtype
+
+    @property
+    def usages(self) -> tuple[bool, bool]:
+        return self.rowwise_data is not None, self.columnwise_data is not None
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.dtype
+        if self.rowwise_data is not None:
+            return quant_core.dequantize_fp8(self.rowwise_data, self.scale_inv, dtype)
+        return quant_core.dequantize_fp8(self.columnwise_data, self.scale_inv, dtype).t().reshape(self.shape)
+
+    def update_usage(self, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
+        if columnwise and self.columnwise_data is None:
+            self.columnwise_data = quant_core.transpose_fp8(self.rowwise_data)
+        if rowwise and self.rowwise_data is None:
+            self.rowwise_data = quant_core.transpose_fp8(self.columnwise_data).reshape(self.shape)
+        _drop_usages(self, rowwise, columnwise)
+
+    def _row_alignment(self) -> int:
+        return 1
+
+    def _slice_rows(self, start: int, stop: int) -> dict[str, torch.Tensor | None]:
+        rowwise = self.rowwise_data
+        return {
+            "rowwise_data": None if rowwise is None else rowwise.reshape(-1, rowwise.shape[-1])[start:stop],
+            "columnwise_data": None if self.columnwise_data is None else self.columnwise_data[:, start:stop],
+            "scale_inv": self.scale_inv,  # one scale for the whole tensor: shared by every slice
+        }
+
+    @classmethod
+    def _allocate_buffers(cls, shape, device, rowwise, columnwise, *, fp8_dtype=torch.float8_e4m3fn, scale_inv=None):
+        M, K = _m_k(shape)
+        return {
+            "rowwise_data": torch.zeros(shape, dtype=fp8_dtype, device=device) if rowwise else None,
+            "columnwise_data": torch.zeros((K, M), dtype=fp8_dtype, device=device) if columnwise else None,
+            "scale_inv": torch.ones((), device=device) if scale_inv is None else scale_inv.clone(),
+        }
+
+    def _allocation(self) -> dict[str, Any]:
+        return {"fp8_dtype": self.fp8_dtype, "scale_inv": self.scale_inv}
+
+
+def _drop_usages(t: QuantizedTensor, rowwise: bool | None, columnwise: bool | None) -> None:
+    """Drops the usages set to False, refusing to drop the last one (shared by every format)."""
+    keep_rowwise = t.rowwise_data is not None if rowwise is None else rowwise
+    keep_columnwise = t.columnwise_data is not None if columnwise is None else columnwise
+    if not (keep_rowwise or keep_columnwise):
+        raise ValueError(f"a {type(t).__name__} must keep at least one usage (rowwise or columnwise)")
+    if not keep_rowwise:
+        t.rowwise_data = None
+        if hasattr(t, "rowwise_scale_inv"):
+            t.rowwise_scale_inv = None
+    if not keep_columnwise:
+        t.columnwise_data = None
+        if hasattr(t, "columnwise_scale_inv"):
+            t.columnwise_scale_inv = None
+
+
+@dataclass(kw_only=True, eq=False)
+class Float8Quantizer(Quantizer):
+    """Per-tensor FP8 with current scaling: scale = fmax / amax of the tensor being quantized."""
+
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    """torch.float8_e4m3fn or torch.float8_e5m2."""
+    power_2_scales: bool = False
+    """Round each scale down to a power of two."""
+
+    tensor_class: ClassVar[type[QuantizedTensor]] = Float8Tensor
+    format_name: ClassVar[str] = "per-tensor FP8"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.fp8_dtype not in _FP8_DTYPES:
+            raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {self.fp8_dtype}")
+
+    @property
+    def dim_multiple(self) -> tuple[int, int]:
+        return 16, 16  # torch._scaled_mm's requirement
+
+    @property
+    def can_derive_columnwise(self) -> bool:
+        return True
+
+    def _allocation(self) -> dict[str, Any]:
+        return {"fp8_dtype": self.fp8_dtype}
+
+    def _scale(self, x: torch.Tensor, amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(scale, scale_inv, amax of x) for this call."""
+        x_amax = quant_core.amax(x) if amax is None else amax.reshape(()).float()
+        scale, scale_inv = quant_core.fp8_scale(x_amax, self.fp8_dtype, power_2_scales=self.power_2_scales)
+        return scale, scale_inv, x_amax
+
+    def _quantize(self, x, *, out, amax):
+        scale, scale_inv, _ = self._scale(x, amax)
+        if out is None:
+            rowwise, columnwise = self.produced_usages
+            rowwise_data, columnwise_data = quant_core.cast_to_fp8(
+                x, scale, self.fp8_dtype, rowwise=rowwise, columnwise=columnwise
+            )
+            return Float8Tensor(
+                x.shape,
+                x.dtype,
+                rowwise_data=rowwise_data,
+                columnwise_data=columnwise_data,
+                scale_inv=scale_inv,
+                quantizer=self,
+            )
+        if out.fp8_dtype != self.fp8_dtype:
+            raise ValueError(f"quantize_ into a {out.fp8_dtype} Float8Tensor with a {self.fp8_dtype} quantizer")
+        rowwise, columnwise = out.usages
+        quant_core.cast_to_fp8(
+            x,
+            scale,
+            self.fp8_dtype,
+            rowwise=rowwise,
+            columnwise=columnwise,
+            rowwise_out=None if out.rowwise_data is None else _contiguous_target(out.rowwise_data),
+            columnwise_out=None if out.columnwise_data is None else _contiguous_target(out.columnwise_data),
+        )
+        out.scale_inv.copy_(scale_inv)
+        return out
+
+
+def _contiguous_target(buffer: torch.Tensor) -> torch.Tensor:
+    if not buffer.is_contiguous():
+        raise ValueError(
+            "quantize_ needs contiguous destination buffers; a sliced columnwise view is not (quantize the whole tensor)"
+        )
+    return buffer
+
+
+AmaxComputeAlgo = Literal["max", "most_recent"]
+
+
+@dataclass(kw_only=True, eq=False)
+class Float8DelayedQuantizer(Float8Quantizer):
+    """Per-tensor FP8 with delayed scaling: the scale comes from earlier amaxes (the history).
+
+    Each quantize scales with fmax / amax(history) / 2^margin, then pushes the amax it measured.
+    The history lives here, on the quantizer, so it follows the quantizer through checkpoints.
+    """
+
+    amax_history_len: int = 16
+    """Steps of amax kept."""
+    amax_compute_algo: AmaxComputeAlgo = "max"
+    """How the history becomes one amax: its max or its most recent entry."""
+    margin: int = 0
+    """Extra headroom: the scale is divided by 2^margin."""
+    amax_history: torch.Tensor = field(default=None)  # type: ignore[assignment]
+    """fp32 (amax_history_len,), newest first; zeros at the start (scale 1 until an amax is seen)."""
+
+    format_name: ClassVar[str] = "per-tensor FP8 (delayed scaling)"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.amax_history_len < 1:
+            raise ValueError(f"amax_history_len must be >= 1, got {self.amax_history_len}")
+        if self.amax_history is None:
+            self.amax_history = torch.zeros(self.amax_history_len)
+
+    def _scale(self, x, amax):
+        history = self.amax_history.to(x.device) if self.amax_history.device != x.device else self.amax_history
+        self.amax_history = history
+        history_amax = quant_core.amax_from_history(history, self.amax_compute_algo)
+        scale, scale_inv = quant_core.fp8_scale(
+            history_amax, self.fp8_dtype, margin=self.margin, power_2_scales=self.power_2_scales
+        )
+        quant_core.push_amax_(history, quant_core.amax(x) if amax is None else amax.reshape(()).float())
+        return scale, scale_inv, history_amax

@@ -1,0 +1,41 @@
+"""MXFP8: E4M3 codes in 1 x 32 blocks with E8M0 scales (rowwise along K, columnwise along M)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+import quant_core
+from quant_tensors._block_tensor import BlockQuantizer, BlockScaledTensor
+
+
+class MXFP8Tensor(BlockScaledTensor):
+    """MXFP8 (1 x 32 blocks, E8M0 scales); columnwise is quantized separately, never derived."""
+
+    block = quant_core.MXFP8_BLOCK
+    scale_dtype = torch.uint8
+    format_name = "MXFP8"
+
+    @classmethod
+    def _data_dtype(cls, layout):
+        return torch.float8_e4m3fn
+
+    def _dequantize_buffers(self, data, scale_inv, dtype):
+        return quant_core.dequantize_mxfp8(data, scale_inv, dtype)
+
+
+@dataclass(kw_only=True, eq=False)
+class MXFP8Quantizer(BlockQuantizer):
+    """MXFP8 quantizer: both usages come from one pass over the input."""
+
+    tensor_class: ClassVar[type[BlockScaledTensor]] = MXFP8Tensor
+    format_name: ClassVar[str] = "MXFP8"
+
+    @property
+    def block_shape(self) -> tuple[int, int]:
+        return (1, quant_core.MXFP8_BLOCK)
+
+    def _quantize_core(self, x, rowwise, columnwise, out, amax):
+        return quant_core.quantize_mxfp8(x, rowwise=rowwise, columnwise=columnwise, out=out)

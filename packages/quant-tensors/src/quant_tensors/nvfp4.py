@@ -1,0 +1,76 @@
+"""NVFP4: E2M1 codes (two per byte) with E4M3 scales per 1 x 16 block or 16 x 16 tile, and a global amax."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+import quant_core
+from quant_tensors._block_tensor import BlockQuantizer, BlockScaledTensor
+
+
+class NVFP4Tensor(BlockScaledTensor):
+    """NVFP4; `amax` is the global amax of the (unsharded) tensor, shared by every slice."""
+
+    _buffer_names = (*BlockScaledTensor._buffer_names, "amax")
+    block = quant_core.NVFP4_BLOCK
+    codes_per_byte = 2
+    scale_dtype = torch.float8_e4m3fn
+    format_name = "NVFP4"
+
+    amax: torch.Tensor
+
+    @classmethod
+    def _data_dtype(cls, layout):
+        return torch.uint8
+
+    @classmethod
+    def _allocate_buffers(cls, shape, device, rowwise, columnwise, *, block_shape, **layout):
+        buffers = super()._allocate_buffers(shape, device, rowwise, columnwise, block_shape=block_shape)
+        return {**buffers, "amax": torch.zeros((), device=device)}
+
+    def _slice_rows(self, start, stop):
+        return {**super()._slice_rows(start, stop), "amax": self.amax}
+
+    def _dequantize_buffers(self, data, scale_inv, dtype):
+        return quant_core.dequantize_nvfp4(data, scale_inv, self.amax, self.block_shape, dtype)
+
+    def _transpose_buffers(self, data, scale_inv):
+        return quant_core.transpose_nvfp4(data, scale_inv)
+
+
+@dataclass(kw_only=True, eq=False)
+class NVFP4Quantizer(BlockQuantizer):
+    """NVFP4 quantizer; the global amax is the input's own unless one is passed (shards)."""
+
+    tile: bool = False
+    """16 x 16 tiles (weights) instead of 1 x 16 blocks (activations and gradients)."""
+    stochastic_rounding: bool = False
+    """Round E2M1 stochastically (gradients); each call draws from a new counter stream."""
+    seed: int = 0
+    """Base of the stochastic-rounding streams; call n uses seed + n."""
+    calls: int = field(default=0, repr=False)
+    """Quantize calls made so far (advances the stochastic-rounding stream)."""
+
+    tensor_class: ClassVar[type[BlockScaledTensor]] = NVFP4Tensor
+    format_name: ClassVar[str] = "NVFP4"
+
+    @property
+    def block_shape(self) -> tuple[int, int]:
+        return (quant_core.NVFP4_BLOCK if self.tile else 1, quant_core.NVFP4_BLOCK)
+
+    def _quantize_core(self, x, rowwise, columnwise, out, amax):
+        seed = self.seed + self.calls
+        self.calls += 1
+        return quant_core.quantize_nvfp4(
+            x,
+            self.block_shape,
+            global_amax=amax,
+            rowwise=rowwise,
+            columnwise=columnwise,
+            stochastic_rounding=self.stochastic_rounding,
+            seed=seed,
+            out=out,
+        )

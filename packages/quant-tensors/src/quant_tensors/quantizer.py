@@ -1,0 +1,153 @@
+"""Quantizer: turns high-precision tensors into one format's QuantizedTensor.
+
+A recipe makes one quantizer per role ("weight", "input", "grad_output"). Quantizers carry the
+usages to produce (rowwise for the forward GEMM, columnwise for the backward GEMMs) and, for
+delayed scaling, the amax history.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from quant_tensors._tensor import QuantizedTensor
+
+# [Note: on-demand columnwise] Weights whose columnwise data is a lossless transpose of their
+# rowwise data (per-tensor FP8, blockwise 128x128, NVFP4 16x16) can be kept rowwise-only, half
+# the bytes, and get columnwise with `update_usage(columnwise=True)` right before the dgrad GEMM,
+# dropped again after. The weight quantizer's `columnwise_on_demand` flag turns it on; this
+# environment variable sets the flag's default for quantizers made by recipes.
+COLUMNWISE_ON_DEMAND_ENV_VAR = "QUANT_TENSORS_COLUMNWISE_ON_DEMAND"
+
+
+def columnwise_on_demand_default() -> bool:
+    return os.environ.get(COLUMNWISE_ON_DEMAND_ENV_VAR, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(kw_only=True, eq=False)
+class Quantizer:
+    """Base of every format's quantizer."""
+
+    rowwise: bool = True
+    """Produce rowwise data (the forward GEMM operand)."""
+    columnwise: bool = True
+    """Produce columnwise data (the backward GEMMs' operand)."""
+    columnwise_on_demand: bool = False
+    """Leave columnwise out of `quantize`; derive it with update_usage ([Note: on-demand columnwise])."""
+
+    tensor_class: ClassVar[type[QuantizedTensor]]
+    format_name: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        if not (self.rowwise or self.columnwise):
+            raise ValueError(f"{type(self).__name__} needs at least one usage: rowwise=True and/or columnwise=True")
+        if self.columnwise_on_demand and not self.can_derive_columnwise:
+            raise ValueError(
+                f"columnwise_on_demand needs columnwise data that is a lossless transpose of rowwise; "
+                f"{type(self).__name__} ({self.format_name}) quantizes columnwise separately"
+            )
+
+    @property
+    def can_derive_columnwise(self) -> bool:
+        """Whether this format's columnwise data is a lossless transpose of its rowwise data."""
+        return False
+
+    @property
+    def produced_usages(self) -> tuple[bool, bool]:
+        """(rowwise, columnwise) that `quantize` writes (on-demand columnwise left out)."""
+        return self.rowwise, self.columnwise and not (self.columnwise_on_demand and self.rowwise)
+
+    # ---- public API --------------------------------------------------------------------------
+
+    def quantize(self, x: torch.Tensor, *, amax: torch.Tensor | None = None) -> QuantizedTensor:
+        """Quantizes x (fp32/bf16/fp16, at least one dim) for this quantizer's usages.
+
+        `amax`: for formats with a per-tensor scale, the amax to scale with instead of x's own
+        (e.g. the all-reduced amax of a sharded tensor).
+        """
+        self._check_input(x)
+        return self._quantize(x, out=None, amax=amax)
+
+    def quantize_(
+        self, src: torch.Tensor, out: QuantizedTensor, *, amax: torch.Tensor | None = None
+    ) -> QuantizedTensor:
+        """Requantizes `src` into `out`'s existing buffers (the usages `out` holds), in place."""
+        self._check_input(src)
+        if type(out) is not self.tensor_class or tuple(out.shape) != tuple(src.shape):
+            raise ValueError(
+                f"quantize_ into {type(out).__name__}{tuple(out.shape)} from a {tuple(src.shape)} source with "
+                f"{type(self).__name__}: `out` must be a {self.tensor_class.__name__} of the source's shape"
+            )
+        return self._quantize(src, out=out, amax=amax)
+
+    def is_quantizable(self, x: torch.Tensor) -> bool:
+        """Whether x can take the quantized GEMM and all-gather paths (block-divisible dims)."""
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or not x.dtype.is_floating_point:
+            return False
+        M, K = x.numel() // x.shape[-1] if x.shape[-1] else 0, x.shape[-1]
+        return M > 0 and M % self.dim_multiple[0] == 0 and K % self.dim_multiple[1] == 0
+
+    def make_empty(
+        self,
+        shape: tuple[int, ...] | torch.Size,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        requires_grad: bool = False,
+    ) -> QuantizedTensor:
+        """A QuantizedTensor of `shape` with this quantizer's usages whose values are all zero.
+
+        Buffers are allocated, not computed, so this also works on the meta device.
+        """
+        device = torch.device("cpu") if device is None else torch.device(device)
+        rowwise, columnwise = self.produced_usages
+        buffers = self.tensor_class._allocate_buffers(tuple(shape), device, rowwise, columnwise, **self._allocation())
+        return self.tensor_class(
+            shape, dtype, requires_grad=requires_grad, quantizer=self, **buffers, **self._metadata()
+        )
+
+    def with_usage(self, *, rowwise: bool | None = None, columnwise: bool | None = None) -> Quantizer:
+        """A copy of this quantizer with other usages (shares state such as an amax history)."""
+        return dataclasses.replace(
+            self,
+            rowwise=self.rowwise if rowwise is None else rowwise,
+            columnwise=self.columnwise if columnwise is None else columnwise,
+        )
+
+    # ---- what every format provides ----------------------------------------------------------
+
+    @property
+    def dim_multiple(self) -> tuple[int, int]:
+        """(M, K) multiples a tensor needs for the quantized GEMM and all-gather."""
+        raise NotImplementedError
+
+    def _quantize(self, x: torch.Tensor, *, out: QuantizedTensor | None, amax: torch.Tensor | None) -> QuantizedTensor:
+        raise NotImplementedError
+
+    def _allocation(self) -> dict[str, object]:
+        """Keyword arguments of tensor_class._allocate_buffers besides shape, device and usages."""
+        return {}
+
+    def _metadata(self) -> dict[str, object]:
+        """Metadata of the tensors this quantizer makes, besides the quantizer (e.g. block_shape)."""
+        return {}
+
+    # ---- shared checks -------------------------------------------------------------------------
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{self.format_name} quantizes torch.Tensors, got {type(x).__name__}")
+        if isinstance(x, QuantizedTensor):
+            raise TypeError(
+                f"x is already a {type(x).__name__}; dequantize it first to requantize as {self.format_name}"
+            )
+        if x.dim() == 0:
+            raise ValueError(
+                f"{self.format_name} cannot quantize a 0-d tensor: blocks run along the last dim (reshape it to (1,))"
+            )
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"{self.format_name} quantizes float32, bfloat16 or float16 tensors; got {x.dtype}")
