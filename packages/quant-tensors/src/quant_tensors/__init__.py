@@ -7,13 +7,19 @@ blockwise FP8 and NVFP4, as wrapper subclasses whose `.dtype` is the nominal hig
 
 import torch
 
-from quant_tensors import _ops  # noqa: F401  (registers the shared op table)
+from quant_tensors import (
+    _ops,  # noqa: F401  (registers the shared op table)
+    nn,
+    ops,
+)
 from quant_tensors._block_tensor import BlockQuantizer, BlockScaledTensor
 from quant_tensors._tensor import DEQUANTIZE_FALLBACK_OPS, QuantizedTensor, _rebuild_quantized_tensor
 from quant_tensors._version import __version__
 from quant_tensors.blockwise import Float8BlockQuantizer, Float8BlockwiseTensor
+from quant_tensors.convert import convert
 from quant_tensors.float8 import Float8DelayedQuantizer, Float8Quantizer, Float8Tensor
 from quant_tensors.mxfp8 import MXFP8Quantizer, MXFP8Tensor
+from quant_tensors.nn import high_precision_init_value
 from quant_tensors.nvfp4 import NVFP4Quantizer, NVFP4Tensor
 from quant_tensors.quantizer import COLUMNWISE_ON_DEMAND_ENV_VAR, Quantizer
 from quant_tensors.recipes import (
@@ -56,6 +62,11 @@ __all__ = [
     "MXFP8Tensor",
     "NVFP4Tensor",
     "QuantizedTensor",
+    # GEMM, modules, conversion
+    "convert",
+    "high_precision_init_value",
+    "nn",
+    "ops",
     # version
     "__version__",
 ]

@@ -8,6 +8,7 @@ dim 0 may be split or sliced, on the format's block boundaries.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -115,10 +116,8 @@ def _split_with_sizes(func, args, kwargs):
     t, sizes = args[0], args[1]
     dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
     _check_dim0(t, dim, "split")
-    offsets = [0]
-    for size in sizes:
-        offsets.append(offsets[-1] + size)
-    return [_rows_slice(t, a, b, "split") for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+    offsets = [0, *itertools.accumulate(sizes)]
+    return [_rows_slice(t, a, b, "split") for a, b in itertools.pairwise(offsets)]
 
 
 @implements(aten.slice.Tensor)
@@ -151,8 +150,9 @@ def _as_strided(func, args, kwargs):
 def _zeros(t: QuantizedTensor, shape: list[int], kwargs: dict[str, Any]) -> QuantizedTensor:
     dtype = kwargs.get("dtype") or t.dtype
     device = kwargs.get("device")
-    zeros = t._rebuilt(shape=shape, dtype=dtype, **t._zeros_like_buffers(shape))
-    return zeros if device is None else zeros._rebuilt(fn=lambda b: b.to(device))
+    return t._rebuilt(
+        shape=shape, dtype=dtype, **t._zeros_like_buffers(shape, None if device is None else torch.device(device))
+    )
 
 
 @implements(aten.new_zeros.default, aten.new_empty.default)

@@ -129,9 +129,11 @@ class QuantizedTensor(torch.Tensor):
         """Keyword arguments of `_allocate_buffers` that reproduce this tensor's layout."""
         return {k: v for k, v in self.metadata().items() if k != "quantizer"}
 
-    def _zeros_like_buffers(self, shape: Sequence[int]) -> dict[str, torch.Tensor | None]:
-        """Buffers of an all-zero tensor of `shape` with this tensor's usages and layout."""
-        return self._allocate_buffers(tuple(shape), self.device, *self.usages, **self._allocation())
+    def _zeros_like_buffers(
+        self, shape: Sequence[int], device: torch.device | None = None
+    ) -> dict[str, torch.Tensor | None]:
+        """Buffers of an all-zero tensor of `shape` (on `device`, default ours) with our usages and layout."""
+        return self._allocate_buffers(tuple(shape), device or self.device, *self.usages, **self._allocation())
 
     # ---- dispatch ----------------------------------------------------------------------------
 

@@ -71,7 +71,10 @@ class Float8Tensor(QuantizedTensor):
         return {
             "rowwise_data": torch.zeros(shape, dtype=fp8_dtype, device=device) if rowwise else None,
             "columnwise_data": torch.zeros((K, M), dtype=fp8_dtype, device=device) if columnwise else None,
-            "scale_inv": torch.ones((), device=device) if scale_inv is None else scale_inv.clone(),
+            # A per-tensor scale carries over (so slices of a new tensor agree), unless it lives elsewhere.
+            "scale_inv": scale_inv.clone()
+            if scale_inv is not None and scale_inv.device == device
+            else torch.ones((), device=device),
         }
 
     def _allocation(self) -> dict[str, Any]:

@@ -1,0 +1,152 @@
+"""qt.nn.Linear: nn.Linear whose three GEMMs run on quantized operands.
+
+fprop  y  = x W^T      : input rowwise      x weight rowwise
+dgrad  dx = dy W       : grad_output rowwise x weight columnwise
+wgrad  dW = dy^T x     : grad_output columnwise x input columnwise
+([Note: GEMM operands] in quant_tensors.ops). The bias stays in high precision. The weight may be
+a high-precision parameter (quantized every forward) or a QuantizedTensor parameter (quantized
+primary weights, see `qt.convert(..., quantized_weights=True)`). A 2-D-scaled weight kept
+rowwise-only gets its columnwise data just for the dgrad GEMM and drops it again.
+
+Fallback policy: a weight shape the recipe cannot quantize (`quantizer.is_quantizable` false,
+e.g. in_features=100 for 128 x 128 blocks) makes the layer compute in high precision, with one
+warning when the layer is built. Token counts need no alignment: kernels take partial blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+
+from quant_tensors._tensor import QuantizedTensor
+from quant_tensors.ops import scaled_mm
+from quant_tensors.recipes import Recipe
+
+_HIGH_PRECISION_INIT = "_quant_tensors_high_precision_init_value"
+
+
+def high_precision_init_value(param: torch.Tensor) -> torch.Tensor | None:
+    """The high-precision value a quantized parameter was made from, or None; freed once taken.
+
+    Optimizers call this once to initialise their fp32 master copy exactly, not from the
+    (lossy) dequantized parameter.
+    """
+    value = getattr(param, _HIGH_PRECISION_INIT, None)
+    if value is not None:
+        delattr(param, _HIGH_PRECISION_INIT)
+    return value
+
+
+def quantized_parameter(value: torch.Tensor, quantizer: Any, *, requires_grad: bool = True) -> torch.nn.Parameter:
+    """A Parameter holding `quantizer.quantize(value)`, remembering `value` for the master copy."""
+    param = torch.nn.Parameter(quantizer.quantize(value.detach()), requires_grad=requires_grad)
+    setattr(param, _HIGH_PRECISION_INIT, value.detach().clone())
+    return param
+
+
+class _QuantizedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, module: Linear) -> torch.Tensor:
+        x_2d = x.reshape(-1, x.shape[-1])
+        needs_wgrad = weight.requires_grad
+        qx = module.input_quantizer.with_usage(rowwise=True, columnwise=needs_wgrad).quantize(x_2d)
+        qw = weight if isinstance(weight, QuantizedTensor) else module.weight_quantizer.quantize(weight)
+        y = scaled_mm(qx, qw, x.dtype, bias=bias)
+        if needs_wgrad:
+            qx.update_usage(rowwise=False)  # the wgrad GEMM needs the columnwise data only
+        ctx.save_for_backward(qx if needs_wgrad else None, qw)
+        ctx.module, ctx.x_shape, ctx.has_bias, ctx.weight_dtype = module, x.shape, bias is not None, weight.dtype
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        qx, qw = ctx.saved_tensors
+        module: Linear = ctx.module
+        dy_2d = dy.reshape(-1, dy.shape[-1])
+        needs_dgrad, needs_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        qdy = module.grad_output_quantizer.with_usage(rowwise=needs_dgrad, columnwise=needs_wgrad).quantize(dy_2d)
+        dx = dw = db = None
+        if needs_dgrad:
+            derived = qw.columnwise_data is None
+            if derived:
+                qw.update_usage(columnwise=True)  # lossless transpose, only for this GEMM
+            dx = scaled_mm(qdy, qw, dy.dtype, b_usage="columnwise").reshape(ctx.x_shape)
+            if derived:
+                qw.update_usage(columnwise=False)
+        if needs_wgrad:
+            dw = scaled_mm(qdy, qx, ctx.weight_dtype, a_usage="columnwise", b_usage="columnwise")
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy_2d.sum(dim=0)
+        return dx, dw, db, None
+
+
+class Linear(torch.nn.Linear):
+    """nn.Linear with quantized fprop, dgrad and wgrad GEMMs under `recipe`."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        recipe: Recipe,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if not isinstance(recipe, Recipe):
+            raise TypeError(
+                f"recipe must be a quant_tensors recipe (e.g. qt.Float8CurrentScaling()), got {type(recipe).__name__}"
+            )
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.recipe = recipe
+        self.weight_quantizer = recipe.quantizer("weight")
+        self.input_quantizer = recipe.quantizer("input")
+        self.grad_output_quantizer = recipe.quantizer("grad_output")
+        self.high_precision_reason = _unquantizable_reason(self.weight_quantizer, in_features, out_features, recipe)
+        if self.high_precision_reason:
+            warnings.warn(self.high_precision_reason, stacklevel=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.high_precision_reason:
+            weight = self.weight.dequantize(x.dtype) if isinstance(self.weight, QuantizedTensor) else self.weight
+            return torch.nn.functional.linear(
+                x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
+            )
+        return _QuantizedLinearFunction.apply(x, self.weight, self.bias, self)
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialisation; a quantized weight is initialised in high precision, then requantized."""
+        if not isinstance(getattr(self, "weight", None), QuantizedTensor):
+            super().reset_parameters()
+            return
+        value = torch.empty(self.weight.shape, dtype=self.weight.dtype, device=self.weight.device)
+        torch.nn.init.kaiming_uniform_(value, a=math.sqrt(5))
+        with torch.no_grad():
+            self.weight.copy_(value)
+        setattr(self.weight, _HIGH_PRECISION_INIT, value)
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+            torch.nn.init.uniform_(self.bias, -bound, bound)
+
+    def extra_repr(self) -> str:
+        mode = f", high precision: {self.high_precision_reason}" if self.high_precision_reason else ""
+        return f"{super().extra_repr()}, recipe={type(self.recipe).__name__}{mode}"
+
+
+def _unquantizable_reason(quantizer: Any, in_features: int, out_features: int, recipe: Recipe) -> str:
+    rows_multiple, k_multiple = quantizer.dim_multiple
+    problems = []
+    if in_features % k_multiple:
+        problems.append(f"in_features={in_features} is not a multiple of {k_multiple}")
+    if out_features % rows_multiple:
+        problems.append(f"out_features={out_features} is not a multiple of {rows_multiple}")
+    if not problems:
+        return ""
+    return (
+        f"qt.nn.Linear({in_features}, {out_features}) with {type(recipe).__name__}: {' and '.join(problems)}, "
+        "so the quantized GEMMs cannot take this weight; the layer computes in high precision. Pad the "
+        "features to those multiples to quantize it."
+    )

@@ -1,0 +1,119 @@
+"""Quantized GEMM: `scaled_mm(a, b, out_dtype)` computes A @ B^T from two quantized operands.
+
+[Note: GEMM operands] Each operand is one usage of a QuantizedTensor seen as a 2-D matrix whose
+second dim is the reduction dim, which is where every format's blocks run:
+- "rowwise" usage of x: the (M, K) view (fprop: input and weight; dgrad: grad_output);
+- "columnwise" usage of x: x^T, (K, M) (dgrad: the weight; wgrad: grad_output and input).
+So fprop is scaled_mm(x, w) = X W^T, dgrad scaled_mm(dy, w, b_usage="columnwise") = dY W and
+wgrad scaled_mm(dy, x, a_usage="columnwise", b_usage="columnwise") = dY^T X.
+
+Paths: `torch._scaled_mm` where the GPU has the kernel (Hopper: per-tensor FP8, blockwise
+1x128 x 128x128 and 1x128 x 1x128), else an exact emulation: dequantize both operands to fp32,
+fp32 matmul, add the bias in fp32, cast. `scaled_mm_path` says which one runs.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from quant_tensors._block_tensor import BlockScaledTensor
+from quant_tensors._tensor import QuantizedTensor
+from quant_tensors.blockwise import Float8BlockwiseTensor
+from quant_tensors.float8 import Float8Tensor
+
+Usage = Literal["rowwise", "columnwise"]
+GemmPath = Literal["torch._scaled_mm", "emulated"]
+
+
+def operand_values(t: QuantizedTensor, usage: Usage, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The 2-D matrix a usage of `t` stands for, dequantized: (M, K) rowwise, (K, M) columnwise."""
+    data, scale_inv = _operand_buffers(t, usage)
+    if isinstance(t, Float8Tensor):
+        import quant_core
+
+        return quant_core.dequantize_fp8(data, scale_inv, dtype)
+    return t._dequantize_buffers(data, scale_inv, dtype)  # type: ignore[attr-defined]
+
+
+def _operand_buffers(t: QuantizedTensor, usage: Usage) -> tuple[torch.Tensor, torch.Tensor]:
+    if usage not in ("rowwise", "columnwise"):
+        raise ValueError(f"usage must be 'rowwise' or 'columnwise', got {usage!r}")
+    data = getattr(t, f"{usage}_data")
+    if data is None:
+        derivable = " (call update_usage(columnwise=True) first: it is a lossless transpose here)"
+        tiled = isinstance(t, Float8Tensor) or (isinstance(t, BlockScaledTensor) and t.tiled)
+        raise ValueError(f"{type(t).__name__} has no {usage} data for this GEMM" + (derivable if tiled else ""))
+    scale_inv = t.scale_inv if isinstance(t, Float8Tensor) else getattr(t, f"{usage}_scale_inv")
+    return data.reshape(-1, data.shape[-1]), scale_inv
+
+
+def scaled_mm_path(
+    a: QuantizedTensor, b: QuantizedTensor, *, a_usage: Usage = "rowwise", b_usage: Usage = "rowwise"
+) -> GemmPath:
+    """Which implementation `scaled_mm` uses for these operands on this machine."""
+    if a.device.type != "cuda" or not torch.cuda.is_available():
+        return "emulated"
+    if torch.cuda.get_device_capability(a.device) < (8, 9):
+        return "emulated"
+    if isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor):
+        both_e5m2 = a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2
+        return "emulated" if both_e5m2 or not _dims_ok(a, b, a_usage, b_usage, 16) else "torch._scaled_mm"
+    if isinstance(a, Float8BlockwiseTensor) and isinstance(b, Float8BlockwiseTensor):
+        # Hopper's kernels: A in 1 x 128 blocks, B in 128 x 128 tiles or 1 x 128 blocks.
+        hopper = torch.cuda.get_device_capability(a.device)[0] == 9
+        if hopper and not a.tiled and _dims_ok(a, b, a_usage, b_usage, 128):
+            return "torch._scaled_mm"
+    return "emulated"
+
+
+def _dims_ok(a: QuantizedTensor, b: QuantizedTensor, a_usage: Usage, b_usage: Usage, multiple: int) -> bool:
+    a_rows, k = _operand_buffers(a, a_usage)[0].shape
+    b_rows = _operand_buffers(b, b_usage)[0].shape[0]
+    return a_rows % multiple == 0 and b_rows % multiple == 0 and k % multiple == 0
+
+
+def scaled_mm(
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    out_dtype: torch.dtype,
+    *,
+    a_usage: Usage = "rowwise",
+    b_usage: Usage = "rowwise",
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A @ B^T (+ bias) in `out_dtype`, A and B the chosen usages of a and b ([Note: GEMM operands])."""
+    if not isinstance(a, QuantizedTensor) or not isinstance(b, QuantizedTensor):
+        raise TypeError(f"scaled_mm takes two QuantizedTensors, got {type(a).__name__} and {type(b).__name__}")
+    a_data, a_scale = _operand_buffers(a, a_usage)
+    b_data, b_scale = _operand_buffers(b, b_usage)
+    a_k = operand_k(a, a_usage)
+    b_k = operand_k(b, b_usage)
+    if a_k != b_k:
+        raise ValueError(f"scaled_mm reduction dims differ: A is (*, {a_k}) ({a_usage}), B is (*, {b_k}) ({b_usage})")
+    if scaled_mm_path(a, b, a_usage=a_usage, b_usage=b_usage) == "torch._scaled_mm":
+        return _hardware_scaled_mm(a, b, a_data, a_scale, b_data, b_scale, out_dtype, bias)
+    product = torch.matmul(operand_values(a, a_usage), operand_values(b, b_usage).t())
+    if bias is not None:
+        product = product + bias.float()
+    return product.to(out_dtype)
+
+
+def operand_k(t: QuantizedTensor, usage: Usage) -> int:
+    """The reduction dim of a usage of t: K for rowwise, M for columnwise."""
+    M = t.numel() // t.shape[-1] if t.shape[-1] else 0
+    return t.shape[-1] if usage == "rowwise" else M
+
+
+def _hardware_scaled_mm(a, b, a_data, a_scale, b_data, b_scale, out_dtype, bias):
+    if isinstance(a, Float8Tensor):
+        return torch._scaled_mm(
+            a_data, b_data.t(), scale_a=a_scale.reshape(()), scale_b=b_scale.reshape(()), bias=bias, out_dtype=out_dtype
+        )
+    # Blockwise on Hopper (FACTS.md): scale_a (M, K/128) stored K-block-major, i.e. strides (1, M);
+    # scale_b (K/128, N/128) for 128 x 128 tiles or (K/128, N) for 1 x 128 blocks, stored the same way.
+    scale_a = a_scale.t().contiguous().t()
+    scale_b = b_scale.t() if b.tiled else b_scale.t().contiguous()
+    out = torch._scaled_mm(a_data, b_data.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    return out if bias is None else (out.float() + bias.float()).to(out_dtype)

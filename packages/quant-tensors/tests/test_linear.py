@@ -1,0 +1,222 @@
+"""qt.nn.Linear and qt.ops.scaled_mm against the same math done by hand with quant-core's references."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import quant_core
+import quant_tensors as qt
+
+RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def reference_operand(name: str, role: str, x: torch.Tensor, usage: str, calls: int = 0) -> torch.Tensor:
+    """The fp32 matrix a usage of x stands for after quantization by (name, role), by hand from quant-core."""
+    fp8_dtype = torch.float8_e5m2 if role == "grad_output" else torch.float8_e4m3fn
+    if name in ("fp8", "fp8-delayed"):
+        if name == "fp8":
+            q = quant_core.quantize_fp8_reference(x, fp8_dtype, columnwise=True)
+            scale_inv = q.scale_inv
+            rowwise, columnwise = q.rowwise_data, q.columnwise_data
+        else:  # first use of a fresh delayed-scaling quantizer: scale 1
+            scale_inv = torch.tensor(1.0)
+            rowwise, columnwise = quant_core.cast_to_fp8_reference(x, scale_inv, fp8_dtype, columnwise=True)
+        data = rowwise.reshape(-1, x.shape[-1]) if usage == "rowwise" else columnwise
+        return quant_core.dequantize_fp8_reference(data, scale_inv)
+    tiled = role == "weight"
+    if name == "mxfp8":
+        q = quant_core.quantize_mxfp8_reference(x, columnwise=True)
+        dequantize = lambda d, s: quant_core.dequantize_mxfp8_reference(d, s)  # noqa: E731
+    elif name == "fp8-block":
+        shape = (128, 128) if tiled else (1, 128)
+        q = quant_core.quantize_fp8_blockwise_reference(x, shape, fp8_dtype, columnwise=True)
+        dequantize = lambda d, s: quant_core.dequantize_fp8_blockwise_reference(d, s, shape)  # noqa: E731
+    else:
+        shape = (16, 16) if tiled else (1, 16)
+        q = quant_core.quantize_nvfp4_reference(
+            x, shape, columnwise=True, stochastic_rounding=role == "grad_output", seed=calls
+        )
+        dequantize = lambda d, s: quant_core.dequantize_nvfp4_reference(d, s, q.amax, shape)  # noqa: E731
+    if usage == "rowwise":
+        return dequantize(q.rowwise_data, q.rowwise_scale_inv).reshape(-1, x.shape[-1])
+    return dequantize(q.columnwise_data, q.columnwise_scale_inv)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_forward_and_backward_equal_the_math_by_hand(name, dtype, bias):
+    torch.manual_seed(0)
+    layer = qt.nn.Linear(256, 128, bias=bias, recipe=qt.recipe_from_name(name), dtype=dtype)
+    x = torch.randn(2, 64, 256, generator=gen(1)).to(dtype).requires_grad_(True)
+    dy = torch.randn(2, 64, 128, generator=gen(2)).to(dtype)
+    y = layer(x)
+    y.backward(dy)
+
+    x2d, dy2d, w = x.detach().reshape(-1, 256), dy.reshape(-1, 128), layer.weight.detach()
+    expected_y = torch.matmul(
+        reference_operand(name, "input", x2d, "rowwise"), reference_operand(name, "weight", w, "rowwise").t()
+    )
+    if bias:
+        expected_y = expected_y + layer.bias.detach().float()
+    expected_dx = torch.matmul(
+        reference_operand(name, "grad_output", dy2d, "rowwise"), reference_operand(name, "weight", w, "columnwise").t()
+    )
+    expected_dw = torch.matmul(
+        reference_operand(name, "grad_output", dy2d, "columnwise"),
+        reference_operand(name, "input", x2d, "columnwise").t(),
+    )
+    assert torch.equal(y, expected_y.to(dtype).reshape(2, 64, 128))
+    assert torch.equal(x.grad, expected_dx.to(dtype).reshape(2, 64, 256))
+    assert torch.equal(layer.weight.grad, expected_dw.to(dtype))
+    if bias:
+        assert torch.equal(layer.bias.grad, dy2d.sum(dim=0))
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8-block", "nvfp4"])
+def test_on_demand_columnwise_weight_gives_the_same_gradients(name, monkeypatch):
+    x = torch.randn(64, 256, generator=gen(3)).requires_grad_(True)
+    results = []
+    for on_demand in ("0", "1"):
+        monkeypatch.setenv(qt.COLUMNWISE_ON_DEMAND_ENV_VAR, on_demand)
+        torch.manual_seed(0)
+        model = qt.convert(
+            torch.nn.Sequential(torch.nn.Linear(256, 128)), qt.recipe_from_name(name), quantized_weights=True
+        )
+        assert model[0].weight.usages == (True, on_demand == "0")
+        x.grad = None
+        model(x).sum().backward()
+        assert model[0].weight.usages == (True, on_demand == "0")  # the derived columnwise was dropped again
+        results.append((x.grad.clone(), model[0].weight.grad.clone()))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_scaled_mm_reports_its_path_and_checks_operands():
+    q = qt.Float8CurrentScaling().quantizer("input")
+    a, b = q.quantize(torch.randn(64, 128)), q.quantize(torch.randn(32, 128))
+    assert qt.ops.scaled_mm_path(a, b) == "emulated"  # no GPU here
+    assert qt.ops.scaled_mm(a, b, torch.float32).shape == (64, 32)
+    with pytest.raises(ValueError, match="reduction dims differ"):
+        qt.ops.scaled_mm(a, b, torch.float32, b_usage="columnwise")
+    with pytest.raises(TypeError, match="two QuantizedTensors"):
+        qt.ops.scaled_mm(a, torch.randn(32, 128), torch.float32)  # type: ignore[arg-type]
+    rowwise_only = (
+        qt.Float8CurrentScaling().quantizer("weight").with_usage(columnwise=False).quantize(torch.randn(32, 128))
+    )
+    with pytest.raises(ValueError, match=r"no columnwise data .* update_usage\(columnwise=True\)"):
+        qt.ops.scaled_mm(
+            a.t() if False else q.quantize(torch.randn(64, 32)), rowwise_only, torch.float32, b_usage="columnwise"
+        )
+
+
+def test_unquantizable_weight_falls_back_to_high_precision_with_a_warning():
+    with pytest.warns(UserWarning, match="in_features=100 is not a multiple of 128.*computes in high precision"):
+        layer = qt.nn.Linear(100, 256, recipe=qt.Float8BlockScaling())
+    x = torch.randn(8, 100)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert "high precision" in repr(layer)
+
+
+def test_linear_rejects_a_non_recipe():
+    with pytest.raises(TypeError, match="recipe must be a quant_tensors recipe"):
+        qt.nn.Linear(32, 32, recipe="fp8")  # type: ignore[arg-type]
+
+
+# ---- convert ----------------------------------------------------------------------------------
+
+
+def small_model() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False))
+    )
+
+
+def test_convert_swaps_linears_in_place_keeping_parameters_and_names():
+    model = small_model()
+    names = [name for name, _ in model.named_parameters()]
+    weights = [model[0].weight, model[2][0].weight]
+    assert qt.convert(model, qt.MXFP8BlockScaling()) is model
+    assert type(model[0]) is qt.nn.Linear
+    assert type(model[2][0]) is qt.nn.Linear
+    assert [name for name, _ in model.named_parameters()] == names
+    assert model[0].weight is weights[0]
+    assert model[2][0].weight is weights[1]
+    assert model[2][0].bias is None
+
+
+def test_convert_filter_chooses_layers():
+    model = qt.convert(small_model(), qt.Float8CurrentScaling(), module_filter_fn=lambda m, name: name != "0")
+    assert type(model[0]) is torch.nn.Linear
+    assert type(model[2][0]) is qt.nn.Linear
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_quantized_weights_keep_their_high_precision_value_once(name):
+    torch.manual_seed(0)
+    model = small_model()
+    original = model[0].weight.detach().clone()
+    qt.convert(model, qt.recipe_from_name(name), quantized_weights=True)
+    weight = model[0].weight
+    assert isinstance(weight, torch.nn.Parameter)
+    assert isinstance(weight, qt.QuantizedTensor)
+    assert weight.requires_grad
+    assert torch.equal(qt.high_precision_init_value(weight), original)
+    assert qt.high_precision_init_value(weight) is None  # freed when taken
+    expected = qt.recipe_from_name(name).quantizer("weight").quantize(original)
+    assert torch.equal(weight.dequantize(), expected.dequantize())
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_meta_device_model_materialises_with_to_empty_and_reset_parameters(name):
+    with torch.device("meta"):
+        model = small_model()
+    qt.convert(model, qt.recipe_from_name(name), quantized_weights=True)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for layer in (model[0], model[2][0]):
+        layer.reset_parameters()
+    torch.manual_seed(0)
+    expected = torch.empty(256, 128)
+    torch.nn.init.kaiming_uniform_(expected, a=5**0.5)
+    weight = model[0].weight
+    assert isinstance(weight, qt.QuantizedTensor)
+    assert weight.device.type == "cpu"
+    assert torch.equal(qt.high_precision_init_value(weight), expected)
+    assert torch.equal(
+        weight.dequantize(), qt.recipe_from_name(name).quantizer("weight").quantize(expected).dequantize()
+    )
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_plain_optimizer_writes_back_through_copy(name):
+    # Quantized primary weights without a fused optimizer: step an fp32 master, then p.copy_(master).
+    torch.manual_seed(0)
+    model = qt.convert(small_model(), qt.recipe_from_name(name), quantized_weights=True)
+    weight = model[0].weight
+    master = qt.high_precision_init_value(weight).float().requires_grad_(True)
+    optimizer = torch.optim.SGD([master], lr=0.1)
+    model(torch.randn(16, 128)).square().mean().backward()
+    master.grad = weight.grad.float()
+    before = weight.dequantize()
+    optimizer.step()
+    quantizer_before = copy.deepcopy(weight.quantizer)  # delayed scaling: the history as of this write
+    with torch.no_grad():
+        weight.copy_(master)
+    expected = quantizer_before.quantize(master.detach())
+    assert torch.equal(weight.dequantize(), expected.dequantize())
+    assert not torch.equal(weight.dequantize(), before)  # the step reached the quantized parameter
+
+
+def test_copy_from_another_format_raises():
+    weight = qt.Float8CurrentScaling().quantizer("weight").quantize(torch.randn(128, 128))
+    other = qt.MXFP8BlockScaling().quantizer("weight").quantize(torch.randn(128, 128))
+    with pytest.raises(ValueError, match="raw copies need the same format"):
+        weight.copy_(other)
