@@ -23,6 +23,7 @@ struct BlockScale {
 };
 
 struct Mxfp8Policy {
+  static constexpr bool kNeedsIndex = false;
   static constexpr int kCodesPerByte = 1;
   static constexpr bool kFloatScale = false;
   BlockScale scale(float amax) const {
@@ -34,6 +35,7 @@ struct Mxfp8Policy {
 
 template <Fp8Format F>
 struct BlockwisePolicy {
+  static constexpr bool kNeedsIndex = false;
   static constexpr int kCodesPerByte = 1;
   static constexpr bool kFloatScale = true;
   bool power_2_scales;
@@ -49,11 +51,12 @@ struct BlockwisePolicy {
   uint8_t encode(float v, uint64_t) const { return encode_fp8<F>(v); }
 };
 
+template <bool kStochastic>
 struct Nvfp4Policy {
+  static constexpr bool kNeedsIndex = kStochastic;
   static constexpr int kCodesPerByte = 2;
   static constexpr bool kFloatScale = false;
   float tensor_scale;  // S
-  bool stochastic_rounding;
   uint64_t seed;
   BlockScale scale(float amax) const {
     const uint8_t s = encode_fp8<Fp8Format::kE4M3>(amax / 6.0f * tensor_scale);
@@ -62,7 +65,11 @@ struct Nvfp4Policy {
     return {s_f32 > 0.0f ? std::min(tensor_scale / s_f32, kFloat32Max) : 0.0f, 0.0f, s, s_f32 == 0.0f};
   }
   uint8_t encode(float v, uint64_t index) const {
-    return stochastic_rounding ? encode_e2m1_stochastic(v, uint32_t(splitmix64(seed, index) >> 40)) : encode_e2m1(v);
+    if constexpr (kStochastic) {
+      return encode_e2m1_stochastic(v, uint32_t(splitmix64(seed, index) >> 40));
+    } else {
+      return encode_e2m1(v);
+    }
   }
 };
 
@@ -107,6 +114,28 @@ struct TileScratch {
   std::unique_ptr<uint8_t[]> codes_t;  // [col][row]
 };
 
+// codes[j * code_stride] = encode(values[j * value_stride] * multiplier) for j < n; element j's
+// counter is first_index + j * index_stride. Unit strides (the rowwise case) vectorize.
+template <class Policy>
+inline void encode_run(const Policy& policy, const BlockScale& s, const float* values, int64_t value_stride,
+                       uint8_t* codes, int64_t code_stride, int64_t n, uint64_t first_index, uint64_t index_stride) {
+  if (s.zero) {
+    for (int64_t j = 0; j < n; ++j) codes[j * code_stride] = 0;
+    return;
+  }
+  const float multiplier = s.multiplier;
+  if (value_stride == 1 && code_stride == 1) {
+    for (int64_t j = 0; j < n; ++j) {
+      codes[j] = policy.encode(values[j] * multiplier, Policy::kNeedsIndex ? first_index + uint64_t(j) * index_stride : 0);
+    }
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    codes[j * code_stride] = policy.encode(values[j * value_stride] * multiplier,
+                                           Policy::kNeedsIndex ? first_index + uint64_t(j) * index_stride : 0);
+  }
+}
+
 template <DType D, class Policy>
 void quantize_tile(const void* x, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col, int64_t B,
                    bool two_d, const Policy& policy, const Outputs& out, int64_t r0, int64_t c0, TileScratch& t) {
@@ -117,7 +146,12 @@ void quantize_tile(const void* x, int64_t M, int64_t K, int64_t stride_row, int6
   uint8_t* codes_t = t.codes_t.get();
   for (int64_t i = 0; i < h; ++i) {
     const int64_t offset = (r0 + i) * stride_row + c0 * stride_col;
-    for (int64_t j = 0; j < w; ++j) values[i * B + j] = load<D>(x, offset + j * stride_col);
+    float* row = values + i * B;
+    if (stride_col == 1) {
+      for (int64_t j = 0; j < w; ++j) row[j] = load<D>(x, offset + j);
+    } else {
+      for (int64_t j = 0; j < w; ++j) row[j] = load<D>(x, offset + j * stride_col);
+    }
   }
   const int64_t Mb = (M + B - 1) / B, Kb = (K + B - 1) / B;
   if (two_d) {
@@ -126,13 +160,10 @@ void quantize_tile(const void* x, int64_t M, int64_t K, int64_t stride_row, int6
       for (int64_t j = 0; j < w; ++j) amax = std::max(amax, finite_magnitude(values[i * B + j]));
     const BlockScale s = policy.scale(amax);
     for (int64_t i = 0; i < h; ++i) {
-      for (int64_t j = 0; j < w; ++j) {
-        const uint64_t index = uint64_t((r0 + i) * K + c0 + j);
-        const uint8_t code = s.zero ? 0 : policy.encode(values[i * B + j] * s.multiplier, index);
-        codes[i * B + j] = code;
-        codes_t[j * B + i] = code;
-      }
+      encode_run(policy, s, values + i * B, 1, codes + i * B, 1, w, uint64_t((r0 + i) * K + c0), 1);
     }
+    for (int64_t i = 0; i < h; ++i)
+      for (int64_t j = 0; j < w; ++j) codes_t[j * B + i] = codes[i * B + j];
     if (out.rowwise_scale != nullptr) store_scale<Policy>(out.rowwise_scale, (r0 / B) * Kb + c0 / B, s);
     if (out.columnwise_scale != nullptr) store_scale<Policy>(out.columnwise_scale, (c0 / B) * Mb + r0 / B, s);
   } else {
@@ -141,10 +172,7 @@ void quantize_tile(const void* x, int64_t M, int64_t K, int64_t stride_row, int6
         float amax = 0.0f;
         for (int64_t j = 0; j < w; ++j) amax = std::max(amax, finite_magnitude(values[i * B + j]));
         const BlockScale s = policy.scale(amax);
-        for (int64_t j = 0; j < w; ++j) {
-          const uint64_t index = uint64_t((r0 + i) * K + c0 + j);
-          codes[i * B + j] = s.zero ? 0 : policy.encode(values[i * B + j] * s.multiplier, index);
-        }
+        encode_run(policy, s, values + i * B, 1, codes + i * B, 1, w, uint64_t((r0 + i) * K + c0), 1);
         store_scale<Policy>(out.rowwise_scale, (r0 + i) * Kb + c0 / B, s);
       }
     }
@@ -153,11 +181,8 @@ void quantize_tile(const void* x, int64_t M, int64_t K, int64_t stride_row, int6
         float amax = 0.0f;
         for (int64_t i = 0; i < h; ++i) amax = std::max(amax, finite_magnitude(values[i * B + j]));
         const BlockScale s = policy.scale(amax);
-        for (int64_t i = 0; i < h; ++i) {
-          // Columnwise counters continue after x's M * K elements, in x^T's row-major order.
-          const uint64_t index = uint64_t(M * K + (c0 + j) * M + r0 + i);
-          codes_t[j * B + i] = s.zero ? 0 : policy.encode(values[i * B + j] * s.multiplier, index);
-        }
+        // Columnwise counters continue after x's M * K elements, in x^T's row-major order.
+        encode_run(policy, s, values + j, B, codes_t + j * B, 1, h, uint64_t(M * K + (c0 + j) * M + r0), 1);
         store_scale<Policy>(out.columnwise_scale, (c0 + j) * Mb + r0 / B, s);
       }
     }
@@ -197,8 +222,8 @@ Outputs outputs(uintptr_t rowwise_data, uintptr_t rowwise_scale, uintptr_t colum
           reinterpret_cast<uint8_t*>(columnwise_data), reinterpret_cast<void*>(columnwise_scale)};
 }
 
-// out[r, c] = decode(r, c) * factor(r, block column), for blocks of `block_cols` along each row;
-// rows split across threads, one factor computed per block.
+// out[r, c] = decode(row r, column c) * factor(r, block column) for blocks of `block_cols` along
+// each row; rows split across threads, one factor per block, the inner loop over one block.
 template <class Decode, class Factor>
 void dequantize_rows(int64_t R, int64_t C, int64_t block_cols, int out_dtype, uintptr_t out_ptr, int num_threads,
                      Decode decode, Factor factor) {
@@ -208,10 +233,11 @@ void dequantize_rows(int64_t R, int64_t C, int64_t block_cols, int out_dtype, ui
     const int64_t row_grain = std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(C, 1));
     parallel_for(R, row_grain, num_threads, [&](int64_t, int64_t row_begin, int64_t row_end) {
       for (int64_t r = row_begin; r < row_end; ++r) {
-        for (int64_t c0 = 0; c0 < C; c0 += block_cols) {
-          const float f = factor(r, c0 / block_cols);
+        const int64_t row_offset = r * C;
+        for (int64_t c0 = 0, block = 0; c0 < C; c0 += block_cols, ++block) {
+          const float f = factor(r, block);
           const int64_t c1 = std::min(C, c0 + block_cols);
-          for (int64_t c = c0; c < c1; ++c) store<D>(out, r * C + c, decode(r, c) * f);
+          for (int64_t c = c0; c < c1; ++c) store<D>(out, row_offset + c, decode(row_offset, c) * f);
         }
       }
     });
@@ -243,9 +269,15 @@ void quantize_nvfp4(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t str
                     int64_t block_rows, uintptr_t tensor_scale, bool stochastic_rounding, uint64_t seed,
                     uintptr_t rowwise_data, uintptr_t rowwise_scale, uintptr_t columnwise_data,
                     uintptr_t columnwise_scale, int num_threads) {
-  const Nvfp4Policy policy{*reinterpret_cast<const float*>(tensor_scale), stochastic_rounding, seed};
-  quantize_blocks(x_MK, dtype, M, K, stride_row, stride_col, 16, block_rows > 1, policy,
-                  outputs(rowwise_data, rowwise_scale, columnwise_data, columnwise_scale), num_threads);
+  const float S = *reinterpret_cast<const float*>(tensor_scale);
+  const Outputs out = outputs(rowwise_data, rowwise_scale, columnwise_data, columnwise_scale);
+  if (stochastic_rounding) {
+    quantize_blocks(x_MK, dtype, M, K, stride_row, stride_col, 16, block_rows > 1, Nvfp4Policy<true>{S, seed}, out,
+                    num_threads);
+  } else {
+    quantize_blocks(x_MK, dtype, M, K, stride_row, stride_col, 16, block_rows > 1, Nvfp4Policy<false>{S, seed}, out,
+                    num_threads);
+  }
 }
 
 void dequantize_fp8(uintptr_t data, int fp8_format, int64_t R, int64_t C, uintptr_t scale_inv, uintptr_t out,
@@ -256,7 +288,7 @@ void dequantize_fp8(uintptr_t data, int fp8_format, int64_t R, int64_t C, uintpt
     constexpr Fp8Format F = decltype(f)::value;
     dequantize_rows(
         R, C, std::max<int64_t>(C, 1), out_dtype, out, num_threads,
-        [&](int64_t r, int64_t c) { return decode_fp8<F>(codes[r * C + c]); }, [&](int64_t, int64_t) { return factor; });
+        [&](int64_t row, int64_t c) { return decode_fp8<F>(codes[row + c]); }, [&](int64_t, int64_t) { return factor; });
   });
 }
 
@@ -267,7 +299,7 @@ void dequantize_mxfp8(uintptr_t data, int64_t R, int64_t C, uintptr_t scale_inv,
   const int64_t Cb = (C + 31) / 32;
   dequantize_rows(
       R, C, 32, out_dtype, out, num_threads,
-      [&](int64_t r, int64_t c) { return decode_fp8<Fp8Format::kE4M3>(codes[r * C + c]); },
+      [&](int64_t row, int64_t c) { return decode_fp8<Fp8Format::kE4M3>(codes[row + c]); },
       [&](int64_t r, int64_t block) { return power_of_two(int(scales[r * Cb + block]) - 127); });
 }
 
@@ -279,7 +311,7 @@ void dequantize_fp8_blockwise(uintptr_t data, int fp8_format, int64_t R, int64_t
   dispatch_fp8_format(fp8_format, [&](auto f) {
     constexpr Fp8Format F = decltype(f)::value;
     dequantize_rows(
-        R, C, 128, out_dtype, out, num_threads, [&](int64_t r, int64_t c) { return decode_fp8<F>(codes[r * C + c]); },
+        R, C, 128, out_dtype, out, num_threads, [&](int64_t row, int64_t c) { return decode_fp8<F>(codes[row + c]); },
         [&](int64_t r, int64_t block) { return scales[(r / block_rows) * Cb + block]; });
   });
 }
@@ -292,7 +324,8 @@ void dequantize_nvfp4(uintptr_t data, int64_t R, int64_t C, int64_t block_rows, 
   const int64_t Cb = (C + 15) / 16;
   dequantize_rows(
       R, C, 16, out_dtype, out, num_threads,
-      [&](int64_t r, int64_t c) { return decode_e2m1(uint8_t((packed[(r * C + c) / 2] >> ((c & 1) * 4)) & 0xF)); },
+      // C is even, so row r starts on a byte: element c is nibble c & 1 of byte (row + c) / 2.
+      [&](int64_t row, int64_t c) { return decode_e2m1(uint8_t((packed[(row + c) >> 1] >> ((c & 1) * 4)) & 0xF)); },
       [&](int64_t r, int64_t block) { return decode_fp8<Fp8Format::kE4M3>(scales[(r / block_rows) * Cb + block]) / S; });
 }
 

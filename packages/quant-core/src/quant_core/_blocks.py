@@ -219,7 +219,7 @@ def dequantize_blocks(
     if not isinstance(data, torch.Tensor) or data.dtype != data_dtype or data.dim() == 0:
         got = f"{data.dtype} of shape {tuple(data.shape)}" if isinstance(data, torch.Tensor) else type(data).__name__
         raise ValueError(f"{format_name} data must be a {data_dtype} tensor with at least one dim, got {got}")
-    data_2d = data.reshape(-1, data.shape[-1]).contiguous()
+    data_2d = as_2d(data).contiguous()
     R, C = data_2d.shape[0], data_2d.shape[1] * codes_per_byte
     expected = scale_shape(R, C, block_shape)
     if scale_inv.dtype != scale_dtype or tuple(scale_inv.shape) != expected or scale_inv.device != data.device:

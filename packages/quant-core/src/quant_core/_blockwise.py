@@ -23,7 +23,7 @@ from quant_core._blocks import (
     quantize_blocks,
     quantize_blocks_reference,
 )
-from quant_core._checks import check_fp8_dtype
+from quant_core._checks import as_2d, check_fp8_dtype
 from quant_core._fp8 import transpose_fp8
 from quant_core._numerics import FLOAT32_MAX, divide, encode_fp8, max_exponent_within, power_of_two, to_output_dtype
 
@@ -117,7 +117,7 @@ def dequantize_fp8_blockwise_reference(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Plain-torch blockwise FP8 dequantize: fp32(code) * scale_inv of its block."""
-    data_MK = data.reshape(-1, data.shape[-1])
+    data_MK = as_2d(data)
     factor = expand_blocks(scale_inv, block_shape, *data_MK.shape)
     return to_output_dtype(data_MK.float() * factor, dtype).reshape(data.shape)
 
@@ -165,7 +165,7 @@ def transpose_fp8_blockwise(data: torch.Tensor, scale_inv: torch.Tensor) -> tupl
         raise ValueError(
             f"data must be FP8 rowwise data with at least one dim, got {data.dtype} of shape {tuple(data.shape)}"
         )
-    data_MK = data.reshape(-1, data.shape[-1])
+    data_MK = as_2d(data)
     expected = (-(-data_MK.shape[0] // BLOCKWISE_BLOCK), -(-data_MK.shape[1] // BLOCKWISE_BLOCK))
     if tuple(scale_inv.shape) != expected:
         raise ValueError(

@@ -20,6 +20,7 @@ from quant_core._blocks import (
     quantize_blocks,
     quantize_blocks_reference,
 )
+from quant_core._checks import as_2d
 from quant_core._numerics import E4M3_MAX, encode_fp8, max_exponent_within, power_of_two, to_output_dtype
 
 MXFP8_BLOCK = 32
@@ -73,7 +74,7 @@ def dequantize_mxfp8_reference(
     data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Plain-torch MXFP8 dequantize of rowwise or columnwise data: e4m3(code) * 2^(byte - 127)."""
-    data_MK = data.reshape(-1, data.shape[-1]) if data.dim() else data.reshape(1, 1)
+    data_MK = as_2d(data)
     M, K = data_MK.shape
     factor = expand_blocks(power_of_two(scale_inv.to(torch.int32) - E8M0_BIAS), _BLOCK_SHAPE, M, K)
     return to_output_dtype(data_MK.float() * factor, dtype).reshape(data.shape)

@@ -203,7 +203,7 @@ def dequantize_nvfp4_reference(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Plain-torch NVFP4 dequantize: fp32(q) * (fp32(s) / S) with S from global_amax."""
-    packed = data.reshape(-1, data.shape[-1])
+    packed = as_2d(data)
     values = _dequantize_with_tensor_scale_reference(packed, scale_inv, nvfp4_tensor_scale(global_amax), block_shape)
     return to_output_dtype(values, dtype).reshape(*data.shape[:-1], values.shape[1])
 
@@ -258,7 +258,7 @@ def transpose_nvfp4(data: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.
         raise ValueError(
             f"data must be NVFP4 rowwise data (uint8) with at least one dim, got {data.dtype} of shape {tuple(data.shape)}"
         )
-    packed = data.reshape(-1, data.shape[-1])
+    packed = as_2d(data)
     M, K = packed.shape[0], packed.shape[1] * 2
     if M % 2:
         raise ValueError(f"NVFP4 transpose repacks codes in pairs along dim 0, which must be even; got M={M}")

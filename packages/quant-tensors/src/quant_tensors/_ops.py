@@ -46,9 +46,9 @@ def _to_copy(func, args, kwargs):
             f"{type(t).__name__} has a high-precision nominal dtype; cannot convert it to {dtype} (dequantize first)"
         )
     device = kwargs.get("device")
-    moved = t._rebuilt(
-        dtype=dtype, fn=(lambda b: b.to(device, non_blocking=kwargs.get("non_blocking", False))) if device else None
-    )
+    non_blocking = kwargs.get("non_blocking", False)
+    # aten._to_copy never aliases its input: every buffer is copied, moved or not.
+    moved = t._rebuilt(dtype=dtype, fn=lambda b: b.to(device or b.device, non_blocking=non_blocking, copy=True))
     if kwargs.get("pin_memory"):
         moved = moved._rebuilt(fn=lambda b: b.pin_memory())
     return moved
@@ -99,7 +99,11 @@ def _rows_slice(t: QuantizedTensor, start: int, stop: int, op: str) -> Quantized
                 f"Use sizes that are multiples of {alignment // math.gcd(alignment, per_index)} along dim 0, "
                 "or take the high-precision fallback (dequantize, split, quantize)."
             )
-    return t._rebuilt(shape=(stop - start, *t.shape[1:]), **t._slice_rows(row_start, row_stop))
+    shape = (stop - start, *t.shape[1:])
+    buffers = t._slice_rows(row_start, row_stop)
+    if buffers.get("rowwise_data") is not None:  # formats slice the (M, K) view; restore the leading dims
+        buffers["rowwise_data"] = buffers["rowwise_data"].reshape(*shape[:-1], buffers["rowwise_data"].shape[-1])
+    return t._rebuilt(shape=shape, **buffers)
 
 
 @implements(aten.split.Tensor)
@@ -125,8 +129,9 @@ def _slice(func, args, kwargs):
     t: QuantizedTensor = args[0]
     dim, start, end, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1 :])[:4]
     size = t.shape[dim]
-    start = 0 if start is None else (start + size if start < 0 else min(start, size))
-    end = size if end is None else (end + size if end < 0 else min(end, size))
+    start = 0 if start is None else (max(start + size, 0) if start < 0 else min(start, size))
+    end = size if end is None else (max(end + size, 0) if end < 0 else min(end, size))
+    end = max(end, start)  # a reversed range is empty, as for plain tensors
     if step != 1:
         raise NotImplementedError(f"slice of {type(t).__name__} with step {step}: only contiguous slices are supported")
     if (start, end) == (0, size):
@@ -201,6 +206,16 @@ def _copy_quantized(dst: QuantizedTensor, src: QuantizedTensor) -> None:
             raise ValueError(
                 f"copy_ between {type(dst).__name__}s with different {name}: {getattr(src, name)} -> {getattr(dst, name)}"
             )
+    mismatched = [
+        n
+        for n, b in dst.buffers().items()
+        if b is not None and getattr(src, n) is not None and b.dtype != getattr(src, n).dtype
+    ]
+    if mismatched:
+        raise ValueError(
+            f"copy_ between {type(dst).__name__}s with different code formats in {mismatched} "
+            f"({getattr(src, mismatched[0]).dtype} -> {dst.buffers()[mismatched[0]].dtype}): dequantize the source to requantize it"
+        )
     missing = [n for n, b in dst.buffers().items() if b is not None and getattr(src, n) is None]
     if missing:
         raise ValueError(f"copy_ source lacks {missing} that the destination holds; call src.update_usage(...) first")

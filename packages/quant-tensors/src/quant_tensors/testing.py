@@ -1,0 +1,156 @@
+"""A small transformer, a synthetic next-token task and a training loop, for tests and the demo.
+
+The task: token sequences from a fixed random Markov chain in which each token has 4 likely
+successors, so a model can learn it and its loss has a known floor (the chain's entropy). Every
+run with the same seeds sees the same initial weights and the same batches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from quant_tensors._tensor import QuantizedTensor
+from quant_tensors.nn import high_precision_init_value
+
+__all__ = ["MarkovTask", "MasterWeights", "TinyTransformer", "TransformerConfig", "train"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformerConfig:
+    """Sizes of TinyTransformer (every Linear dim a multiple of 128, so every recipe quantizes it)."""
+
+    vocab: int = 256
+    """Tokens in the vocabulary (also the LM head's out_features)."""
+    hidden: int = 256
+    """Model width."""
+    layers: int = 4
+    """Transformer blocks."""
+    heads: int = 4
+    """Attention heads."""
+    sequence: int = 64
+    """Tokens per sequence."""
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        h = config.hidden
+        self.heads = config.heads
+        self.attention_norm = torch.nn.LayerNorm(h)
+        self.qkv = torch.nn.Linear(h, 3 * h)
+        self.proj = torch.nn.Linear(h, h)
+        self.mlp_norm = torch.nn.LayerNorm(h)
+        self.fc1 = torch.nn.Linear(h, 4 * h)
+        self.fc2 = torch.nn.Linear(4 * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, sequence, hidden = x.shape
+        q, k, v = self.qkv(self.attention_norm(x)).split(hidden, dim=-1)
+        heads = lambda t: t.reshape(batch, sequence, self.heads, -1).transpose(1, 2)  # noqa: E731
+        attention = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+        x = x + self.proj(attention.transpose(1, 2).reshape(batch, sequence, hidden))
+        return x + self.fc2(F.gelu(self.fc1(self.mlp_norm(x))))
+
+
+class TinyTransformer(torch.nn.Module):
+    """A decoder-only transformer: embeddings, pre-norm blocks, an untied LM head."""
+
+    def __init__(self, config: TransformerConfig | None = None) -> None:
+        super().__init__()
+        self.config = config = config or TransformerConfig()
+        self.embedding = torch.nn.Embedding(config.vocab, config.hidden)
+        self.position = torch.nn.Embedding(config.sequence, config.hidden)
+        self.blocks = torch.nn.ModuleList(_Block(config) for _ in range(config.layers))
+        self.norm = torch.nn.LayerNorm(config.hidden)
+        self.head = torch.nn.Linear(config.hidden, config.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.embedding(tokens) + self.position(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class MarkovTask:
+    """Batches of sequences from a fixed Markov chain with 4 likely successors per token."""
+
+    def __init__(self, vocab: int = 256, successors: int = 4, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.vocab = vocab
+        self.next_tokens = torch.stack([torch.randperm(vocab, generator=generator)[:successors] for _ in range(vocab)])
+        self.probabilities = torch.softmax(torch.randn(vocab, successors, generator=generator), dim=-1)
+
+    def entropy(self) -> float:
+        """The loss floor: the chain's mean conditional entropy (nats per token)."""
+        return float(-(self.probabilities * self.probabilities.log()).sum(-1).mean())
+
+    def batch(self, step: int, batch_size: int, sequence: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of step `step`: the same for every run."""
+        generator = torch.Generator().manual_seed(1_000_003 * (step + 1))
+        tokens = torch.empty(batch_size, sequence + 1, dtype=torch.long)
+        tokens[:, 0] = torch.randint(self.vocab, (batch_size,), generator=generator)
+        for t in range(sequence):
+            choice = torch.multinomial(self.probabilities[tokens[:, t]], 1, generator=generator).squeeze(1)
+            tokens[:, t + 1] = self.next_tokens[tokens[:, t], choice]
+        return tokens[:, :-1], tokens[:, 1:]
+
+
+class MasterWeights:
+    """fp32 master copies of a model's quantized parameters, for a plain torch optimizer.
+
+    The optimizer steps the masters; `write_back` requantizes each parameter with `p.copy_(master)`
+    (quant-optim's FusedAdam does this fused; this is the reference path).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self.parameters: list[torch.Tensor] = []
+        for p in model.parameters():
+            if isinstance(p, QuantizedTensor):
+                initial = high_precision_init_value(p)
+                master = (p.dequantize() if initial is None else initial).float().clone().requires_grad_(True)
+                self.pairs.append((p, master))
+                self.parameters.append(master)
+            else:
+                self.parameters.append(p)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        for p, master in self.pairs:
+            master.grad = None if p.grad is None else p.grad.float()
+        optimizer.step()
+        with torch.no_grad():
+            for p, master in self.pairs:
+                p.copy_(master)
+
+
+def train(
+    model: torch.nn.Module,
+    task: MarkovTask,
+    *,
+    steps: int,
+    batch_size: int = 8,
+    lr: float = 1e-3,
+) -> list[float]:
+    """AdamW training on `task`; returns the loss of every step."""
+    masters = MasterWeights(model)
+    optimizer = torch.optim.AdamW(masters.parameters, lr=lr, weight_decay=0.0)
+    losses = []
+    sequence = model.config.sequence if hasattr(model, "config") else 64
+    for step in range(steps):
+        inputs, targets = task.batch(step, batch_size, sequence)
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        for p, _ in masters.pairs:
+            p.grad = None
+        loss.backward()
+        masters.step(optimizer)
+        losses.append(loss.item())
+        if not math.isfinite(losses[-1]):
+            raise FloatingPointError(f"loss became {losses[-1]} at step {step}")
+    return losses
