@@ -19,7 +19,7 @@ python3 -c 'import quant_core; print("quant_core", quant_core.__version__, "back
 set +e
 python3 -m pytest -m cuda -q -p no:cacheprovider --junitxml="$out/cuda-tests.xml" 2>&1 | tee "$out/cuda-tests.log"
 tests_rc=${PIPESTATUS[0]}
-python3 -m quant_fsdp.cli bench --out "$out" 2>&1 | tee "$out/bench.log"
+python3 -m quant_fsdp.cli bench --device cuda --out "$out" 2>&1 | tee "$out/bench.log"
 bench_rc=${PIPESTATUS[0]}
 set -e
 

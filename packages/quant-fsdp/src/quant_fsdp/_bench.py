@@ -130,10 +130,13 @@ def benchmark_kernels(size: int, min_run_time: float, device: torch.device) -> l
     return results
 
 
-def run_bench(out: pathlib.Path, *, size: int, min_run_time: float) -> int:
-    """Runs the suite on the CPU (and on CUDA when present), prints a table, writes bench.json."""
+def run_bench(out: pathlib.Path, *, size: int, min_run_time: float, device: str = "all") -> int:
+    """Runs the suite on the CPU and/or CUDA (`device`), prints a table, writes bench.json."""
     console = Console(width=None if sys.stdout.isatty() else 120)  # logs: no wrapped tables
-    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("quant-fsdp bench --device cuda: no CUDA device is visible")
+    devices = [torch.device(d) for d in ("cpu", "cuda") if device in (d, "all")]
+    devices = [d for d in devices if d.type == "cpu" or torch.cuda.is_available()]
     table = Table(title=f"quant-core kernels vs plain-torch reference ({size}x{size} bf16 input)")
     for column in ("device", "case", "backend", "median ms", "GB/s", "x reference"):
         table.add_column(column, justify="left" if column in ("device", "case", "backend") else "right")

@@ -19,6 +19,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="folder for bench.json")
     bench.add_argument("--size", type=int, default=4096, help="square input size of the kernel benchmarks")
     bench.add_argument("--min-run-time", type=float, default=1.0, help="seconds measured per case")
+    bench.add_argument(
+        "--device",
+        choices=("all", "cpu", "cuda"),
+        default="all",
+        help="devices to benchmark (all: CPU and CUDA if present)",
+    )
     args = parser.parse_args(argv)
 
     if args.command == "demo":
@@ -27,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_demo(args.out, world_size=args.world_size)
     from quant_fsdp._bench import run_bench
 
-    return run_bench(args.out, size=args.size, min_run_time=args.min_run_time)
+    return run_bench(args.out, size=args.size, min_run_time=args.min_run_time, device=args.device)
 
 
 if __name__ == "__main__":

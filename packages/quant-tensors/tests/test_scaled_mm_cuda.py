@@ -1,0 +1,75 @@
+"""On a Hopper GPU: torch._scaled_mm gives the emulated GEMM's result within fp32-accumulation tolerance.
+
+Both compute sums of exactly representable products; only the accumulation order and precision
+differ (the tensor cores accumulate in fp32 in their own order), so the results agree to ~1e-6
+relative in fp32 output. Run with scripts/gpu-suite.sh.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import quant_tensors as qt
+from quant_tensors.ops import operand_values
+
+pytestmark = pytest.mark.cuda
+
+# Relative L2 difference allowed between the tensor-core result and the fp32 emulation (fp32 out).
+TOLERANCE = 1e-5
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _emulated(a, b, a_usage, b_usage) -> torch.Tensor:
+    return torch.matmul(operand_values(a, a_usage), operand_values(b, b_usage).t())
+
+
+def _relative(x: torch.Tensor, y: torch.Tensor) -> float:
+    return float((x.float() - y.float()).norm() / y.float().norm())
+
+
+@pytest.mark.parametrize(
+    ("recipe", "a_role", "b_role", "a_usage", "b_usage"),
+    [
+        ("fp8", "input", "weight", "rowwise", "rowwise"),  # fprop
+        ("fp8", "grad_output", "weight", "rowwise", "columnwise"),  # dgrad (E5M2 x E4M3)
+        ("fp8", "grad_output", "input", "columnwise", "columnwise"),  # wgrad
+        ("fp8-block", "input", "weight", "rowwise", "rowwise"),  # 1x128 x 128x128
+        ("fp8-block", "grad_output", "weight", "rowwise", "columnwise"),  # 1x128 x 128x128 (W^T tiles)
+        ("fp8-block", "grad_output", "input", "columnwise", "columnwise"),  # 1x128 x 1x128
+    ],
+)
+def test_hardware_gemm_matches_emulation(recipe, a_role, b_role, a_usage, b_usage):
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU (sm_90) for these torch._scaled_mm kernels")
+    r = qt.recipe_from_name(recipe)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = {"input": (512, 1024), "weight": (768, 1024), "grad_output": (512, 768)}
+    a = r.quantizer(a_role).quantize(torch.randn(*shapes[a_role], device="cuda", generator=g).bfloat16())
+    b = r.quantizer(b_role).quantize(torch.randn(*shapes[b_role], device="cuda", generator=g).bfloat16())
+    assert qt.ops.scaled_mm_path(a, b, a_usage=a_usage, b_usage=b_usage) == "torch._scaled_mm"
+    hardware = qt.ops.scaled_mm(a, b, torch.float32, a_usage=a_usage, b_usage=b_usage)
+    emulated = _emulated(a, b, a_usage, b_usage)
+    assert hardware.shape == emulated.shape
+    assert _relative(hardware, emulated) < TOLERANCE
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4"])
+def test_linear_on_cuda_matches_cpu_emulation(recipe):
+    torch.manual_seed(0)
+    cpu = qt.nn.Linear(1024, 768, recipe=qt.recipe_from_name(recipe), dtype=torch.bfloat16)
+    gpu = qt.nn.Linear(1024, 768, recipe=qt.recipe_from_name(recipe), dtype=torch.bfloat16, device="cuda")
+    gpu.load_state_dict(cpu.state_dict())
+    x = torch.randn(512, 1024, generator=torch.Generator().manual_seed(1)).bfloat16()
+    dy = torch.randn(512, 768, generator=torch.Generator().manual_seed(2)).bfloat16()
+    x_cpu, x_gpu = x.clone().requires_grad_(True), x.cuda().requires_grad_(True)
+    y_cpu, y_gpu = cpu(x_cpu), gpu(x_gpu)
+    y_cpu.backward(dy)
+    y_gpu.backward(dy.cuda())
+    # Same quantized operands (every backend is bit-exact); the GEMMs differ only in accumulation,
+    # then round to bf16: a few bf16 ulps at most.
+    for got, want in ((y_gpu, y_cpu), (x_gpu.grad, x_cpu.grad), (gpu.weight.grad, cpu.weight.grad)):
+        assert _relative(got.cpu(), want) < 1e-2
