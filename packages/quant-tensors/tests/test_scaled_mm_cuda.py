@@ -1,8 +1,10 @@
-"""On a Hopper GPU: torch._scaled_mm gives the emulated GEMM's result within fp32-accumulation tolerance.
+"""On a Hopper GPU: torch._scaled_mm gives the emulated GEMM's result within accumulation tolerance.
 
-Both compute sums of exactly representable products; only the accumulation order and precision
-differ (the tensor cores accumulate in fp32 in their own order), so the results agree to ~1e-6
-relative in fp32 output. Run with scripts/gpu-suite.sh.
+Both compute sums of exactly representable products; only the accumulation differs. The
+emulation accumulates in fp32; Hopper's FP8 tensor cores keep fewer accumulator bits (about 14,
+as DeepSeek-V3's report measured), which shows as ~1e-4 relative difference in fp32 output (measured
+1.0e-4 to 1.3e-4 on an H100). The tolerance is 5e-4: a scale, layout or operand mix-up is off by
+tens of percent. Run with scripts/gpu-suite.sh.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from quant_tensors.ops import operand_values
 pytestmark = pytest.mark.cuda
 
 # Relative L2 difference allowed between the tensor-core result and the fp32 emulation (fp32 out).
-TOLERANCE = 1e-5
+TOLERANCE = 5e-4
 
 
 def _hopper() -> bool:
@@ -28,7 +30,8 @@ def _emulated(a, b, a_usage, b_usage) -> torch.Tensor:
 
 
 def _relative(x: torch.Tensor, y: torch.Tensor) -> float:
-    return float((x.float() - y.float()).norm() / y.float().norm())
+    x, y = x.detach().float(), y.detach().float()
+    return float((x - y).norm() / y.norm())
 
 
 @pytest.mark.parametrize(
@@ -47,7 +50,7 @@ def test_hardware_gemm_matches_emulation(recipe, a_role, b_role, a_usage, b_usag
         pytest.skip("needs a Hopper GPU (sm_90) for these torch._scaled_mm kernels")
     r = qt.recipe_from_name(recipe)
     g = torch.Generator(device="cuda").manual_seed(0)
-    shapes = {"input": (512, 1024), "weight": (768, 1024), "grad_output": (512, 768)}
+    shapes = {"input": (512, 1024), "weight": (1024, 1024), "grad_output": (512, 1024)}  # reductions: multiples of 512
     a = r.quantizer(a_role).quantize(torch.randn(*shapes[a_role], device="cuda", generator=g).bfloat16())
     b = r.quantizer(b_role).quantize(torch.randn(*shapes[b_role], device="cuda", generator=g).bfloat16())
     assert qt.ops.scaled_mm_path(a, b, a_usage=a_usage, b_usage=b_usage) == "torch._scaled_mm"
@@ -57,14 +60,27 @@ def test_hardware_gemm_matches_emulation(recipe, a_role, b_role, a_usage, b_usag
     assert _relative(hardware, emulated) < TOLERANCE
 
 
+def test_tiled_operand_with_an_unaligned_reduction_dim_is_emulated():
+    # torch 2.11's 1x128 x 128x128 kernel is wrong when the reduction dim has 6 blocks (768): emulate.
+    if not _hopper():
+        pytest.skip("needs a Hopper GPU (sm_90)")
+    r = qt.Float8BlockScaling()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dy = r.quantizer("grad_output").quantize(torch.randn(512, 768, device="cuda", generator=g).bfloat16())
+    w = r.quantizer("weight").quantize(torch.randn(768, 1024, device="cuda", generator=g).bfloat16())
+    assert qt.ops.scaled_mm_path(dy, w, b_usage="columnwise") == "emulated"
+    result = qt.ops.scaled_mm(dy, w, torch.float32, b_usage="columnwise")
+    assert torch.equal(result, _emulated(dy, w, "rowwise", "columnwise"))
+
+
 @pytest.mark.parametrize("recipe", ["fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4"])
 def test_linear_on_cuda_matches_cpu_emulation(recipe):
     torch.manual_seed(0)
-    cpu = qt.nn.Linear(1024, 768, recipe=qt.recipe_from_name(recipe), dtype=torch.bfloat16)
-    gpu = qt.nn.Linear(1024, 768, recipe=qt.recipe_from_name(recipe), dtype=torch.bfloat16, device="cuda")
+    cpu = qt.nn.Linear(1024, 1024, recipe=qt.recipe_from_name(recipe), dtype=torch.bfloat16)
+    gpu = qt.nn.Linear(1024, 1024, recipe=qt.recipe_from_name(recipe), dtype=torch.bfloat16, device="cuda")
     gpu.load_state_dict(cpu.state_dict())
     x = torch.randn(512, 1024, generator=torch.Generator().manual_seed(1)).bfloat16()
-    dy = torch.randn(512, 768, generator=torch.Generator().manual_seed(2)).bfloat16()
+    dy = torch.randn(512, 1024, generator=torch.Generator().manual_seed(2)).bfloat16()
     x_cpu, x_gpu = x.clone().requires_grad_(True), x.cuda().requires_grad_(True)
     y_cpu, y_gpu = cpu(x_cpu), gpu(x_gpu)
     y_cpu.backward(dy)

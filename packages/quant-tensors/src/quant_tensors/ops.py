@@ -61,9 +61,12 @@ def scaled_mm_path(
         both_e5m2 = a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2
         return "emulated" if both_e5m2 or not _dims_ok(a, b, a_usage, b_usage, 16) else "torch._scaled_mm"
     if isinstance(a, Float8BlockwiseTensor) and isinstance(b, Float8BlockwiseTensor):
-        # Hopper's kernels: A in 1 x 128 blocks, B in 128 x 128 tiles or 1 x 128 blocks.
+        # Hopper's kernels: A in 1 x 128 blocks, B in 128 x 128 tiles or 1 x 128 blocks. With
+        # 128 x 128 tiles, torch 2.11's kernel returns wrong results (silently, ~50% error) unless
+        # the reduction dim holds a multiple of 4 blocks (measured on H100, docs/benchmarks.md).
         hopper = torch.cuda.get_device_capability(a.device)[0] == 9
-        if hopper and not a.tiled and _dims_ok(a, b, a_usage, b_usage, 128):
+        reduction_ok = not b.tiled or operand_k(a, a_usage) % 512 == 0
+        if hopper and not a.tiled and reduction_ok and _dims_ok(a, b, a_usage, b_usage, 128):
             return "torch._scaled_mm"
     return "emulated"
 
