@@ -229,12 +229,16 @@ inline uint8_t encode_e2m1(float v) {
 
 // Stochastic E2M1: the mirror of _numerics.encode_e2m1_stochastic (random24 is uniform in [0, 2^24)).
 inline uint8_t encode_e2m1_stochastic(float v, uint32_t random24) {
-  const float a = std::fabs(v);
+  // |v| >= 6 saturates whatever the draw, so clamping at 8 first changes no result and keeps the
+  // integer truncation below exact and in range (NaN becomes 8 here and 0 at the end). The steps
+  // are powers of two, so multiplying by their reciprocals is exact: no division, no floor call.
+  const float a = std::fabs(v) < 8.0f ? std::fabs(v) : 8.0f;
   const float step = a < 2.0f ? 0.5f : (a < 4.0f ? 1.0f : 2.0f);
-  const float lower = std::floor(a / step) * step;
-  const float fraction = (a - lower) / step;
+  const float inverse_step = a < 2.0f ? 2.0f : (a < 4.0f ? 1.0f : 0.5f);
+  const float lower = float(int32_t(a * inverse_step)) * step;
+  const float fraction = (a - lower) * inverse_step;
   float rounded = lower + (float(random24) < fraction * 16777216.0f ? step : 0.0f);
-  rounded = std::isnan(a) ? 0.0f : std::min(rounded, 6.0f);
+  rounded = std::isnan(v) ? 0.0f : std::min(rounded, 6.0f);
   return encode_e2m1(std::signbit(v) && !std::isnan(v) ? -rounded : rounded);
 }
 

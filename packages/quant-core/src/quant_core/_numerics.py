@@ -101,8 +101,7 @@ def encode_e2m1_stochastic(v: torch.Tensor, random24: torch.Tensor) -> torch.Ten
     """
     a = v.abs()
     step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
-    lower_steps = torch.floor(a / step)  # exact: step is a power of two
-    lower = lower_steps * step
+    lower = torch.floor(a / step) * step  # exact: step is a power of two
     fraction = (a - lower) / step
     rounded = lower + torch.where(random24.float() < fraction * 2.0**24, step, 0.0)
     rounded = torch.where(torch.isnan(a), 0.0, torch.clamp(rounded, max=E2M1_MAX))
