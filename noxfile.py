@@ -109,8 +109,8 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """Run the end-to-end demo (`quant-fsdp demo`): prints a table, writes results/demo.json."""
-    _install_packages(session)
+    """Run the end-to-end demo (`quant-fsdp demo`): tables, results/demo.json and results/demo_loss.png."""
+    _install_packages(session, "matplotlib>=3.8")
     session.run("quant-fsdp", "demo", "--out", str(ROOT / "results"), *session.posargs)
 
 

@@ -1,8 +1,11 @@
 """`quant-fsdp demo`: the most complete end-to-end job the project can do today.
 
-Today (quant-core's kernels for every format; tensor subclasses and FSDP2 hooks arrive with
-issues #4-#6) it quantizes the Linear weights of a small transformer with every weight recipe and
-every backend on this machine, and checks what FSDP2's quantized all-gather will rely on:
+Part 1 (`run_training`, quant_fsdp._demo_training): trains the test transformer on the synthetic
+Markov task with bf16 and with every recipe (quantized primary weights), single process (FSDP2
+arrives with issue #6), and reports loss, step time and weight memory, with a loss plot.
+
+Part 2 (below): quantizes the Linear weights of the same transformer shape with every weight
+recipe and every backend on this machine, and checks what FSDP2's quantized all-gather will rely on:
 - every backend's codes and scales equal the plain-torch reference bit for bit;
 - a simulated `world_size`-rank gather (each dim-0 shard quantized on its own, with the
   all-reduced amax where the format has a per-tensor scale, then data and scales concatenated)
@@ -183,9 +186,18 @@ def _evaluate(weights: dict[str, torch.Tensor], recipe: WeightRecipe, backend: s
     )
 
 
-def run_demo(out: pathlib.Path, *, world_size: int) -> int:
-    """Runs the demo, prints the table, writes demo.json; returns the process exit code."""
+def run_demo(out: pathlib.Path, *, world_size: int, steps: int) -> int:
+    """Runs both parts, prints their tables, writes demo.json and the loss plot; returns the exit code."""
+    from quant_fsdp._demo_training import run_training
+
     console = Console(width=None if sys.stdout.isatty() else 120)  # logs: no wrapped tables
+    out.mkdir(parents=True, exist_ok=True)
+    training_passed = run_training(console, out, steps=steps)
+    return max(run_gather_checks(console, out, world_size=world_size), 0 if training_passed else 1)
+
+
+def run_gather_checks(console: Console, out: pathlib.Path, *, world_size: int) -> int:
+    """Part 2: kernel checks and the simulated sharded gather; writes demo_gather.json."""
     weights = _weights()
     backends = quant_core.available_backends("cpu")
     rows = []
@@ -219,9 +231,8 @@ def run_demo(out: pathlib.Path, *, world_size: int) -> int:
         "shards=full: weights whose gathered shards equal the unsharded quantization bit for bit; "
         "fallback: weights whose shard rows miss the format's block boundaries (FSDP2 will gather those in high precision)."
     )
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "demo.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
-    console.print(f"wrote {out / 'demo.json'}")
+    (out / "demo_gather.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+    console.print(f"wrote {out / 'demo_gather.json'}")
     passed = all(r.equals_reference and not r.sharded_gathers_differ for r in rows)
     if not passed:
         console.print("[red]a check failed: see the table above[/red]")

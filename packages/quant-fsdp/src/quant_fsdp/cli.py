@@ -12,9 +12,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `quant-fsdp` console script."""
     parser = argparse.ArgumentParser(prog="quant-fsdp", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="quantize a small transformer's weights with every backend and check them")
+    demo = commands.add_parser("demo", help="train a small transformer with every recipe and bf16; check the kernels")
     demo.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="folder for demo.json")
     demo.add_argument("--world-size", type=int, default=4, help="shards in the simulated FSDP gather")
+    demo.add_argument("--steps", type=int, default=100, help="training steps per run")
     bench = commands.add_parser("bench", help="run the benchmark suite and write JSON")
     bench.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="folder for bench.json")
     bench.add_argument("--size", type=int, default=4096, help="square input size of the kernel benchmarks")
@@ -30,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from quant_fsdp._demo import run_demo
 
-        return run_demo(args.out, world_size=args.world_size)
+        return run_demo(args.out, world_size=args.world_size, steps=args.steps)
     from quant_fsdp._bench import run_bench
 
     return run_bench(args.out, size=args.size, min_run_time=args.min_run_time, device=args.device)
