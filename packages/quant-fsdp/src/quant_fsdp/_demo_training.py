@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import time
 from dataclasses import asdict, dataclass
@@ -73,6 +74,9 @@ def _train(
 
 def run_training(console: Console, out: pathlib.Path, *, steps: int) -> bool:
     """Trains bf16 and every recipe for `steps` steps; prints a table, writes demo.json and demo_loss.png."""
+    # 2-D-scaled weights (per-tensor FP8, 128x128, 16x16) keep rowwise data only and derive
+    # columnwise for each dgrad GEMM ([Note: on-demand columnwise]): half the weight memory.
+    os.environ.setdefault(qt.COLUMNWISE_ON_DEMAND_ENV_VAR, "1")
     task = MarkovTask()
     rows: list[TrainingRow] = []
     with Progress(console=console) as progress:
