@@ -1,4 +1,4 @@
-"""The shared op table of QuantizedTensor (quant_tensors._ops), op by op, for every recipe and role.
+"""The shared op table of QuantizedTensor (quant_tensors._op_table), op by op, for every recipe and role.
 
 Each test checks the result's type (the format's subclass, or a plain tensor where that is the
 contract), shape, nominal dtype and values: `dequantize()` is exact and deterministic, so values are
