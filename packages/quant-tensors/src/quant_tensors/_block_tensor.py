@@ -16,7 +16,6 @@ import torch
 
 import quant_core
 from quant_tensors._tensor import QuantizedTensor
-from quant_tensors.float8 import _drop_usages
 from quant_tensors.quantizer import Quantizer
 
 
@@ -86,7 +85,7 @@ class BlockScaledTensor(QuantizedTensor):
         if rowwise and self.rowwise_data is None:
             data, self.rowwise_scale_inv = self._transpose_buffers(self.columnwise_data, self.columnwise_scale_inv)
             self.rowwise_data = data.reshape(*self.shape[:-1], data.shape[-1])
-        _drop_usages(self, rowwise, columnwise)
+        self._drop_usages(rowwise, columnwise)
 
     def _row_alignment(self) -> int:
         return self.block if self.tiled or self.columnwise_data is not None else 1

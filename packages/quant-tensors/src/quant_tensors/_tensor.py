@@ -110,6 +110,20 @@ class QuantizedTensor(torch.Tensor):
         """(has rowwise data, has columnwise data)."""
         raise NotImplementedError
 
+    def _drop_usages(self, rowwise: bool | None, columnwise: bool | None) -> None:
+        """Drops the usages set to False (their data and scale buffers), refusing to drop the last one."""
+        keep = {
+            "rowwise": self.usages[0] if rowwise is None else rowwise,
+            "columnwise": self.usages[1] if columnwise is None else columnwise,
+        }
+        if not any(keep.values()):
+            raise ValueError(f"a {type(self).__name__} must keep at least one usage (rowwise or columnwise)")
+        for usage, kept in keep.items():
+            if not kept:
+                for name in self._buffer_names:
+                    if name.startswith(f"{usage}_"):
+                        setattr(self, name, None)
+
     def _row_alignment(self) -> int:
         """Rows of the (M, K) view a dim-0 slice must start and end on (block boundaries)."""
         raise NotImplementedError

@@ -52,7 +52,7 @@ class Float8Tensor(QuantizedTensor):
             self.columnwise_data = quant_core.transpose_fp8(self.rowwise_data)
         if rowwise and self.rowwise_data is None:
             self.rowwise_data = quant_core.transpose_fp8(self.columnwise_data).reshape(self.shape)
-        _drop_usages(self, rowwise, columnwise)
+        self._drop_usages(rowwise, columnwise)
 
     def _row_alignment(self) -> int:
         return 1
@@ -79,22 +79,6 @@ class Float8Tensor(QuantizedTensor):
 
     def _allocation(self) -> dict[str, Any]:
         return {"fp8_dtype": self.fp8_dtype, "scale_inv": self.scale_inv}
-
-
-def _drop_usages(t: QuantizedTensor, rowwise: bool | None, columnwise: bool | None) -> None:
-    """Drops the usages set to False, refusing to drop the last one (shared by every format)."""
-    keep_rowwise = t.rowwise_data is not None if rowwise is None else rowwise
-    keep_columnwise = t.columnwise_data is not None if columnwise is None else columnwise
-    if not (keep_rowwise or keep_columnwise):
-        raise ValueError(f"a {type(t).__name__} must keep at least one usage (rowwise or columnwise)")
-    if not keep_rowwise:
-        t.rowwise_data = None
-        if hasattr(t, "rowwise_scale_inv"):
-            t.rowwise_scale_inv = None
-    if not keep_columnwise:
-        t.columnwise_data = None
-        if hasattr(t, "columnwise_scale_inv"):
-            t.columnwise_scale_inv = None
 
 
 @dataclass(kw_only=True, eq=False)

@@ -18,6 +18,7 @@ from typing import Literal
 
 import torch
 
+import quant_core
 from quant_tensors._block_tensor import BlockScaledTensor
 from quant_tensors._tensor import QuantizedTensor
 from quant_tensors.blockwise import Float8BlockwiseTensor
@@ -31,8 +32,6 @@ def operand_values(t: QuantizedTensor, usage: Usage, dtype: torch.dtype = torch.
     """The 2-D matrix a usage of `t` stands for, dequantized: (M, K) rowwise, (K, M) columnwise."""
     data, scale_inv = _operand_buffers(t, usage)
     if isinstance(t, Float8Tensor):
-        import quant_core
-
         return quant_core.dequantize_fp8(data, scale_inv, dtype)
     return t._dequantize_buffers(data, scale_inv, dtype)  # type: ignore[attr-defined]
 
