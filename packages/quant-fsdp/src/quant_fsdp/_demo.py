@@ -30,6 +30,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 import quant_core
+from quant_fsdp._demo_training import run_training
 
 _HIDDEN = 256
 _LAYERS = 4
@@ -188,8 +189,6 @@ def _evaluate(weights: dict[str, torch.Tensor], recipe: WeightRecipe, backend: s
 
 def run_demo(out: pathlib.Path, *, world_size: int, steps: int) -> int:
     """Runs both parts, prints their tables, writes demo.json and the loss plot; returns the exit code."""
-    from quant_fsdp._demo_training import run_training
-
     console = Console(width=None if sys.stdout.isatty() else 120)  # logs: no wrapped tables
     out.mkdir(parents=True, exist_ok=True)
     training_passed = run_training(console, out, steps=steps)
