@@ -31,7 +31,7 @@ from quant_core._blocks import (
     quantize_blocks_reference,
 )
 from quant_core._checks import as_2d, check_float_input, check_scalar
-from quant_core._fp8 import amax as global_amax_of
+from quant_core._fp8 import amax, amax_reference
 from quant_core._numerics import (
     E2M1_MAX,
     E4M3_MAX,
@@ -56,6 +56,14 @@ def nvfp4_tensor_scale(global_amax: torch.Tensor) -> torch.Tensor:
     """S = 448 * 6 / global_amax as fp32 0-d (1 if global_amax is 0; clamped to the largest fp32)."""
     global_amax = global_amax.float().reshape(())
     return torch.where(global_amax > 0, divide(E4M3_MAX * E2M1_MAX, global_amax), 1.0).clamp(max=FLOAT32_MAX)
+
+
+def _check_input(x: torch.Tensor, block_shape: object, columnwise: bool) -> BlockShape:
+    """Checks x and block_shape for NVFP4 quantization (packable dims included); returns the block shape."""
+    check_quantize_input(x, "NVFP4")
+    checked = check_block_shape(block_shape, NVFP4_SHAPES, "NVFP4")
+    _check_packable(tuple(as_2d(x).shape), columnwise)
+    return checked
 
 
 def _check_packable(x_MK_shape: tuple[int, int], columnwise: bool) -> None:
@@ -83,10 +91,8 @@ def quantize_nvfp4_reference(
     seed: int = 0,
 ) -> BlockQuantized:
     """Plain-torch NVFP4 quantization (the spec in code)."""
-    check_quantize_input(x, "NVFP4")
-    block_shape = check_block_shape(block_shape, NVFP4_SHAPES, "NVFP4")
-    _check_packable(tuple(as_2d(x).shape), columnwise)
-    global_amax = finite_global_amax(x) if global_amax is None else global_amax.float().reshape(())
+    block_shape = _check_input(x, block_shape, columnwise)
+    global_amax = amax_reference(x) if global_amax is None else global_amax.float().reshape(())
     result = _quantize_with_tensor_scale_reference(
         x, block_shape, nvfp4_tensor_scale(global_amax), rowwise, columnwise, stochastic_rounding, seed
     )
@@ -123,11 +129,6 @@ def _quantize_with_tensor_scale_reference(
     )
 
 
-def finite_global_amax(x: torch.Tensor) -> torch.Tensor:
-    """The global amax NVFP4 uses when none is given: max |x| over finite elements (fp32 0-d)."""
-    return global_amax_of(x)
-
-
 def quantize_nvfp4(
     x: torch.Tensor,
     block_shape: BlockShape = (1, NVFP4_BLOCK),
@@ -149,11 +150,9 @@ def quantize_nvfp4(
             the element index (rowwise: m * K + k; columnwise: M * K + k * M + m).
         out: a previous result whose buffers are refilled in place.
     """
-    check_quantize_input(x, "NVFP4")
-    block_shape = check_block_shape(block_shape, NVFP4_SHAPES, "NVFP4")
-    _check_packable(tuple(as_2d(x).shape), columnwise)
+    block_shape = _check_input(x, block_shape, columnwise)
     if global_amax is None:
-        global_amax = finite_global_amax(x)
+        global_amax = amax(x)
     check_scalar(global_amax, "global_amax", x.device)
     global_amax = global_amax.reshape(())
     return quantize_blocks(
