@@ -274,9 +274,7 @@ def test_bad_block_shapes_raise():
 def test_mismatched_out_buffer_raises_and_leaves_it_untouched():
     good = quant_core.quantize_mxfp8(torch.randn(64, 64), columnwise=True)
     before = good.rowwise_data.view(torch.uint8).clone()
-    with pytest.raises(
-        ValueError, match=r"out.rowwise_data must be a contiguous torch.float8_e4m3fn tensor of shape \(64, 96\)"
-    ):
+    with pytest.raises(ValueError, match=r"out.rowwise_data must be a torch.float8_e4m3fn tensor of shape \(64, 96\)"):
         quant_core.quantize_mxfp8(torch.randn(64, 96), out=good)
     assert torch.equal(good.rowwise_data.view(torch.uint8), before)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from quant_core._backend import kernel
-from quant_core._checks import FLOAT_DTYPES, as_2d, check_float_input
+from quant_core._checks import FLOAT_DTYPES, as_2d, check_float_input, output_buffer
 from quant_core._numerics import finite_abs
 
 # (rows, cols) of a 2-D block, e.g. (1, 32) or (128, 128).
@@ -69,19 +69,6 @@ def check_quantize_input(x: torch.Tensor, format_name: str) -> torch.Tensor:
     return x
 
 
-def _buffer(
-    out: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    if out is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if tuple(out.shape) != shape or out.dtype != dtype or out.device != device or not out.is_contiguous():
-        raise ValueError(
-            f"out.{name} must be a contiguous {dtype} tensor of shape {shape} on {device}, got {out.dtype} of "
-            f"shape {tuple(out.shape)} on {out.device} (contiguous={out.is_contiguous()})"
-        )
-    return out
-
-
 def quantize_blocks(
     op: str,
     x: torch.Tensor,
@@ -109,7 +96,7 @@ def quantize_blocks(
     device = x.device
 
     def get(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return _buffer(None if out is None else getattr(out, name), name, shape, dtype, device)
+        return output_buffer(None if out is None else getattr(out, name), f"out.{name}", shape, dtype, device)
 
     rowwise_data = rowwise_scale = columnwise_data = columnwise_scale = None
     if rowwise:

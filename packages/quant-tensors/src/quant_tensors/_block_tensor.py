@@ -45,10 +45,7 @@ class BlockScaledTensor(QuantizedTensor):
     columnwise_scale_inv: torch.Tensor | None
     block_shape: tuple[int, int]
 
-    # Format hooks: quant-core's dequantize and 2-D transpose for this format.
-    def _dequantize_buffers(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        raise NotImplementedError
-
+    # Format hook besides _dequantize_buffers: quant-core's lossless 2-D transpose for this format.
     def _transpose_buffers(self, data: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
@@ -56,17 +53,6 @@ class BlockScaledTensor(QuantizedTensor):
     def tiled(self) -> bool:
         """True for b x b tiles (columnwise = exact transpose), False for 1 x b blocks."""
         return self.block_shape[0] > 1
-
-    @property
-    def usages(self) -> tuple[bool, bool]:
-        return self.rowwise_data is not None, self.columnwise_data is not None
-
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        dtype = dtype or self.dtype
-        if self.rowwise_data is not None:
-            return self._dequantize_buffers(self.rowwise_data, self.rowwise_scale_inv, dtype)
-        values_KM = self._dequantize_buffers(self.columnwise_data, self.columnwise_scale_inv, dtype)
-        return values_KM.t().reshape(self.shape)
 
     def update_usage(self, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
         for wanted, present, usage in (

@@ -98,16 +98,40 @@ class QuantizedTensor(torch.Tensor):
     # ---- what every format provides ----------------------------------------------------------
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The high-precision values, as `dtype` (default: the nominal dtype)."""
-        raise NotImplementedError
+        """The high-precision values, as `dtype` (default: the nominal dtype); from columnwise data if
+        rowwise is absent (x^T's values, transposed back)."""
+        dtype = dtype or self.dtype
+        if self.rowwise_data is not None:
+            return self._dequantize_buffers(*self.usage_buffers("rowwise"), dtype)
+        return self._dequantize_buffers(*self.usage_buffers("columnwise"), dtype).t().reshape(self.shape)
 
-    def update_usage(self, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
-        """Adds a usage (by lossless transpose where the format allows it) or drops one, in place."""
+    def usage_buffers(self, usage: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(data, scale_inv) of the "rowwise" or "columnwise" usage; raises if that usage is absent."""
+        if usage not in ("rowwise", "columnwise"):
+            raise ValueError(f"usage must be 'rowwise' or 'columnwise', got {usage!r}")
+        data = getattr(self, f"{usage}_data")
+        if data is None:
+            raise ValueError(
+                f"{type(self).__name__} holds no {usage} data; call update_usage({usage}=True) first where the "
+                "format derives it losslessly, or quantize with that usage"
+            )
+        return data, self._scale_inv_of(usage)
+
+    def _scale_inv_of(self, usage: str) -> torch.Tensor:
+        """The dequantization scales of a usage (one per block, or one per tensor)."""
+        return getattr(self, f"{usage}_scale_inv")
+
+    def _dequantize_buffers(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """quant-core's dequantize of one usage's buffers (the format's hook)."""
         raise NotImplementedError
 
     @property
     def usages(self) -> tuple[bool, bool]:
         """(has rowwise data, has columnwise data)."""
+        return self.rowwise_data is not None, self.columnwise_data is not None
+
+    def update_usage(self, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
+        """Adds a usage (by lossless transpose where the format allows it) or drops one, in place."""
         raise NotImplementedError
 
     def _drop_usages(self, rowwise: bool | None, columnwise: bool | None) -> None:

@@ -37,15 +37,11 @@ class Float8Tensor(QuantizedTensor):
     def fp8_dtype(self) -> torch.dtype:
         return (self.rowwise_data if self.rowwise_data is not None else self.columnwise_data).dtype
 
-    @property
-    def usages(self) -> tuple[bool, bool]:
-        return self.rowwise_data is not None, self.columnwise_data is not None
+    def _scale_inv_of(self, usage: str) -> torch.Tensor:
+        return self.scale_inv  # one scale for both usages
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        dtype = dtype or self.dtype
-        if self.rowwise_data is not None:
-            return quant_core.dequantize_fp8(self.rowwise_data, self.scale_inv, dtype)
-        return quant_core.dequantize_fp8(self.columnwise_data, self.scale_inv, dtype).t().reshape(self.shape)
+    def _dequantize_buffers(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return quant_core.dequantize_fp8(data, scale_inv, dtype)
 
     def update_usage(self, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
         if columnwise and self.columnwise_data is None:

@@ -18,8 +18,6 @@ from typing import Literal
 
 import torch
 
-import quant_core
-from quant_tensors._block_tensor import BlockScaledTensor
 from quant_tensors._tensor import QuantizedTensor
 from quant_tensors.blockwise import Float8BlockwiseTensor
 from quant_tensors.float8 import Float8Tensor
@@ -31,20 +29,11 @@ GemmPath = Literal["torch._scaled_mm", "emulated"]
 def operand_values(t: QuantizedTensor, usage: Usage, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The 2-D matrix a usage of `t` stands for, dequantized: (M, K) rowwise, (K, M) columnwise."""
     data, scale_inv = _operand_buffers(t, usage)
-    if isinstance(t, Float8Tensor):
-        return quant_core.dequantize_fp8(data, scale_inv, dtype)
-    return t._dequantize_buffers(data, scale_inv, dtype)  # type: ignore[attr-defined]
+    return t._dequantize_buffers(data, scale_inv, dtype)
 
 
 def _operand_buffers(t: QuantizedTensor, usage: Usage) -> tuple[torch.Tensor, torch.Tensor]:
-    if usage not in ("rowwise", "columnwise"):
-        raise ValueError(f"usage must be 'rowwise' or 'columnwise', got {usage!r}")
-    data = getattr(t, f"{usage}_data")
-    if data is None:
-        derivable = " (call update_usage(columnwise=True) first: it is a lossless transpose here)"
-        tiled = isinstance(t, Float8Tensor) or (isinstance(t, BlockScaledTensor) and t.tiled)
-        raise ValueError(f"{type(t).__name__} has no {usage} data for this GEMM" + (derivable if tiled else ""))
-    scale_inv = t.scale_inv if isinstance(t, Float8Tensor) else getattr(t, f"{usage}_scale_inv")
+    data, scale_inv = t.usage_buffers(usage)
     return data.reshape(-1, data.shape[-1]), scale_inv
 
 
