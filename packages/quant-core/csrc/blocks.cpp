@@ -203,16 +203,11 @@ template <class Policy>
 void quantize_blocks(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
                      int64_t B, bool two_d, const Policy& policy, const Outputs& out, int num_threads) {
   const void* x = reinterpret_cast<const void*>(x_MK);
-  const int64_t row_tiles = (M + B - 1) / B, col_tiles = (K + B - 1) / B;
-  const int64_t tile_grain = std::max<int64_t>(1, kMinElementsPerThread / (B * B));
   dispatch_dtype(dtype, [&](auto d) {
     constexpr DType D = decltype(d)::value;
-    parallel_for(row_tiles * col_tiles, tile_grain, num_threads, [&](int64_t, int64_t begin, int64_t end) {
-      TileScratch scratch(B);
-      for (int64_t t = begin; t < end; ++t) {
-        quantize_tile<D>(x, M, K, stride_row, stride_col, B, two_d, policy, out, (t / col_tiles) * B,
-                         (t % col_tiles) * B, scratch);
-      }
+    parallel_for_tiles(M, K, B, B, num_threads, [&](int64_t r0, int64_t c0, int64_t, int64_t) {
+      thread_local TileScratch scratch(128);  // per worker thread; fits the largest block size
+      quantize_tile<D>(x, M, K, stride_row, stride_col, B, two_d, policy, out, r0, c0, scratch);
     });
   });
 }
@@ -336,26 +331,20 @@ void transpose_bytes(uintptr_t src, int64_t R, int64_t C, int64_t stride_row, in
   constexpr int64_t kTile = 64;
   const auto* in = reinterpret_cast<const uint8_t*>(src);
   auto* out = reinterpret_cast<uint8_t*>(dst);
-  const int64_t row_tiles = (R + kTile - 1) / kTile, col_tiles = (C + kTile - 1) / kTile;
-  parallel_for(row_tiles * col_tiles, kMinElementsPerThread / (kTile * kTile), num_threads,
-               [&](int64_t, int64_t begin, int64_t end) {
-                 uint8_t tile[kTile][kTile], tile_t[kTile][kTile];
-                 for (int64_t t = begin; t < end; ++t) {
-                   const int64_t r0 = (t / col_tiles) * kTile, c0 = (t % col_tiles) * kTile;
-                   const int64_t h = std::min(kTile, R - r0), w = std::min(kTile, C - c0);
-                   for (int64_t i = 0; i < h; ++i) {
-                     const uint8_t* row = in + (r0 + i) * stride_row + c0 * stride_col;
-                     if (stride_col == 1) {
-                       std::memcpy(tile[i], row, size_t(w));
-                     } else {
-                       for (int64_t j = 0; j < w; ++j) tile[i][j] = row[j * stride_col];
-                     }
-                   }
-                   for (int64_t i = 0; i < kTile; ++i)
-                     for (int64_t j = 0; j < kTile; ++j) tile_t[j][i] = tile[i][j];
-                   for (int64_t j = 0; j < w; ++j) std::memcpy(out + (c0 + j) * R + r0, tile_t[j], size_t(h));
-                 }
-               });
+  parallel_for_tiles(R, C, kTile, kTile, num_threads, [&](int64_t r0, int64_t c0, int64_t h, int64_t w) {
+    uint8_t tile[kTile][kTile], tile_t[kTile][kTile];
+    for (int64_t i = 0; i < h; ++i) {
+      const uint8_t* row = in + (r0 + i) * stride_row + c0 * stride_col;
+      if (stride_col == 1) {
+        std::memcpy(tile[i], row, size_t(w));
+      } else {
+        for (int64_t j = 0; j < w; ++j) tile[i][j] = row[j * stride_col];
+      }
+    }
+    for (int64_t i = 0; i < kTile; ++i)
+      for (int64_t j = 0; j < kTile; ++j) tile_t[j][i] = tile[i][j];
+    for (int64_t j = 0; j < w; ++j) std::memcpy(out + (c0 + j) * R + r0, tile_t[j], size_t(h));
+  });
 }
 
 void transpose_nvfp4(uintptr_t src, int64_t R, int64_t C, uintptr_t dst, int num_threads) {
@@ -364,26 +353,20 @@ void transpose_nvfp4(uintptr_t src, int64_t R, int64_t C, uintptr_t dst, int num
   constexpr int64_t kTile = 64;
   const auto* in = reinterpret_cast<const uint8_t*>(src);
   auto* out = reinterpret_cast<uint8_t*>(dst);
-  const int64_t row_tiles = (R + kTile - 1) / kTile, col_tiles = (C + kTile - 1) / kTile;
-  parallel_for(row_tiles * col_tiles, kMinElementsPerThread / (kTile * kTile), num_threads,
-               [&](int64_t, int64_t begin, int64_t end) {
-                 uint8_t codes_t[kTile][kTile];
-                 for (int64_t t = begin; t < end; ++t) {
-                   const int64_t r0 = (t / col_tiles) * kTile, c0 = (t % col_tiles) * kTile;
-                   const int64_t h = std::min(kTile, R - r0), w = std::min(kTile, C - c0);
-                   for (int64_t i = 0; i < h; ++i) {
-                     const uint8_t* row = in + ((r0 + i) * C + c0) / 2;
-                     for (int64_t j = 0; j < w; j += 2) {
-                       codes_t[j][i] = row[j / 2] & 0xF;
-                       codes_t[j + 1][i] = row[j / 2] >> 4;
-                     }
-                   }
-                   for (int64_t j = 0; j < w; ++j) {
-                     uint8_t* dst_row = out + ((c0 + j) * R + r0) / 2;
-                     for (int64_t i = 0; i < h; i += 2) dst_row[i / 2] = uint8_t(codes_t[j][i] | (codes_t[j][i + 1] << 4));
-                   }
-                 }
-               });
+  parallel_for_tiles(R, C, kTile, kTile, num_threads, [&](int64_t r0, int64_t c0, int64_t h, int64_t w) {
+    uint8_t codes_t[kTile][kTile];
+    for (int64_t i = 0; i < h; ++i) {
+      const uint8_t* row = in + ((r0 + i) * C + c0) / 2;
+      for (int64_t j = 0; j < w; j += 2) {
+        codes_t[j][i] = row[j / 2] & 0xF;
+        codes_t[j + 1][i] = row[j / 2] >> 4;
+      }
+    }
+    for (int64_t j = 0; j < w; ++j) {
+      uint8_t* dst_row = out + ((c0 + j) * R + r0) / 2;
+      for (int64_t i = 0; i < h; i += 2) dst_row[i / 2] = uint8_t(codes_t[j][i] | (codes_t[j][i + 1] << 4));
+    }
+  });
 }
 
 void hadamard_transform_16(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,

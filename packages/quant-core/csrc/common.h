@@ -163,6 +163,20 @@ inline void parallel_for(int64_t n, int64_t grain, int num_threads, Fn&& fn) {
 // Elements per thread chunk below which extra threads cost more than they save.
 constexpr int64_t kMinElementsPerThread = 1 << 16;
 
+// Covers an R x C index space with tile_rows x tile_cols tiles (edge tiles partial), split across
+// threads, and runs fn(r0, c0, h, w) for each tile: rows [r0, r0 + h), cols [c0, c0 + w).
+template <class Fn>
+inline void parallel_for_tiles(int64_t R, int64_t C, int64_t tile_rows, int64_t tile_cols, int num_threads, Fn&& fn) {
+  const int64_t row_tiles = (R + tile_rows - 1) / tile_rows, col_tiles = (C + tile_cols - 1) / tile_cols;
+  const int64_t grain = std::max<int64_t>(1, kMinElementsPerThread / (tile_rows * tile_cols));
+  parallel_for(row_tiles * col_tiles, grain, num_threads, [&](int64_t, int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r0 = (t / col_tiles) * tile_rows, c0 = (t % col_tiles) * tile_cols;
+      fn(r0, c0, std::min(tile_rows, R - r0), std::min(tile_cols, C - c0));
+    }
+  });
+}
+
 }  // namespace quant_core
 
 namespace quant_core {

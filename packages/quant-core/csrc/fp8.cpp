@@ -78,16 +78,8 @@ void cast_to_fp8(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride
         });
         return;
       }
-      const int64_t row_tiles = (M + kTileRows - 1) / kTileRows;
-      const int64_t col_tiles = (K + kTileCols - 1) / kTileCols;
-      const int64_t tile_grain = std::max<int64_t>(1, kMinElementsPerThread / (kTileRows * kTileCols));
-      parallel_for(row_tiles * col_tiles, tile_grain, num_threads, [&](int64_t, int64_t tile_begin, int64_t tile_end) {
-        for (int64_t t = tile_begin; t < tile_end; ++t) {
-          const int64_t r0 = (t / col_tiles) * kTileRows;
-          const int64_t c0 = (t % col_tiles) * kTileCols;
-          cast_tile<D, F>(x, M, K, stride_row, stride_col, scale, r0, std::min(M, r0 + kTileRows), c0,
-                          std::min(K, c0 + kTileCols), rowwise, columnwise);
-        }
+      parallel_for_tiles(M, K, kTileRows, kTileCols, num_threads, [&](int64_t r0, int64_t c0, int64_t h, int64_t w) {
+        cast_tile<D, F>(x, M, K, stride_row, stride_col, scale, r0, r0 + h, c0, c0 + w, rowwise, columnwise);
       });
     });
   });
