@@ -286,8 +286,8 @@ def test_view_of_a_2d_tensor_to_3d(name, role):
 @pytest.mark.parametrize(("name", "role"), CASES, ids=CASE_IDS)
 @pytest.mark.parametrize(
     ("source_shape", "target_shape"),
-    [(SHAPE_2D, (384, 256)), (SHAPE_2D, (-1,)), (SHAPE_2D, (128, 768)), (SHAPE_3D, (2, 128 * 256))],
-    ids=["transpose-shape", "flatten", "wider-last-dim", "merge-last-dims"],
+    [(SHAPE_2D, (384, 256)), (SHAPE_2D, (128, 768)), (SHAPE_3D, (2, 128 * 256))],
+    ids=["transpose-shape", "wider-last-dim", "merge-last-dims"],
 )
 @pytest.mark.parametrize("op", ["view", "reshape", "_unsafe_view"])
 def test_view_changing_the_last_dim_raises(name, role, source_shape, target_shape, op):
@@ -299,6 +299,30 @@ def test_view_changing_the_last_dim_raises(name, role, source_shape, target_shap
     }[op]
     with pytest.raises(NotImplementedError, match="last dim kept"):
         apply()
+
+
+@pytest.mark.parametrize(("name", "role"), CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("source_shape", [SHAPE_2D, SHAPE_3D], ids=["2d", "3d"])
+def test_flat_view_only_views_back(name, role, source_shape):
+    # FSDP2 keeps padded_shard.view(-1) for bookkeeping: a flat view over the same buffers.
+    _, t = quantized(name, role, source_shape)
+    flat = t.view(-1)
+    assert type(flat) is type(t)
+    assert flat.shape == (t.numel(),)
+    assert flat.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    assert flat.detach().shape == (t.numel(),)
+    assert flat.view(t.numel()).shape == (t.numel(),)
+    back = flat.detach().view(*source_shape)
+    assert type(back) is type(t)
+    assert back.shape == t.shape
+    for name_, buffer in t.buffers().items():
+        assert (buffer is None) == (getattr(back, name_) is None)
+        if buffer is not None:
+            assert getattr(back, name_).data_ptr() == buffer.data_ptr()
+    assert torch.equal(back.dequantize(), t.dequantize())
+    for misuse in (lambda: flat.clone(), lambda: flat.view(4, -1), lambda: flat[:8], lambda: flat.dequantize()):
+        with pytest.raises(NotImplementedError, match="flat view"):
+            misuse()
 
 
 # ---- split / chunk / split_with_sizes ---------------------------------------------------------

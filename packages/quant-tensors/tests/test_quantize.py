@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 
 import pytest
 import torch
@@ -289,3 +290,53 @@ def test_serialized_bytes_hold_only_the_raw_buffers():
     torch.save(t, buffer)
     raw = sum(b.numel() * b.element_size() for b in t.buffers().values() if b is not None)
     assert raw < buffer.getbuffer().nbytes < raw + 16 * 1024  # buffers plus a few KiB of structure
+
+
+# ---- hooks for higher layers: extension methods, shard alignment, process groups ------------
+
+
+def test_register_tensor_method_adds_to_every_format_and_refuses_clashes():
+    calls = []
+    qt.register_tensor_method("_test_extension", lambda self, x: calls.append((type(self).__name__, x)))
+    for name in ("fp8", "mxfp8", "fp8-block", "nvfp4"):
+        t = qt.recipe_from_name(name).quantizer("weight").quantize(torch.randn(128, 128))
+        t._test_extension(1)
+    assert [c[0] for c in calls] == ["Float8Tensor", "MXFP8Tensor", "Float8BlockwiseTensor", "NVFP4Tensor"]
+    qt.register_tensor_method("_test_extension", lambda self: "replaced")  # re-registering replaces
+    assert qt.recipe_from_name("fp8").quantizer("weight").quantize(torch.randn(16, 16))._test_extension() == "replaced"
+    for clash in ("dequantize", "update_usage", "add_", "__init__", "not a name"):
+        with pytest.raises(ValueError, match="already defines|not a method name"):
+            qt.register_tensor_method(clash, lambda self: None)
+
+
+@pytest.mark.parametrize(
+    ("name", "role", "alignment"),
+    [
+        ("fp8", "weight", 1),
+        ("fp8-delayed", "weight", 1),
+        ("mxfp8", "weight", 32),
+        ("fp8-block", "weight", 128),
+        ("fp8-block", "input", 128),
+        ("nvfp4", "weight", 16),
+        ("nvfp4", "input", 16),
+    ],
+)
+def test_row_alignment_is_the_block_rows_a_shard_must_start_on(name, role, alignment):
+    quantizer = qt.recipe_from_name(name).quantizer(role)
+    assert quantizer.row_alignment == alignment
+    if alignment > 1 and quantizer.block_shape[0] == 1:  # 1-D blocks used rowwise only span no rows
+        assert quantizer.with_usage(columnwise=False).row_alignment == 1
+
+
+def test_quantizer_pickles_and_copies_without_its_process_group():
+    quantizer = qt.Float8DelayedScaling().quantizer("weight")
+    group = object()  # stands in for a ProcessGroup, which neither pickles nor deep-copies
+    quantizer.amax_group = group
+    quantizer.quantize(torch.randn(16, 16), amax=torch.tensor(3.0))  # a given amax needs no group
+    restored = pickle.loads(pickle.dumps(quantizer))
+    assert restored.amax_group is None
+    assert torch.equal(restored.amax_history, quantizer.amax_history)
+    clone = copy.deepcopy(quantizer)
+    assert clone.amax_group is group
+    assert clone.amax_history is not quantizer.amax_history
+    assert torch.equal(clone.amax_history, quantizer.amax_history)

@@ -13,7 +13,13 @@ from quant_tensors import (
     ops,
 )
 from quant_tensors._block_tensor import BlockQuantizer, BlockScaledTensor
-from quant_tensors._tensor import DEQUANTIZE_FALLBACK_OPS, QuantizedTensor, _rebuild_quantized_tensor
+from quant_tensors._tensor import (
+    DEQUANTIZE_FALLBACK_OPS,
+    QuantizedTensor,
+    _rebuild_quantized_tensor,
+    local_quantized,
+    register_tensor_method,
+)
 from quant_tensors._version import __version__
 from quant_tensors.blockwise import Float8BlockQuantizer, Float8BlockwiseTensor
 from quant_tensors.convert import convert
@@ -62,6 +68,8 @@ __all__ = [
     "MXFP8Tensor",
     "NVFP4Tensor",
     "QuantizedTensor",
+    "local_quantized",
+    "register_tensor_method",
     # GEMM, modules, conversion
     "convert",
     "high_precision_init_value",

@@ -126,6 +126,10 @@ class BlockQuantizer(Quantizer):
         return self.block_shape[0] > 1
 
     @property
+    def row_alignment(self) -> int:
+        return self.tensor_class.block if self.block_shape[0] > 1 or self.columnwise else 1
+
+    @property
     def dim_multiple(self) -> tuple[int, int]:
         block = self.tensor_class.block
         return block, block

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from quant_tensors._tensor import QuantizedTensor
+from quant_tensors._tensor import QuantizedTensor, flat_view
 
 aten = torch.ops.aten
 implements = QuantizedTensor.implements
@@ -70,6 +70,8 @@ def _leading_shape_change(t: QuantizedTensor, shape: list[int]) -> list[int]:
 @implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def _view(func, args, kwargs):
     t: QuantizedTensor = args[0]
+    if t.dim() > 1 and list(args[1]) in ([-1], [t.numel()]):
+        return flat_view(t)  # FSDP2's bookkeeping view ([Note: flat view] in quant_tensors._tensor)
     shape = _leading_shape_change(t, args[1])
     reshape_rowwise = lambda b: b.reshape(*shape[:-1], b.shape[-1])  # noqa: E731
     changes = {

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 aten = torch.ops.aten
@@ -52,6 +53,7 @@ class QuantizedTensor(torch.Tensor):
     _buffer_names: ClassVar[tuple[str, ...]] = ()
     _metadata_names: ClassVar[tuple[str, ...]] = ()
     _warned_fallbacks: ClassVar[set[tuple[type, Any]]] = set()
+    _flat_shape: tuple[int, ...] | None = None  # set on flat views only ([Note: flat view])
 
     quantizer: Any  # the Quantizer that produced it (requantization, FSDP, copy_ from high precision)
 
@@ -101,6 +103,7 @@ class QuantizedTensor(torch.Tensor):
         """The high-precision values, as `dtype` (default: the nominal dtype); from columnwise data if
         rowwise is absent (x^T's values, transposed back)."""
         dtype = dtype or self.dtype
+        self._check_not_flat("dequantize")
         if self.rowwise_data is not None:
             return self._dequantize_buffers(*self.usage_buffers("rowwise"), dtype)
         return self._dequantize_buffers(*self.usage_buffers("columnwise"), dtype).t().reshape(self.shape)
@@ -109,6 +112,7 @@ class QuantizedTensor(torch.Tensor):
         """(data, scale_inv) of the "rowwise" or "columnwise" usage; raises if that usage is absent."""
         if usage not in ("rowwise", "columnwise"):
             raise ValueError(f"usage must be 'rowwise' or 'columnwise', got {usage!r}")
+        self._check_not_flat("usage_buffers")
         data = getattr(self, f"{usage}_data")
         if data is None:
             raise ValueError(
@@ -116,6 +120,13 @@ class QuantizedTensor(torch.Tensor):
                 "format derives it losslessly, or quantize with that usage"
             )
         return data, self._scale_inv_of(usage)
+
+    def _check_not_flat(self, what: str) -> None:
+        if self._flat_shape is not None:
+            raise NotImplementedError(
+                f"{what} of a flat view of a {type(self).__name__}{self._flat_shape}: flat views exist for FSDP2's "
+                f"bookkeeping only; view it back to {self._flat_shape} first"
+            )
 
     def _scale_inv_of(self, usage: str) -> torch.Tensor:
         """The dequantization scales of a usage (one per block, or one per tensor)."""
@@ -204,6 +215,8 @@ class QuantizedTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
+        if args and isinstance(args[0], QuantizedTensor) and args[0]._flat_shape is not None:
+            return _flat_view_op(func, args)
         handler = cls._handler(func)
         if handler is not None:
             return handler(func, args, kwargs)
@@ -267,6 +280,59 @@ class QuantizedTensor(torch.Tensor):
             if t is not None
         )
         return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, {present})"
+
+
+# [Note: flat view] FSDP2 keeps `padded_shard.view(-1)` of every parameter for bookkeeping; with
+# the all-gather hooks in place it never computes with it. A QuantizedTensor's layout follows its
+# (M, K) view, so `view(-1)` returns a *flat view*: same buffers, shape (numel,), remembering the
+# shape it came from. It can only be viewed back to that shape, detached or aliased; every other
+# op raises instead of misreading the buffers.
+_FLAT_VIEW_OPS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
+
+
+def flat_view(t: QuantizedTensor) -> QuantizedTensor:
+    """The flat (numel,) view of t ([Note: flat view])."""
+    flat = t._rebuilt(shape=(t.numel(),))
+    flat._flat_shape = tuple(t.shape)
+    return flat
+
+
+def _flat_view_op(func: Any, args: tuple[Any, ...]) -> QuantizedTensor:
+    t: QuantizedTensor = args[0]
+    unflat = t._rebuilt(shape=t._flat_shape)
+    target = list(args[1]) if func in _FLAT_VIEW_OPS else None
+    if func in (aten.detach.default, aten.alias.default) or target in ([-1], [t.numel()]):
+        return flat_view(unflat)
+    if target is not None and tuple(target) == t._flat_shape:
+        return unflat
+    t._check_not_flat(str(func))
+    raise AssertionError("unreachable")
+
+
+def local_quantized(t: Any) -> QuantizedTensor | None:
+    """The QuantizedTensor that t holds: t itself, or a DTensor's local shard (FSDP2); else None."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return local if isinstance(local, QuantizedTensor) else None
+
+
+def register_tensor_method(name: str, fn: Callable[..., Any]) -> None:
+    """Adds the method `name` to every QuantizedTensor: the extension point for higher layers.
+
+    Protocols that torch looks up by attribute name (FSDP2's `fsdp_pre_all_gather` and
+    `fsdp_post_all_gather`) belong to the layer that implements them; quant-fsdp installs them
+    here when it is imported, so quant-tensors never imports it. Registering a name again
+    replaces the earlier method; names that torch.Tensor or quant-tensors itself define are refused.
+    """
+    if not name.isidentifier() or name.startswith("__"):
+        raise ValueError(f"{name!r} is not a method name that can be registered")
+    defined = QuantizedTensor.__dict__.get(name)
+    if hasattr(torch.Tensor, name) or (defined is not None and name not in _EXTENSION_METHODS):
+        raise ValueError(f"QuantizedTensor already defines {name!r}; extensions add new methods only")
+    _EXTENSION_METHODS[name] = fn
+    setattr(QuantizedTensor, name, fn)
+
+
+_EXTENSION_METHODS: dict[str, Callable[..., Any]] = {}
 
 
 def _rebuild_quantized_tensor(

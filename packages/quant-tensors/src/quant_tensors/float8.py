@@ -107,7 +107,7 @@ class Float8Quantizer(Quantizer):
 
     def _scale(self, x: torch.Tensor, amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(scale, scale_inv, amax of x) for this call."""
-        x_amax = quant_core.amax(x) if amax is None else amax.reshape(()).float()
+        x_amax = self._measured_amax(x, amax)
         scale, scale_inv = quant_core.fp8_scale(x_amax, self.fp8_dtype, power_2_scales=self.power_2_scales)
         return scale, scale_inv, x_amax
 
@@ -186,5 +186,5 @@ class Float8DelayedQuantizer(Float8Quantizer):
         scale, scale_inv = quant_core.fp8_scale(
             history_amax, self.fp8_dtype, margin=self.margin, power_2_scales=self.power_2_scales
         )
-        quant_core.push_amax_(history, quant_core.amax(x) if amax is None else amax.reshape(()).float())
+        quant_core.push_amax_(history, self._measured_amax(x, amax))
         return scale, scale_inv, history_amax

@@ -20,8 +20,9 @@ import warnings
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from quant_tensors._tensor import QuantizedTensor
+from quant_tensors._tensor import QuantizedTensor, local_quantized
 from quant_tensors.ops import scaled_mm
 from quant_tensors.recipes import Recipe
 
@@ -118,11 +119,15 @@ class Linear(torch.nn.Linear):
         return _QuantizedLinearFunction.apply(x, self.weight, self.bias, self)
 
     def reset_parameters(self) -> None:
-        """nn.Linear's initialisation; a quantized weight is initialised in high precision, then requantized."""
-        if not isinstance(getattr(self, "weight", None), QuantizedTensor):
+        """nn.Linear's initialisation; a quantized weight is initialised in high precision, then requantized.
+
+        Under FSDP2 (a DTensor weight after meta-device init) only the local shard is initialised
+        and quantized; its quantizer's `amax_group` keeps per-tensor scales equal across shards.
+        """
+        if local_quantized(getattr(self, "weight", None)) is None:
             super().reset_parameters()
             return
-        value = torch.empty(self.weight.shape, dtype=self.weight.dtype, device=self.weight.device)
+        value = _high_precision_like(self.weight)
         torch.nn.init.kaiming_uniform_(value, a=math.sqrt(5))
         with torch.no_grad():
             self.weight.copy_(value)
@@ -134,6 +139,21 @@ class Linear(torch.nn.Linear):
     def extra_repr(self) -> str:
         mode = f", high precision: {self.high_precision_reason}" if self.high_precision_reason else ""
         return f"{super().extra_repr()}, recipe={type(self.recipe).__name__}{mode}"
+
+
+def _high_precision_like(weight: torch.Tensor) -> torch.Tensor:
+    """An uninitialised high-precision tensor shaped (and, for a DTensor, sharded) like `weight`."""
+    if not isinstance(weight, DTensor):
+        return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    local = weight._local_tensor
+    return DTensor.from_local(
+        torch.empty(local.shape, dtype=weight.dtype, device=local.device),
+        weight.device_mesh,
+        weight.placements,
+        shape=weight.shape,
+        stride=weight.stride(),
+        run_check=False,
+    )
 
 
 def _unquantizable_reason(quantizer: Any, in_features: int, out_features: int, recipe: Recipe) -> str:

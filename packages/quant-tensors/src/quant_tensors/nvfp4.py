@@ -67,7 +67,7 @@ class NVFP4Quantizer(BlockQuantizer):
         return quant_core.quantize_nvfp4(
             x,
             self.block_shape,
-            global_amax=amax,
+            global_amax=amax if amax is not None or self.amax_group is None else self._measured_amax(x, None),
             rowwise=rowwise,
             columnwise=columnwise,
             stochastic_rounding=self.stochastic_rounding,

@@ -7,13 +7,16 @@ delayed scaling, the amax history.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 
+import quant_core
 from quant_tensors._tensor import QuantizedTensor
 
 # [Note: on-demand columnwise] Weights whose columnwise data is a lossless transpose of their
@@ -38,6 +41,10 @@ class Quantizer:
     """Produce columnwise data (the backward GEMMs' operand)."""
     columnwise_on_demand: bool = False
     """Leave columnwise out of `quantize`; derive it with update_usage ([Note: on-demand columnwise])."""
+    amax_group: Any = field(default=None, repr=False)
+    """Process group over which formats with a per-tensor amax (per-tensor FP8, NVFP4) all-reduce
+    (MAX) the amax they measure, so that the shards of one tensor share one scale. quant-fsdp sets
+    it for sharded weights. An `amax=` passed to `quantize` is used as given. Not pickled."""
 
     tensor_class: ClassVar[type[QuantizedTensor]]
     format_name: ClassVar[str]
@@ -55,6 +62,15 @@ class Quantizer:
     def can_derive_columnwise(self) -> bool:
         """Whether this format's columnwise data is a lossless transpose of its rowwise data."""
         return False
+
+    @property
+    def row_alignment(self) -> int:
+        """Rows of the (M, K) view that a dim-0 shard of this quantizer's tensors must start on.
+
+        1 where every block lies within a row (per-tensor FP8, or 1-D blocks used rowwise only);
+        the block size where blocks span rows (tiles, or columnwise 1-D blocks along M).
+        """
+        return 1
 
     @property
     def produced_usages(self) -> tuple[bool, bool]:
@@ -117,6 +133,27 @@ class Quantizer:
             rowwise=self.rowwise if rowwise is None else rowwise,
             columnwise=self.columnwise if columnwise is None else columnwise,
         )
+
+    def _measured_amax(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
+        """`amax` if given, else x's amax all-reduced (MAX) over `amax_group` when one is set."""
+        if amax is not None:
+            return amax.reshape(()).float()
+        measured = quant_core.amax(x)
+        if self.amax_group is not None:
+            dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.amax_group)
+        return measured
+
+    # ---- pickling and copies: a process group is neither picklable nor copyable ----------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "amax_group": None}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Quantizer:
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        for name, value in self.__dict__.items():  # the group is shared, everything else copied
+            setattr(clone, name, value if name == "amax_group" else copy.deepcopy(value, memo))
+        return clone
 
     # ---- what every format provides ----------------------------------------------------------
 

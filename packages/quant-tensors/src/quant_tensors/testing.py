@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
-from quant_tensors._tensor import QuantizedTensor
+from quant_tensors._tensor import local_quantized
 from quant_tensors.nn import high_precision_init_value
 
 __all__ = ["MarkovTask", "MasterWeights", "TinyTransformer", "TransformerConfig", "train"]
@@ -103,17 +104,18 @@ class MarkovTask:
 class MasterWeights:
     """fp32 master copies of a model's quantized parameters, for a plain torch optimizer.
 
-    The optimizer steps the masters; `write_back` requantizes each parameter with `p.copy_(master)`
-    (quant-optim's FusedAdam does this fused; this is the reference path).
+    The optimizer steps the masters; `step` then requantizes each parameter with `p.copy_(master)`
+    (quant-optim's FusedAdam does this fused; this is the reference path). Parameters may be
+    QuantizedTensors or FSDP2's DTensors of QuantizedTensor shards (masters are then DTensors too).
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self.parameters: list[torch.Tensor] = []
         for p in model.parameters():
-            if isinstance(p, QuantizedTensor):
+            if local_quantized(p) is not None:
                 initial = high_precision_init_value(p)
-                master = (p.dequantize() if initial is None else initial).float().clone().requires_grad_(True)
+                master = (_dequantized(p) if initial is None else initial).float().clone().requires_grad_(True)
                 self.pairs.append((p, master))
                 self.parameters.append(master)
             else:
@@ -126,6 +128,15 @@ class MasterWeights:
         with torch.no_grad():
             for p, master in self.pairs:
                 p.copy_(master)
+
+
+def _dequantized(p: torch.Tensor) -> torch.Tensor:
+    local = local_quantized(p)
+    if not isinstance(p, DTensor):
+        return local.dequantize()
+    return DTensor.from_local(
+        local.dequantize(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
+    )
 
 
 def train(
