@@ -81,5 +81,6 @@ def _rank_entry(rank: int, world_size: int, source: str, name: str, store: str, 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         getattr(module, name)(rank, world_size, *args)
+        dist.barrier()  # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()

@@ -1,9 +1,28 @@
 """quant-fsdp: FSDP2 all-gather of quantized weights, sequence-parallel gather, TP styles, the CLI.
 
-The FSDP2 hooks arrive with issue #6; today the package holds the `quant-fsdp` command line
-(`demo`, `bench`) over what the lower layers can do.
+Importing quant_fsdp gives every QuantizedTensor FSDP2's all-gather hooks, so quantized primary
+weights (`qt.convert(..., quantized_weights=True)`) gather their low-precision bytes under torch's
+own `fully_shard`. `quant_fsdp.fully_shard` is the drop-in that also plans each weight's gather
+(explicit high-precision fallback for shards that cannot be quantized on their own) and offers
+quantize-on-gather for high-precision weights. See docs/fsdp.md.
 """
 
+from quant_fsdp._amax import sync_amax_
+from quant_fsdp._fully_shard import fully_shard, install_hooks
+from quant_fsdp._plan import GatherPlan, gather_plan
+from quant_fsdp._stats import comm_stats, reset_comm_stats
 from quant_fsdp._version import __version__
+from quant_fsdp._weight import QuantizeOnGatherTensor
 
-__all__ = ["__version__"]
+install_hooks()
+
+__all__ = [
+    "GatherPlan",
+    "QuantizeOnGatherTensor",
+    "__version__",
+    "comm_stats",
+    "fully_shard",
+    "gather_plan",
+    "reset_comm_stats",
+    "sync_amax_",
+]

@@ -88,6 +88,7 @@ class Float8Quantizer(Quantizer):
 
     tensor_class: ClassVar[type[QuantizedTensor]] = Float8Tensor
     format_name: ClassVar[str] = "per-tensor FP8"
+    per_tensor_amax: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

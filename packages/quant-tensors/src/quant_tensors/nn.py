@@ -41,10 +41,15 @@ def high_precision_init_value(param: torch.Tensor) -> torch.Tensor | None:
     return value
 
 
+def attach_high_precision_init_value(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Remembers `value` as the high-precision value `param` was quantized from (see above)."""
+    setattr(param, _HIGH_PRECISION_INIT, value)
+
+
 def quantized_parameter(value: torch.Tensor, quantizer: Any, *, requires_grad: bool = True) -> torch.nn.Parameter:
     """A Parameter holding `quantizer.quantize(value)`, remembering `value` for the master copy."""
     param = torch.nn.Parameter(quantizer.quantize(value.detach()), requires_grad=requires_grad)
-    setattr(param, _HIGH_PRECISION_INIT, value.detach().clone())
+    attach_high_precision_init_value(param, value.detach().clone())
     return param
 
 
@@ -60,7 +65,8 @@ class _QuantizedLinearFunction(torch.autograd.Function):
             qx.update_usage(rowwise=False)  # the wgrad GEMM needs the columnwise data only
         ctx.save_for_backward(qx if needs_wgrad else None, qw)
         ctx.module, ctx.x_shape, ctx.has_bias, ctx.weight_dtype = module, x.shape, bias is not None, weight.dtype
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        # _unsafe_view, as torch.matmul does: the output is not a view of a temporary (FSDP2 warns on views)
+        return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], y.shape[-1]))
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -131,7 +137,7 @@ class Linear(torch.nn.Linear):
         torch.nn.init.kaiming_uniform_(value, a=math.sqrt(5))
         with torch.no_grad():
             self.weight.copy_(value)
-        setattr(self.weight, _HIGH_PRECISION_INIT, value)
+        attach_high_precision_init_value(self.weight, value)
         if self.bias is not None:
             bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
             torch.nn.init.uniform_(self.bias, -bound, bound)

@@ -56,6 +56,7 @@ class NVFP4Quantizer(BlockQuantizer):
 
     tensor_class: ClassVar[type[BlockScaledTensor]] = NVFP4Tensor
     format_name: ClassVar[str] = "NVFP4"
+    per_tensor_amax: ClassVar[bool] = True
 
     @property
     def block_shape(self) -> tuple[int, int]:

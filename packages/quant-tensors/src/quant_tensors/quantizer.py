@@ -48,6 +48,8 @@ class Quantizer:
 
     tensor_class: ClassVar[type[QuantizedTensor]]
     format_name: ClassVar[str]
+    per_tensor_amax: ClassVar[bool] = False
+    """Whether one amax scales the whole tensor (then shards must agree on it: `amax_group`)."""
 
     def __post_init__(self) -> None:
         if not (self.rowwise or self.columnwise):

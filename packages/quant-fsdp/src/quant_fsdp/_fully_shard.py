@@ -1,0 +1,188 @@
+"""quant_fsdp.fully_shard: torch's fully_shard, plus the gather plan of every quantized weight.
+
+Importing quant_fsdp installs the all-gather hooks on every QuantizedTensor (quantized primary
+weights, mode 1). `fully_shard` then, for the parameters the call manages:
+1. decides each quantized weight's gather ([Note: alignment policy] in quant_fsdp._plan);
+2. mode 1: aligned QuantizedTensor weights stay as they are, and their quantizers get the shard
+   group as `amax_group` (per-tensor scales agree across shards); misaligned ones become
+   high-precision QuantizeOnGatherTensor weights (the fallback), from their high-precision
+   initial value where qt.convert kept one;
+3. mode 2 (`quantize_on_gather=True`): the high-precision weights of qt.nn.Linear layers become
+   QuantizeOnGatherTensor weights that gather quantized (or take the fallback);
+4. calls torch's fully_shard, and shards the kept high-precision initial values alongside.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+import quant_tensors as qt
+from quant_fsdp import _gather, _plan
+from quant_fsdp._weight import QuantizeOnGatherTensor
+from quant_tensors import QuantizedTensor
+
+logger = logging.getLogger("quant_fsdp")
+
+
+def _pre_all_gather(self: QuantizedTensor, mesh, outer_size=None, outer_stride=None, module=None, mp_policy=None):
+    if self.quantizer.per_tensor_amax and self.quantizer.amax_group is None:
+        self.quantizer.amax_group = mesh.get_group()  # sharded by torch's fully_shard directly
+    return _gather.pre_all_gather(self, mesh.size())
+
+
+def _post_all_gather(self: QuantizedTensor, all_gather_outputs, metadata, param_dtype, *, out=None):
+    return _gather.post_all_gather(self, all_gather_outputs, metadata, param_dtype, out)
+
+
+def install_hooks() -> None:
+    """Gives every QuantizedTensor FSDP2's all-gather hooks (run when quant_fsdp is imported)."""
+    qt.register_tensor_method("fsdp_pre_all_gather", _pre_all_gather)
+    qt.register_tensor_method("fsdp_post_all_gather", _post_all_gather)
+
+
+def fully_shard(
+    module: torch.nn.Module,
+    *,
+    quantize_on_gather: bool = False,
+    print_plan: bool = False,
+    **kwargs: Any,
+) -> torch.nn.Module:
+    """torch.distributed.fsdp.fully_shard for models with quantized weights (a drop-in replacement).
+
+    `quantize_on_gather=True` keeps qt.nn.Linear weights in high precision (mode 2: any torch
+    optimizer steps them) and quantizes each shard when FSDP2 gathers it. Quantized primary
+    weights (qt.convert(..., quantized_weights=True)) gather their bytes either way. Weights whose
+    shards cannot be quantized on their own take the explicit fallback; see `gather_plan(module)`,
+    the "quant_fsdp" logger and `comm_stats()`. `print_plan=True` prints the plan. Other keyword
+    arguments go to torch's fully_shard (mesh, reshard_after_forward, mp_policy, ...).
+    """
+    reshard = kwargs.get("reshard_after_forward", True)
+    mesh = kwargs.get("mesh") or _default_mesh(module)
+    shard_group = mesh.get_group(mesh.ndim - 1)
+    world = mesh.size(mesh.ndim - 1)
+    plans: list[_plan.GatherPlan] = []
+    init_values: dict[str, torch.Tensor] = {}
+    for name, owner, attribute, param in _managed_parameters(module, kwargs.get("ignored_params")):
+        quantizer, mode = _quantizer_and_mode(owner, attribute, param, quantize_on_gather)
+        if quantizer is None:
+            continue
+        if isinstance(reshard, int) and not isinstance(reshard, bool):
+            raise ValueError(
+                f"reshard_after_forward={reshard} (reshard to a smaller mesh) is not supported for quantized "
+                f"weights ({name}): FSDP2 cannot re-gather them from the smaller mesh. Use True or False."
+            )
+        reason = _plan.fallback_reason(quantizer, tuple(param.shape), world)
+        plans.append(_plan.GatherPlan(name, quantizer.format_name, tuple(param.shape), mode, reason))
+        _plan.register_fsdp_module(quantizer, module)
+        if reason:
+            logger.warning(
+                "%s (%s, %s): gathers in high precision, then quantizes: %s", name, quantizer.format_name, mode, reason
+            )
+        elif quantizer.per_tensor_amax:
+            quantizer.amax_group = shard_group
+        if mode == _plan.QUANTIZED_WEIGHTS and not reason:
+            init_value = qt.high_precision_init_value(param)
+            if init_value is not None:
+                init_values[name] = init_value
+        else:
+            value = _high_precision_value(param) if mode == _plan.QUANTIZED_WEIGHTS else param.detach()
+            wrapped = QuantizeOnGatherTensor(value, quantizer, fallback=bool(reason))
+            owner.register_parameter(attribute, torch.nn.Parameter(wrapped, requires_grad=param.requires_grad))
+    torch_fully_shard(module, **{**kwargs, "mesh": mesh})
+    _attach_init_value_shards(module, init_values, mesh)
+    _plan.record(module, plans)
+    if print_plan:
+        _plan.print_plan(module, tuple(plans))
+    return module
+
+
+def _default_mesh(module: torch.nn.Module) -> DeviceMesh:
+    """The mesh torch's fully_shard would make: every rank, on the device of the module's parameters."""
+    device = next((p.device for p in module.parameters() if p.device.type != "meta"), None)
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def _managed_parameters(
+    module: torch.nn.Module, ignored: Any
+) -> Iterator[tuple[str, torch.nn.Module, str, torch.nn.Parameter]]:
+    """(name, owner module, attribute, parameter) for each parameter a fully_shard(module) call
+    manages: those not already managed by an FSDP module below it, nor ignored."""
+    ignored_ids = {id(p) for p in (ignored or ())}
+    seen: set[int] = set()
+    stack: list[tuple[str, torch.nn.Module]] = [("", module)]
+    while stack:
+        prefix, current = stack.pop()
+        for attribute, param in current.named_parameters(recurse=False):
+            if id(param) not in seen and id(param) not in ignored_ids:
+                seen.add(id(param))
+                yield prefix + attribute, current, attribute, param
+        for child_name, child in current.named_children():
+            if not isinstance(child, FSDPModule):
+                stack.append((f"{prefix}{child_name}.", child))
+
+
+def _quantizer_and_mode(
+    owner: torch.nn.Module, attribute: str, param: torch.Tensor, quantize_on_gather: bool
+) -> tuple[Any, str]:
+    local = qt.local_quantized(param)
+    if isinstance(param, DTensor):
+        return None, ""  # already sharded (tensor parallel): not handled here yet
+    if local is not None:
+        if local.quantizer is None:
+            raise ValueError(f"quantized parameter {attribute} of {type(owner).__name__} has no quantizer")
+        return local.quantizer, _plan.QUANTIZED_WEIGHTS
+    if isinstance(param, QuantizeOnGatherTensor):
+        raise ValueError(f"{type(owner).__name__}.{attribute} is already prepared by quant_fsdp.fully_shard")
+    if (
+        quantize_on_gather
+        and isinstance(owner, qt.nn.Linear)
+        and attribute == "weight"
+        and not owner.high_precision_reason
+    ):
+        return owner.weight_quantizer, _plan.QUANTIZE_ON_GATHER
+    return None, ""
+
+
+def _high_precision_value(param: QuantizedTensor) -> torch.Tensor:
+    """The value a fallback weight starts from: qt.convert's high-precision value, else the dequantized one."""
+    value = qt.high_precision_init_value(param)
+    if value is None:
+        logger.warning(
+            "a %s weight of shape %s takes the fallback without its high-precision initial value: it starts "
+            "from the dequantized weight",
+            param.quantizer.format_name,
+            tuple(param.shape),
+        )
+        value = param.dequantize()
+    return value.detach()
+
+
+def _attach_init_value_shards(module: torch.nn.Module, init_values: dict[str, torch.Tensor], mesh: DeviceMesh) -> None:
+    """Gives each sharded quantized weight the matching shard of its high-precision initial value."""
+    for name, value in init_values.items():
+        param = module.get_parameter(name)
+        local = param._local_tensor
+        start = mesh.get_local_rank(mesh.ndim - 1) * local.shape[0]
+        shard = value.narrow(0, start, local.shape[0])
+        qt.nn.attach_high_precision_init_value(
+            param,
+            DTensor.from_local(
+                shard.contiguous(),
+                param.device_mesh,
+                param.placements,
+                shape=param.shape,
+                stride=param.stride(),
+                run_check=False,
+            ),
+        )

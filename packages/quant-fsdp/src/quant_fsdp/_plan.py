@@ -1,0 +1,130 @@
+"""The gather plan: which parameters FSDP2 gathers quantized, which take the explicit fallback, and why.
+
+[Note: alignment policy] A quantized shard can be gathered as bytes only if it is a quantized
+tensor on its own: FSDP2's shards must be equal (FSDP2 pads unequal ones, and then insists every
+all-gather input has the padded parameter shape, which scales cannot have), at least one row of
+dim 0 each, and start on the format's block rows (`Quantizer.row_alignment`: 1 for per-tensor FP8,
+32 for MXFP8, 128 for blockwise 128x128, 16 for NVFP4 16x16). Any other parameter takes the
+fallback: its shard stays high precision, FSDP2 gathers it in high precision (or the
+MixedPrecisionPolicy's param_dtype) and the hook quantizes the unsharded tensor. The decision is
+made once, in `quant_fsdp.fully_shard`, logged once per parameter, shown by `gather_plan` and
+counted in `comm_stats()`.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+QUANTIZED_WEIGHTS = "quantized weights"
+QUANTIZE_ON_GATHER = "quantize on gather"
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """How FSDP2 gathers one quantized parameter."""
+
+    name: str
+    """Fully qualified parameter name under the module passed to fully_shard."""
+    format: str
+    """The weight quantizer's format."""
+    shape: tuple[int, ...]
+    """The unsharded shape."""
+    mode: str
+    """"quantized weights" (the shard is a QuantizedTensor) or "quantize on gather" (high precision)."""
+    fallback_reason: str
+    """Why the parameter gathers in high precision and is quantized after; "" when it gathers quantized bytes."""
+
+    @property
+    def quantized_gather(self) -> bool:
+        return not self.fallback_reason
+
+
+def fallback_reason(quantizer: Any, shape: tuple[int, ...], world_size: int) -> str:
+    """Why a parameter of `shape` sharded over `world_size` cannot gather quantized ("" if it can)."""
+    if not shape:
+        return "it is 0-d"
+    rows = shape[0]
+    if rows < world_size:
+        return f"dim 0 ({rows}) is smaller than the {world_size} shards"
+    if rows % world_size:
+        return f"dim 0 ({rows}) does not split into {world_size} equal shards"
+    shard_rows = rows // world_size * math.prod(shape[1:-1])
+    alignment = quantizer.row_alignment
+    if shard_rows % alignment:
+        return f"shards of {shard_rows} rows would split {quantizer.format_name}'s {alignment}-row blocks"
+    return ""
+
+
+# ---- which FSDP2 module gathers a quantizer's weight, and how its backward gathers ----------------
+
+_FSDP_MODULE_OF: weakref.WeakKeyDictionary[Any, weakref.ref[torch.nn.Module]] = weakref.WeakKeyDictionary()
+_BACKWARD_GATHERS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def register_fsdp_module(quantizer: Any, module: torch.nn.Module) -> None:
+    _FSDP_MODULE_OF[quantizer] = weakref.ref(module)
+
+
+def mode_of_backward_gathers(quantizer: Any, payloads_match: bool) -> Literal["split", "both"]:
+    """ "split": forward gathers rowwise and the backward gathers columnwise again; "both": every
+    gather sends both usages. Decided at the first gather and kept (FSDP2 sizes its buffers then).
+    """
+    mode = _BACKWARD_GATHERS.get(quantizer)
+    if mode is None:
+        mode = "split" if payloads_match and _reshards_after_forward(quantizer) else "both"
+        _BACKWARD_GATHERS[quantizer] = mode
+    return mode  # type: ignore[return-value]
+
+
+def _reshards_after_forward(quantizer: Any) -> bool:
+    """Whether FSDP2 frees this weight after the forward, so that the backward gathers it again.
+
+    The one place quant-fsdp reads FSDP2's private state: `reshard_after_forward` as FSDP2
+    resolved it (the root module never reshards after forward). FSDP2 has no public getter; if
+    its internals move, this answers False and 1-D block formats gather both usages at once
+    (correct, more bytes), never fewer than the backward needs.
+    """
+    module_ref = _FSDP_MODULE_OF.get(quantizer)
+    module = None if module_ref is None else module_ref()
+    try:
+        group = module._get_fsdp_state()._fsdp_param_group  # type: ignore[union-attr]
+        return group is not None and group.post_forward_mesh_info is not None
+    except AttributeError:
+        return False
+
+
+# ---- reporting --------------------------------------------------------------------------------------
+
+_PLAN_ATTRIBUTE = "_quant_fsdp_gather_plan"
+
+
+def record(module: torch.nn.Module, plans: list[GatherPlan]) -> None:
+    setattr(module, _PLAN_ATTRIBUTE, tuple(plans))
+
+
+def gather_plan(module: torch.nn.Module) -> tuple[GatherPlan, ...]:
+    """The gather plan `quant_fsdp.fully_shard` made for the parameters `module` manages."""
+    plans = getattr(module, _PLAN_ATTRIBUTE, None)
+    if plans is None:
+        raise ValueError(f"{type(module).__name__} was not sharded by quant_fsdp.fully_shard; it has no gather plan")
+    return plans
+
+
+def print_plan(module: torch.nn.Module, plans: tuple[GatherPlan, ...]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"quant_fsdp gather plan: {type(module).__name__}")
+    for column in ("parameter", "format", "shape", "mode", "all-gather"):
+        table.add_column(column)
+    for plan in plans:
+        gather = (
+            "quantized bytes" if plan.quantized_gather else f"high precision, then quantize: {plan.fallback_reason}"
+        )
+        table.add_row(plan.name, plan.format, str(plan.shape), plan.mode, gather)
+    Console().print(table)

@@ -1,0 +1,33 @@
+"""comm_stats(): bytes the FSDP2 all-gather hooks hand to the collective, per format and path."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+
+# format name -> {"quantized": bytes, "fallback": bytes}
+_BYTES: defaultdict[str, dict[str, int]] = defaultdict(lambda: {"quantized": 0, "fallback": 0})
+
+
+def comm_stats() -> dict[str, dict[str, int]]:
+    """Bytes all-gathered through quant-fsdp's hooks since the last reset, per format.
+
+    `{format: {"quantized": bytes, "fallback": bytes}}`: "quantized" counts gathers of quantized
+    bytes, "fallback" the high-precision gathers of parameters whose shards cannot be quantized on
+    their own (see `fully_shard`'s plan). Bytes are what the collective delivers to each rank: the
+    all-gather inputs of one rank times the shard world size. Parameters without quantization
+    (norms, embeddings, biases) do not pass through the hooks and are not counted.
+    """
+    return {name: dict(counts) for name, counts in _BYTES.items()}
+
+
+def reset_comm_stats() -> None:
+    """Zeroes every counter of `comm_stats()`."""
+    _BYTES.clear()
+
+
+def count_gather(format_name: str, inputs: Sequence[torch.Tensor], world_size: int, *, quantized: bool) -> None:
+    nbytes = sum(t.numel() * t.element_size() for t in inputs) * world_size
+    _BYTES[format_name]["quantized" if quantized else "fallback"] += nbytes

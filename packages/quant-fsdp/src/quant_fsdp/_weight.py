@@ -1,0 +1,191 @@
+"""QuantizeOnGatherTensor: a high-precision weight shard that FSDP2 gathers quantized.
+
+Mode 2 (quantize on gather) and the fallback of both modes keep a weight's shard in high
+precision, so any torch optimizer steps it. The shard is wrapped in this subclass so FSDP2 finds
+the all-gather hooks on it:
+
+- quantized gather: the pre-all-gather hook quantizes the shard (with the shard group's amax for
+  per-tensor formats) and sends its bytes like a quantized primary weight ([Note: quantized
+  all-gather] in quant_fsdp._gather). The quantized shard is kept and refilled in place, once per
+  change of the shard (its version counter): the backward re-gather sends the same bytes, and
+  delayed scaling records one amax per step, as without FSDP;
+- fallback ([Note: alignment policy] in quant_fsdp._plan): the shard is gathered in high precision
+  and the post-all-gather hook quantizes the unsharded tensor.
+
+Every op runs on the wrapped tensor. The ops FSDP2 uses to shard, pad and move parameters keep
+the wrapper; in-place ops return it; everything else returns plain tensors (optimizer states).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map, tree_map_only
+
+from quant_fsdp import _gather
+from quant_fsdp._stats import count_gather
+from quant_tensors import QuantizedTensor, Quantizer
+
+aten = torch.ops.aten
+
+_WRAPPER_PRESERVING_OPS = frozenset(
+    {
+        aten.detach.default,
+        aten.alias.default,
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten.as_strided.default,
+        aten.slice.Tensor,
+        aten.split.Tensor,
+        aten.split_with_sizes.default,
+        aten.new_zeros.default,
+        aten.new_empty.default,
+        aten.empty_like.default,
+        aten.clone.default,
+        aten._to_copy.default,
+        aten._pin_memory.default,
+    }
+)
+
+
+class QuantizeOnGatherTensor(torch.Tensor):
+    """A high-precision weight (shard) that FSDP2 all-gathers quantized; see quant_fsdp._weight."""
+
+    _data: torch.Tensor
+    quantizer: Quantizer
+    fallback: bool
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, quantizer: Quantizer, *, fallback: bool = False, requires_grad: bool = False):
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.shape,
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=data.dtype,
+            device=data.device,
+            requires_grad=requires_grad,
+        )
+
+    def __init__(
+        self, data: torch.Tensor, quantizer: Quantizer, *, fallback: bool = False, requires_grad: bool = False
+    ):
+        if isinstance(data, (QuantizedTensor, QuantizeOnGatherTensor)):
+            raise TypeError(f"QuantizeOnGatherTensor wraps a high-precision tensor, got {type(data).__name__}")
+        self._data = data
+        self.quantizer = quantizer
+        self.fallback = fallback
+        self._quantized_shard: QuantizedTensor | None = None
+        self._quantized_version = -1
+        self._synced_amax: tuple[int, torch.Tensor] | None = None  # (shard version, amax) from sync_amax_
+        self._history_before: tuple[int, torch.Tensor] | None = None  # fallback + delayed scaling
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        unwrap = lambda t: t._data if isinstance(t, cls) else t  # noqa: E731
+        result = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        first = args[0] if args else None
+        if func._schema.is_mutable:
+            _count_writes(func, args, kwargs)
+            if isinstance(first, cls):
+                return first  # in place on the wrapped tensor: the wrapper is the result
+        if func in _WRAPPER_PRESERVING_OPS and isinstance(first, cls):
+            return tree_map_only(torch.Tensor, lambda t: cls(t, first.quantizer, fallback=first.fallback), result)
+        return result
+
+    def __tensor_flatten__(self) -> tuple[list[str], dict[str, Any]]:
+        return ["_data"], {"quantizer": self.quantizer, "fallback": self.fallback}
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, context, outer_size, outer_stride):
+        return QuantizeOnGatherTensor(inner_tensors["_data"], context["quantizer"], fallback=context["fallback"])
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        path = "high precision, then quantize" if self.fallback else "quantized"
+        return f"QuantizeOnGatherTensor({self._data}, format={self.quantizer.format_name}, gather={path})"
+
+    # ---- FSDP2 all-gather hooks (both signatures: (mesh) and the 5-argument one) -----------------
+
+    def fsdp_pre_all_gather(self, mesh, outer_size=None, outer_stride=None, module=None, mp_policy=None):
+        world = mesh.size()
+        if not self.fallback:
+            return _gather.pre_all_gather(self._quantize_shard(), world)
+        param_dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
+        full_shape = tuple(outer_size) if outer_size is not None else (world * self.shape[0], *self.shape[1:])
+        padded = (_gather.padded_rows(full_shape, world), *full_shape[1:])
+        shard = _padded_shard(self._data, padded).to(param_dtype)
+        count_gather(self.quantizer.format_name, (shard,), world, quantized=False)
+        return (shard,), full_shape
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        if not self.fallback:
+            return _gather.post_all_gather(self, all_gather_outputs, metadata, param_dtype, out)
+        (gathered,) = all_gather_outputs
+        full = gathered[: metadata[0]]  # metadata: the unsharded shape; FSDP2 pads after its last row
+        self._restore_history_for_a_repeat()
+        if out is not None:
+            self.quantizer.quantize_(full, out)
+            return None
+        unsharded = self.quantizer.quantize(full)
+        return unsharded, tuple(b for b in unsharded.buffers().values() if b is not None)
+
+    # ---- helpers ---------------------------------------------------------------------------------
+
+    def _quantize_shard(self) -> QuantizedTensor:
+        """The quantized shard for the current value of the high-precision shard (refilled on change)."""
+        version = self._data._version
+        if self._quantized_shard is not None and version == self._quantized_version:
+            return self._quantized_shard
+        synced = self._synced_amax
+        amax = synced[1] if synced is not None and synced[0] == version else None
+        if self._quantized_shard is None:
+            self._quantized_shard = self.quantizer.quantize(self._data, amax=amax)
+        else:
+            self.quantizer.quantize_(self._data, self._quantized_shard, amax=amax)
+        self._quantized_version = version
+        return self._quantized_shard
+
+    def _restore_history_for_a_repeat(self) -> None:
+        """Fallback with delayed scaling: quantizing the same shard again (the backward re-gather)
+        must not record its amax twice, so the amax history is rewound to before the first time."""
+        history = getattr(self.quantizer, "amax_history", None)
+        if history is None:
+            return
+        version = self._data._version
+        if self._history_before is not None and self._history_before[0] == version:
+            history.copy_(self._history_before[1])
+        else:
+            self._history_before = (version, history.clone())
+
+
+def _count_writes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Bumps the version counter of each wrapped tensor `func` writes to. Inside __torch_dispatch__
+    autograd's version bump has already happened, on the wrapper only; the quantized-shard cache
+    keys on the wrapped tensor's version."""
+    for position, argument in enumerate(func._schema.arguments):
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        if (
+            argument.alias_info is not None
+            and argument.alias_info.is_write
+            and isinstance(value, QuantizeOnGatherTensor)
+        ):
+            torch.autograd.graph.increment_version(value._data)
+
+
+def _padded_shard(shard: torch.Tensor, padded_shape: tuple[int, ...]) -> torch.Tensor:
+    """The shard with FSDP2's zero padding rows after it (FSDP2 requires the padded shape of
+    uneven shards). FSDP2 allocates shards padded, so this is a view wherever it can be."""
+    if tuple(shard.shape) == padded_shape:
+        return shard
+    end = (shard.storage_offset() + math.prod(padded_shape)) * shard.element_size()
+    if shard.is_contiguous() and end <= shard.untyped_storage().nbytes():
+        strides = [math.prod(padded_shape[i + 1 :]) for i in range(len(padded_shape))]
+        return shard.as_strided(padded_shape, strides)
+    padded = shard.new_zeros(padded_shape)
+    padded[: shard.shape[0]].copy_(shard)
+    return padded
