@@ -1,0 +1,141 @@
+"""Helpers for FSDP2 tests and the demo: count the collective's bytes, train a sharded model.
+
+Training follows quant_tensors.testing.train (same task, batches and optimizer), with the global
+batch of each step split across the data-parallel ranks and the reported loss averaged over them.
+`train_replicas` is the single-process reference of data-parallel training: one model replica
+per rank slice of the same global batch, gradients averaged. With quantized activations it is the
+reference that differs from FSDP2 only in the order gradients are summed: each replica quantizes
+its own slice, with that slice's per-tensor amax and its own stochastic-rounding stream, as each
+rank does (a whole-batch single model quantizes the whole batch at once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from quant_tensors.testing import MarkovTask, MasterWeights
+
+__all__ = ["AllGatherBytes", "count_all_gather_bytes", "train_data_parallel", "train_replicas"]
+
+
+class AllGatherBytes:
+    """Bytes delivered by all-gather collectives (output sizes) while counting."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.calls = 0
+
+
+@contextlib.contextmanager
+def count_all_gather_bytes() -> Iterator[AllGatherBytes]:
+    """Counts what torch.distributed's all-gathers deliver, independently of quant-fsdp's hooks.
+
+    FSDP2 calls `dist.all_gather_single` (torch 2.13) or `dist.all_gather_into_tensor` (older);
+    both are wrapped for the duration of the block.
+    """
+    counter = AllGatherBytes()
+    originals = {
+        name: getattr(dist, name) for name in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, name)
+    }
+
+    def counting(original):
+        def wrapper(output_tensor, *args, **kwargs):
+            counter.bytes += output_tensor.numel() * output_tensor.element_size()
+            counter.calls += 1
+            return original(output_tensor, *args, **kwargs)
+
+        return wrapper
+
+    try:
+        for name, original in originals.items():
+            setattr(dist, name, counting(original))
+        yield counter
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def train_data_parallel(
+    model: torch.nn.Module,
+    task: MarkovTask,
+    *,
+    steps: int,
+    batch_size: int = 8,
+    lr: float = 1e-3,
+    group: dist.ProcessGroup | None = None,
+) -> list[float]:
+    """AdamW training of a (possibly FSDP2-sharded) model; returns the global loss of every step.
+
+    Each rank of `group` (default: all ranks; None without torch.distributed) takes its slice of
+    every global batch. Quantized weights step through fp32 master copies (MasterWeights).
+    """
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    if batch_size % world:
+        raise ValueError(f"batch_size {batch_size} does not split over {world} ranks")
+    masters = MasterWeights(model)
+    optimizer = torch.optim.AdamW(masters.parameters, lr=lr, weight_decay=0.0, foreach=False)
+    sequence = model.config.sequence
+    losses = []
+    for step in range(steps):
+        inputs, targets = task.batch(step, batch_size, sequence)
+        inputs, targets = inputs.chunk(world)[rank], targets.chunk(world)[rank]
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        for p, _ in masters.pairs:
+            p.grad = None
+        loss.backward()
+        masters.step(optimizer)
+        global_loss = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(global_loss, group=group)
+            global_loss /= world
+        losses.append(global_loss.item())
+        if not math.isfinite(losses[-1]):
+            raise FloatingPointError(f"loss became {losses[-1]} at step {step}")
+    return losses
+
+
+def train_replicas(
+    replicas: list[torch.nn.Module],
+    task: MarkovTask,
+    *,
+    steps: int,
+    batch_size: int = 8,
+    lr: float = 1e-3,
+) -> list[float]:
+    """Data-parallel training in one process: replica i takes slice i of every global batch; the
+    gradients are averaged and every replica takes the same AdamW step. Returns the mean losses."""
+    world = len(replicas)
+    if batch_size % world:
+        raise ValueError(f"batch_size {batch_size} does not split over {world} replicas")
+    masters = [MasterWeights(model) for model in replicas]
+    optimizers = [torch.optim.AdamW(m.parameters, lr=lr, weight_decay=0.0, foreach=False) for m in masters]
+    sequence = replicas[0].config.sequence
+    losses = []
+    for step in range(steps):
+        inputs, targets = task.batch(step, batch_size, sequence)
+        step_losses = []
+        for model, x, y in zip(replicas, inputs.chunk(world), targets.chunk(world), strict=True):
+            logits = model(x)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+            loss.backward()
+            step_losses.append(loss.detach())
+        for params in zip(*(model.parameters() for model in replicas), strict=True):
+            mean = torch.stack([p.grad for p in params]).sum(0) / world
+            for p in params:
+                p.grad = mean.clone()
+        for master, optimizer in zip(masters, optimizers, strict=True):
+            master.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+        for model in replicas:
+            model.zero_grad(set_to_none=True)
+        losses.append((torch.stack(step_losses).sum() / world).item())
+    return losses

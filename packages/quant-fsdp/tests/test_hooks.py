@@ -1,0 +1,190 @@
+"""The FSDP2 all-gather hooks in one process: FSDP2's gather is simulated by concatenating the
+inputs of every shard along dim 0, as its all-gather + copy-out does. Multi-process runs live in
+tests-integration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import quant_fsdp
+import quant_tensors as qt
+from quant_core.testing import raw_bits
+from quant_fsdp import _plan
+
+RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
+
+
+class FakeMesh:
+    """The part of a DeviceMesh the hooks use."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+    def get_group(self):
+        return None
+
+
+def gather(shards, world: int, signature: int, full_shape, out=None):
+    mesh = FakeMesh(world)
+    results = [
+        s.fsdp_pre_all_gather(mesh) if signature == 1 else s.fsdp_pre_all_gather(mesh, full_shape, None, None, None)
+        for s in shards
+    ]
+    inputs = [r[0] for r in results]
+    outputs = tuple(torch.cat([i[k] for i in inputs]) for k in range(len(inputs[0])))
+    return shards[0].fsdp_post_all_gather(outputs, results[0][1], torch.float32, out=out)
+
+
+def assert_same(a: qt.QuantizedTensor, b: qt.QuantizedTensor) -> None:
+    assert type(a) is type(b)
+    assert a.shape == b.shape
+    for name, buffer in b.buffers().items():
+        got = getattr(a, name)
+        assert (got is None) == (buffer is None), name
+        if buffer is not None:
+            assert torch.equal(raw_bits(got.reshape(-1)), raw_bits(buffer.reshape(-1))), name
+
+
+def expected_gather(full: qt.QuantizedTensor) -> qt.QuantizedTensor:
+    """What a gather rebuilds: formats that derive columnwise locally gather rowwise only."""
+    if full.quantizer.can_derive_columnwise:
+        full = full._rebuilt()
+        full.update_usage(columnwise=False)
+    return full
+
+
+@pytest.mark.parametrize("signature", [1, 5])
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_quantized_shards_gather_into_the_unsharded_tensor(recipe_name, world, signature):
+    full = qt.recipe_from_name(recipe_name).quantizer("weight").quantize(torch.randn(512, 256))
+    shards = [s.clone() for s in full.chunk(world)]  # FSDP2 copies each shard into its own buffers
+    unsharded, to_free = gather(shards, world, signature, full.shape)
+    assert_same(unsharded, expected_gather(full))
+    assert unsharded.quantizer is full.quantizer  # no quantizer copies
+    buffers_before = {n: b for n, b in unsharded.buffers().items() if b is not None}
+    # A later unshard refills the same tensor: new shard values (requantized), same objects.
+    new_full = full.quantizer.quantize(torch.randn(512, 256))
+    for shard, new in zip(shards, new_full.chunk(world), strict=True):
+        shard.copy_(new)
+    assert gather(shards, world, signature, full.shape, out=unsharded) is None
+    assert_same(unsharded, expected_gather(new_full))
+    for name, buffer in unsharded.buffers().items():
+        if buffer is not None and buffer.dim() == 0:
+            assert buffer is buffers_before[name]  # per-tensor values refilled in place
+    assert all(isinstance(t, torch.Tensor) for t in to_free)
+
+
+def test_mxfp8_gathers_rowwise_forward_and_columnwise_backward_when_backward_regathers(monkeypatch):
+    monkeypatch.setattr(_plan, "_reshards_after_forward", lambda quantizer: True)
+    full = qt.MXFP8BlockScaling().quantizer("weight").quantize(torch.randn(128, 64))
+    shards = [s.clone() for s in full.chunk(2)]
+    unsharded, to_free = gather(shards, 2, 5, full.shape)
+    assert unsharded.usages == (True, False)
+    assert_same(
+        unsharded,
+        qt.MXFP8Tensor(
+            full.shape,
+            full.dtype,
+            **{**full.buffers(), "columnwise_data": None, "columnwise_scale_inv": None},
+            **full.metadata(),
+        ),
+    )
+    assert [tuple(t.shape) for t in to_free] == [(64, 128), (64, 4)]  # the owned columnwise buffers
+
+    seen = {}
+
+    def backward_gather(grad):
+        seen["result"] = gather(shards, 2, 5, full.shape, out=unsharded)
+        return grad
+
+    x = torch.ones(1, requires_grad=True)
+    x.register_hook(backward_gather)
+    (x * 2).sum().backward()
+    assert seen["result"] is None
+    assert unsharded.usages == (False, True)
+    assert torch.equal(raw_bits(unsharded.columnwise_data), raw_bits(full.columnwise_data))
+    assert torch.equal(unsharded.columnwise_scale_inv, full.columnwise_scale_inv)
+
+
+def test_quantize_on_gather_wrapper_ops():
+    quantizer = qt.Float8CurrentScaling().quantizer("weight")
+    w = quant_fsdp.QuantizeOnGatherTensor(torch.randn(64, 32), quantizer)
+    for op in (
+        lambda t: t.detach(),
+        lambda t: t.view(-1),
+        lambda t: t[:16],
+        lambda t: t.new_zeros(4, 32),
+        torch.empty_like,
+    ):
+        result = op(w)
+        assert isinstance(result, quant_fsdp.QuantizeOnGatherTensor)
+        assert result.quantizer is quantizer
+    assert all(isinstance(c, quant_fsdp.QuantizeOnGatherTensor) for c in w.chunk(4))
+    version = w._data._version
+    assert w.add_(1.0) is w
+    assert w._data._version > version  # in-place writes reach the wrapped tensor's version
+    assert type(w * 2) is torch.Tensor  # other results are plain tensors (e.g. optimizer states)
+    assert type(torch.zeros_like(w)) is torch.Tensor
+    with pytest.raises(TypeError, match="high-precision"):
+        quant_fsdp.QuantizeOnGatherTensor(quantizer.quantize(torch.randn(16, 16)), quantizer)
+
+
+# Not "fp8-delayed" here: in one process the shards share one quantizer, whose amax history each
+# shard's quantization advances (each rank has its own; tests-integration covers it).
+@pytest.mark.parametrize("recipe_name", ["fp8", "mxfp8", "fp8-block", "nvfp4"])
+def test_quantize_on_gather_equals_quantizing_the_unsharded_weight(recipe_name):
+    quantizer = qt.recipe_from_name(recipe_name).quantizer("weight")
+    value = torch.randn(256, 128)
+    shards = [quant_fsdp.QuantizeOnGatherTensor(c.clone(), quantizer) for c in value.chunk(2)]
+    if quantizer.per_tensor_amax:
+        # One shard's amax is not the tensor's: per-tensor formats quantize with the group amax
+        # (sync_amax_, or the quantizer's amax_group); here it is given as sync_amax_ leaves it.
+        for s in shards:
+            s._synced_amax = (s._data._version, value.abs().max())
+    unsharded, _ = gather(shards, 2, 5, value.shape)
+    reference = qt.recipe_from_name(recipe_name).quantizer("weight").quantize(value)
+    assert_same(unsharded, expected_gather(reference))
+
+
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_fallback_gathers_padded_high_precision_and_quantizes_after(recipe_name):
+    value = torch.randn(160, 128)  # 4 ranks: shards of 40, 40, 40, 40; and 3 ranks: 54, 54, 52
+    for world in (3, 4):
+        quantizer = qt.recipe_from_name(recipe_name).quantizer("weight")
+        padded_rows = -(-160 // world)
+        shards = []
+        for chunk in value.chunk(world):
+            padded = quant_fsdp.QuantizeOnGatherTensor(torch.zeros(padded_rows, 128), quantizer, fallback=True)
+            padded[: chunk.shape[0]].copy_(chunk)
+            shards.append(padded[: chunk.shape[0]])  # FSDP2's narrow of the padded shard
+        stats_before = quant_fsdp.comm_stats().get(quantizer.format_name, {}).get("fallback", 0)
+        unsharded, _ = gather(shards, world, 5, value.shape)
+        reference = qt.recipe_from_name(recipe_name).quantizer("weight").quantize(value)
+        assert_same(unsharded, reference)
+        stats = quant_fsdp.comm_stats()[quantizer.format_name]["fallback"] - stats_before
+        assert stats == world * padded_rows * 128 * 4 * world  # every rank's padded fp32 shard, counted per rank
+
+
+@pytest.mark.parametrize(
+    ("recipe_name", "shape", "world", "reason"),
+    [
+        ("fp8", (64, 32), 4, ""),
+        ("fp8", (66, 32), 4, "dim 0 (66) does not split into 4 equal shards"),
+        ("fp8", (2, 16, 32), 4, "dim 0 (2) is smaller than the 4 shards"),
+        ("mxfp8", (128, 64), 4, ""),
+        ("mxfp8", (160, 64), 4, "shards of 40 rows would split MXFP8's 32-row blocks"),
+        ("fp8-block", (512, 128), 4, ""),
+        ("fp8-block", (384, 128), 4, "shards of 96 rows would split blockwise FP8's 128-row blocks"),
+        ("nvfp4", (64, 64), 4, ""),
+        ("nvfp4", (96, 64), 4, "shards of 24 rows would split NVFP4's 16-row blocks"),
+        ("nvfp4", (4, 8, 64), 2, ""),
+    ],
+)
+def test_fallback_reason(recipe_name, shape, world, reason):
+    quantizer = qt.recipe_from_name(recipe_name).quantizer("weight")
+    assert _plan.fallback_reason(quantizer, shape, world) == reason

@@ -1,0 +1,327 @@
+"""What FSDP2 gathers for quantized weights, over gloo: exact bytes, how many, fallbacks, no leaks, meta init."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+import quant_fsdp
+import quant_tensors as qt
+from quant_core.testing import raw_bits, run_ranks
+from quant_fsdp.testing import count_all_gather_bytes, train_data_parallel
+from quant_tensors.testing import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig
+
+RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
+MODES = ("quantized-weights", "quantize-on-gather")
+# Every shard of these layers starts on a block boundary at 2 and 4 ranks (rows multiples of 512).
+WIDTHS = (256, 512, 1024, 512)
+
+
+class Stack(torch.nn.Module):
+    """Bias-free Linears, so every all-gather carries Linear weights only."""
+
+    def __init__(self, widths=WIDTHS, dtype=torch.float32) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Linear(a, b, bias=False, dtype=dtype) for a, b in itertools.pairwise(widths)
+        )
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def stack(recipe_name: str | None, mode: str, widths=WIDTHS) -> Stack:
+    torch.manual_seed(0)
+    model = Stack(widths)
+    if recipe_name is not None:
+        qt.convert(model, qt.recipe_from_name(recipe_name), quantized_weights=mode == "quantized-weights")
+    return model
+
+
+def one_step(model: torch.nn.Module, rank: int) -> None:
+    torch.manual_seed(100 + rank)
+    x = torch.randn(64, model.layers[0].in_features)
+    model(x).float().pow(2).mean().backward()
+
+
+def full_high_precision(param: torch.Tensor) -> torch.Tensor:
+    """The unsharded high-precision value behind a sharded weight (its fp32 master for mode 1)."""
+    local = param._local_tensor
+    hp = local._data if isinstance(local, quant_fsdp.QuantizeOnGatherTensor) else local
+    return DTensor.from_local(hp, param.device_mesh, param.placements, run_check=False).full_tensor()
+
+
+def assert_same_quantized(a: qt.QuantizedTensor, b: qt.QuantizedTensor, what: str) -> None:
+    assert type(a) is type(b), what
+    assert a.shape == b.shape, what
+    for name, buffer in b.buffers().items():
+        got = getattr(a, name)
+        if buffer is None:
+            continue
+        assert got is not None, (what, name)
+        assert torch.equal(raw_bits(got.reshape(-1)), raw_bits(buffer.reshape(-1))), (what, name)
+
+
+# ---- the gathered weight is the unsharded quantization, bit for bit ------------------------------
+
+
+def _gathered_equals_unsharded(rank: int, world_size: int, mode: str) -> None:
+    for recipe_name in RECIPES:
+        model = stack(recipe_name, mode)
+        for layer in model.layers:
+            quant_fsdp.fully_shard(layer, quantize_on_gather=mode == "quantize-on-gather")
+        quant_fsdp.fully_shard(model, quantize_on_gather=mode == "quantize-on-gather")
+        masters = MasterWeights(model)
+        optimizer = torch.optim.AdamW(masters.parameters, lr=1e-2)
+        for _ in range(2):  # after steps, so the shards were requantized (mode 1) or changed (mode 2)
+            one_step(model, rank)
+            masters.step(optimizer)
+            optimizer.zero_grad()
+        for i, layer in enumerate(model.layers):
+            if mode == "quantized-weights":
+                master = dict(masters.pairs)[layer.weight]
+                full = DTensor.from_local(
+                    master._local_tensor, master.device_mesh, master.placements, run_check=False
+                ).full_tensor()
+            else:
+                full = full_high_precision(layer.weight)
+            layer.unshard()
+            gathered = layer.weight
+            assert isinstance(gathered, qt.QuantizedTensor), type(gathered)
+            quantizer = gathered.quantizer
+            expected = qt.recipe_from_name(recipe_name).quantizer("weight").quantize(full)
+            if quantizer.can_derive_columnwise:
+                expected.update_usage(columnwise=False)  # gathered rowwise only, by design
+            assert_same_quantized(gathered, expected, f"{recipe_name} layer {i}")
+            layer.reshard()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gathered_weight_equals_the_unsharded_quantization(world_size, mode):
+    run_ranks(_gathered_equals_unsharded, world_size, mode)
+
+
+# ---- bytes on the wire ---------------------------------------------------------------------------
+
+
+def _gather_bytes(rank: int, world_size: int, recipe_name: str, mode: str, reshard: bool) -> dict[str, float]:
+    model = stack(recipe_name, mode)
+    for layer in model.layers:
+        quant_fsdp.fully_shard(layer, quantize_on_gather=mode == "quantize-on-gather", reshard_after_forward=reshard)
+    quant_fsdp.fully_shard(model, quantize_on_gather=mode == "quantize-on-gather", reshard_after_forward=reshard)
+    one_step(model, rank)  # the first step sizes FSDP2's buffers; count the second
+    quant_fsdp.reset_comm_stats()
+    with count_all_gather_bytes() as counted:
+        one_step(model, rank)
+    stats = quant_fsdp.comm_stats()
+    (format_bytes,) = stats.values()
+
+    baseline = stack(None, mode)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for layer in baseline.layers:
+        torch_fully_shard(layer, mp_policy=bf16, reshard_after_forward=reshard)
+    torch_fully_shard(baseline, mp_policy=bf16, reshard_after_forward=reshard)
+    one_step(baseline, rank)
+    with count_all_gather_bytes() as bf16_counted:
+        one_step(baseline, rank)
+    assert format_bytes == {"quantized": counted.bytes, "fallback": 0}, (format_bytes, counted.bytes)
+    expected_bf16 = sum(2 * p.numel() for p in baseline.parameters()) * (2 if reshard else 1)
+    assert bf16_counted.bytes == expected_bf16
+    return counted.bytes / bf16_counted.bytes
+
+
+def _check_ratio(rank: int, world_size: int, recipe_name: str, mode: str, reshard: bool, bound: float) -> None:
+    ratio = _gather_bytes(rank, world_size, recipe_name, mode, reshard)
+    if rank == 0:
+        print(f"{recipe_name} {mode} world={world_size} reshard_after_forward={reshard}: {ratio:.4f}x bf16")
+    assert ratio <= bound, ratio
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    ("recipe_name", "bound"),
+    [("fp8", 0.52), ("fp8-delayed", 0.52), ("mxfp8", 0.52), ("fp8-block", 0.52), ("nvfp4", 0.30)],
+)
+def test_all_gather_bytes_against_bf16(recipe_name, bound, mode):
+    run_ranks(_check_ratio, 2, recipe_name, mode, True, bound)
+
+
+def test_mxfp8_without_reshard_after_forward_gathers_both_usages_once():
+    # Both usages in the forward and no backward gather: (1 + 1/32) * 2 bytes per element vs bf16's 2.
+    run_ranks(_check_ratio, 2, "mxfp8", "quantized-weights", False, 1.0 + 1 / 32 + 1e-9)
+
+
+# ---- unaligned shards take the explicit fallback -------------------------------------------------
+
+UNALIGNED = {
+    "fp8-block": (128, 384, 128),  # 384 rows on 4 ranks: 96-row shards split 128-row tiles
+    "mxfp8": (128, 160, 128),  # 40-row shards split MXFP8's 32-row columnwise blocks
+    "nvfp4": (128, 96, 128),  # 24-row shards split 16-row tiles
+}
+
+
+def _unaligned_trains(rank: int, world_size: int, recipe_name: str, mode: str, expected: list[float]) -> None:
+    model = unaligned_model(recipe_name, mode)
+    for block in model.blocks:
+        quant_fsdp.fully_shard(block, quantize_on_gather=mode == "quantize-on-gather")
+    quant_fsdp.fully_shard(model, quantize_on_gather=mode == "quantize-on-gather")
+    fallbacks = [plan for block in model.blocks for plan in quant_fsdp.gather_plan(block) if not plan.quantized_gather]
+    assert fallbacks, "the misaligned weights must be planned as fallbacks"
+    assert all("split" in plan.fallback_reason for plan in fallbacks), fallbacks
+    quant_fsdp.reset_comm_stats()
+    got = train_data_parallel(model, MarkovTask(model.config.vocab), steps=len(expected), batch_size=8)
+    worst = max(abs(g - w) / w for g, w in zip(got, expected, strict=True))
+    if rank == 0:
+        print(f"unaligned {recipe_name} {mode}: {len(fallbacks)} fallbacks, max relative loss difference {worst:.2e}")
+    assert worst <= 5e-3, worst
+    stats = quant_fsdp.comm_stats()
+    assert sum(s["fallback"] for s in stats.values()) > 0, stats
+
+
+def unaligned_model(recipe_name: str, mode: str) -> TinyTransformer:
+    """TinyTransformer with an extra misaligned Linear pair in every block's MLP path."""
+    torch.manual_seed(0)
+    model = TinyTransformer(TransformerConfig(vocab=128, hidden=128, layers=2, heads=2, sequence=32))
+    a, b, c = UNALIGNED[recipe_name]
+    for block in model.blocks:
+        block.fc1 = torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.Linear(b, 4 * c))
+    return qt.convert(model, qt.recipe_from_name(recipe_name), quantized_weights=mode == "quantized-weights")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("recipe_name", sorted(UNALIGNED))
+def test_unaligned_shards_fall_back_and_train_like_single_process(recipe_name, mode):
+    reference = unaligned_model(recipe_name, mode)
+    expected = train_data_parallel(reference, MarkovTask(128), steps=20, batch_size=8)
+    run_ranks(_unaligned_trains, 4, recipe_name, mode, expected)
+
+
+class Experts(torch.nn.Module):
+    """A stacked (experts, out, in) quantized weight, dim 0 smaller than the mesh."""
+
+    def __init__(self, recipe_name: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        quantizer = qt.recipe_from_name(recipe_name).quantizer("weight")
+        self.weight = qt.nn.quantized_parameter(torch.randn(2, 64, 128), quantizer)
+
+
+def _small_dim0(rank: int, world_size: int, recipe_name: str) -> None:
+    model = Experts(recipe_name)
+    expected = qt.high_precision_init_value(model.weight)
+    qt.nn.attach_high_precision_init_value(model.weight, expected)
+    quant_fsdp.fully_shard(model)
+    (plan,) = quant_fsdp.gather_plan(model)
+    assert plan.fallback_reason == "dim 0 (2) is smaller than the 4 shards", plan
+    model.unshard()
+    want = qt.recipe_from_name(recipe_name).quantizer("weight").quantize(expected)
+    if want.quantizer.can_derive_columnwise and model.weight.columnwise_data is None:
+        want.update_usage(columnwise=False)
+    assert_same_quantized(model.weight, want, recipe_name)
+
+
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_dim_0_smaller_than_the_mesh_falls_back_and_gathers_exactly(recipe_name):
+    run_ranks(_small_dim0, 4, recipe_name)
+
+
+# ---- no leaks: live tensors and bytes stay flat after step 2 -------------------------------------
+
+
+def _live_tensors() -> tuple[int, int]:
+    gc.collect()
+    storages: dict[int, int] = {}
+    count = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            count += 1
+            inner = [obj]
+            if isinstance(obj, qt.QuantizedTensor):
+                inner = [b for b in obj.buffers().values() if b is not None]
+            elif isinstance(obj, quant_fsdp.QuantizeOnGatherTensor):
+                inner = [obj._data]
+            elif isinstance(obj, DTensor):
+                continue
+            for t in inner:
+                storage = t.untyped_storage()
+                storages[storage.data_ptr() or id(storage)] = storage.nbytes()
+    return count, sum(storages.values())
+
+
+def _no_growth(rank: int, world_size: int, mode: str) -> None:
+    for recipe_name in RECIPES:
+        model = TinyTransformer(TransformerConfig(vocab=128, hidden=128, layers=2, heads=2, sequence=32))
+        qt.convert(model, qt.recipe_from_name(recipe_name), quantized_weights=mode == "quantized-weights")
+        for block in model.blocks:
+            quant_fsdp.fully_shard(block, quantize_on_gather=mode == "quantize-on-gather")
+        quant_fsdp.fully_shard(model, quantize_on_gather=mode == "quantize-on-gather")
+        masters = MasterWeights(model)
+        optimizer = torch.optim.AdamW(masters.parameters, lr=1e-3)
+        task = MarkovTask(128)
+        live = []
+        for step in range(10):
+            inputs, targets = task.batch(step, 4, 32)
+            logits = model(inputs.chunk(world_size)[rank])
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, 128), targets.chunk(world_size)[rank].reshape(-1)
+            )
+            loss.backward()
+            masters.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            del logits, loss
+            live.append(_live_tensors())
+        assert len(set(live[2:])) == 1, (recipe_name, live)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_growth_in_live_tensors_after_step_2(mode):
+    run_ranks(_no_growth, 2, mode)
+
+
+# ---- meta-device initialisation: reset_parameters quantizes the local shard ----------------------
+
+
+def _meta_init(rank: int, world_size: int, recipe_name: str) -> None:
+    with torch.device("meta"):
+        model = Stack()
+    qt.convert(model, qt.recipe_from_name(recipe_name), quantized_weights=True)
+    for layer in model.layers:
+        quant_fsdp.fully_shard(layer)
+    quant_fsdp.fully_shard(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(1)
+    for layer in model.layers:
+        layer.reset_parameters()
+    for layer in model.layers:
+        local = layer.weight._local_tensor
+        assert isinstance(local, qt.QuantizedTensor)
+        value = qt.high_precision_init_value(layer.weight)
+        assert isinstance(value, DTensor)
+        for name in ("scale_inv", "amax"):  # per-tensor values agree across shards
+            scalar = getattr(local, name, None)
+            if scalar is not None:
+                everyone = [torch.empty_like(scalar) for _ in range(world_size)]
+                dist.all_gather(everyone, scalar)
+                assert all(torch.equal(s, scalar) for s in everyone), name
+        full = value.full_tensor()
+        layer.unshard()
+        expected = qt.recipe_from_name(recipe_name).quantizer("weight").quantize(full)
+        if expected.quantizer.can_derive_columnwise:
+            expected.update_usage(columnwise=False)
+        assert_same_quantized(layer.weight, expected, recipe_name)
+        layer.reshard()
+
+
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_meta_init_then_reset_parameters_quantizes_local_shards(recipe_name):
+    run_ranks(_meta_init, 2, recipe_name)
