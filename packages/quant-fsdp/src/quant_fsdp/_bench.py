@@ -130,6 +130,54 @@ def benchmark_kernels(size: int, min_run_time: float, device: torch.device) -> l
     return results
 
 
+class _OneRankMesh:
+    """The part of a DeviceMesh the all-gather hooks read, for timing them without processes."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+    def get_group(self) -> None:
+        return None
+
+
+def benchmark_hooks(min_run_time: float, device: torch.device, size: int = 1024, world: int = 2) -> list[Result]:
+    """CPU time of one pre- plus post-all-gather hook call (the `out=` refill FSDP2 makes every
+    unshard) per parameter, for a size x size fp32 weight sharded `world` ways, per recipe and mode.
+
+    The collective itself is replaced by concatenating the shards' inputs beforehand. Mode 2 is timed
+    with an unchanged shard (its quantized shard is reused: the backward gather, or a second forward);
+    quantizing a changed shard is kernel time, measured by `benchmark_kernels`.
+    """
+    import quant_fsdp  # noqa: F401  (installs the hooks)
+    import quant_tensors as qt
+    from quant_fsdp import QuantizeOnGatherTensor
+
+    mesh = _OneRankMesh(world)
+    results = []
+    for name in ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4"):
+        value = torch.randn(size, size, device=device)
+        quantizer = qt.recipe_from_name(name).quantizer("weight")
+        full = quantizer.quantize(value)
+        for mode, shards in (
+            ("quantized weights", [s.clone() for s in full.chunk(world)]),
+            ("quantize on gather", [QuantizeOnGatherTensor(c.clone(), quantizer) for c in value.chunk(world)]),
+        ):
+            payloads = [s.fsdp_pre_all_gather(mesh, value.shape, value.stride(), None, None) for s in shards]
+            outputs = tuple(torch.cat([p[0][k] for p in payloads]) for k in range(len(payloads[0][0])))
+            unsharded, _ = shards[0].fsdp_post_all_gather(outputs, payloads[0][1], value.dtype)
+
+            def hooks(shard=shards[0]) -> None:
+                _, metadata = shard.fsdp_pre_all_gather(mesh, value.shape, value.stride(), None, None)
+                shard.fsdp_post_all_gather(outputs, metadata, value.dtype, out=unsharded)
+
+            seconds = _median_seconds(hooks, min_run_time)
+            results.append(Result(f"{name}: {mode}", "hooks", seconds * 1e3, 0.0, 0.0))
+    return results
+
+
 def run_bench(out: pathlib.Path, *, size: int, min_run_time: float, device: str = "all") -> int:
     """Runs the suite on the CPU and/or CUDA (`device`), prints a table, writes bench.json."""
     console = Console(width=None if sys.stdout.isatty() else 120)  # logs: no wrapped tables
@@ -151,6 +199,14 @@ def run_bench(out: pathlib.Path, *, size: int, min_run_time: float, device: str 
             )
         records.append({"device": name, "results": [asdict(r) for r in results]})
     console.print(table)
+    hooks = benchmark_hooks(min_run_time, torch.device("cpu"))
+    hook_table = Table(title="FSDP2 all-gather hooks: CPU time per parameter per unshard (pre + post, out= refill)")
+    for column in ("case", "median us"):
+        hook_table.add_column(column, justify="left" if column == "case" else "right")
+    for r in hooks:
+        hook_table.add_row(r.case, f"{r.median_ms * 1e3:.1f}")
+    console.print(hook_table)
+    records.append({"device": "hooks (cpu, 1024x1024 fp32, 2 shards)", "results": [asdict(r) for r in hooks]})
     out.mkdir(parents=True, exist_ok=True)
     report = {
         "date": datetime.date.today().isoformat(),
