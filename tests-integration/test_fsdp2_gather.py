@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import itertools
 
@@ -53,6 +54,11 @@ def one_step(model: torch.nn.Module, rank: int) -> None:
     model(x).float().pow(2).mean().backward()
 
 
+def weight_quantizer(layer: torch.nn.Module):
+    local = layer.weight._local_tensor
+    return local.quantizer
+
+
 def full_high_precision(param: torch.Tensor) -> torch.Tensor:
     """The unsharded high-precision value behind a sharded weight (its fp32 master for mode 1)."""
     local = param._local_tensor
@@ -84,8 +90,14 @@ def _gathered_equals_unsharded(rank: int, world_size: int, mode: str) -> None:
         optimizer = torch.optim.AdamW(masters.parameters, lr=1e-2)
         for _ in range(2):  # after steps, so the shards were requantized (mode 1) or changed (mode 2)
             one_step(model, rank)
+            # The quantizers as they are before quantizing this step's weights (delayed scaling's
+            # history decides the scale); the expected quantization below starts from them.
+            quantizers = [copy.deepcopy(weight_quantizer(layer)) for layer in model.layers]
             masters.step(optimizer)
             optimizer.zero_grad()
+            synced = quant_fsdp.sync_amax_(model.parameters())
+            per_tensor = qt.recipe_from_name(recipe_name).quantizer("weight").per_tensor_amax
+            assert synced == (len(model.layers) if per_tensor and mode == "quantize-on-gather" else 0)
         for i, layer in enumerate(model.layers):
             if mode == "quantized-weights":
                 master = dict(masters.pairs)[layer.weight]
@@ -98,9 +110,10 @@ def _gathered_equals_unsharded(rank: int, world_size: int, mode: str) -> None:
             gathered = layer.weight
             assert isinstance(gathered, qt.QuantizedTensor), type(gathered)
             quantizer = gathered.quantizer
-            expected = qt.recipe_from_name(recipe_name).quantizer("weight").quantize(full)
-            if quantizer.can_derive_columnwise:
-                expected.update_usage(columnwise=False)  # gathered rowwise only, by design
+            expected = quantizers[i].quantize(full, amax=full.abs().max() if quantizer.per_tensor_amax else None)
+            # A forward unshard gathers rowwise (MXFP8's columnwise comes with the backward's).
+            assert gathered.usages[0]
+            expected.update_usage(columnwise=gathered.usages[1])
             assert_same_quantized(gathered, expected, f"{recipe_name} layer {i}")
             layer.reshard()
 

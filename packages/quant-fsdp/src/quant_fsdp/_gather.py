@@ -83,7 +83,7 @@ def pre_all_gather(shard: QuantizedTensor, world_size: int) -> tuple[tuple[torch
         data, scale_inv = shard.usage_buffers(usage)
         for name, buffer in ((f"{usage}_data", data), (f"{usage}_scale_inv", scale_inv)):
             if buffer.dim() > 0:  # a 0-d scale is per-tensor: it stays local
-                inputs.append(buffer.contiguous())
+                inputs.append(_as_bytes(buffer.contiguous()))
                 names.append(name)
     count_gather(shard.quantizer.format_name, inputs, world_size, quantized=True)
     if world_size == 1 and len(inputs) > 1:
@@ -94,6 +94,11 @@ def pre_all_gather(shard: QuantizedTensor, world_size: int) -> tuple[tuple[torch
             pieces += [t.reshape(-1).view(torch.uint8), t.new_zeros(-_nbytes(t.dtype, t.shape) % 16, dtype=torch.uint8)]
         return (torch.cat(pieces),), Payload(shard, tuple(names), world_size, packed)
     return tuple(inputs), Payload(shard, tuple(names), world_size)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """FP8 codes travel as uint8: collectives (gloo, older NCCL) have no FP8 types."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
 
 
 def _unpacked(outputs: tuple[torch.Tensor, ...], payload: Payload) -> tuple[torch.Tensor, ...]:
@@ -127,7 +132,10 @@ def post_all_gather(
     reshard) the first time, None when `out` was refilled.
     """
     shard, world = payload.shard, payload.world_size
-    gathered = dict(zip(payload.names, _unpacked(outputs, payload), strict=True))
+    gathered = {
+        name: output.view(getattr(shard, name).dtype)
+        for name, output in zip(payload.names, _unpacked(outputs, payload), strict=True)
+    }
     columnwise = _columnwise_buffers(owner, shard, world)
     buffers: dict[str, torch.Tensor | None] = {}
     for name in shard._buffer_names:
