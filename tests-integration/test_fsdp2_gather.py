@@ -236,10 +236,10 @@ def _small_dim0(rank: int, world_size: int, recipe_name: str) -> None:
     quant_fsdp.fully_shard(model)
     (plan,) = quant_fsdp.gather_plan(model)
     assert plan.fallback_reason == "dim 0 (2) is smaller than the 4 shards", plan
+    quantizer = copy.deepcopy(weight_quantizer(model))  # as it is before the gather quantizes
     model.unshard()
-    want = qt.recipe_from_name(recipe_name).quantizer("weight").quantize(expected)
-    if want.quantizer.can_derive_columnwise and model.weight.columnwise_data is None:
-        want.update_usage(columnwise=False)
+    want = quantizer.quantize(expected)
+    want.update_usage(columnwise=model.weight.usages[1])
     assert_same_quantized(model.weight, want, recipe_name)
 
 
@@ -321,7 +321,7 @@ def _meta_init(rank: int, world_size: int, recipe_name: str) -> None:
         value = qt.high_precision_init_value(layer.weight)
         assert isinstance(value, DTensor)
         for name in ("scale_inv", "amax"):  # per-tensor values agree across shards
-            scalar = getattr(local, name, None)
+            scalar = local.buffers().get(name)
             if scalar is not None:
                 everyone = [torch.empty_like(scalar) for _ in range(world_size)]
                 dist.all_gather(everyone, scalar)
@@ -329,8 +329,7 @@ def _meta_init(rank: int, world_size: int, recipe_name: str) -> None:
         full = value.full_tensor()
         layer.unshard()
         expected = qt.recipe_from_name(recipe_name).quantizer("weight").quantize(full)
-        if expected.quantizer.can_derive_columnwise:
-            expected.update_usage(columnwise=False)
+        expected.update_usage(columnwise=layer.weight.usages[1])  # a forward unshard: rowwise
         assert_same_quantized(layer.weight, expected, recipe_name)
         layer.reshard()
 

@@ -169,7 +169,7 @@ def benchmark_hooks(min_run_time: float, device: torch.device, size: int = 1024,
             outputs = tuple(torch.cat([p[0][k] for p in payloads]) for k in range(len(payloads[0][0])))
             unsharded, _ = shards[0].fsdp_post_all_gather(outputs, payloads[0][1], value.dtype)
 
-            def hooks(shard=shards[0]) -> None:
+            def hooks(shard=shards[0], value=value, outputs=outputs, unsharded=unsharded) -> None:
                 _, metadata = shard.fsdp_pre_all_gather(mesh, value.shape, value.stride(), None, None)
                 shard.fsdp_post_all_gather(outputs, metadata, value.dtype, out=unsharded)
 
