@@ -58,8 +58,10 @@ def kernel_backends() -> tuple[Backend, ...]:
     return tuple(b for b in available_backends() if b != "reference")
 
 
-def run_ranks(fn: Callable[..., None], world_size: int, *args: Any) -> None:
-    """Runs fn(rank, world_size, *args) in `world_size` processes joined in a gloo process group.
+def run_ranks(fn: Callable[..., None], world_size: int, *args: Any, backend: str = "gloo") -> None:
+    """Runs fn(rank, world_size, *args) in `world_size` processes joined in a process group.
+
+    `backend="nccl"` gives rank r the CUDA device r (it must exist).
 
     `fn` must be a module-level function. Each process loads fn's file by path rather than by
     module name, so this works for test files that pytest imported under a path-derived name
@@ -68,17 +70,26 @@ def run_ranks(fn: Callable[..., None], world_size: int, *args: Any) -> None:
     source = pathlib.Path(inspect.getfile(fn)).resolve()
     with tempfile.TemporaryDirectory() as tmp:
         store = str(pathlib.Path(tmp) / "store")
-        mp.spawn(_rank_entry, args=(world_size, str(source), fn.__name__, store, args), nprocs=world_size, join=True)
+        mp.spawn(
+            _rank_entry,
+            args=(world_size, str(source), fn.__name__, store, args, backend),
+            nprocs=world_size,
+            join=True,
+        )
 
 
-def _rank_entry(rank: int, world_size: int, source: str, name: str, store: str, args: tuple[Any, ...]) -> None:
+def _rank_entry(
+    rank: int, world_size: int, source: str, name: str, store: str, args: tuple[Any, ...], backend: str
+) -> None:
     spec = importlib.util.spec_from_file_location(f"_quant_rank_{pathlib.Path(source).stem}", source)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {source} in a rank process")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     torch.set_num_threads(1)  # world_size processes share the machine's cores
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         getattr(module, name)(rank, world_size, *args)
         dist.barrier()  # no rank tears the group down while another still uses it
