@@ -39,10 +39,12 @@ def _train_and_gather(rank: int, world_size: int, mode: str) -> None:
         torch.manual_seed(rank)
         x = torch.randn(256, WIDTHS[0], device=device)
         for _ in range(3):
-            quantizers = [copy.deepcopy(layer.weight._local_tensor.quantizer) for layer in model]
             with count_all_gather_bytes() as counted:
                 loss = model(x).float().pow(2).mean()
                 loss.backward()
+            # The quantizers before the next quantization of the weights (mode 1: the requantize
+            # in masters.step; mode 2: the unshard below): delayed scaling's history sets the scale.
+            quantizers = [copy.deepcopy(layer.weight._local_tensor.quantizer) for layer in model]
             masters.step(optimizer)
             optimizer.zero_grad()
         weights = sum(layer.weight.numel() for layer in model)
