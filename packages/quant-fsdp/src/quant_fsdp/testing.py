@@ -89,8 +89,6 @@ def train_data_parallel(
         logits = model(inputs)
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
         optimizer.zero_grad(set_to_none=True)
-        for p, _ in masters.pairs:
-            p.grad = None
         loss.backward()
         masters.step(optimizer)
         global_loss = loss.detach().clone()

@@ -104,7 +104,8 @@ class MarkovTask:
 class MasterWeights:
     """fp32 master copies of a model's quantized parameters, for a plain torch optimizer.
 
-    The optimizer steps the masters; `step` then requantizes each parameter with `p.copy_(master)`
+    `step` moves each quantized parameter's gradient to its master, steps the optimizer over the
+    masters, then requantizes each parameter with `p.copy_(master)`
     (quant-optim's FusedAdam does this fused; this is the reference path). Parameters may be
     QuantizedTensors or FSDP2's DTensors of QuantizedTensor shards (masters are then DTensors too).
     """
@@ -122,8 +123,9 @@ class MasterWeights:
                 self.parameters.append(p)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        for p, master in self.pairs:
+        for p, master in self.pairs:  # the gradient moves to the master
             master.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
         optimizer.step()
         with torch.no_grad():
             for p, master in self.pairs:
@@ -157,8 +159,6 @@ def train(
         logits = model(inputs)
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
         optimizer.zero_grad(set_to_none=True)
-        for p, _ in masters.pairs:
-            p.grad = None
         loss.backward()
         masters.step(optimizer)
         losses.append(loss.item())
