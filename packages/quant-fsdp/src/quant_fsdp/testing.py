@@ -12,14 +12,13 @@ rank does (a whole-batch single model quantizes the whole batch at once).
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from quant_tensors.testing import MarkovTask, MasterWeights
+from quant_tensors.testing import MarkovTask, MasterWeights, train
 
 __all__ = ["AllGatherBytes", "count_all_gather_bytes", "train_data_parallel", "train_replicas"]
 
@@ -70,35 +69,18 @@ def train_data_parallel(
     lr: float = 1e-3,
     group: dist.ProcessGroup | None = None,
 ) -> list[float]:
-    """AdamW training of a (possibly FSDP2-sharded) model; returns the global loss of every step.
-
-    Each rank of `group` (default: all ranks; None without torch.distributed) takes its slice of
-    every global batch. Quantized weights step through fp32 master copies (MasterWeights).
-    """
+    """quant_tensors.testing.train on this rank's slice of every global batch; returns the global
+    batch's loss of every step (averaged over the ranks of `group`, default all ranks; without
+    torch.distributed, the whole batch)."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     rank = dist.get_rank(group) if dist.is_initialized() else 0
-    if batch_size % world:
-        raise ValueError(f"batch_size {batch_size} does not split over {world} ranks")
-    masters = MasterWeights(model)
-    optimizer = torch.optim.AdamW(masters.parameters, lr=lr, weight_decay=0.0, foreach=False)
-    sequence = model.config.sequence
-    losses = []
-    for step in range(steps):
-        inputs, targets = task.batch(step, batch_size, sequence)
-        inputs, targets = inputs.chunk(world)[rank], targets.chunk(world)[rank]
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        masters.step(optimizer)
-        global_loss = loss.detach().clone()
+
+    def mean_loss(loss: torch.Tensor) -> torch.Tensor:
         if world > 1:
-            dist.all_reduce(global_loss, group=group)
-            global_loss /= world
-        losses.append(global_loss.item())
-        if not math.isfinite(losses[-1]):
-            raise FloatingPointError(f"loss became {losses[-1]} at step {step}")
-    return losses
+            dist.all_reduce(loss, group=group)
+        return loss / world
+
+    return train(model, task, steps=steps, batch_size=batch_size, lr=lr, batch_slice=(rank, world), mean_loss=mean_loss)
 
 
 def train_replicas(
@@ -115,7 +97,7 @@ def train_replicas(
     if batch_size % world:
         raise ValueError(f"batch_size {batch_size} does not split over {world} replicas")
     masters = [MasterWeights(model) for model in replicas]
-    optimizers = [torch.optim.AdamW(m.parameters, lr=lr, weight_decay=0.0, foreach=False) for m in masters]
+    optimizers = [torch.optim.AdamW(m.parameters, lr=lr, weight_decay=0.0) for m in masters]
     sequence = replicas[0].config.sequence
     losses = []
     for step in range(steps):

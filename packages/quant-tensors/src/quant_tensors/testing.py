@@ -8,6 +8,7 @@ run with the same seeds sees the same initial weights and the same batches.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -148,20 +149,29 @@ def train(
     steps: int,
     batch_size: int = 8,
     lr: float = 1e-3,
+    batch_slice: tuple[int, int] = (0, 1),
+    mean_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[float]:
-    """AdamW training on `task`; returns the loss of every step."""
+    """AdamW training on `task`; returns the loss of every step.
+
+    Data parallelism: `batch_slice=(i, n)` trains on slice i of n of every global batch, and
+    `mean_loss` turns the slice's loss into the global batch's (e.g. an all-reduce and a division).
+    """
+    index, slices = batch_slice
+    if batch_size % slices:
+        raise ValueError(f"batch_size {batch_size} does not split into {slices} slices")
     masters = MasterWeights(model)
     optimizer = torch.optim.AdamW(masters.parameters, lr=lr, weight_decay=0.0)
     losses = []
     sequence = model.config.sequence if hasattr(model, "config") else 64
     for step in range(steps):
         inputs, targets = task.batch(step, batch_size, sequence)
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        logits = model(inputs.chunk(slices)[index])
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.chunk(slices)[index].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         masters.step(optimizer)
-        losses.append(loss.item())
+        losses.append((loss.detach() if mean_loss is None else mean_loss(loss.detach())).item())
         if not math.isfinite(losses[-1]):
             raise FloatingPointError(f"loss became {losses[-1]} at step {step}")
     return losses
