@@ -127,7 +127,7 @@ def test_gathered_weight_equals_the_unsharded_quantization(world_size, mode):
 # ---- bytes on the wire ---------------------------------------------------------------------------
 
 
-def _gather_bytes(rank: int, world_size: int, recipe_name: str, mode: str, reshard: bool) -> dict[str, float]:
+def _gather_bytes(rank: int, world_size: int, recipe_name: str, mode: str, reshard: bool) -> float:
     model = stack(recipe_name, mode)
     for layer in model.layers:
         quant_fsdp.fully_shard(layer, quantize_on_gather=mode == "quantize-on-gather", reshard_after_forward=reshard)
@@ -153,25 +153,25 @@ def _gather_bytes(rank: int, world_size: int, recipe_name: str, mode: str, resha
     return counted.bytes / bf16_counted.bytes
 
 
-def _check_ratio(rank: int, world_size: int, recipe_name: str, mode: str, reshard: bool, bound: float) -> None:
-    ratio = _gather_bytes(rank, world_size, recipe_name, mode, reshard)
-    if rank == 0:
-        print(f"{recipe_name} {mode} world={world_size} reshard_after_forward={reshard}: {ratio:.4f}x bf16")
-    assert ratio <= bound, ratio
+BYTES_BOUNDS = {"fp8": 0.52, "fp8-delayed": 0.52, "mxfp8": 0.52, "fp8-block": 0.52, "nvfp4": 0.30}
+
+
+def _check_ratios(rank: int, world_size: int, mode: str, reshard: bool, bounds: dict[str, float]) -> None:
+    for recipe_name, bound in bounds.items():
+        ratio = _gather_bytes(rank, world_size, recipe_name, mode, reshard)
+        if rank == 0:
+            print(f"{recipe_name} {mode} world={world_size} reshard_after_forward={reshard}: {ratio:.4f}x bf16")
+        assert ratio <= bound, (recipe_name, ratio)
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize(
-    ("recipe_name", "bound"),
-    [("fp8", 0.52), ("fp8-delayed", 0.52), ("mxfp8", 0.52), ("fp8-block", 0.52), ("nvfp4", 0.30)],
-)
-def test_all_gather_bytes_against_bf16(recipe_name, bound, mode):
-    run_ranks(_check_ratio, 2, recipe_name, mode, True, bound)
+def test_all_gather_bytes_against_bf16(mode):
+    run_ranks(_check_ratios, 2, mode, True, BYTES_BOUNDS)
 
 
 def test_mxfp8_without_reshard_after_forward_gathers_both_usages_once():
     # Both usages in the forward and no backward gather: (1 + 1/32) * 2 bytes per element vs bf16's 2.
-    run_ranks(_check_ratio, 2, "mxfp8", "quantized-weights", False, 1.0 + 1 / 32 + 1e-9)
+    run_ranks(_check_ratios, 2, "quantized-weights", False, {"mxfp8": 1.0 + 1 / 32 + 1e-9})
 
 
 # ---- unaligned shards take the explicit fallback -------------------------------------------------
@@ -183,22 +183,27 @@ UNALIGNED = {
 }
 
 
-def _unaligned_trains(rank: int, world_size: int, recipe_name: str, mode: str, expected: list[float]) -> None:
-    model = unaligned_model(recipe_name, mode)
-    for block in model.blocks:
-        quant_fsdp.fully_shard(block, quantize_on_gather=mode == "quantize-on-gather")
-    quant_fsdp.fully_shard(model, quantize_on_gather=mode == "quantize-on-gather")
-    fallbacks = [plan for block in model.blocks for plan in quant_fsdp.gather_plan(block) if not plan.quantized_gather]
-    assert fallbacks, "the misaligned weights must be planned as fallbacks"
-    assert all("split" in plan.fallback_reason for plan in fallbacks), fallbacks
-    quant_fsdp.reset_comm_stats()
-    got = train_data_parallel(model, MarkovTask(model.config.vocab), steps=len(expected), batch_size=8)
-    worst = max(abs(g - w) / w for g, w in zip(got, expected, strict=True))
-    if rank == 0:
-        print(f"unaligned {recipe_name} {mode}: {len(fallbacks)} fallbacks, max relative loss difference {worst:.2e}")
-    assert worst <= 5e-3, worst
-    stats = quant_fsdp.comm_stats()
-    assert sum(s["fallback"] for s in stats.values()) > 0, stats
+def _unaligned_trains(rank: int, world_size: int, mode: str, expected: dict[str, list[float]]) -> None:
+    for recipe_name, want in expected.items():
+        model = unaligned_model(recipe_name, mode)
+        for block in model.blocks:
+            quant_fsdp.fully_shard(block, quantize_on_gather=mode == "quantize-on-gather")
+        quant_fsdp.fully_shard(model, quantize_on_gather=mode == "quantize-on-gather")
+        fallbacks = [
+            plan for block in model.blocks for plan in quant_fsdp.gather_plan(block) if not plan.quantized_gather
+        ]
+        assert fallbacks, f"{recipe_name}: the misaligned weights must be planned as fallbacks"
+        assert all("split" in plan.fallback_reason for plan in fallbacks), fallbacks
+        quant_fsdp.reset_comm_stats()
+        got = train_data_parallel(model, MarkovTask(model.config.vocab), steps=len(want), batch_size=8)
+        worst = max(abs(g - w) / w for g, w in zip(got, want, strict=True))
+        if rank == 0:
+            print(
+                f"unaligned {recipe_name} {mode}: {len(fallbacks)} fallbacks, max relative loss difference {worst:.2e}"
+            )
+        assert worst <= 5e-3, (recipe_name, worst)
+        stats = quant_fsdp.comm_stats()
+        assert sum(s["fallback"] for s in stats.values()) > 0, stats
 
 
 def unaligned_model(recipe_name: str, mode: str) -> TinyTransformer:
@@ -212,11 +217,12 @@ def unaligned_model(recipe_name: str, mode: str) -> TinyTransformer:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("recipe_name", sorted(UNALIGNED))
-def test_unaligned_shards_fall_back_and_train_like_single_process(recipe_name, mode):
-    reference = unaligned_model(recipe_name, mode)
-    expected = train_data_parallel(reference, MarkovTask(128), steps=20, batch_size=8)
-    run_ranks(_unaligned_trains, 4, recipe_name, mode, expected)
+def test_unaligned_shards_fall_back_and_train_like_single_process(mode):
+    expected = {
+        name: train_data_parallel(unaligned_model(name, mode), MarkovTask(128), steps=20, batch_size=8)
+        for name in UNALIGNED
+    }
+    run_ranks(_unaligned_trains, 4, mode, expected)
 
 
 class Experts(torch.nn.Module):
@@ -229,7 +235,12 @@ class Experts(torch.nn.Module):
         self.weight = qt.nn.quantized_parameter(torch.randn(2, 64, 128), quantizer)
 
 
-def _small_dim0(rank: int, world_size: int, recipe_name: str) -> None:
+def _small_dim0(rank: int, world_size: int) -> None:
+    for recipe_name in RECIPES:
+        _small_dim0_one(recipe_name)
+
+
+def _small_dim0_one(recipe_name: str) -> None:
     model = Experts(recipe_name)
     expected = qt.high_precision_init_value(model.weight)
     qt.nn.attach_high_precision_init_value(model.weight, expected)
@@ -243,9 +254,8 @@ def _small_dim0(rank: int, world_size: int, recipe_name: str) -> None:
     assert_same_quantized(model.weight, want, recipe_name)
 
 
-@pytest.mark.parametrize("recipe_name", RECIPES)
-def test_dim_0_smaller_than_the_mesh_falls_back_and_gathers_exactly(recipe_name):
-    run_ranks(_small_dim0, 4, recipe_name)
+def test_dim_0_smaller_than_the_mesh_falls_back_and_gathers_exactly():
+    run_ranks(_small_dim0, 4)
 
 
 # ---- no leaks: live tensors and bytes stay flat after step 2 -------------------------------------
@@ -304,7 +314,12 @@ def test_no_growth_in_live_tensors_after_step_2(mode):
 # ---- meta-device initialisation: reset_parameters quantizes the local shard ----------------------
 
 
-def _meta_init(rank: int, world_size: int, recipe_name: str) -> None:
+def _meta_init(rank: int, world_size: int) -> None:
+    for recipe_name in RECIPES:
+        _meta_init_one(world_size, recipe_name)
+
+
+def _meta_init_one(world_size: int, recipe_name: str) -> None:
     with torch.device("meta"):
         model = Stack()
     qt.convert(model, qt.recipe_from_name(recipe_name), quantized_weights=True)
@@ -334,6 +349,5 @@ def _meta_init(rank: int, world_size: int, recipe_name: str) -> None:
         layer.reshard()
 
 
-@pytest.mark.parametrize("recipe_name", RECIPES)
-def test_meta_init_then_reset_parameters_quantizes_local_shards(recipe_name):
-    run_ranks(_meta_init, 2, recipe_name)
+def test_meta_init_then_reset_parameters_quantizes_local_shards():
+    run_ranks(_meta_init, 2)
