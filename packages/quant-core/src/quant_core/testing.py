@@ -6,6 +6,7 @@ import importlib.util
 import inspect
 import math
 import pathlib
+import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -85,6 +86,7 @@ def _rank_entry(
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {source} in a rank process")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look their module up there
     spec.loader.exec_module(module)
     torch.set_num_threads(1)  # world_size processes share the machine's cores
     if backend == "nccl":

@@ -1,8 +1,8 @@
 """`quant-fsdp demo`: the most complete end-to-end job the project can do today.
 
 Part 1 (`run_training`, quant_fsdp._demo_training): trains the test transformer on the synthetic
-Markov task with bf16 and with every recipe (quantized primary weights), single process (FSDP2
-arrives with issue #6), and reports loss, step time and weight memory, with a loss plot.
+Markov task with FSDP2 on gloo CPU ranks, bf16 and every recipe (quantized primary weights), and
+reports loss, step time, all-gathered bytes per step and weight memory, with a loss plot.
 
 Part 2 (below): quantizes the Linear weights of the same transformer shape with every weight
 recipe and every backend on this machine, and checks what FSDP2's quantized all-gather will rely on:
@@ -228,7 +228,7 @@ def run_gather_checks(console: Console, out: pathlib.Path, *, world_size: int) -
     console.print(table)
     console.print(
         "shards=full: weights whose gathered shards equal the unsharded quantization bit for bit; "
-        "fallback: weights whose shard rows miss the format's block boundaries (FSDP2 will gather those in high precision)."
+        "fallback: weights whose shard rows miss the format's block boundaries (quant_fsdp.fully_shard gathers those in high precision and quantizes after)."
     )
     (out / "demo_gather.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
     console.print(f"wrote {out / 'demo_gather.json'}")
