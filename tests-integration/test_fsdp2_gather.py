@@ -351,3 +351,16 @@ def _meta_init_one(world_size: int, recipe_name: str) -> None:
 
 def test_meta_init_then_reset_parameters_quantizes_local_shards():
     run_ranks(_meta_init, 2)
+
+
+def _refuses_int_reshard(rank: int, world_size: int) -> None:
+    model = stack("fp8", "quantize-on-gather")
+    before = [layer.weight for layer in model.layers]
+    with pytest.raises(ValueError, match="reshard_after_forward=1"):
+        quant_fsdp.fully_shard(model.layers[0], quantize_on_gather=True, reshard_after_forward=1)
+    assert [layer.weight for layer in model.layers] == before  # nothing was changed
+    assert type(model.layers[0].weight) is torch.nn.Parameter
+
+
+def test_resharding_to_a_smaller_mesh_is_refused_before_anything_changes():
+    run_ranks(_refuses_int_reshard, 1)

@@ -69,39 +69,53 @@ def fully_shard(
     mesh = kwargs.get("mesh") or _default_mesh(module)
     shard_group = mesh.get_group(mesh.ndim - 1)
     world = mesh.size(mesh.ndim - 1)
-    plans: list[_plan.GatherPlan] = []
-    init_values: dict[str, torch.Tensor] = {}
-    for name, owner, attribute, param in _managed_parameters(module, kwargs.get("ignored_params")):
+    # Plan every quantized weight first; change nothing until every check has passed.
+    entries = []
+    for name, owner, attribute, param in list(_managed_parameters(module, kwargs.get("ignored_params"))):
         quantizer, mode = _quantizer_and_mode(owner, attribute, param, quantize_on_gather)
-        if quantizer is None:
-            continue
-        if isinstance(reshard, int) and not isinstance(reshard, bool):
-            raise ValueError(
-                f"reshard_after_forward={reshard} (reshard to a smaller mesh) is not supported for quantized "
-                f"weights ({name}): FSDP2 cannot re-gather them from the smaller mesh. Use True or False."
+        if quantizer is not None:
+            reason = _plan.fallback_reason(quantizer, tuple(param.shape), world)
+            entries.append(
+                (
+                    _plan.GatherPlan(name, quantizer.format_name, tuple(param.shape), mode, reason),
+                    owner,
+                    attribute,
+                    param,
+                    quantizer,
+                )
             )
-        reason = _plan.fallback_reason(quantizer, tuple(param.shape), world)
-        plans.append(_plan.GatherPlan(name, quantizer.format_name, tuple(param.shape), mode, reason))
+    if entries and isinstance(reshard, int) and not isinstance(reshard, bool):
+        raise ValueError(
+            f"reshard_after_forward={reshard} (reshard to a smaller mesh) is not supported for quantized weights "
+            f"({entries[0][0].name}, ...): FSDP2 does not call the all-gather hooks on that path. Use True or False."
+        )
+    init_values: dict[str, torch.Tensor] = {}
+    for plan, owner, attribute, param, quantizer in entries:
         _plan.register_fsdp_module(quantizer, module)
-        if reason:
+        if plan.fallback_reason:
             logger.warning(
-                "%s (%s, %s): gathers in high precision, then quantizes: %s", name, quantizer.format_name, mode, reason
+                "%s (%s, %s): gathers in high precision, then quantizes: %s",
+                plan.name,
+                plan.format,
+                plan.mode,
+                plan.fallback_reason,
             )
         elif quantizer.per_tensor_amax:
             quantizer.amax_group = shard_group
-        if mode == _plan.QUANTIZED_WEIGHTS and not reason:
+        if plan.mode == _plan.QUANTIZED_WEIGHTS and plan.quantized_gather:
             init_value = qt.high_precision_init_value(param)
             if init_value is not None:
-                init_values[name] = init_value
+                init_values[plan.name] = init_value
         else:
-            value = _high_precision_value(param) if mode == _plan.QUANTIZED_WEIGHTS else param.detach()
-            wrapped = QuantizeOnGatherTensor(value, quantizer, fallback=bool(reason))
+            value = _high_precision_value(param) if plan.mode == _plan.QUANTIZED_WEIGHTS else param.detach()
+            wrapped = QuantizeOnGatherTensor(value, quantizer, fallback=not plan.quantized_gather)
             owner.register_parameter(attribute, torch.nn.Parameter(wrapped, requires_grad=param.requires_grad))
     torch_fully_shard(module, **{**kwargs, "mesh": mesh})
     _attach_init_value_shards(module, init_values, mesh)
+    plans = tuple(entry[0] for entry in entries)
     _plan.record(module, plans)
     if print_plan:
-        _plan.print_plan(module, tuple(plans))
+        _plan.print_plan(module, plans)
     return module
 
 

@@ -103,8 +103,8 @@ def _reshards_after_forward(quantizer: Any) -> bool:
 _PLAN_ATTRIBUTE = "_quant_fsdp_gather_plan"
 
 
-def record(module: torch.nn.Module, plans: list[GatherPlan]) -> None:
-    setattr(module, _PLAN_ATTRIBUTE, tuple(plans))
+def record(module: torch.nn.Module, plans: tuple[GatherPlan, ...]) -> None:
+    setattr(module, _PLAN_ATTRIBUTE, plans)
 
 
 def gather_plan(module: torch.nn.Module) -> tuple[GatherPlan, ...]:
