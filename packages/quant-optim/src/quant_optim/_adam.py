@@ -10,8 +10,10 @@
    parameters by requantizing into their buffers (`quantizer.quantize_`; per-tensor formats use
    the shard group's amax through the quantizer's `amax_group`).
 
-This first version is the plain-torch path. Still to come (issue #7): DTensor states for DCP,
-the C++/Triton fused kernels, one batched amax all-reduce per step, fp8 moments.
+Per-tensor formats (per-tensor FP8, NVFP4) take their amax from one all-reduce per step over all
+such parameters of a process group (`_write_back`). States of DTensor parameters are DTensors.
+This version is the plain-torch path; still to come (issue #7): the C++/Triton fused kernels,
+fp8 moments, DCP tests (save, reload, reshard).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+import quant_core
 import quant_tensors as qt
 
 _MOMENT_DTYPES = (torch.float32, torch.bfloat16)
@@ -30,6 +33,13 @@ _MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` as a DTensor sharded like `p` (or as is, for a plain parameter)."""
+    if not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -87,16 +97,22 @@ class FusedAdam(torch.optim.Optimizer):
     # ---- state -------------------------------------------------------------------------------
 
     def _state_of(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """The parameter's state; for a DTensor parameter every tensor in it is a DTensor like it
+        (mesh, placements, shape, stride), so torch.distributed.checkpoint can save and reshard it."""
         state = self.state[p]
         if not state:
             local = _local(p)
             master = self._initial_master(p, local) if self._needs_master(local, group) else None
             reference = local if master is None else master
             state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros(reference.shape, dtype=group["exp_avg_dtype"], device=reference.device)
-            state["exp_avg_sq"] = torch.zeros(reference.shape, dtype=group["exp_avg_sq_dtype"], device=reference.device)
+            state["exp_avg"] = _like(
+                p, torch.zeros(reference.shape, dtype=group["exp_avg_dtype"], device=reference.device)
+            )
+            state["exp_avg_sq"] = _like(
+                p, torch.zeros(reference.shape, dtype=group["exp_avg_sq_dtype"], device=reference.device)
+            )
             if master is not None:
-                state["master"] = master
+                state["master"] = _like(p, master)
         return state
 
     @staticmethod
@@ -124,9 +140,28 @@ class FusedAdam(torch.optim.Optimizer):
         if self.last_step_skipped:
             self.skipped_steps += 1
             return loss
-        for p, group in work:
-            self._update(p, group)
+        write_backs = [(p, master) for p, group in work if (master := self._update(p, group)) is not None]
+        self._write_back(write_backs)
         return loss
+
+    @staticmethod
+    def _write_back(write_backs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Writes low-precision parameters from their masters. Formats with a per-tensor amax get
+        theirs from one all-reduce per process group for all parameters (not one per parameter)."""
+        per_group: dict[int, list[tuple[qt.QuantizedTensor, torch.Tensor]]] = {}
+        for p, master in write_backs:
+            local = _local(p)
+            if isinstance(local, qt.QuantizedTensor) and local.quantizer.per_tensor_amax:
+                per_group.setdefault(id(local.quantizer.amax_group), []).append((local, master))
+            else:
+                local.copy_(master)  # a bf16 cast, or a requantize of a block-scaled format
+        for pairs in per_group.values():
+            amaxes = torch.stack([quant_core.amax(master) for _, master in pairs])
+            group = pairs[0][0].quantizer.amax_group
+            if group is not None:
+                dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
+            for (local, master), amax in zip(pairs, amaxes, strict=True):
+                local.quantizer.quantize_(master, local, amax=amax)
 
     @staticmethod
     def _grads_finite(grads: list[torch.Tensor]) -> bool:
@@ -140,11 +175,12 @@ class FusedAdam(torch.optim.Optimizer):
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return not bool(bad)
 
-    def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+    def _update(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor | None:
+        """Steps one parameter's master; returns the master if the parameter needs a write-back."""
         state = self._state_of(p, group)
         local = _local(p)
         grad = _local(p.grad)
-        master = state.get("master", local)
+        master = _local(state["master"]) if "master" in state else local
         beta1, beta2 = group["betas"]
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
         lr = lr.item() if isinstance(lr, torch.Tensor) else lr
@@ -156,7 +192,7 @@ class FusedAdam(torch.optim.Optimizer):
                 master.mul_(1 - lr * weight_decay)
             else:
                 grad = grad.add(master, alpha=weight_decay)
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
         m = exp_avg if exp_avg.dtype == torch.float32 else exp_avg.float()
         v = exp_avg_sq if exp_avg_sq.dtype == torch.float32 else exp_avg_sq.float()
         m.lerp_(grad, 1 - beta1)
@@ -169,5 +205,4 @@ class FusedAdam(torch.optim.Optimizer):
             exp_avg.copy_(m)
         if v is not exp_avg_sq:
             exp_avg_sq.copy_(v)
-        if master is not local:
-            local.copy_(master)  # bf16 cast, or requantize into the quantized parameter's buffers
+        return None if master is local else master

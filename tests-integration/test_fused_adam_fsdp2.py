@@ -1,0 +1,105 @@
+"""FusedAdam on FSDP2-sharded quantized weights (gloo): world size 1 equals no FSDP bit for bit;
+on 2 ranks one amax all-reduce per step makes every shard's scale the unsharded one."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+import quant_fsdp
+import quant_tensors as qt
+from quant_core.testing import raw_bits, run_ranks
+from quant_optim import FusedAdam
+from quant_tensors.testing import MarkovTask, TinyTransformer, TransformerConfig
+
+RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
+CONFIG = TransformerConfig(vocab=128, hidden=128, layers=2, heads=2, sequence=32)
+
+
+def build(recipe_name: str, *, sharded: bool) -> TinyTransformer:
+    torch.manual_seed(0)
+    model = qt.convert(TinyTransformer(CONFIG), qt.recipe_from_name(recipe_name), quantized_weights=True)
+    if sharded:
+        for block in model.blocks:
+            quant_fsdp.fully_shard(block)
+        quant_fsdp.fully_shard(model)
+    return model
+
+
+def train(model: TinyTransformer, steps: int, rank: int = 0, world: int = 1) -> tuple[list[float], FusedAdam]:
+    optimizer = FusedAdam(model.parameters(), lr=1e-3, weight_decay=0.01)
+    task, losses = MarkovTask(CONFIG.vocab), []
+    for step in range(steps):
+        inputs, targets = task.batch(step, 8, CONFIG.sequence)
+        logits = model(inputs.chunk(world)[rank])
+        loss = F.cross_entropy(logits.reshape(-1, CONFIG.vocab), targets.chunk(world)[rank].reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, optimizer
+
+
+def local_bytes(t: torch.Tensor) -> list[torch.Tensor]:
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    if isinstance(local, qt.QuantizedTensor):
+        return [raw_bits(b.reshape(-1)) for b in local.buffers().values() if b is not None]
+    return [local]
+
+
+def _world_1(rank: int, world_size: int) -> None:
+    for recipe_name in RECIPES:
+        plain, sharded = build(recipe_name, sharded=False), build(recipe_name, sharded=True)
+        expected, plain_optimizer = train(plain, 10)
+        got, sharded_optimizer = train(sharded, 10)
+        assert got == expected, recipe_name
+        for (name, p), q in zip(sharded.named_parameters(), plain.parameters(), strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(local_bytes(p), local_bytes(q), strict=True)), name
+            for key, value in plain_optimizer.state[q].items():
+                state = sharded_optimizer.state[p][key]
+                assert isinstance(state, DTensor) or key == "step", (name, key)
+                assert torch.equal(state._local_tensor if isinstance(state, DTensor) else state, value), (name, key)
+
+
+def test_world_size_1_equals_no_fsdp_bitwise():
+    run_ranks(_world_1, 1)
+
+
+def _one_amax_all_reduce(rank: int, world_size: int) -> None:
+    for recipe_name in ("fp8", "nvfp4"):
+        model = build(recipe_name, sharded=True)
+        train(model, 2, rank, world_size)
+        optimizer = FusedAdam(model.parameters(), lr=1e-3)
+        calls = []
+        original = dist.all_reduce
+
+        def counting(tensor, *args, calls=calls, original=original, **kwargs):
+            calls.append(tuple(tensor.shape))
+            return original(tensor, *args, **kwargs)
+
+        inputs, targets = MarkovTask(CONFIG.vocab).batch(0, 8, CONFIG.sequence)
+        logits = model(inputs.chunk(world_size)[rank])
+        F.cross_entropy(logits.reshape(-1, CONFIG.vocab), targets.chunk(world_size)[rank].reshape(-1)).backward()
+        dist.all_reduce = counting
+        try:
+            optimizer.step()
+        finally:
+            dist.all_reduce = original
+        quantized = [p for p in model.parameters() if qt.local_quantized(p) is not None]
+        # One all-reduce agrees on skipping (non-finite gradients), one carries every amax.
+        assert calls == [(), (len(quantized),)], (recipe_name, calls)
+        for p in quantized:  # every shard holds the scale (FP8) or global amax (NVFP4) of the whole
+            local = p._local_tensor
+            scalar = local.buffers()["scale_inv" if "scale_inv" in local.buffers() else "amax"]
+            everyone = [torch.empty_like(scalar) for _ in range(world_size)]
+            dist.all_gather(everyone, scalar)
+            assert all(torch.equal(s, scalar) for s in everyone), recipe_name
+            full_amax = optimizer.state[p]["master"].full_tensor().abs().max()
+            if recipe_name == "nvfp4":
+                assert torch.equal(local.amax, full_amax)
+
+
+def test_one_amax_all_reduce_per_step_on_two_ranks():
+    run_ranks(_one_amax_all_reduce, 2)
