@@ -6,9 +6,9 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import quant_core
+import quant_tensors as qt
 from quant_fsdp._weight import QuantizeOnGatherTensor
 
 
@@ -26,7 +26,7 @@ def sync_amax_(params: Iterable[torch.Tensor], group: dist.ProcessGroup | None =
     shards = [
         local
         for p in params
-        if isinstance(local := p._local_tensor if isinstance(p, DTensor) else p, QuantizeOnGatherTensor)
+        if isinstance(local := qt.local_shard(p), QuantizeOnGatherTensor)
         and not local.fallback
         and local.quantizer.per_tensor_amax
     ]

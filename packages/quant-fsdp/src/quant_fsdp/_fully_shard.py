@@ -189,14 +189,4 @@ def _attach_init_value_shards(module: torch.nn.Module, init_values: dict[str, to
         local = param._local_tensor
         start = mesh.get_local_rank(mesh.ndim - 1) * local.shape[0]
         shard = value.narrow(0, start, local.shape[0])
-        qt.nn.attach_high_precision_init_value(
-            param,
-            DTensor.from_local(
-                shard.contiguous(),
-                param.device_mesh,
-                param.placements,
-                shape=param.shape,
-                stride=param.stride(),
-                run_check=False,
-            ),
-        )
+        qt.nn.attach_high_precision_init_value(param, qt.shard_like(param, shard.contiguous()))

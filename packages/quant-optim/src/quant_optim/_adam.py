@@ -23,23 +23,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import quant_core
 import quant_tensors as qt
 
 _MOMENT_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """`local` as a DTensor sharded like `p` (or as is, for a plain parameter)."""
-    if not isinstance(p, DTensor):
-        return local
-    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -101,18 +89,18 @@ class FusedAdam(torch.optim.Optimizer):
         (mesh, placements, shape, stride), so torch.distributed.checkpoint can save and reshard it."""
         state = self.state[p]
         if not state:
-            local = _local(p)
+            local = qt.local_shard(p)
             master = self._initial_master(p, local) if self._needs_master(local, group) else None
             reference = local if master is None else master
             state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = _like(
+            state["exp_avg"] = qt.shard_like(
                 p, torch.zeros(reference.shape, dtype=group["exp_avg_dtype"], device=reference.device)
             )
-            state["exp_avg_sq"] = _like(
+            state["exp_avg_sq"] = qt.shard_like(
                 p, torch.zeros(reference.shape, dtype=group["exp_avg_sq_dtype"], device=reference.device)
             )
             if master is not None:
-                state["master"] = _like(p, master)
+                state["master"] = qt.shard_like(p, master)
         return state
 
     @staticmethod
@@ -123,7 +111,7 @@ class FusedAdam(torch.optim.Optimizer):
     def _initial_master(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         if isinstance(local, qt.QuantizedTensor):
             value = qt.high_precision_init_value(p)
-            value = local.dequantize(torch.float32) if value is None else _local(value)
+            value = local.dequantize(torch.float32) if value is None else qt.local_shard(value)
             return value.detach().to(torch.float32, copy=True)
         return local.detach().to(torch.float32, copy=True)
 
@@ -136,7 +124,7 @@ class FusedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        self.last_step_skipped = not self._grads_finite([_local(p.grad) for p, _ in work])
+        self.last_step_skipped = not self._grads_finite([qt.local_shard(p.grad) for p, _ in work])
         if self.last_step_skipped:
             self.skipped_steps += 1
             return loss
@@ -150,7 +138,7 @@ class FusedAdam(torch.optim.Optimizer):
         theirs from one all-reduce per process group for all parameters (not one per parameter)."""
         per_group: dict[int, list[tuple[qt.QuantizedTensor, torch.Tensor]]] = {}
         for p, master in write_backs:
-            local = _local(p)
+            local = qt.local_shard(p)
             if isinstance(local, qt.QuantizedTensor) and local.quantizer.per_tensor_amax:
                 per_group.setdefault(id(local.quantizer.amax_group), []).append((local, master))
             else:
@@ -178,9 +166,9 @@ class FusedAdam(torch.optim.Optimizer):
     def _update(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor | None:
         """Steps one parameter's master; returns the master if the parameter needs a write-back."""
         state = self._state_of(p, group)
-        local = _local(p)
-        grad = _local(p.grad)
-        master = _local(state["master"]) if "master" in state else local
+        local = qt.local_shard(p)
+        grad = qt.local_shard(p.grad)
+        master = qt.local_shard(state["master"]) if "master" in state else local
         beta1, beta2 = group["betas"]
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
         lr = lr.item() if isinstance(lr, torch.Tensor) else lr
@@ -192,7 +180,7 @@ class FusedAdam(torch.optim.Optimizer):
                 master.mul_(1 - lr * weight_decay)
             else:
                 grad = grad.add(master, alpha=weight_decay)
-        exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+        exp_avg, exp_avg_sq = qt.local_shard(state["exp_avg"]), qt.local_shard(state["exp_avg_sq"])
         m = exp_avg if exp_avg.dtype == torch.float32 else exp_avg.float()
         v = exp_avg_sq if exp_avg_sq.dtype == torch.float32 else exp_avg_sq.float()
         m.lerp_(grad, 1 - beta1)

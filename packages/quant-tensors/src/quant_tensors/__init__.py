@@ -18,7 +18,9 @@ from quant_tensors._tensor import (
     QuantizedTensor,
     _rebuild_quantized_tensor,
     local_quantized,
+    local_shard,
     register_tensor_method,
+    shard_like,
 )
 from quant_tensors._version import __version__
 from quant_tensors.blockwise import Float8BlockQuantizer, Float8BlockwiseTensor
@@ -69,7 +71,9 @@ __all__ = [
     "NVFP4Tensor",
     "QuantizedTensor",
     "local_quantized",
+    "local_shard",
     "register_tensor_method",
+    "shard_like",
     # GEMM, modules, conversion
     "convert",
     "high_precision_init_value",

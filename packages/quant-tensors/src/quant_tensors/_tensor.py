@@ -309,9 +309,21 @@ def _flat_view_op(func: Any, args: tuple[Any, ...]) -> QuantizedTensor:
     raise AssertionError("unreachable")
 
 
+def local_shard(t: Any) -> Any:
+    """A DTensor's local tensor (its shard under FSDP2), or t itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def shard_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` as a DTensor sharded like `p` (mesh, placements, shape, stride); `local` if p is plain."""
+    if not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+
+
 def local_quantized(t: Any) -> QuantizedTensor | None:
     """The QuantizedTensor that t holds: t itself, or a DTensor's local shard (FSDP2); else None."""
-    local = t._local_tensor if isinstance(t, DTensor) else t
+    local = local_shard(t)
     return local if isinstance(local, QuantizedTensor) else None
 
 

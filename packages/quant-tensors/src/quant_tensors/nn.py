@@ -20,9 +20,8 @@ import warnings
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from quant_tensors._tensor import QuantizedTensor, local_quantized
+from quant_tensors._tensor import QuantizedTensor, local_quantized, local_shard, shard_like
 from quant_tensors.ops import scaled_mm
 from quant_tensors.recipes import Recipe
 
@@ -149,17 +148,8 @@ class Linear(torch.nn.Linear):
 
 def _high_precision_like(weight: torch.Tensor) -> torch.Tensor:
     """An uninitialised high-precision tensor shaped (and, for a DTensor, sharded) like `weight`."""
-    if not isinstance(weight, DTensor):
-        return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-    local = weight._local_tensor
-    return DTensor.from_local(
-        torch.empty(local.shape, dtype=weight.dtype, device=local.device),
-        weight.device_mesh,
-        weight.placements,
-        shape=weight.shape,
-        stride=weight.stride(),
-        run_check=False,
-    )
+    local = local_shard(weight)
+    return shard_like(weight, torch.empty(local.shape, dtype=weight.dtype, device=local.device))
 
 
 def _unquantizable_reason(quantizer: Any, in_features: int, out_features: int, recipe: Recipe) -> str:

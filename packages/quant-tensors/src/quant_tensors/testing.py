@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
-from quant_tensors._tensor import local_quantized
+from quant_tensors._tensor import local_quantized, shard_like
 from quant_tensors.nn import high_precision_init_value
 
 __all__ = ["MarkovTask", "MasterWeights", "TinyTransformer", "TransformerConfig", "train"]
@@ -134,12 +133,7 @@ class MasterWeights:
 
 
 def _dequantized(p: torch.Tensor) -> torch.Tensor:
-    local = local_quantized(p)
-    if not isinstance(p, DTensor):
-        return local.dequantize()
-    return DTensor.from_local(
-        local.dequantize(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
-    )
+    return shard_like(p, local_quantized(p).dequantize())
 
 
 def train(
