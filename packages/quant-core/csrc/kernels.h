@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace quant_core {
 
@@ -50,5 +51,19 @@ void transpose_nvfp4(uintptr_t src, int64_t R, int64_t C, uintptr_t dst, int num
 // 16 x 16 random Hadamard transform along K (a multiple of 16) into a contiguous output of x's dtype.
 void hadamard_transform_16(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
                            uint64_t seed, uintptr_t out_MK, int num_threads);
+
+// The fp32 scalars of one Adam step (quant_core._adam.AdamScalars, [Note: Adam numerics]).
+struct AdamScalars {
+  float decay, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bias_correction2_sqrt, eps,
+      step_size;
+};
+
+// One Adam step over many tensors (adam.cpp): params[t] (fp32), grads[t] (grad_dtype) and the
+// moments (fp32 or bf16) each hold numels[t] contiguous elements; params and moments are updated
+// in place. A nonzero amax_out receives max |p| of each updated parameter (fp32, one per tensor).
+void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t>& grads,
+               const std::vector<uintptr_t>& exp_avgs, const std::vector<uintptr_t>& exp_avg_sqs,
+               const std::vector<int64_t>& numels, int grad_dtype, int exp_avg_dtype, int exp_avg_sq_dtype,
+               const AdamScalars& scalars, uintptr_t amax_out, int num_threads);
 
 }  // namespace quant_core

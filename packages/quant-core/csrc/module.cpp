@@ -1,6 +1,7 @@
 // pybind11 bindings of quant_core._C. Pointers, sizes and strides come from quant_core._cpp;
 // nothing here knows about torch, and every kernel runs with the GIL released.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include "kernels.h"
 
@@ -30,4 +31,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("transpose_bytes", &quant_core::transpose_bytes, release);
   m.def("transpose_nvfp4", &quant_core::transpose_nvfp4, release);
   m.def("hadamard_transform_16", &quant_core::hadamard_transform_16, release);
+
+  py::class_<quant_core::AdamScalars>(m, "AdamScalars")
+      .def(py::init<float, float, float, float, float, float, float, float, float>(), py::arg("decay"),
+           py::arg("weight_decay"), py::arg("beta1"), py::arg("one_minus_beta1"), py::arg("beta2"),
+           py::arg("one_minus_beta2"), py::arg("inv_bias_correction2_sqrt"), py::arg("eps"), py::arg("step_size"));
+  m.def("adam_step", &quant_core::adam_step, release);
 }

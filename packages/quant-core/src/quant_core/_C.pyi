@@ -17,3 +17,31 @@ def cast_to_fp8(
     columnwise_KM: int,
     num_threads: int,
 ) -> None: ...
+
+class AdamScalars:
+    def __init__(
+        self,
+        decay: float,
+        weight_decay: float,
+        beta1: float,
+        one_minus_beta1: float,
+        beta2: float,
+        one_minus_beta2: float,
+        inv_bias_correction2_sqrt: float,
+        eps: float,
+        step_size: float,
+    ) -> None: ...
+
+def adam_step(
+    params: list[int],
+    grads: list[int],
+    exp_avgs: list[int],
+    exp_avg_sqs: list[int],
+    numels: list[int],
+    grad_dtype: int,
+    exp_avg_dtype: int,
+    exp_avg_sq_dtype: int,
+    scalars: AdamScalars,
+    amax_out: int,
+    num_threads: int,
+) -> None: ...

@@ -6,6 +6,7 @@ QUANT_CORE_BACKEND=reference|cpp|triton or `use_backend(...)`. Buffer layouts of
 [Note: block layouts] in `quant_core._blocks` and packages/quant-core/README.md.
 """
 
+from quant_core._adam import MOMENT_DTYPES, AdamScalars, adam_step_, adam_step_reference
 from quant_core._backend import (
     BACKEND_ENV_VAR,
     BACKENDS,
@@ -68,6 +69,11 @@ __all__ = [
     "available_backends",
     "selected_backend",
     "use_backend",
+    # Adam
+    "MOMENT_DTYPES",
+    "AdamScalars",
+    "adam_step_",
+    "adam_step_reference",
     # per-tensor FP8 (current and delayed scaling)
     "AmaxComputeAlgo",
     "Float8Quantized",

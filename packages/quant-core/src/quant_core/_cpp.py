@@ -7,9 +7,13 @@ outputs. Threads: as many as torch uses (`torch.get_num_threads()`).
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
 import torch
 
 from quant_core import _C
+from quant_core._adam import AdamScalars
 from quant_core._backend import register_kernel
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -184,3 +188,29 @@ def _transpose_nvfp4(packed_MK: torch.Tensor, out_KM: torch.Tensor) -> None:
 @register_kernel("hadamard_transform_16", "cpp")
 def _hadamard_transform_16(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) -> None:
     _C.hadamard_transform_16(*_x_args(x_MK), seed & 0xFFFFFFFFFFFFFFFF, out_MK.data_ptr(), torch.get_num_threads())
+
+
+@register_kernel("adam_step", "cpp")
+def _adam_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    scalars: AdamScalars,
+    compute_amax: bool,
+) -> torch.Tensor | None:
+    amax = torch.zeros(len(params), dtype=torch.float32) if compute_amax else None
+    _C.adam_step(
+        [p.data_ptr() for p in params],
+        [g.data_ptr() for g in grads],
+        [m.data_ptr() for m in exp_avgs],
+        [v.data_ptr() for v in exp_avg_sqs],
+        [p.numel() for p in params],
+        _DTYPE_CODES[grads[0].dtype],
+        _DTYPE_CODES[exp_avgs[0].dtype],
+        _DTYPE_CODES[exp_avg_sqs[0].dtype],
+        _C.AdamScalars(**dataclasses.asdict(scalars)),
+        _pointer(amax),
+        torch.get_num_threads(),
+    )
+    return amax

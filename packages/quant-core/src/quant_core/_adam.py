@@ -1,0 +1,177 @@
+"""The Adam/AdamW update over many tensors in one pass, with each result's amax for requantizing.
+
+[Note: Adam numerics] The spec is `adam_step_reference`. Every operation is a single fp32 IEEE
+operation rounded to nearest even (no fused multiply-add, no division by a scalar: torch's own
+kernels differ between devices and between vectorized and scalar loops there), with the scalars
+computed once in float64 and rounded to fp32 (`AdamScalars`), and sqrt correctly rounded:
+
+    p = p * decay                               (AdamW with weight decay; decay = 1 - lr * wd)
+    g = g + p * wd                              (Adam with weight decay, L2 form)
+    m = m * beta1 + g * (1 - beta1)
+    v = v * beta2 + (g * g) * (1 - beta2)
+    p = p - (m / (sqrt(v) * inv_bc2_sqrt + eps)) * step_size
+
+with inv_bc2_sqrt = 1 / sqrt(1 - beta2^step) and step_size = lr / (1 - beta1^step). It differs
+from torch.optim.AdamW by rounding only (a few ulp of the update). Gradients may be fp32, bf16 or
+fp16; moments fp32 or bf16 (read as fp32, updated in fp32, stored rounded to nearest even, the
+update using the fp32 value); parameters (fp32 masters) are updated in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from quant_core._backend import kernel, register_kernel
+from quant_core._checks import FLOAT_DTYPES
+from quant_core._fp8 import amax_reference
+
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class AdamScalars:
+    """The fp32 scalars of one Adam step, each computed in float64 and rounded once to fp32."""
+
+    decay: float
+    """AdamW: multiplies the parameter before the update (1.0 when there is no decoupled decay)."""
+    weight_decay: float
+    """Adam (L2): g + p * weight_decay (0.0 when there is none)."""
+    beta1: float
+    one_minus_beta1: float
+    beta2: float
+    one_minus_beta2: float
+    inv_bias_correction2_sqrt: float
+    eps: float
+    step_size: float
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        step: int,
+        adam_w_mode: bool,
+    ) -> AdamScalars:
+        if step < 1:
+            raise ValueError(f"step counts from 1 (the first update), got {step}")
+
+        def fp32(value: float) -> float:
+            return torch.tensor(value, dtype=torch.float32).item()
+
+        decoupled = weight_decay if adam_w_mode else 0.0
+        return cls(
+            decay=fp32(1.0 - lr * decoupled),
+            weight_decay=fp32(0.0 if adam_w_mode else weight_decay),
+            beta1=fp32(beta1),
+            one_minus_beta1=fp32(1.0 - beta1),
+            beta2=fp32(beta2),
+            one_minus_beta2=fp32(1.0 - beta2),
+            inv_bias_correction2_sqrt=fp32(1.0 / (1.0 - beta2**step) ** 0.5),
+            eps=fp32(eps),
+            step_size=fp32(lr / (1.0 - beta1**step)),
+        )
+
+
+def adam_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    scalars: AdamScalars,
+    *,
+    compute_amax: bool = False,
+) -> torch.Tensor | None:
+    """Updates fp32 `params` and their moments in place by one Adam step ([Note: Adam numerics]).
+
+    All tensors of one list share a dtype and a device; the i-th of each list have the same
+    number of elements. With `compute_amax`, returns an fp32 tensor of shape (len(params),)
+    holding max |p| over the finite elements of each updated parameter (what per-tensor
+    requantizing needs), computed in the same pass.
+    """
+    _check_adam_inputs(params, grads, exp_avgs, exp_avg_sqs)
+    if not params:
+        return torch.zeros(0, dtype=torch.float32) if compute_amax else None
+    grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+    return kernel("adam_step", params[0].device)(params, grads, exp_avgs, exp_avg_sqs, scalars, compute_amax)
+
+
+def _check_adam_inputs(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+) -> None:
+    lists = {"params": params, "grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
+    lengths = {name: len(tensors) for name, tensors in lists.items()}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"adam_step_ needs one grad and two moments per parameter, got lengths {lengths}")
+    allowed = {
+        "params": (torch.float32,),
+        "grads": FLOAT_DTYPES,
+        "exp_avgs": MOMENT_DTYPES,
+        "exp_avg_sqs": MOMENT_DTYPES,
+    }
+    for name, tensors in lists.items():
+        if not tensors:
+            continue
+        dtype, device = tensors[0].dtype, params[0].device
+        for i, t in enumerate(tensors):
+            if t.dtype != dtype or t.dtype not in allowed[name]:
+                raise TypeError(
+                    f"{name}[{i}] has dtype {t.dtype}; every tensor of {name} must share one dtype out of "
+                    f"{', '.join(str(d) for d in allowed[name])} (call adam_step_ once per dtype combination)"
+                )
+            if t.device != device:
+                raise ValueError(f"{name}[{i}] is on {t.device} but params[0] is on {device}; move it there")
+            if t.numel() != params[i].numel():
+                raise ValueError(f"{name}[{i}] has {t.numel()} elements but params[{i}] has {params[i].numel()}")
+            if name != "grads" and not t.is_contiguous():
+                raise ValueError(f"{name}[{i}] must be contiguous (it is updated in place)")
+
+
+def _sqrt(v: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded fp32 square root. torch's own fp32 sqrt on CPU is not: with torch
+    2.13 (AVX-512) about 15% of results are one ulp off. The float64 root rounded to fp32 is
+    exact (float64 carries more than twice fp32's precision, so the double rounding is harmless)."""
+    return v.double().sqrt_().float()
+
+
+@register_kernel("adam_step", "reference")
+def adam_step_reference(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    scalars: AdamScalars,
+    compute_amax: bool = False,
+) -> torch.Tensor | None:
+    """Plain-torch Adam step: the spec of [Note: Adam numerics], one tensor at a time."""
+    amaxes = []
+    for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+        # Flat views: the i-th tensors of the lists share a size, not necessarily a shape.
+        p, g = param.view(-1), grad.reshape(-1).float()
+        m, v = exp_avg.view(-1).float(), exp_avg_sq.view(-1).float()  # views of fp32 states
+        if scalars.decay != 1.0:
+            p.mul_(scalars.decay)
+        if scalars.weight_decay != 0.0:
+            g = g + p * scalars.weight_decay
+        m.mul_(scalars.beta1).add_(g * scalars.one_minus_beta1)
+        v.mul_(scalars.beta2).add_(g * g * scalars.one_minus_beta2)
+        denom = _sqrt(v).mul_(scalars.inv_bias_correction2_sqrt).add_(scalars.eps)
+        p.sub_(m.div(denom).mul_(scalars.step_size))
+        if exp_avg.dtype != torch.float32:
+            exp_avg.view(-1).copy_(m)  # round to nearest even
+        if exp_avg_sq.dtype != torch.float32:
+            exp_avg_sq.view(-1).copy_(v)
+        if compute_amax:
+            amaxes.append(amax_reference(p))
+    if not compute_amax:
+        return None
+    return torch.stack(amaxes) if amaxes else torch.zeros(0, dtype=torch.float32)

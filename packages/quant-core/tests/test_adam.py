@@ -1,0 +1,127 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import quant_core
+from quant_core import AdamScalars, adam_step_, adam_step_reference
+from quant_core.testing import raw_bits
+
+SCALARS = {
+    "adamw": AdamScalars.of(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=3, adam_w_mode=True),
+    "adam-l2": AdamScalars.of(lr=2e-2, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1, step=1, adam_w_mode=False),
+    "no-decay": AdamScalars.of(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1000, adam_w_mode=True),
+}
+
+
+def make_states(numels, grad_dtype=torch.float32, moment_dtypes=(torch.float32, torch.float32), seed=0):
+    """Params, grads and moments with values over many decades (all finite, some zero or subnormal)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def values(n, scale):
+        x = torch.randn(n, generator=generator) * torch.logspace(-6, 6, max(n, 1))[torch.randperm(max(n, 1))][:n]
+        x[: min(n, 3)] = torch.tensor([0.0, 1e-40, -3e-39])[: min(n, 3)]
+        return x * scale
+
+    params = [values(n, 1.0) for n in numels]
+    grads = [values(n, 1e-2).to(grad_dtype) for n in numels]
+    exp_avgs = [values(n, 1e-3).to(moment_dtypes[0]) for n in numels]
+    exp_avg_sqs = [values(n, 1e-3).square().to(moment_dtypes[1]) for n in numels]
+    return params, grads, exp_avgs, exp_avg_sqs
+
+
+def clone(states):
+    return tuple([t.clone() for t in tensors] for tensors in states)
+
+
+def assert_bitwise_equal(a, b):
+    for tensors_a, tensors_b in zip(a, b, strict=True):
+        for x, y in zip(tensors_a, tensors_b, strict=True):
+            assert torch.equal(raw_bits(x), raw_bits(y))
+
+
+def test_reference_is_the_ieee_fp32_spec():
+    # numpy float32 arithmetic rounds every operation once, as [Note: Adam numerics] specifies.
+    s = SCALARS["adamw"]
+    states = make_states([4097])
+    p, g, m, v = (t[0].numpy().copy() for t in states)
+    f = np.float32
+    p = p * f(s.decay)
+    m = m * f(s.beta1) + g * f(s.one_minus_beta1)
+    v = v * f(s.beta2) + (g * g) * f(s.one_minus_beta2)
+    p = p - (m / (np.sqrt(v) * f(s.inv_bias_correction2_sqrt) + f(s.eps))) * f(s.step_size)
+    amax = adam_step_reference(*states, s, compute_amax=True)
+    for got, expected in zip((states[0][0], states[2][0], states[3][0]), (p, m, v), strict=True):
+        assert np.array_equal(got.numpy(), expected)
+    assert amax.tolist() == [float(np.abs(p).max())]
+
+
+def test_scalars_round_each_value_once_to_fp32():
+    s = AdamScalars.of(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=2, adam_w_mode=True)
+    assert s.step_size == float(np.float32(1e-3 / (1 - 0.9**2)))
+    assert s.inv_bias_correction2_sqrt == float(np.float32(1 / (1 - 0.999**2) ** 0.5))
+    assert s.decay == float(np.float32(1 - 1e-3 * 0.01))
+    assert s.weight_decay == 0.0
+    l2 = AdamScalars.of(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=2, adam_w_mode=False)
+    assert l2.decay == 1.0
+    assert l2.weight_decay == float(np.float32(0.01))
+    with pytest.raises(ValueError, match="step counts from 1"):
+        AdamScalars.of(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=0, adam_w_mode=True)
+
+
+@pytest.mark.parametrize("mode", sorted(SCALARS))
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("moment_dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                           (torch.float32, torch.bfloat16)])  # fmt: skip
+def test_kernel_equals_reference(backend, mode, grad_dtype, moment_dtypes):
+    # Sizes cross the per-thread split inside and between tensors; an empty one sits in between.
+    states = make_states([1, 7, 200_003, 0, 65_536, 131_071], grad_dtype, moment_dtypes, seed=len(mode))
+    expected_states = clone(states)
+    with quant_core.use_backend("reference"):
+        expected_amax = adam_step_(*expected_states, SCALARS[mode], compute_amax=True)
+    amax = adam_step_(*states, SCALARS[mode], compute_amax=True)
+    assert_bitwise_equal(states, expected_states)
+    assert torch.equal(amax, expected_amax)
+    assert adam_step_(*states, SCALARS[mode]) is None
+
+
+def test_kernel_reads_non_contiguous_grads(backend):
+    states = make_states([96 * 160])
+    grads = [torch.randn(160, 96).t()]
+    expected_states = clone((states[0], grads, states[2], states[3]))
+    with quant_core.use_backend("reference"):
+        adam_step_(*expected_states, SCALARS["adamw"])
+    adam_step_(states[0], grads, states[2], states[3], SCALARS["adamw"])
+    assert_bitwise_equal((states[0], states[2], states[3]), (expected_states[0], *expected_states[2:]))
+
+
+def test_amax_ignores_non_finite_params(backend):
+    params = [torch.tensor([1.0, float("inf"), -2.0]), torch.tensor([float("nan")])]
+    grads = [torch.zeros(3), torch.zeros(1)]
+    moments = [torch.zeros(3), torch.zeros(1)]
+    amax = adam_step_(params, grads, moments, [m.clone() for m in moments], SCALARS["no-decay"], compute_amax=True)
+    assert amax.tolist() == [2.0, 0.0]
+
+
+def test_empty_lists():
+    assert adam_step_([], [], [], [], SCALARS["adamw"]) is None
+    assert adam_step_([], [], [], [], SCALARS["adamw"], compute_amax=True).shape == (0,)
+
+
+def test_bad_inputs_name_the_problem():
+    p, g, m, v = make_states([8, 8])
+    with pytest.raises(ValueError, match="one grad and two moments per parameter"):
+        adam_step_(p, g[:1], m, v, SCALARS["adamw"])
+    with pytest.raises(TypeError, match=r"params\[0\] has dtype torch.bfloat16"):
+        adam_step_([p[0].bfloat16(), p[1]], g, m, v, SCALARS["adamw"])
+    with pytest.raises(TypeError, match=r"grads\[1\] has dtype torch.bfloat16; every tensor of grads"):
+        adam_step_(p, [g[0], g[1].bfloat16()], m, v, SCALARS["adamw"])
+    with pytest.raises(TypeError, match=r"exp_avgs\[0\] has dtype torch.float16"):
+        adam_step_(p, g, [t.half() for t in m], v, SCALARS["adamw"])
+    with pytest.raises(ValueError, match=r"grads\[1\] has 4 elements but params\[1\] has 8"):
+        adam_step_(p, [g[0], g[1][:4]], m, v, SCALARS["adamw"])
+    with pytest.raises(ValueError, match=r"exp_avg_sqs\[0\] must be contiguous"):
+        adam_step_(p, g, m, [torch.zeros(16)[::2], v[1]], SCALARS["adamw"])
+    with pytest.raises(ValueError, match=r"grads\[0\] is on meta"):
+        adam_step_(p, [torch.empty(8, device="meta"), g[1]], m, v, SCALARS["adamw"])
