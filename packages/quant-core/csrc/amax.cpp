@@ -56,3 +56,41 @@ void amax(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, i
 }
 
 }  // namespace quant_core
+
+namespace quant_core {
+namespace {
+
+// Whether any of x[begin, end) is NaN or +-Inf: its magnitude bits reach the dtype's Inf pattern.
+template <DType D>
+__attribute__((noinline)) bool any_non_finite(const void* x, int64_t begin, int64_t end) {
+  using Key = MagnitudeKey<D>;
+  const auto* bits = static_cast<const typename Key::RawBits*>(x);
+  typename Key::Bits largest = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    const typename Key::Bits magnitude = typename Key::Bits(bits[i] & typename Key::RawBits(Key::kAbsMask));
+    largest = magnitude > largest ? magnitude : largest;
+  }
+  return largest >= Key::kInf;
+}
+
+}  // namespace
+
+bool has_non_finite(const std::vector<uintptr_t>& tensors, const std::vector<int>& dtypes,
+                    const std::vector<int64_t>& numels, int num_threads) {
+  const size_t count = numels.size();
+  std::vector<int64_t> offsets(count + 1, 0);
+  for (size_t t = 0; t < count; ++t) offsets[t + 1] = offsets[t] + numels[t];
+  std::vector<char> found(size_t(std::max(num_threads, 1)), 0);
+  parallel_for(offsets[count], kMinElementsPerThread, num_threads, [&](int64_t chunk, int64_t begin, int64_t end) {
+    size_t t = size_t(std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin()) - 1;
+    for (; t < count && offsets[t] < end && !found[size_t(chunk)]; ++t) {
+      const int64_t lo = std::max(begin, offsets[t]) - offsets[t], hi = std::min(end, offsets[t + 1]) - offsets[t];
+      dispatch_dtype(dtypes[t], [&](auto d) {
+        found[size_t(chunk)] = lo < hi && any_non_finite<decltype(d)::value>(reinterpret_cast<const void*>(tensors[t]), lo, hi);
+      });
+    }
+  });
+  return std::any_of(found.begin(), found.end(), [](char f) { return f != 0; });
+}
+
+}  // namespace quant_core

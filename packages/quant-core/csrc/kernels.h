@@ -52,6 +52,11 @@ void transpose_nvfp4(uintptr_t src, int64_t R, int64_t C, uintptr_t dst, int num
 void hadamard_transform_16(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
                            uint64_t seed, uintptr_t out_MK, int num_threads);
 
+// Whether any element of the contiguous tensors (dtype codes as for amax; numels[t] elements
+// each) is NaN or +-Inf. One pass over all of them, split across threads (amax.cpp).
+bool has_non_finite(const std::vector<uintptr_t>& tensors, const std::vector<int>& dtypes,
+                    const std::vector<int64_t>& numels, int num_threads);
+
 // The fp32 scalars of one Adam step (quant_core._adam.AdamScalars, [Note: Adam numerics]).
 struct AdamScalars {
   float decay, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bias_correction2_sqrt, eps,

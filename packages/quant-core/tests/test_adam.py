@@ -125,3 +125,34 @@ def test_bad_inputs_name_the_problem():
         adam_step_(p, g, m, [torch.zeros(16)[::2], v[1]], SCALARS["adamw"])
     with pytest.raises(ValueError, match=r"grads\[0\] is on meta"):
         adam_step_(p, [torch.empty(8, device="meta"), g[1]], m, v, SCALARS["adamw"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("special", [float("nan"), float("inf"), -float("inf"), None])
+@pytest.mark.parametrize("where", [0, 199_999])
+def test_has_non_finite_equals_reference(backend, dtype, special, where):
+    tensors = [torch.randn(1000), torch.randn(200_000).to(dtype), torch.empty(0), torch.randn(3, 5).t()]
+    if special is not None:
+        tensors[1][where] = special
+    expected = quant_core.has_non_finite_reference(tensors)
+    assert expected.item() == (special is not None)
+    assert torch.equal(quant_core.has_non_finite(tensors), expected)
+
+
+def test_has_non_finite_sees_every_tensor(backend):
+    tensors = [torch.zeros(5) for _ in range(40)]
+    assert quant_core.has_non_finite(tensors).item() == 0.0
+    tensors[-1][-1] = float("nan")
+    assert quant_core.has_non_finite(tensors).item() == 1.0
+    assert quant_core.has_non_finite([]).item() == 0.0
+    with pytest.raises(TypeError, match="tensors\\[0\\] has dtype torch.int64"):
+        quant_core.has_non_finite([torch.zeros(2, dtype=torch.long)])
+
+
+def test_kernel_bumps_the_version_of_what_it_writes(backend):
+    # Caches keyed on a tensor's version (quant_fsdp's quantized shards) must see the update.
+    states = make_states([64])
+    before = [t._version for tensors in (states[0], states[2], states[3]) for t in tensors]
+    adam_step_(*states, SCALARS["adamw"])
+    after = [t._version for tensors in (states[0], states[2], states[3]) for t in tensors]
+    assert all(a > b for a, b in zip(after, before, strict=True))

@@ -6,7 +6,14 @@ QUANT_CORE_BACKEND=reference|cpp|triton or `use_backend(...)`. Buffer layouts of
 [Note: block layouts] in `quant_core._blocks` and packages/quant-core/README.md.
 """
 
-from quant_core._adam import MOMENT_DTYPES, AdamScalars, adam_step_, adam_step_reference
+from quant_core._adam import (
+    MOMENT_DTYPES,
+    AdamScalars,
+    adam_step_,
+    adam_step_reference,
+    has_non_finite,
+    has_non_finite_reference,
+)
 from quant_core._backend import (
     BACKEND_ENV_VAR,
     BACKENDS,
@@ -74,6 +81,8 @@ __all__ = [
     "AdamScalars",
     "adam_step_",
     "adam_step_reference",
+    "has_non_finite",
+    "has_non_finite_reference",
     # per-tensor FP8 (current and delayed scaling)
     "AmaxComputeAlgo",
     "Float8Quantized",

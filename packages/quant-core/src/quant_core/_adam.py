@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from quant_core._backend import kernel, register_kernel
-from quant_core._checks import FLOAT_DTYPES
+from quant_core._checks import FLOAT_DTYPES, check_float_input
 from quant_core._fp8 import amax_reference
 
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
@@ -99,7 +99,39 @@ def adam_step_(
     if not params:
         return torch.zeros(0, dtype=torch.float32) if compute_amax else None
     grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
-    return kernel("adam_step", params[0].device)(params, grads, exp_avgs, exp_avg_sqs, scalars, compute_amax)
+    step = kernel("adam_step", params[0].device)
+    if not all(map(_is_plain, (*params, *grads, *exp_avgs, *exp_avg_sqs))):
+        step = adam_step_reference  # see _is_plain
+    return step(params, grads, exp_avgs, exp_avg_sqs, scalars, compute_amax)
+
+
+def has_non_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """1.0 if any element of `tensors` is NaN or +-Inf, else 0.0 (an fp32 0-d tensor on their
+    device, ready for an all-reduce with MAX). One pass over all of them; dtypes may differ."""
+    for i, t in enumerate(tensors):
+        check_float_input(t, f"tensors[{i}]")
+        if t.device != tensors[0].device:
+            raise ValueError(f"tensors[{i}] is on {t.device} but tensors[0] is on {tensors[0].device}")
+    tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors if t.numel()]
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32)
+    if not all(map(_is_plain, tensors)):
+        return has_non_finite_reference(tensors)
+    return kernel("has_non_finite", tensors[0].device)(tensors)
+
+
+def _is_plain(t: torch.Tensor) -> bool:
+    """Whether t's memory is its own: compiled kernels read and write raw memory, which a tensor
+    subclass that wraps another tensor (quant_fsdp's QuantizeOnGatherTensor) does not have, so
+    such inputs run the reference, whose torch ops reach them through `__torch_dispatch__`."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+@register_kernel("has_non_finite", "reference")
+def has_non_finite_reference(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Plain-torch check: 1.0 if some element of some tensor is not finite."""
+    found = any(bool((~torch.isfinite(t)).any()) for t in tensors)
+    return torch.tensor(float(found), device=tensors[0].device if tensors else None)
 
 
 def _check_adam_inputs(

@@ -213,4 +213,17 @@ def _adam_step(
         _pointer(amax),
         torch.get_num_threads(),
     )
+    for t in (*params, *exp_avgs, *exp_avg_sqs):  # written through pointers: tell autograd and caches
+        torch.autograd.graph.increment_version(t)
     return amax
+
+
+@register_kernel("has_non_finite", "cpp")
+def _has_non_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    found = _C.has_non_finite(
+        [t.data_ptr() for t in tensors],
+        [_DTYPE_CODES[t.dtype] for t in tensors],
+        [t.numel() for t in tensors],
+        torch.get_num_threads(),
+    )
+    return torch.tensor(float(found))
