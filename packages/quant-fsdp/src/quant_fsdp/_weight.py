@@ -105,6 +105,11 @@ class QuantizeOnGatherTensor(torch.Tensor):
     def __tensor_unflatten__(inner_tensors, context, outer_size, outer_stride):
         return QuantizeOnGatherTensor(inner_tensors["_data"], context["quantizer"], fallback=context["fallback"])
 
+    def __reduce_ex__(self, protocol: int):
+        """Pickles (torch.save, torch.distributed.checkpoint) as the plain high-precision shard: a
+        checkpoint needs no quant_fsdp to load, and a destination of any kind takes it by copy_."""
+        return self._data.detach().__reduce_ex__(protocol)
+
     def __repr__(self) -> str:  # type: ignore[override]
         path = "high precision, then quantize" if self.fallback else "quantized"
         return f"QuantizeOnGatherTensor({self._data}, format={self.quantizer.format_name}, gather={path})"
