@@ -116,6 +116,8 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Run the benchmark suite (`quant-fsdp bench`): prints ratios, writes results/bench.json."""
+    """Run the benchmarks: `quant-fsdp bench` (kernels, hooks; posargs go to it) then
+    `python -m quant_optim.bench` (FusedAdam vs torch AdamW); tables, results/bench*.json."""
     _install_packages(session)
     session.run("quant-fsdp", "bench", "--out", str(ROOT / "results"), *session.posargs)
+    session.run("python", "-m", "quant_optim.bench", "--out", str(ROOT / "results"))

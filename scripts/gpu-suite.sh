@@ -21,6 +21,8 @@ python3 -m pytest -m cuda -q -p no:cacheprovider --junitxml="$out/cuda-tests.xml
 tests_rc=${PIPESTATUS[0]}
 python3 -m quant_fsdp.cli bench --device cuda --out "$out" 2>&1 | tee "$out/bench.log"
 bench_rc=${PIPESTATUS[0]}
+python3 -m quant_optim.bench --device cuda --out "$out" 2>&1 | tee "$out/bench_optim.log"
+bench_rc=$(( bench_rc | PIPESTATUS[0] ))
 set -e
 
 echo
@@ -34,4 +36,5 @@ for device in report["devices"]:
     for r in device["results"]:
         print(f"{device['device'][:24]:24} {r['case'][:38]:38} {r['backend']:9} {r['median_ms']:9.3f} ms {r['gb_per_s']:8.1f} GB/s {r['speedup_vs_reference']:6.2f}x ref")
 PY
+grep -A12 "^FusedAdam vs torch AdamW" "$out/bench_optim.log" | grep -v "^wrote" || true
 exit $(( tests_rc == 5 ? bench_rc : tests_rc | bench_rc ))

@@ -28,8 +28,12 @@ def build(recipe_name: str, *, sharded: bool) -> TinyTransformer:
     return model
 
 
-def train(model: TinyTransformer, steps: int, rank: int = 0, world: int = 1) -> tuple[list[float], FusedAdam]:
-    optimizer = FusedAdam(model.parameters(), lr=1e-3, weight_decay=0.01)
+def train(
+    model: TinyTransformer, steps: int, rank: int = 0, world: int = 1, moment_dtype: torch.dtype = torch.float32
+) -> tuple[list[float], FusedAdam]:
+    optimizer = FusedAdam(
+        model.parameters(), lr=1e-3, weight_decay=0.01, exp_avg_dtype=moment_dtype, exp_avg_sq_dtype=moment_dtype
+    )
     task, losses = MarkovTask(CONFIG.vocab), []
     for step in range(steps):
         inputs, targets = task.batch(step, 8, CONFIG.sequence)
@@ -50,17 +54,18 @@ def local_bytes(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _world_1(rank: int, world_size: int) -> None:
-    for recipe_name in RECIPES:
+    for recipe_name, moment_dtype in [*((r, torch.float32) for r in RECIPES), ("fp8", torch.float8_e4m3fn)]:
         plain, sharded = build(recipe_name, sharded=False), build(recipe_name, sharded=True)
-        expected, plain_optimizer = train(plain, 10)
-        got, sharded_optimizer = train(sharded, 10)
+        expected, plain_optimizer = train(plain, 10, moment_dtype=moment_dtype)
+        got, sharded_optimizer = train(sharded, 10, moment_dtype=moment_dtype)
         assert got == expected, recipe_name
         for (name, p), q in zip(sharded.named_parameters(), plain.parameters(), strict=True):
             assert all(torch.equal(a, b) for a, b in zip(local_bytes(p), local_bytes(q), strict=True)), name
             for key, value in plain_optimizer.state[q].items():
                 state = sharded_optimizer.state[p][key]
-                assert isinstance(state, DTensor) or key == "step", (name, key)
-                assert torch.equal(state._local_tensor if isinstance(state, DTensor) else state, value), (name, key)
+                assert isinstance(state, DTensor) or key == "step" or key.endswith("_scale_inv"), (name, key)
+                local = state._local_tensor if isinstance(state, DTensor) else state
+                assert torch.equal(raw_bits(local.reshape(-1)), raw_bits(value.reshape(-1))), (name, key)
 
 
 def test_world_size_1_equals_no_fsdp_bitwise():
@@ -68,10 +73,10 @@ def test_world_size_1_equals_no_fsdp_bitwise():
 
 
 def _one_amax_all_reduce(rank: int, world_size: int) -> None:
-    for recipe_name in ("fp8", "nvfp4"):
+    for recipe_name, moment_dtype in (("fp8", torch.float32), ("nvfp4", torch.float32), ("mxfp8", torch.float8_e4m3fn)):
         model = build(recipe_name, sharded=True)
         train(model, 2, rank, world_size)
-        optimizer = FusedAdam(model.parameters(), lr=1e-3)
+        optimizer = FusedAdam(model.parameters(), lr=1e-3, exp_avg_dtype=moment_dtype, exp_avg_sq_dtype=moment_dtype)
         calls = []
         original = dist.all_reduce
 
@@ -88,17 +93,34 @@ def _one_amax_all_reduce(rank: int, world_size: int) -> None:
         finally:
             dist.all_reduce = original
         quantized = [p for p in model.parameters() if qt.local_quantized(p) is not None]
-        # One all-reduce agrees on skipping (non-finite gradients), one carries every amax.
-        assert calls == [(), (len(quantized),)], (recipe_name, calls)
-        for p in quantized:  # every shard holds the scale (FP8) or global amax (NVFP4) of the whole
+        per_tensor = [p for p in quantized if qt.local_quantized(p).quantizer.per_tensor_amax]
+        fp8_moments = 2 * len(list(model.parameters())) if moment_dtype != torch.float32 else 0
+        # One all-reduce agrees on skipping (non-finite gradients), one carries every amax:
+        # per-tensor weight formats and fp8 moments alike.
+        assert calls == [(), (len(per_tensor) + fp8_moments,)], (recipe_name, calls)
+        for p in per_tensor:  # every shard holds the scale (FP8) or global amax (NVFP4) of the whole
             local = p._local_tensor
             scalar = local.buffers()["scale_inv" if "scale_inv" in local.buffers() else "amax"]
-            everyone = [torch.empty_like(scalar) for _ in range(world_size)]
-            dist.all_gather(everyone, scalar)
-            assert all(torch.equal(s, scalar) for s in everyone), recipe_name
+            assert_equal_on_every_rank(scalar, world_size, recipe_name)
             full_amax = optimizer.state[p]["master"].full_tensor().abs().max()
             if recipe_name == "nvfp4":
                 assert torch.equal(local.amax, full_amax)
+        for p in model.parameters() if fp8_moments else ():
+            state = optimizer.state[p]
+            for key in ("exp_avg", "exp_avg_sq"):  # one scale for the whole moment, from its full amax
+                assert_equal_on_every_rank(state[f"{key}_scale_inv"], world_size, key)
+                # (gloo cannot move fp8 tensors, so no full_tensor(): the codes' largest magnitude
+                # over all shards is the format's max, which only the full amax gives everywhere)
+                codes = state[key]._local_tensor.float()
+                largest = codes.abs().max() if codes.numel() else torch.zeros(())
+                dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+                assert largest.item() == torch.finfo(moment_dtype).max, (key, largest)
+
+
+def assert_equal_on_every_rank(scalar: torch.Tensor, world_size: int, what: str) -> None:
+    everyone = [torch.empty_like(scalar) for _ in range(world_size)]
+    dist.all_gather(everyone, scalar)
+    assert all(torch.equal(s, scalar) for s in everyone), what
 
 
 def test_one_amax_all_reduce_per_step_on_two_ranks():

@@ -1,33 +1,45 @@
 """FusedAdam: Adam/AdamW over fp32, bf16 and quantized parameters, plain or FSDP2 DTensors.
 
 [Note: FusedAdam step] For every parameter the step works on local tensors (a DTensor's shard):
-1. all gradients are checked for non-finite values first; if any rank finds one, the whole step is
-   skipped (parameters, masters, moments and the step count stay as they were);
-2. the update runs on the fp32 master (the parameter itself when it is fp32), with the same
-   elementwise operations as torch.optim.AdamW's single-tensor path, so fp32 results equal
-   torch's bit for bit;
+1. every gradient is checked for NaN/Inf first (quant_core.has_non_finite, one pass), or the
+   caller's `found_inf` is taken instead; one all-reduce makes the verdict every rank's, and a
+   skipped step leaves parameters, masters, moments and step counts as they were;
+2. the update runs on the fp32 master (the parameter itself when it is fp32) through
+   quant_core.adam_step_: one call per kind of parameter (group options, step count, dtypes),
+   one threaded pass in C++ for CPU tensors ([Note: Adam numerics] in quant_core._adam: fp32
+   results are within a few ulp of torch.optim.AdamW, not bitwise: torch's rounding differs
+   between its own kernels). The same pass returns max |master| for per-tensor formats;
 3. low-precision parameters are written back from the master: bf16/fp16 by a cast, quantized
-   parameters by requantizing into their buffers (`quantizer.quantize_`; per-tensor formats use
-   the shard group's amax through the quantizer's `amax_group`).
+   parameters by requantizing into their buffers (`quantizer.quantize_`). Everything scaled by
+   a per-tensor amax (per-tensor FP8 and NVFP4 weights, fp8 moments) takes it from one stacked
+   all-reduce (MAX) per process group per step, not one per parameter (`_write_back`).
 
-Per-tensor formats (per-tensor FP8, NVFP4) take their amax from one all-reduce per step over all
-such parameters of a process group (`_write_back`). States of DTensor parameters are DTensors.
-This version is the plain-torch path; still to come (issue #7): the C++/Triton fused kernels,
-fp8 moments, DCP tests (save, reload, reshard).
+States are created with the optimizer (not at the first step); those of a DTensor parameter are
+DTensors like it (mesh, placements, shape, stride), so torch.distributed.checkpoint saves them
+and reloads them onto another world size. fp8 moments keep one fp32 scale per (unsharded)
+tensor, equal on every shard, so they reshard too.
+
+`capturable=True` (CUDA graphs) is refused: the step decides on the host whether to skip
+(non-finite gradients), reads a tensor `lr` with .item() and buckets parameters by their step
+count in Python, all of which a captured graph cannot replay.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import quant_core
 import quant_tensors as qt
 
-_MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+_FP8_MOMENT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_MOMENT_DTYPES = (*quant_core.MOMENT_DTYPES, *_FP8_MOMENT_DTYPES)
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -58,11 +70,12 @@ class FusedAdam(torch.optim.Optimizer):
             raise ValueError(f"master_weight_dtype must be torch.float32, got {master_weight_dtype}")
         for name, dtype in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
             if dtype not in _MOMENT_DTYPES:
-                raise ValueError(
-                    f"{name} must be torch.float32 or torch.bfloat16 (fp8 moments are not built yet), got {dtype}"
-                )
+                raise ValueError(f"{name} must be one of {', '.join(map(str, _MOMENT_DTYPES))}, got {dtype}")
         if capturable:
-            raise NotImplementedError("capturable=True (CUDA graphs) is not built yet")
+            raise NotImplementedError(
+                "capturable=True (CUDA graphs) is not supported: the step decides on the host whether to skip "
+                "non-finite gradients and reads a tensor lr with .item(); use capturable=False"
+            )
         defaults = {
             "lr": lr,
             "betas": betas,
@@ -93,15 +106,65 @@ class FusedAdam(torch.optim.Optimizer):
             master = self._initial_master(p, local) if self._needs_master(local, group) else None
             reference = local if master is None else master
             state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = qt.shard_like(
-                p, torch.zeros(reference.shape, dtype=group["exp_avg_dtype"], device=reference.device)
-            )
-            state["exp_avg_sq"] = qt.shard_like(
-                p, torch.zeros(reference.shape, dtype=group["exp_avg_sq_dtype"], device=reference.device)
-            )
+            for key in ("exp_avg", "exp_avg_sq"):
+                dtype = group[f"{key}_dtype"]
+                state[key] = qt.shard_like(p, torch.zeros(reference.shape, dtype=dtype, device=reference.device))
+                if dtype in _FP8_MOMENT_DTYPES:  # one scale for the whole (unsharded) moment
+                    state[f"{key}_scale_inv"] = torch.ones((), dtype=torch.float32, device=reference.device)
             if master is not None:
                 state["master"] = qt.shard_like(p, master)
         return state
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's add_param_group; then every trainable parameter of the group gets its state now,
+        not at its first step.
+
+        torch.distributed.checkpoint's get_state_dict / set_state_dict create missing states with a
+        step on `zeros_like(p)` gradients at lr 0 (`_init_optim_state`). For a quantized parameter
+        that gradient is a QuantizedTensor, which the update cannot read, and the step would write
+        every parameter back from a fresh master (over a model state loaded just before). With
+        the states in place that step is never taken.
+        """
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for p in group["params"]:
+            if p.requires_grad:
+                self._state_of(p, group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load_state_dict, with masters and moments in the dtypes this optimizer keeps them in.
+
+        torch casts every floating state tensor to its parameter's dtype
+        (`Optimizer._process_value_according_to_param_policy`, called through the class name, so
+        not overridable): the fp32 master of a bf16 parameter would be rounded to bf16, bf16
+        moments of an fp32 parameter widened, fp32 scales of fp8 moments rounded. The saved
+        tensors are put back here, moved to the parameter's device: masters and moments cast to
+        the group's dtypes (fp32, `exp_avg_dtype`, `exp_avg_sq_dtype`: a no-op when the checkpoint
+        was made with the same settings, so the round trip is bitwise), every other tensor but
+        `step` (which torch leaves as saved) in its saved dtype.
+        """
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [(p, group) for group in self.param_groups for p in group["params"]]
+        targets = []  # (parameter, key, saved tensor, dtype to keep it in), checked before any change
+        for saved_id, (p, group) in zip(saved_ids, params, strict=False):
+            dtypes = {
+                "master": torch.float32,
+                "exp_avg": group["exp_avg_dtype"],
+                "exp_avg_sq": group["exp_avg_sq_dtype"],
+            }
+            for key, value in state_dict["state"].get(saved_id, {}).items():
+                if key == "step" or not isinstance(value, torch.Tensor):
+                    continue
+                dtype = dtypes.get(key, value.dtype)
+                if dtype != value.dtype and {dtype, value.dtype} & set(_FP8_MOMENT_DTYPES):
+                    raise ValueError(
+                        f"the checkpoint holds {key} as {value.dtype} but this optimizer keeps it as {dtype}; "
+                        f"fp8 moments carry a scale and cannot be cast: load with {key}_dtype={value.dtype}"
+                    )
+                targets.append((p, key, value, dtype))
+        super().load_state_dict(state_dict)  # checks the groups' sizes
+        for p, key, value, dtype in targets:
+            self.state[p][key] = value.to(dtype=dtype, device=p.device)
 
     @staticmethod
     def _needs_master(local: torch.Tensor, group: dict[str, Any]) -> bool:
@@ -118,79 +181,189 @@ class FusedAdam(torch.optim.Optimizer):
     # ---- step --------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+    def step(
+        self, closure: Callable[[], torch.Tensor] | None = None, *, found_inf: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """One Adam step for every parameter with a gradient; see [Note: FusedAdam step].
+
+        `found_inf` (optional, GradScaler style): a tensor that is nonzero when the caller found a
+        non-finite gradient (e.g. while unscaling). When given it replaces the optimizer's own
+        check, which saves reading every gradient once more; a nonzero value on any rank skips
+        the step on all ranks.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         work = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        self.last_step_skipped = not self._grads_finite([qt.local_shard(p.grad) for p, _ in work])
+        self.last_step_skipped = not self._grads_finite([qt.local_shard(p.grad) for p, _ in work], found_inf)
         if self.last_step_skipped:
             self.skipped_steps += 1
             return loss
-        write_backs = [(p, master) for p, group in work if (master := self._update(p, group)) is not None]
-        self._write_back(write_backs)
+        updates = [self._prepare(p, group) for p, group in work]
+        self._update(updates)
+        self._write_back(updates)
         return loss
 
-    @staticmethod
-    def _write_back(write_backs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Writes low-precision parameters from their masters. Formats with a per-tensor amax get
-        theirs from one all-reduce per process group for all parameters (not one per parameter)."""
-        per_group: dict[int, list[tuple[qt.QuantizedTensor, torch.Tensor]]] = {}
-        for p, master in write_backs:
-            local = qt.local_shard(p)
-            if isinstance(local, qt.QuantizedTensor) and local.quantizer.per_tensor_amax:
-                per_group.setdefault(id(local.quantizer.amax_group), []).append((local, master))
-            else:
-                local.copy_(master)  # a bf16 cast, or a requantize of a block-scaled format
-        for pairs in per_group.values():
-            amaxes = torch.stack([quant_core.amax(master) for _, master in pairs])
-            group = pairs[0][0].quantizer.amax_group
-            if group is not None:
-                dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
-            for (local, master), amax in zip(pairs, amaxes, strict=True):
-                local.quantizer.quantize_(master, local, amax=amax)
+    def _prepare(self, p: torch.Tensor, group: dict[str, Any]) -> _ParamUpdate:
+        """Advances the parameter's step count and names the local tensors its update touches."""
+        state = self._state_of(p, group)
+        state["step"] += 1
+        local = qt.local_shard(p)
+        if "master" in state:
+            master = qt.local_shard(state["master"])
+        elif local.dtype != torch.float32:  # master_weights=False: a transient fp32 copy
+            master = local.detach().to(torch.float32)
+        else:
+            master = local
+        moments, fp8_moments = [], []
+        for key in ("exp_avg", "exp_avg_sq"):
+            stored = qt.local_shard(state[key])
+            if stored.dtype in _FP8_MOMENT_DTYPES:  # the update runs on fp32 values
+                values = quant_core.dequantize_fp8(stored, state[f"{key}_scale_inv"], torch.float32)
+                fp8_moments.append(_Fp8Moment(stored, state[f"{key}_scale_inv"], values))
+                stored = values
+            moments.append(stored)
+        return _ParamUpdate(
+            local=local,
+            master=master,
+            grad=qt.local_shard(p.grad),
+            exp_avg=moments[0],
+            exp_avg_sq=moments[1],
+            step=int(state["step"]),
+            group=group,
+            fp8_moments=fp8_moments,
+            shard_groups=_shard_groups(p),
+        )
 
     @staticmethod
-    def _grads_finite(grads: list[torch.Tensor]) -> bool:
-        """One check over every local gradient, agreed by all ranks (a non-finite one anywhere skips)."""
-        device = grads[0].device if grads else torch.device("cpu")
-        bad = torch.zeros((), device=device)
-        for g in grads:
-            if g.numel():
-                bad = torch.maximum(bad, (~torch.isfinite(g)).any().to(bad.dtype))
+    def _update(updates: list[_ParamUpdate]) -> None:
+        """Steps every master with one quant_core.adam_step_ call per kind of parameter (same
+        group options, step count, dtypes and device). Parameters that are requantized with a
+        per-tensor amax get it from the same pass."""
+        buckets: dict[tuple[Any, ...], list[_ParamUpdate]] = {}
+        for u in updates:
+            key = (id(u.group), u.step, u.grad.dtype, u.exp_avg.dtype, u.exp_avg_sq.dtype, u.master.device)
+            buckets.setdefault(key, []).append(u)
+        for bucket in buckets.values():
+            group, step = bucket[0].group, bucket[0].step
+            lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
+            beta1, beta2 = group["betas"]
+            scalars = quant_core.AdamScalars.of(
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                step=step,
+                adam_w_mode=group["adam_w_mode"],
+            )
+            amaxes = quant_core.adam_step_(
+                [u.master for u in bucket],
+                [u.grad for u in bucket],
+                [u.exp_avg for u in bucket],
+                [u.exp_avg_sq for u in bucket],
+                scalars,
+                compute_amax=any(u.per_tensor_quantized for u in bucket),
+            )
+            if amaxes is not None:
+                for u, amax in zip(bucket, amaxes, strict=True):
+                    u.amax = amax
+
+    @staticmethod
+    def _write_back(updates: list[_ParamUpdate]) -> None:
+        """Writes low-precision parameters from their masters and fp8 moments from their fp32
+        values. Everything scaled by a per-tensor amax (per-tensor FP8 and NVFP4 weights, fp8
+        moments) takes it from one all-reduce per process group for all of them."""
+        pending: list[_PendingAmax] = []
+        for u in updates:
+            if u.per_tensor_quantized:
+                quantizer = u.local.quantizer
+                groups = () if quantizer.amax_group is None else (quantizer.amax_group,)
+                requantize = functools.partial(_requantize, quantizer, u.master, u.local)
+                pending.append(_PendingAmax(groups, u.amax, requantize))
+            elif u.master is not u.local:
+                u.local.copy_(u.master)  # a bf16 cast, or a requantize of a block-scaled format
+            for moment in u.fp8_moments:
+                pending.append(_PendingAmax(u.shard_groups, quant_core.amax(moment.values), moment.store))
+        by_groups: dict[tuple[int, ...], list[_PendingAmax]] = {}
+        for item in pending:
+            by_groups.setdefault(tuple(id(g) for g in item.groups), []).append(item)
+        for items in by_groups.values():
+            amaxes = torch.stack([item.amax for item in items])
+            for group in items[0].groups:  # one group for FSDP; shard dims in turn on a 2-D mesh
+                dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
+            for item, amax in zip(items, amaxes, strict=True):
+                item.apply(amax)
+
+    @staticmethod
+    def _grads_finite(grads: list[torch.Tensor], found_inf: torch.Tensor | None) -> bool:
+        """Whether every rank may step: no local gradient anywhere holds NaN or Inf. A caller's
+        `found_inf` (GradScaler's unscale already read every gradient) replaces the check here.
+        One all-reduce makes the verdict every rank's."""
+        bad = quant_core.has_non_finite(grads) if found_inf is None else (found_inf != 0).any().to(torch.float32)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return not bool(bad)
 
-    def _update(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor | None:
-        """Steps one parameter's master; returns the master if the parameter needs a write-back."""
-        state = self._state_of(p, group)
-        local = qt.local_shard(p)
-        grad = qt.local_shard(p.grad)
-        master = qt.local_shard(state["master"]) if "master" in state else local
-        beta1, beta2 = group["betas"]
-        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
-        lr = lr.item() if isinstance(lr, torch.Tensor) else lr
-        state["step"] += 1
-        step = float(state["step"])
-        grad = grad.to(torch.float32) if grad.dtype != torch.float32 else grad
-        if weight_decay != 0.0:
-            if group["adam_w_mode"]:
-                master.mul_(1 - lr * weight_decay)
-            else:
-                grad = grad.add(master, alpha=weight_decay)
-        exp_avg, exp_avg_sq = qt.local_shard(state["exp_avg"]), qt.local_shard(state["exp_avg_sq"])
-        m = exp_avg if exp_avg.dtype == torch.float32 else exp_avg.float()
-        v = exp_avg_sq if exp_avg_sq.dtype == torch.float32 else exp_avg_sq.float()
-        m.lerp_(grad, 1 - beta1)
-        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias_correction1 = 1 - beta1**step
-        bias_correction2_sqrt = (1 - beta2**step) ** 0.5  # as torch writes it (not math.sqrt)
-        denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
-        master.addcdiv_(m, denom, value=-(lr / bias_correction1))
-        if m is not exp_avg:
-            exp_avg.copy_(m)
-        if v is not exp_avg_sq:
-            exp_avg_sq.copy_(v)
-        return None if master is local else master
+
+@dataclass(eq=False)
+class _ParamUpdate:
+    """The local tensors one parameter's step reads and writes."""
+
+    local: torch.Tensor
+    """The parameter's local tensor (a DTensor's shard): fp32, bf16/fp16 or a QuantizedTensor."""
+    master: torch.Tensor
+    """The fp32 tensor the update runs on: the master weight, or `local` itself when fp32."""
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: int
+    """The step count including this step."""
+    group: dict[str, Any]
+    fp8_moments: list[_Fp8Moment]
+    """Moments kept in fp8: `exp_avg`/`exp_avg_sq` above are then their fp32 values."""
+    shard_groups: tuple[dist.ProcessGroup, ...]
+    """The process groups the parameter is sharded over (none when it is not a DTensor)."""
+    amax: torch.Tensor | None = None
+    """max |master| after the update, for parameters requantized with a per-tensor amax."""
+
+    @property
+    def per_tensor_quantized(self) -> bool:
+        return isinstance(self.local, qt.QuantizedTensor) and self.local.quantizer.per_tensor_amax
+
+
+@dataclass(eq=False)
+class _Fp8Moment:
+    """A moment stored as fp8 codes with one fp32 scale for the whole unsharded tensor."""
+
+    codes: torch.Tensor
+    scale_inv: torch.Tensor
+    """The state's 0-d scale_inv (equal on every shard)."""
+    values: torch.Tensor
+    """fp32 values the step updates: dequantized before it, stored back by `store`."""
+
+    def store(self, amax: torch.Tensor) -> None:
+        scale, scale_inv = quant_core.fp8_scale(amax, self.codes.dtype)
+        quant_core.cast_to_fp8(self.values, scale, self.codes.dtype, rowwise_out=self.codes)
+        self.scale_inv.copy_(scale_inv)
+
+
+@dataclass(frozen=True)
+class _PendingAmax:
+    """A local amax to be agreed over `groups` (MAX), then handed to `apply`."""
+
+    groups: tuple[dist.ProcessGroup, ...]
+    amax: torch.Tensor
+    apply: Callable[[torch.Tensor], None]
+
+
+def _requantize(quantizer: qt.Quantizer, master: torch.Tensor, local: qt.QuantizedTensor, amax: torch.Tensor) -> None:
+    quantizer.quantize_(master, local, amax=amax)
+
+
+def _shard_groups(p: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
+    """The groups over whose ranks `p` is split: the mesh dims with a Shard placement."""
+    if not isinstance(p, DTensor):
+        return ()
+    return tuple(p.device_mesh.get_group(dim) for dim, placement in enumerate(p.placements) if placement.is_shard())

@@ -1,0 +1,125 @@
+"""FusedAdam's state_dict / load_state_dict without torch.distributed: a torch.save round trip
+keeps every state tensor's dtype and bits, and training continues exactly as without the break."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import quant_tensors as qt
+from quant_core.testing import raw_bits
+from quant_optim import FusedAdam
+
+# fp8-delayed is left out: its amax history lives on the quantizer, outside every state dict, so
+# a restored model requantizes with another history (tests-integration/test_fused_adam_checkpoint.py).
+RECIPES = ("fp8", "mxfp8", "fp8-block", "nvfp4")
+
+
+class Weights(torch.nn.Module):
+    """One parameter of each kind FusedAdam keeps apart: bf16 (fp32 master, bf16 moments in their
+    own group), quantized (fp32 master) and fp32 (no master)."""
+
+    def __init__(self, recipe_name: str) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        quantizer = qt.recipe_from_name(recipe_name).quantizer("weight")
+        self.bf16 = torch.nn.Parameter(torch.randn(64, 32, generator=generator).to(torch.bfloat16))
+        self.quantized = qt.nn.quantized_parameter(torch.randn(128, 128, generator=generator), quantizer)
+        self.fp32 = torch.nn.Parameter(torch.randn(48, generator=generator))
+
+    def optimizer(self) -> FusedAdam:
+        return FusedAdam(
+            [
+                {"params": [self.bf16], "exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16},
+                {"params": [self.quantized, self.fp32]},
+            ],
+            lr=1e-2,
+            weight_decay=0.01,
+        )
+
+
+def train(model: Weights, optimizer: FusedAdam, steps: range) -> None:
+    for step in steps:
+        generator = torch.Generator().manual_seed(1000 + step)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+        optimizer.step()
+
+
+def saved(obj: object) -> object:
+    """obj after torch.save and torch.load(weights_only=True), as a checkpoint gives it back."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def param_bits(p: torch.Tensor) -> list[torch.Tensor]:
+    if isinstance(p, qt.QuantizedTensor):
+        return [raw_bits(b.reshape(-1)) for b in p.buffers().values() if b is not None]
+    return [raw_bits(p.detach().reshape(-1))]
+
+
+def assert_same(model: Weights, optimizer: FusedAdam, other: Weights, other_optimizer: FusedAdam) -> None:
+    for (name, p), q in zip(model.named_parameters(), other.parameters(), strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(param_bits(p), param_bits(q), strict=True)), name
+        state, other_state = optimizer.state[p], other_optimizer.state[q]
+        assert state.keys() == other_state.keys(), name
+        for key, value in state.items():
+            assert value.dtype == other_state[key].dtype, (name, key)
+            assert torch.equal(raw_bits(value.reshape(-1)), raw_bits(other_state[key].reshape(-1))), (name, key)
+
+
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_state_dict_round_trip_keeps_dtypes_and_bits_and_training_continues_bitwise(recipe_name):
+    model = Weights(recipe_name)
+    optimizer = model.optimizer()
+    train(model, optimizer, range(3))
+    checkpoint = saved({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+
+    restored = Weights(recipe_name)
+    restored_optimizer = restored.optimizer()
+    restored.load_state_dict(checkpoint["model"])
+    restored_optimizer.load_state_dict(checkpoint["optimizer"])
+    assert_same(model, optimizer, restored, restored_optimizer)
+    # The dtypes FusedAdam keeps, which torch's load_state_dict would cast to the parameter's dtype.
+    assert restored_optimizer.state[restored.bf16]["master"].dtype == torch.float32
+    assert restored_optimizer.state[restored.bf16]["exp_avg"].dtype == torch.bfloat16
+    assert restored_optimizer.state[restored.bf16]["exp_avg_sq"].dtype == torch.bfloat16
+    assert restored_optimizer.state[restored.quantized]["master"].dtype == torch.float32
+    assert "master" not in restored_optimizer.state[restored.fp32]
+
+    train(model, optimizer, range(3, 6))
+    train(restored, restored_optimizer, range(3, 6))
+    assert_same(model, optimizer, restored, restored_optimizer)
+    assert float(restored_optimizer.state[restored.quantized]["step"]) == 6.0
+
+
+def test_states_exist_from_construction():
+    """Every trainable parameter has its state before the first step, so torch.distributed.checkpoint's
+    get_state_dict never takes its zero-gradient step (which cannot read a quantized gradient)."""
+    model = Weights("fp8")
+    model.fp32.requires_grad_(False)
+    optimizer = model.optimizer()
+    assert set(optimizer.state) == {model.bf16, model.quantized}
+    assert float(optimizer.state[model.quantized]["step"]) == 0.0
+    assert torch.equal(optimizer.state[model.bf16]["master"], model.bf16.float())
+
+
+def test_fp8_moments_round_trip_and_refuse_a_cast():
+    p = torch.nn.Parameter(torch.randn(64, 32))
+    optimizer = FusedAdam([p], exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e4m3fn)
+    p.grad = torch.randn(64, 32)
+    optimizer.step()
+    checkpoint = saved(optimizer.state_dict())
+    restored = FusedAdam([p], exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e4m3fn)
+    restored.load_state_dict(checkpoint)
+    for key, value in optimizer.state[p].items():
+        assert torch.equal(raw_bits(restored.state[p][key].reshape(-1)), raw_bits(value.reshape(-1))), key
+    fp32_moments = FusedAdam([p])
+    before = {k: v.clone() for k, v in fp32_moments.state[p].items()}
+    with pytest.raises(ValueError, match="fp8 moments carry a scale and cannot be cast"):
+        fp32_moments.load_state_dict(checkpoint)
+    assert all(torch.equal(fp32_moments.state[p][k], v) for k, v in before.items())  # nothing changed
