@@ -123,3 +123,25 @@ def test_fp8_moments_round_trip_and_refuse_a_cast():
     with pytest.raises(ValueError, match="fp8 moments carry a scale and cannot be cast"):
         fp32_moments.load_state_dict(checkpoint)
     assert all(torch.equal(fp32_moments.state[p][k], v) for k, v in before.items())  # nothing changed
+
+
+def test_a_weight_saved_without_master_loads_its_master_from_the_loaded_weight():
+    # As when a blockwise FP8 weight was an fp32 alignment fallback on the saving world size.
+    generator = torch.Generator().manual_seed(0)
+    fp32 = torch.nn.Parameter(torch.randn(128, 128, generator=generator))
+    saving = FusedAdam([fp32], lr=1e-2)
+    fp32.grad = torch.randn(128, 128, generator=generator)
+    saving.step()
+    checkpoint = saved(saving.state_dict())
+
+    quantizer = qt.recipe_from_name("fp8-block").quantizer("weight")
+    quantized = qt.nn.quantized_parameter(torch.zeros(128, 128), quantizer)  # built from another init
+    loading = FusedAdam([quantized], lr=1e-2)
+    with torch.no_grad():
+        quantizer.quantize_(fp32.detach(), quantized)  # the model's load_state_dict
+    loading.load_state_dict(checkpoint)
+    assert torch.equal(loading.state[quantized]["master"], quantized.dequantize(torch.float32))
+    assert torch.equal(loading.state[quantized]["exp_avg"], saving.state[fp32]["exp_avg"])
+    quantized.grad = torch.zeros(128, 128)
+    loading.step()  # a zero gradient barely moves the master: the weight stays the loaded one
+    torch.testing.assert_close(quantized.dequantize(torch.float32), fp32.detach(), atol=0.02, rtol=0.1)

@@ -165,17 +165,34 @@ class FusedAdam(torch.optim.Optimizer):
         super().load_state_dict(state_dict)  # checks the groups' sizes
         for p, key, value, dtype in targets:
             self.state[p][key] = value.to(dtype=dtype, device=p.device)
+        for p, group in params:
+            if not p.requires_grad:
+                continue
+            state, fresh = self.state[p], not self.state[p]
+            if fresh:  # not in the checkpoint
+                self._state_of(p, group)
+            if (fresh or "master" not in state) and self._needs_master(qt.local_shard(p), group):
+                # Saved where this weight needed no master (e.g. an fp32 alignment fallback on
+                # another world size), or not saved: start from the loaded weight, not from the
+                # construction-time value, which the next step would write back over it.
+                state["master"] = qt.shard_like(p, self._weight_value(qt.local_shard(p)))
 
     @staticmethod
     def _needs_master(local: torch.Tensor, group: dict[str, Any]) -> bool:
         return isinstance(local, qt.QuantizedTensor) or (group["master_weights"] and local.dtype != torch.float32)
 
+    @classmethod
+    def _initial_master(cls, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        value = qt.high_precision_init_value(p) if isinstance(local, qt.QuantizedTensor) else None
+        return (
+            cls._weight_value(local) if value is None else qt.local_shard(value).detach().to(torch.float32, copy=True)
+        )
+
     @staticmethod
-    def _initial_master(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    def _weight_value(local: torch.Tensor) -> torch.Tensor:
+        """A new fp32 tensor holding the (dequantized) value of a parameter's local tensor."""
         if isinstance(local, qt.QuantizedTensor):
-            value = qt.high_precision_init_value(p)
-            value = local.dequantize(torch.float32) if value is None else qt.local_shard(value)
-            return value.detach().to(torch.float32, copy=True)
+            return local.dequantize(torch.float32)
         return local.detach().to(torch.float32, copy=True)
 
     # ---- step --------------------------------------------------------------------------------

@@ -85,6 +85,15 @@ def requantize_cases(
     return times
 
 
+def memory_floor_ms(params: int, device: torch.device, min_run_time: float) -> float:
+    """The least time an fp32 Adam step can take here: 28 B per parameter (read gradient; read and
+    write parameter and both moments) at the in-place streaming bandwidth measured now."""
+    x = torch.ones(params, device=device)
+    seconds = _median_ms(lambda: x.mul_(1.0), min_run_time) / 1e3
+    bandwidth = 8 * params / seconds  # an in-place pass reads and writes 4 B per element
+    return 28 * params / bandwidth * 1e3
+
+
 def run(out: pathlib.Path, *, tensors: int, numel: int, min_run_time: float, device: torch.device) -> dict:
     params = tensors * numel
     report: dict = {
@@ -96,6 +105,9 @@ def run(out: pathlib.Path, *, tensors: int, numel: int, min_run_time: float, dev
         "tensors": tensors,
         "cases": {"fp32": fp32_cases(tensors, numel, device, min_run_time)},
     }
+    report["cases"]["fp32"]["memory floor (28 B/param, in-place stream)"] = memory_floor_ms(
+        params, device, min_run_time
+    )
     for recipe_name in ("fp8", "mxfp8"):
         report["cases"][recipe_name] = requantize_cases(recipe_name, tensors, numel, device, min_run_time)
 
@@ -103,7 +115,7 @@ def run(out: pathlib.Path, *, tensors: int, numel: int, min_run_time: float, dev
           f"torch {torch.__version__}, {report['threads']} threads")  # fmt: skip
     print(f"{'params':<8} {'optimizer':<40} {'ms/step':>9} {'x torch':>8}")
     for kind, times in report["cases"].items():
-        baseline = next(t for name, t in times.items() if name.startswith("torch"))
+        baseline = times[next(name for name in times if name.startswith("torch"))]
         for name, ms in times.items():
             print(f"{kind:<8} {name:<40} {ms:9.2f} {baseline / ms:8.2f}")
     out.mkdir(parents=True, exist_ok=True)
