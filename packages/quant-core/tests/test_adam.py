@@ -156,3 +156,35 @@ def test_kernel_bumps_the_version_of_what_it_writes(backend):
     adam_step_(*states, SCALARS["adamw"])
     after = [t._version for tensors in (states[0], states[2], states[3]) for t in tensors]
     assert all(a > b for a, b in zip(after, before, strict=True))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu-suite.sh)")
+@pytest.mark.parametrize("mode", sorted(SCALARS))
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("moment_dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+def test_cuda_kernel_equals_reference(mode, grad_dtype, moment_dtypes):
+    assert quant_core.selected_backend("adam_step", torch.device("cuda")) == "triton"
+    states = make_states([1, 7, 200_003, 0, 65_536, 131_071], grad_dtype, moment_dtypes, seed=len(mode))
+    expected_states = clone(states)
+    with quant_core.use_backend("reference"):
+        expected_amax = adam_step_(*expected_states, SCALARS[mode], compute_amax=True)
+    on_cuda = tuple([t.cuda() for t in tensors] for tensors in states)
+    amax = adam_step_(*on_cuda, SCALARS[mode], compute_amax=True)
+    assert_bitwise_equal(tuple([t.cpu() for t in tensors] for tensors in on_cuda), expected_states)
+    assert torch.equal(amax.cpu(), expected_amax)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu-suite.sh)")
+@pytest.mark.parametrize("special", [float("nan"), float("inf"), -float("inf"), None])
+@pytest.mark.parametrize("where", [0, 16_384, 199_999])
+def test_cuda_has_non_finite_equals_reference(special, where):
+    assert quant_core.selected_backend("has_non_finite", torch.device("cuda")) == "triton"
+    tensors = [torch.randn(1000), torch.randn(200_000).to(torch.bfloat16), torch.randn(300).half(), torch.empty(0)]
+    if special is not None:
+        tensors[1][where] = special
+        tensors[2][where % 300] = special
+    for checked in (tensors, tensors[1:2], tensors[2:3], tensors[:1]):
+        expected = quant_core.has_non_finite_reference(checked)
+        assert torch.equal(quant_core.has_non_finite([t.cuda() for t in checked]).cpu(), expected)

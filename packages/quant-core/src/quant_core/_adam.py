@@ -19,6 +19,7 @@ update using the fp32 value); parameters (fp32 masters) are updated in place.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,8 +63,8 @@ class AdamScalars:
         if step < 1:
             raise ValueError(f"step counts from 1 (the first update), got {step}")
 
-        def fp32(value: float) -> float:
-            return torch.tensor(value, dtype=torch.float32).item()
+        def fp32(value: float) -> float:  # round to nearest even, as torch casts a Python scalar
+            return struct.unpack("f", struct.pack("f", value))[0]
 
         decoupled = weight_decay if adam_w_mode else 0.0
         return cls(
@@ -130,8 +131,10 @@ def _is_plain(t: torch.Tensor) -> bool:
 @register_kernel("has_non_finite", "reference")
 def has_non_finite_reference(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Plain-torch check: 1.0 if some element of some tensor is not finite."""
-    found = any(bool((~torch.isfinite(t)).any()) for t in tensors)
-    return torch.tensor(float(found), device=tensors[0].device if tensors else None)
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32)
+    found = torch.stack([(~torch.isfinite(t)).any() for t in tensors]).any()  # no host sync
+    return found.to(torch.float32)
 
 
 def _check_adam_inputs(

@@ -31,10 +31,9 @@ _AUTO_ORDER: dict[str, tuple[Backend, ...]] = {
     "cpu": ("cpp", "reference"),
     "cuda": ("triton", "reference"),
 }
-# Modules whose import registers a backend's kernels. The Triton kernels are not written yet:
-# until a `quant_core._triton` module registers them, CUDA tensors run the reference.
-_BACKEND_MODULES: dict[Backend, str] = {"cpp": "quant_core._cpp"}
-_UNWRITTEN: dict[Backend, str] = {"triton": "no Triton kernels are written yet; CUDA tensors run the reference"}
+# Modules whose import registers a backend's kernels. Triton has kernels for few ops yet (adam_step);
+# CUDA tensors run the reference for the others.
+_BACKEND_MODULES: dict[Backend, str] = {"cpp": "quant_core._cpp", "triton": "quant_core._triton"}
 
 _kernels: dict[str, dict[Backend, Callable[..., Any]]] = {}
 _load_errors: dict[Backend, str] = {}
@@ -61,7 +60,6 @@ def _load_backends() -> None:
     if _loaded:
         return
     _loaded = True
-    _load_errors.update(_UNWRITTEN)
     for backend, module in _BACKEND_MODULES.items():
         if backend == "triton" and not _triton_usable():
             _load_errors[backend] = "needs the triton package and a CUDA device"
