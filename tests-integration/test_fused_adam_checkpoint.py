@@ -16,13 +16,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 import quant_fsdp
 import quant_tensors as qt
 from quant_core.testing import raw_bits, run_ranks
+from quant_fsdp.testing import local_state_bytes, quantized_transformer, train_with
 from quant_optim import FusedAdam
 from quant_tensors.testing import MarkovTask, TinyTransformer, TransformerConfig
 
@@ -46,26 +46,12 @@ LAYOUT_CHANGES = pytest.mark.xfail(
 
 
 def build(recipe_name: str) -> tuple[TinyTransformer, FusedAdam]:
-    torch.manual_seed(0)
-    model = qt.convert(TinyTransformer(CONFIG), qt.recipe_from_name(recipe_name), quantized_weights=True)
-    for block in model.blocks:
-        quant_fsdp.fully_shard(block)
-    quant_fsdp.fully_shard(model)
+    model = quantized_transformer(recipe_name, CONFIG, sharded=True)
     return model, FusedAdam(model.parameters(), lr=1e-3, weight_decay=0.01)
 
 
 def train(model: TinyTransformer, optimizer: FusedAdam, steps: range, rank: int, world: int) -> list[float]:
-    """Steps on this rank's slice of the global batches; returns this rank's losses."""
-    task, losses = MarkovTask(CONFIG.vocab), []
-    for step in steps:
-        inputs, targets = task.batch(step, BATCH, CONFIG.sequence)
-        logits = model(inputs.chunk(world)[rank])
-        loss = F.cross_entropy(logits.reshape(-1, CONFIG.vocab), targets.chunk(world)[rank].reshape(-1))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return train_with(model, optimizer, MarkovTask(CONFIG.vocab), steps, batch_size=BATCH, rank=rank, world=world)
 
 
 def save(model: TinyTransformer, optimizer: FusedAdam, path: pathlib.Path) -> None:
@@ -80,26 +66,6 @@ def load(model: TinyTransformer, optimizer: FusedAdam, path: pathlib.Path) -> No
 
 
 # ---- what is compared -----------------------------------------------------------------------------
-
-
-def local_bits(t: torch.Tensor) -> list[torch.Tensor]:
-    """This rank's bytes of a parameter or state: QuantizedTensor buffers, a fallback's wrapped
-    high-precision shard, or the tensor."""
-    local = t._local_tensor if isinstance(t, DTensor) else t
-    if isinstance(local, qt.QuantizedTensor):
-        return [raw_bits(b.reshape(-1)).clone() for b in local.buffers().values() if b is not None]
-    if isinstance(local, quant_fsdp.QuantizeOnGatherTensor):
-        local = local._data
-    return [raw_bits(local.detach().reshape(-1)).clone()]
-
-
-def local_snapshot(model: TinyTransformer, optimizer: FusedAdam) -> dict[str, list[torch.Tensor]]:
-    snapshot = {}
-    for name, p in model.named_parameters():
-        snapshot[name] = local_bits(p)
-        for key, value in optimizer.state[p].items():
-            snapshot[f"{name}/{key}"] = local_bits(value)
-    return snapshot
 
 
 def gathered(tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -158,7 +124,7 @@ def _save_and_train_on(rank: int, world_size: int, root: pathlib.Path) -> None:
         if rank == 0:
             torch.save(full, directory / "saved_full.pt")
         train(model, optimizer, range(SAVE_STEP, LAST_STEP), rank, world_size)
-        torch.save(local_snapshot(model, optimizer), directory / f"uninterrupted_rank{rank}.pt")
+        torch.save(local_state_bytes(model, optimizer), directory / f"uninterrupted_rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +144,7 @@ def _resume(rank: int, world_size: int, directory: pathlib.Path, recipe_name: st
     load(model, optimizer, directory / "checkpoint")
     train(model, optimizer, range(SAVE_STEP, LAST_STEP), rank, world_size)
     expected = torch.load(directory / f"uninterrupted_rank{rank}.pt", weights_only=True)
-    assert_bitwise_equal(local_snapshot(model, optimizer), expected, f"{recipe_name} rank {rank}")
+    assert_bitwise_equal(local_state_bytes(model, optimizer), expected, f"{recipe_name} rank {rank}")
     assert all(float(optimizer.state[p]["step"]) == LAST_STEP for p in model.parameters())
 
 

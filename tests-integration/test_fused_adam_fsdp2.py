@@ -8,24 +8,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-import quant_fsdp
 import quant_tensors as qt
 from quant_core.testing import raw_bits, run_ranks
+from quant_fsdp.testing import local_bytes, quantized_transformer, train_with
 from quant_optim import FusedAdam
 from quant_tensors.testing import MarkovTask, TinyTransformer, TransformerConfig
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 CONFIG = TransformerConfig(vocab=128, hidden=128, layers=2, heads=2, sequence=32)
-
-
-def build(recipe_name: str, *, sharded: bool) -> TinyTransformer:
-    torch.manual_seed(0)
-    model = qt.convert(TinyTransformer(CONFIG), qt.recipe_from_name(recipe_name), quantized_weights=True)
-    if sharded:
-        for block in model.blocks:
-            quant_fsdp.fully_shard(block)
-        quant_fsdp.fully_shard(model)
-    return model
 
 
 def train(
@@ -34,28 +24,16 @@ def train(
     optimizer = FusedAdam(
         model.parameters(), lr=1e-3, weight_decay=0.01, exp_avg_dtype=moment_dtype, exp_avg_sq_dtype=moment_dtype
     )
-    task, losses = MarkovTask(CONFIG.vocab), []
-    for step in range(steps):
-        inputs, targets = task.batch(step, 8, CONFIG.sequence)
-        logits = model(inputs.chunk(world)[rank])
-        loss = F.cross_entropy(logits.reshape(-1, CONFIG.vocab), targets.chunk(world)[rank].reshape(-1))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, optimizer
-
-
-def local_bytes(t: torch.Tensor) -> list[torch.Tensor]:
-    local = t._local_tensor if isinstance(t, DTensor) else t
-    if isinstance(local, qt.QuantizedTensor):
-        return [raw_bits(b.reshape(-1)) for b in local.buffers().values() if b is not None]
-    return [local]
+    task = MarkovTask(CONFIG.vocab)
+    return train_with(model, optimizer, task, range(steps), batch_size=8, rank=rank, world=world), optimizer
 
 
 def _world_1(rank: int, world_size: int) -> None:
     for recipe_name, moment_dtype in [*((r, torch.float32) for r in RECIPES), ("fp8", torch.float8_e4m3fn)]:
-        plain, sharded = build(recipe_name, sharded=False), build(recipe_name, sharded=True)
+        plain, sharded = (
+            quantized_transformer(recipe_name, CONFIG, sharded=False),
+            quantized_transformer(recipe_name, CONFIG, sharded=True),
+        )
         expected, plain_optimizer = train(plain, 10, moment_dtype=moment_dtype)
         got, sharded_optimizer = train(sharded, 10, moment_dtype=moment_dtype)
         assert got == expected, recipe_name
@@ -74,7 +52,7 @@ def test_world_size_1_equals_no_fsdp_bitwise():
 
 def _one_amax_all_reduce(rank: int, world_size: int) -> None:
     for recipe_name, moment_dtype in (("fp8", torch.float32), ("nvfp4", torch.float32), ("mxfp8", torch.float8_e4m3fn)):
-        model = build(recipe_name, sharded=True)
+        model = quantized_transformer(recipe_name, CONFIG, sharded=True)
         train(model, 2, rank, world_size)
         optimizer = FusedAdam(model.parameters(), lr=1e-3, exp_avg_dtype=moment_dtype, exp_avg_sq_dtype=moment_dtype)
         calls = []

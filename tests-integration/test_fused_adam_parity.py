@@ -7,13 +7,11 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-import quant_fsdp
-import quant_tensors as qt
-from quant_core.testing import raw_bits, run_ranks
+from quant_core.testing import run_ranks
+from quant_fsdp.testing import local_state_bytes, quantized_transformer, train_with
 from quant_optim import FusedAdam
 from quant_tensors.testing import MarkovTask, TinyTransformer, TransformerConfig
 
@@ -26,31 +24,11 @@ LOSS_TOLERANCE = 5e-3  # relative, at every step
 
 
 def build(recipe_name: str, *, sharded: bool) -> TinyTransformer:
-    torch.manual_seed(0)
-    model = qt.convert(TinyTransformer(CONFIG), qt.recipe_from_name(recipe_name), quantized_weights=True)
-    if sharded:
-        for block in model.blocks:
-            quant_fsdp.fully_shard(block)
-        quant_fsdp.fully_shard(model)
-    return model
+    return quantized_transformer(recipe_name, CONFIG, sharded=sharded)
 
 
 def train(model: TinyTransformer, optimizer: FusedAdam, steps: range, rank: int = 0, world: int = 1) -> list[float]:
-    """Steps on slice `rank` of `world` of every global batch; returns the global batch's losses
-    (this slice's loss averaged over the ranks)."""
-    task, losses = MarkovTask(CONFIG.vocab), []
-    for step in steps:
-        inputs, targets = task.batch(step, BATCH, CONFIG.sequence)
-        logits = model(inputs.chunk(world)[rank])
-        loss = F.cross_entropy(logits.reshape(-1, CONFIG.vocab), targets.chunk(world)[rank].reshape(-1))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        mean = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(mean)
-        losses.append((mean / world).item())
-    return losses
+    return train_with(model, optimizer, MarkovTask(CONFIG.vocab), steps, batch_size=BATCH, rank=rank, world=world)
 
 
 # ---- loss parity with single-process training ------------------------------------------------------
@@ -91,24 +69,6 @@ def test_losses_match_single_process_training(world_size):
 # ---- a non-finite gradient on one rank ---------------------------------------------------------------
 
 
-def local_bits(t: torch.Tensor) -> list[torch.Tensor]:
-    local = t._local_tensor if isinstance(t, DTensor) else t
-    if isinstance(local, qt.QuantizedTensor):
-        return [raw_bits(b.reshape(-1)).clone() for b in local.buffers().values() if b is not None]
-    if isinstance(local, quant_fsdp.QuantizeOnGatherTensor):
-        local = local._data
-    return [raw_bits(local.detach().reshape(-1)).clone()]
-
-
-def snapshot(model: TinyTransformer, optimizer: FusedAdam) -> dict[str, list[torch.Tensor]]:
-    values = {}
-    for name, p in model.named_parameters():
-        values[name] = local_bits(p)
-        for key, value in optimizer.state[p].items():
-            values[f"{name}/{key}"] = local_bits(value)
-    return values
-
-
 def _nan_on_one_rank(rank: int, world_size: int) -> None:
     for recipe_name in RECIPES:
         model = build(recipe_name, sharded=True)
@@ -123,11 +83,11 @@ def _nan_on_one_rank(rank: int, world_size: int) -> None:
         assert isinstance(grad, DTensor)
         if rank == 1:  # one element of one rank's shard; rank 0's gradients are all finite
             grad._local_tensor.view(-1)[7] = float("nan")
-        before = snapshot(model, optimizer)
+        before = local_state_bytes(model, optimizer)
         optimizer.step()
         assert optimizer.last_step_skipped, recipe_name
         assert optimizer.skipped_steps == 1, recipe_name
-        after = snapshot(model, optimizer)
+        after = local_state_bytes(model, optimizer)
         assert after.keys() == before.keys()
         for name, values in before.items():
             assert all(torch.equal(a, b) for a, b in zip(after[name], values, strict=True)), (recipe_name, name)
@@ -137,7 +97,7 @@ def _nan_on_one_rank(rank: int, world_size: int) -> None:
         assert optimizer.skipped_steps == 1, recipe_name
         assert all(float(optimizer.state[p]["step"]) == 3.0 for p in model.parameters()), recipe_name
         assert torch.isfinite(torch.tensor(losses)).all(), (recipe_name, losses)
-        stepped = snapshot(model, optimizer)
+        stepped = local_state_bytes(model, optimizer)
         assert not torch.equal(stepped["blocks.1.fc1.weight/master"][0], before["blocks.1.fc1.weight/master"][0])
 
 

@@ -12,15 +12,28 @@ rank does (a whole-batch single model quantizes the whole batch at once).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
-from quant_tensors.testing import MarkovTask, MasterWeights, train
+import quant_tensors as qt
+from quant_fsdp._fully_shard import fully_shard
+from quant_fsdp._weight import QuantizeOnGatherTensor
+from quant_tensors.testing import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig, train
 
-__all__ = ["AllGatherBytes", "count_all_gather_bytes", "train_data_parallel", "train_replicas"]
+__all__ = [
+    "AllGatherBytes",
+    "count_all_gather_bytes",
+    "local_bytes",
+    "local_state_bytes",
+    "quantized_transformer",
+    "train_data_parallel",
+    "train_replicas",
+    "train_with",
+]
 
 
 class AllGatherBytes:
@@ -119,3 +132,63 @@ def train_replicas(
             model.zero_grad(set_to_none=True)
         losses.append((torch.stack(step_losses).sum() / world).item())
     return losses
+
+
+def quantized_transformer(recipe_name: str, config: TransformerConfig, *, sharded: bool) -> TinyTransformer:
+    """A TinyTransformer (seed 0) with quantized primary weights of the recipe; with `sharded`,
+    quant_fsdp.fully_shard on every block, then on the root."""
+    torch.manual_seed(0)
+    model = qt.convert(TinyTransformer(config), qt.recipe_from_name(recipe_name), quantized_weights=True)
+    if sharded:
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    return model
+
+
+def train_with(
+    model: TinyTransformer,
+    optimizer: torch.optim.Optimizer,
+    task: MarkovTask,
+    steps: Iterable[int],
+    *,
+    batch_size: int,
+    rank: int = 0,
+    world: int = 1,
+) -> list[float]:
+    """Steps `optimizer` on slice `rank` of `world` of the global batch of every step in `steps`;
+    returns the global batch's losses (the slices' losses averaged over all ranks)."""
+    losses = []
+    for step in steps:
+        inputs, targets = task.batch(step, batch_size, model.config.sequence)
+        logits = model(inputs.chunk(world)[rank])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.chunk(world)[rank].reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        mean = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(mean)
+        losses.append((mean / world).item())
+    return losses
+
+
+def local_bytes(t: torch.Tensor) -> list[torch.Tensor]:
+    """Copies of this rank's bytes of a parameter or state (uint8): a QuantizedTensor's buffers, a
+    QuantizeOnGatherTensor's wrapped shard, or the tensor's own."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    if isinstance(local, qt.QuantizedTensor):
+        return [b.reshape(-1).view(torch.uint8).clone() for b in local.buffers().values() if b is not None]
+    if isinstance(local, QuantizeOnGatherTensor):
+        local = local._data
+    return [local.detach().reshape(-1).view(torch.uint8).clone()]
+
+
+def local_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+    """`local_bytes` of every parameter ("name") and of each of its optimizer states ("name/key")."""
+    snapshot = {}
+    for name, p in model.named_parameters():
+        snapshot[name] = local_bytes(p)
+        for key, value in optimizer.state[p].items():
+            snapshot[f"{name}/{key}"] = local_bytes(value)
+    return snapshot
