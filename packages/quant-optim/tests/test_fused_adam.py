@@ -251,3 +251,14 @@ def test_fp8_moments_train_like_fp32_moments():
             optimizer.step()
         losses[dtype] = loss.item()
     assert max(losses.values()) < 1e-3, losses
+
+
+def test_a_gradient_it_cannot_take_is_refused_before_anything_changes():
+    a, b = torch.nn.Parameter(torch.ones(8)), torch.nn.Parameter(torch.ones(8, dtype=torch.float64))
+    optimizer = FusedAdam([a, b], lr=1e-2)
+    a.grad, b.grad = torch.ones(8), torch.ones(8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="gradient of dtype torch.float64 .* float32/bfloat16/float16 gradients"):
+        optimizer.step()
+    assert torch.equal(a, torch.ones(8))
+    assert float(optimizer.state[a]["step"]) == 0.0
+    assert not optimizer.state[a]["exp_avg"].any()

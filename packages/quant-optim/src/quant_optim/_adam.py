@@ -40,6 +40,7 @@ import quant_tensors as qt
 
 _FP8_MOMENT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _MOMENT_DTYPES = (*quant_core.MOMENT_DTYPES, *_FP8_MOMENT_DTYPES)
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -213,6 +214,8 @@ class FusedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        for p, _ in work:  # before anything changes
+            self._check_grad(p)
         self.last_step_skipped = not self._grads_finite([qt.local_shard(p.grad) for p, _ in work], found_inf)
         if self.last_step_skipped:
             self.skipped_steps += 1
@@ -220,13 +223,24 @@ class FusedAdam(torch.optim.Optimizer):
         updates = [self._prepare(p, group) for p, group in work]
         self._update(updates)
         self._write_back(updates)
+        for (p, _), u in zip(work, updates, strict=True):
+            self.state[p]["step"].fill_(u.step)
         return loss
 
+    @staticmethod
+    def _check_grad(p: torch.Tensor) -> None:
+        local, grad = qt.local_shard(p), qt.local_shard(p.grad)
+        if grad.dtype not in _GRAD_DTYPES or grad.shape != local.shape:
+            raise ValueError(
+                f"a parameter of local shape {tuple(local.shape)} has a gradient of dtype {grad.dtype} and local "
+                f"shape {tuple(grad.shape)}; FusedAdam takes float32/bfloat16/float16 gradients shaped like the "
+                "parameter (nothing was changed)"
+            )
+
     def _prepare(self, p: torch.Tensor, group: dict[str, Any]) -> _ParamUpdate:
-        """Advances the parameter's step count and names the local tensors its update touches."""
+        """Names the local tensors the parameter's update touches (changes nothing)."""
         state = self._state_of(p, group)
-        state["step"] += 1
-        local = qt.local_shard(p)
+        local, grad = qt.local_shard(p), qt.local_shard(p.grad)
         if "master" in state:
             master = qt.local_shard(state["master"])
         elif local.dtype != torch.float32:  # master_weights=False: a transient fp32 copy
@@ -244,10 +258,10 @@ class FusedAdam(torch.optim.Optimizer):
         return _ParamUpdate(
             local=local,
             master=master,
-            grad=qt.local_shard(p.grad),
+            grad=grad,
             exp_avg=moments[0],
             exp_avg_sq=moments[1],
-            step=int(state["step"]),
+            step=int(state["step"]) + 1,
             group=group,
             fp8_moments=fp8_moments,
             shard_groups=_shard_groups(p),
