@@ -1,0 +1,205 @@
+"""Sequence-parallel collectives: gather activations along dim 0 in their quantized bytes.
+
+[Note: sequence gather] `gather_along_first_dim(x, group, quantizer=...)` returns the
+concatenation along dim 0 of every rank's x, quantized:
+1. one small all-gather tells every rank the others' dim-0 sizes and per-tensor values (the
+   local amax of a fresh per-tensor quantization, or the scales of already quantized inputs), so
+   every rank takes the same path;
+2. fast path, when all shards are equal, quantizable and start on the format's block rows and
+   per-tensor scales agree: each rank quantizes its x (per-tensor formats with the group's
+   amax) and the data and compact scales of the quantizer's usages are gathered as bytes, the
+   rowwise buffers concatenated along dim 0, the columnwise ones (x^T) joined along dim 1, as in
+   FSDP2's weight gather ([Note: quantized all-gather] in quant_fsdp._gather). Per-tensor FP8
+   gathers rowwise only and transposes locally. The result equals quantizing the gathered
+   high-precision tensor bit for bit;
+3. otherwise (fallback): dequantize if needed, gather in high precision (contiguous, padded when
+   shards differ in size), quantize the result; logged once per call site, counted in
+   `comm_stats()` as "fallback".
+Without a quantizer (and for a plain input) it is a high-precision gather. With one rank it only
+quantizes. `async_op=True` returns a handle whose `wait()` finishes the collectives and the
+post-processing; `out` must not be read before.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+import quant_core
+from quant_fsdp import _gather
+from quant_fsdp._stats import count_gather
+from quant_tensors import QuantizedTensor, Quantizer
+
+logger = logging.getLogger("quant_fsdp")
+_warned_call_sites: set[tuple[str, int]] = set()
+
+
+class GatherHandle:
+    """Finishes an asynchronous gather: `wait()` waits for its collectives, then post-processes."""
+
+    def __init__(self, works: list[dist.Work], finish) -> None:
+        self._works, self._finish, self._done = works, finish, False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        for work in self._works:
+            work.wait()
+        self._finish()
+        self._done = True
+
+
+def gather_along_first_dim(
+    x: torch.Tensor, group: dist.ProcessGroup | None, *, quantizer: Quantizer | None = None, async_op: bool = False
+) -> tuple[torch.Tensor, GatherHandle | None]:
+    """Concatenates every rank's `x` along dim 0, quantized when a quantizer is given or x is
+    quantized; see [Note: sequence gather]. Returns (out, handle); handle is None unless
+    `async_op`, and then `out` is valid only after `handle.wait()`."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        raise ValueError(f"gather_along_first_dim needs a tensor with at least one dim, got {type(x).__name__}")
+    quantizer = quantizer if quantizer is not None or not isinstance(x, QuantizedTensor) else x.quantizer
+    world = dist.get_world_size(group)
+    if world == 1:
+        out = x if quantizer is None or _has_usages(x, quantizer) else quantizer.quantize(_high_precision(x))
+        return out, (GatherHandle([], lambda: None) if async_op else None)
+
+    fresh_per_tensor = quantizer is not None and quantizer.per_tensor_amax and not isinstance(x, QuantizedTensor)
+    local_values = _per_tensor_values(x) if isinstance(x, QuantizedTensor) else []
+    if fresh_per_tensor:
+        local_values = [quant_core.amax(x)]
+    everyone = _exchange(x.shape[0], local_values, x.device, group, world)
+    rows = [int(r) for r in everyone[:, 0].tolist()]
+
+    if quantizer is None:
+        return _gather_high_precision(x.contiguous(), rows, group, async_op, None)
+    reason = _fallback_reason(x, quantizer, rows, everyone, fresh_per_tensor)
+    if reason is not None:
+        _log_fallback(quantizer, reason)
+        return _gather_high_precision(_high_precision(x), rows, group, async_op, quantizer)
+    if fresh_per_tensor:
+        x = quantizer.quantize(x.contiguous(), amax=everyone[:, 1].max().to(torch.float32))
+    elif not isinstance(x, QuantizedTensor):
+        x = quantizer.quantize(x.contiguous())
+    return _gather_quantized(x, quantizer, group, world, async_op)
+
+
+def _has_usages(x: torch.Tensor, quantizer: Quantizer) -> bool:
+    if not isinstance(x, QuantizedTensor):
+        return False
+    wanted = quantizer.produced_usages
+    return all(have or not want for have, want in zip(x.usages, wanted, strict=True))
+
+
+def _high_precision(x: torch.Tensor) -> torch.Tensor:
+    return (x.dequantize() if isinstance(x, QuantizedTensor) else x).contiguous()
+
+
+def _per_tensor_values(x: QuantizedTensor) -> list[torch.Tensor]:
+    """The 0-d buffers of a quantized tensor (its per-tensor scale or amax)."""
+    return [b for name in x._buffer_names if (b := getattr(x, name)) is not None and b.dim() == 0]
+
+
+def _exchange(
+    rows: int, values: list[torch.Tensor], device: torch.device, group: dist.ProcessGroup | None, world: int
+) -> torch.Tensor:
+    """(world, 1 + len(values)) float64: every rank's dim-0 size and per-tensor values."""
+    mine = torch.tensor([float(rows), *(float(v) for v in values)], dtype=torch.float64, device=device)
+    everyone = mine.new_empty(world * mine.numel())  # concatenated along dim 0, as gloo wants it
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    return everyone.view(world, -1).cpu()
+
+
+def _fallback_reason(
+    x: torch.Tensor, quantizer: Quantizer, rows: list[int], everyone: torch.Tensor, fresh_per_tensor: bool
+) -> str | None:
+    """Why the shards cannot be gathered quantized (the same answer on every rank), or None."""
+    if len(set(rows)) > 1:
+        return f"dim 0 differs between ranks ({rows})"
+    if isinstance(x, QuantizedTensor) and not _has_usages(x, quantizer):
+        return f"the input is quantized without the usages the quantizer asks for {quantizer.produced_usages}"
+    if not quantizer.is_quantizable(x):
+        return f"shape {tuple(x.shape)} is not divisible by the {quantizer.format_name} blocks {quantizer.dim_multiple}"
+    rows_2d = x.numel() // x.shape[-1]
+    if rows_2d % quantizer.row_alignment:
+        return f"{rows_2d} rows per rank do not fall on {quantizer.format_name}'s {quantizer.row_alignment}-row blocks"
+    if not fresh_per_tensor and everyone.shape[1] > 1 and bool((everyone[:, 1:] != everyone[0, 1:]).any()):
+        return "the quantized inputs' per-tensor scales differ between ranks"
+    return None
+
+
+def _log_fallback(quantizer: Quantizer, reason: str) -> None:
+    frame = sys._getframe(2)  # the caller of gather_along_first_dim
+    site = (frame.f_code.co_filename, frame.f_lineno)
+    if site not in _warned_call_sites:
+        _warned_call_sites.add(site)
+        logger.warning(
+            "gather_along_first_dim at %s:%d gathers in high precision, then quantizes (%s): %s", *site,
+            quantizer.format_name, reason,
+        )  # fmt: skip
+
+
+def _gather_high_precision(
+    x: torch.Tensor, rows: list[int], group, async_op: bool, quantizer: Quantizer | None
+) -> tuple[torch.Tensor, GatherHandle | None]:
+    """All-gathers contiguous x along dim 0 (padded to the longest shard when sizes differ); with
+    a quantizer (the fallback) the full tensor is quantized into `out` once it has arrived."""
+    longest, world = max(rows), len(rows)
+    padded = x if x.shape[0] == longest else torch.cat([x, x.new_zeros((longest - x.shape[0], *x.shape[1:]))])
+    gathered = x.new_empty((world * longest, *x.shape[1:]))
+    full_shape = (sum(rows), *x.shape[1:])
+    if quantizer is not None:
+        count_gather(quantizer.format_name, [padded], world, quantized=False)
+    work = dist.all_gather_into_tensor(gathered, padded, group=group, async_op=True)
+
+    def full() -> torch.Tensor:
+        if len(set(rows)) == 1:
+            return gathered
+        return torch.cat([gathered[r * longest : r * longest + n] for r, n in enumerate(rows)])
+
+    if quantizer is None:
+        out = gathered if len(set(rows)) == 1 else x.new_empty(full_shape)
+        handle = GatherHandle([work], lambda: None if out is gathered else out.copy_(full()))
+    else:
+        out = quantizer.make_empty(full_shape, dtype=x.dtype, device=x.device)
+        handle = GatherHandle([work], lambda: quantizer.quantize_(full(), out))
+    return _finished(out, handle, async_op)
+
+
+def _gather_quantized(
+    shard: QuantizedTensor, quantizer: Quantizer, group, world: int, async_op: bool
+) -> tuple[torch.Tensor, GatherHandle | None]:
+    """The fast path of [Note: sequence gather]: the shard's bytes, rebuilt as in FSDP2's gather."""
+    derive_columnwise = shard.columnwise_data is not None and quantizer.can_derive_columnwise
+    inputs, names = [], []
+    for usage, present in zip(("rowwise", "columnwise"), shard.usages, strict=True):
+        if not present or (usage == "columnwise" and derive_columnwise):
+            continue
+        for name, buffer in zip((f"{usage}_data", f"{usage}_scale_inv"), shard.usage_buffers(usage), strict=True):
+            if buffer.dim() > 0:  # a 0-d scale is per-tensor: equal on every rank, it stays local
+                inputs.append(_gather._as_bytes(buffer.contiguous()))
+                names.append(name)
+    count_gather(quantizer.format_name, inputs, world, quantized=True)
+    outputs = [t.new_empty((world * t.shape[0], *t.shape[1:])) for t in inputs]
+    works = [
+        dist.all_gather_into_tensor(o, i, group=group, async_op=True) for o, i in zip(outputs, inputs, strict=True)
+    ]
+    payload = _gather.Payload(shard, tuple(names), world)
+    out = quantizer.make_empty((world * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
+
+    def finish() -> None:
+        _gather.post_all_gather(SimpleNamespace(), tuple(outputs), payload, shard.dtype, out)
+        if derive_columnwise:
+            out.update_usage(columnwise=True)
+
+    return _finished(out, GatherHandle(works, finish), async_op)
+
+
+def _finished(out: torch.Tensor, handle: GatherHandle, async_op: bool) -> tuple[torch.Tensor, GatherHandle | None]:
+    if async_op:
+        return out, handle
+    handle.wait()
+    return out, None

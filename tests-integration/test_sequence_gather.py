@@ -1,0 +1,114 @@
+"""quant_fsdp.gather_along_first_dim on 2 and 4 gloo ranks, every recipe ([Note: sequence gather]):
+the result equals quantizing the high-precision concatenation bit for bit, on the fast path (only
+quantized bytes travel) and on the fallback (shapes the blocks do not divide, unequal shards,
+already quantized inputs with disagreeing scales); plain tensors gather exactly; async equals sync."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import quant_fsdp
+import quant_tensors as qt
+from quant_core.testing import raw_bits, run_ranks
+
+RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
+
+
+def local_input(rows: int, cols: int, rank: int, *, dtype=torch.bfloat16) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 + rank)
+    return (torch.randn(rows, cols, generator=generator) * (1 + rank)).to(dtype)
+
+
+def everyone(x: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """Every rank's x (sizes may differ), by a plain object gather (independent of the code under test)."""
+    gathered: list[torch.Tensor | None] = [None] * world
+    dist.all_gather_object(gathered, x)
+    return gathered
+
+
+def assert_same_quantization(got: qt.QuantizedTensor, want: qt.QuantizedTensor, label: str) -> None:
+    assert type(got) is type(want), label
+    assert got.shape == want.shape, label
+    for name, buffer in want.buffers().items():
+        other = got.buffers()[name]
+        assert (other is None) == (buffer is None), (label, name)
+        if buffer is not None:
+            assert torch.equal(raw_bits(other.reshape(-1)), raw_bits(buffer.reshape(-1))), (label, name)
+
+
+def check(x: torch.Tensor, quantizer, world: int, label: str, *, expect_fallback: bool) -> None:
+    expected_quantizer = copy.deepcopy(quantizer)  # the same history (delayed scaling)
+    high_precision = x.dequantize() if isinstance(x, qt.QuantizedTensor) else x
+    full = torch.cat(everyone(high_precision.contiguous(), world))
+    want = expected_quantizer.quantize(full)
+    quant_fsdp.reset_comm_stats()
+    for async_op in (False, True):
+        got, handle = quant_fsdp.gather_along_first_dim(
+            x, dist.group.WORLD, quantizer=copy.deepcopy(quantizer), async_op=async_op
+        )
+        assert (handle is not None) == async_op
+        if handle is not None:
+            handle.wait()
+        if isinstance(x, qt.QuantizedTensor) and not expect_fallback:  # the inputs' own codes and scales
+            assert torch.equal(got.dequantize(), full), label
+        else:
+            assert_same_quantization(got, want, f"{label} async={async_op}")
+    stats = quant_fsdp.comm_stats()[quantizer.format_name]
+    if expect_fallback:
+        assert stats["quantized"] == 0, (label, stats)
+        assert stats["fallback"] > 0, (label, stats)
+    else:
+        assert stats["fallback"] == 0, (label, stats)
+        quantized = copy.deepcopy(quantizer).quantize(x.contiguous()) if not isinstance(x, qt.QuantizedTensor) else x
+        # Bytes on the wire: the data and non-scalar scales of the gathered usages, world times.
+        names = [n for n, b in quantized.buffers().items() if b is not None and b.dim() > 0]
+        if quantizer.can_derive_columnwise:
+            names = [n for n in names if n.startswith("rowwise")]
+        per_call = world * sum(quantized.buffers()[n].numel() * quantized.buffers()[n].element_size() for n in names)
+        assert stats["quantized"] == 2 * per_call, (label, stats, per_call)
+
+
+def _gathers(rank: int, world: int) -> None:
+    for recipe_name in RECIPES:
+        quantizer = qt.recipe_from_name(recipe_name).quantizer("input")
+        x = local_input(128, 256, rank)
+        check(x, quantizer, world, f"{recipe_name} aligned", expect_fallback=False)
+        check(local_input(256, 128, rank).t(), quantizer, world, f"{recipe_name} non-contiguous", expect_fallback=False)
+        # 100 rows: not a multiple of the blocks (or of FP8's GEMM multiple of 16) in any format
+        check(local_input(100, 256, rank), quantizer, world, f"{recipe_name} 100 rows", expect_fallback=True)
+        rows = 0 if rank == world - 1 else 64
+        check(local_input(rows, 256, rank), quantizer, world, f"{recipe_name} empty on one rank", expect_fallback=True)
+        # Already quantized: the codes travel when the ranks' per-tensor values agree (block formats,
+        # delayed scaling's shared history); current-scaling FP8 and NVFP4 scale by the local amax.
+        already = copy.deepcopy(quantizer).quantize(x)
+        check(
+            already,
+            quantizer,
+            world,
+            f"{recipe_name} already quantized",
+            expect_fallback=recipe_name in ("fp8", "nvfp4"),
+        )
+    # Without a quantizer: a plain gather, for equal and unequal shards.
+    for rows in (8, 3 + rank):
+        x = local_input(rows, 5, rank, dtype=torch.float32)
+        got, _ = quant_fsdp.gather_along_first_dim(x, dist.group.WORLD)
+        assert torch.equal(got, torch.cat(everyone(x, world)))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gather_along_first_dim_equals_quantizing_the_concatenation(world_size):
+    run_ranks(_gathers, world_size)
+
+
+def _mxfp8_unquantizable_sequence(rank: int, world: int) -> None:
+    # 7984 x 1024 on 2 ranks: 3992 rows per rank, not a multiple of MXFP8's 32-row columnwise blocks.
+    quantizer = qt.MXFP8BlockScaling().quantizer("input")
+    check(local_input(3992, 1024, rank), quantizer, world, "mxfp8 7984x1024", expect_fallback=True)
+
+
+def test_mxfp8_sequence_the_blocks_do_not_divide_falls_back():
+    run_ranks(_mxfp8_unquantizable_sequence, 2)
