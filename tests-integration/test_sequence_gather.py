@@ -112,3 +112,25 @@ def _mxfp8_unquantizable_sequence(rank: int, world: int) -> None:
 
 def test_mxfp8_sequence_the_blocks_do_not_divide_falls_back():
     run_ranks(_mxfp8_unquantizable_sequence, 2)
+
+
+def _reduce_scatter(rank: int, world: int) -> None:
+    x = local_input(4 * world, 6, rank, dtype=torch.float32)
+    total = torch.stack(everyone(x, world)).sum(0)  # same order of addition for 2 ranks; see below
+    for async_op in (False, True):
+        out, handle = quant_fsdp.reduce_scatter_along_first_dim(x, dist.group.WORLD, async_op=async_op)
+        if handle is not None:
+            handle.wait()
+        # Summation order is the collective's: exact on 2 ranks, within fp32 rounding on more.
+        torch.testing.assert_close(out, total[4 * rank : 4 * (rank + 1)], rtol=1e-6, atol=1e-6)
+        if world == 2:
+            assert torch.equal(out, total[4 * rank : 4 * (rank + 1)])
+    with pytest.raises(ValueError, match=f"splits dim 0 evenly over {world} ranks.*pad dim 0"):
+        quant_fsdp.reduce_scatter_along_first_dim(torch.zeros(4 * world + 1, 2), dist.group.WORLD)
+    with pytest.raises(TypeError, match="sums in high precision"):
+        quant_fsdp.reduce_scatter_along_first_dim(qt.Float8CurrentScaling().quantizer("input").quantize(x), None)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_reduce_scatter_along_first_dim(world_size):
+    run_ranks(_reduce_scatter, world_size)

@@ -10,7 +10,7 @@ quantize-on-gather for high-precision weights. See docs/fsdp.md.
 from quant_fsdp._amax import sync_amax_
 from quant_fsdp._fully_shard import fully_shard, install_hooks
 from quant_fsdp._plan import GatherPlan, gather_plan
-from quant_fsdp._sequence import GatherHandle, gather_along_first_dim
+from quant_fsdp._sequence import GatherHandle, gather_along_first_dim, reduce_scatter_along_first_dim
 from quant_fsdp._stats import comm_stats, reset_comm_stats
 from quant_fsdp._version import __version__
 from quant_fsdp._weight import QuantizeOnGatherTensor
@@ -26,6 +26,7 @@ __all__ = [
     "fully_shard",
     "gather_along_first_dim",
     "gather_plan",
+    "reduce_scatter_along_first_dim",
     "reset_comm_stats",
     "sync_amax_",
 ]

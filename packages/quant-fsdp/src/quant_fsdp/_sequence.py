@@ -16,7 +16,7 @@ concatenation along dim 0 of every rank's x, quantized:
    shards differ in size), quantize the result; logged once per call site, counted in
    `comm_stats()` as "fallback".
 Without a quantizer (and for a plain input) it is a high-precision gather. With one rank it only
-quantizes. `async_op=True` returns a handle whose `wait()` finishes the collectives and the
+quantizes. `reduce_scatter_along_first_dim` is the backward's sum-and-split, in high precision. `async_op=True` returns a handle whose `wait()` finishes the collectives and the
 post-processing; `out` must not be read before.
 """
 
@@ -203,3 +203,25 @@ def _finished(out: torch.Tensor, handle: GatherHandle, async_op: bool) -> tuple[
         return out, handle
     handle.wait()
     return out, None
+
+
+def reduce_scatter_along_first_dim(
+    x: torch.Tensor, group: dist.ProcessGroup | None, *, async_op: bool = False
+) -> tuple[torch.Tensor, GatherHandle | None]:
+    """Sums x over the ranks and gives rank r rows [r * n, (r + 1) * n) of the sum along dim 0
+    (n = x.shape[0] / world): the backward of `gather_along_first_dim`, in high precision.
+    Returns (out, handle) as the gather does."""
+    if isinstance(x, QuantizedTensor):
+        raise TypeError(
+            "reduce_scatter_along_first_dim sums in high precision; pass x.dequantize() (a sum of quantized "
+            "codes has no meaning)"
+        )
+    world = dist.get_world_size(group)
+    if x.dim() == 0 or x.shape[0] % world:
+        raise ValueError(
+            f"reduce_scatter_along_first_dim splits dim 0 evenly over {world} ranks, but x has shape "
+            f"{tuple(x.shape)}; pad dim 0 to a multiple of {world}"
+        )
+    out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
+    work = dist.reduce_scatter_tensor(out, x.contiguous(), group=group, async_op=True)
+    return _finished(out, GatherHandle([work], lambda: None), async_op)
