@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import math
+import os
 import pathlib
 import sys
 import tempfile
@@ -94,6 +95,13 @@ def _rank_entry(
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         getattr(module, name)(rank, world_size, *args)
-        dist.barrier()  # no rank tears the group down while another still uses it
-    finally:
+        dist.barrier()  # no rank leaves while another still uses the group
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Success: leave without tearing anything down. Process-group teardown and interpreter
+    # finalization race with gloo's worker threads, which now and then abort a rank
+    # ("terminate called without an active exception") after its work passed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
