@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -97,6 +98,45 @@ def test_on_demand_columnwise_weight_gives_the_same_gradients(name, monkeypatch)
         results.append((x.grad.clone(), model[0].weight.grad.clone()))
     assert torch.equal(results[0][0], results[1][0])
     assert torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_prequantized_input_equals_quantizing_inside_the_layer(name):
+    """Linear.linear takes an input already quantized by input_quantizer (as sequence-parallel
+    gathers hand it over): same output and gradients as quantizing inside, and the input is
+    neither requantized nor stripped of its usages."""
+    torch.manual_seed(0)
+    layer = qt.nn.Linear(256, 128, recipe=dataclasses.replace(qt.recipe_from_name(name), stochastic_rounding=False)
+                         if name == "nvfp4" else qt.recipe_from_name(name))  # fmt: skip
+    twin = copy.deepcopy(layer)
+    x = torch.randn(128, 256, generator=gen(4))
+    dy = torch.randn(128, 128, generator=gen(5))
+    quantizer = copy.deepcopy(layer.input_quantizer).with_usage(rowwise=True, columnwise=True)
+    qx = quantizer.quantize(x).requires_grad_(True)
+    usages = qx.usages
+    y = layer.linear(qx, layer.weight, layer.bias)
+    y.backward(dy)
+    plain = x.clone().requires_grad_(True)
+    want = twin(plain)
+    want.backward(dy)
+    assert torch.equal(y, want)
+    assert torch.equal(qx.grad, plain.grad)
+    assert torch.equal(layer.weight.grad, twin.weight.grad)
+    assert qx.usages == usages
+
+
+def test_prequantized_input_without_what_the_gemms_need_is_refused():
+    layer = qt.nn.Linear(256, 128, recipe=qt.MXFP8BlockScaling())
+    rowwise_only = layer.input_quantizer.with_usage(rowwise=True, columnwise=False).quantize(torch.randn(64, 256))
+    with pytest.raises(ValueError, match="needs the quantized input's columnwise data.*columnwise=True"):
+        layer(rowwise_only)
+    three_dims = layer.input_quantizer.with_usage(rowwise=True, columnwise=True).quantize(torch.randn(2, 32, 256))
+    with pytest.raises(ValueError, match="quantized input of 2 dims.*x.reshape"):
+        layer(three_dims)
+    fp8 = qt.nn.Linear(256, 128, recipe=qt.Float8CurrentScaling())
+    derivable = fp8.input_quantizer.with_usage(rowwise=True, columnwise=False).quantize(torch.randn(64, 256))
+    fp8(derivable).sum().backward()  # per-tensor FP8 derives the columnwise data (a lossless transpose)
+    assert fp8.weight.grad is not None
 
 
 def test_scaled_mm_reports_its_path_and_checks_operands():

@@ -55,12 +55,15 @@ def quantized_parameter(value: torch.Tensor, quantizer: Any, *, requires_grad: b
 class _QuantizedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, module: Linear) -> torch.Tensor:
-        x_2d = x.reshape(-1, x.shape[-1])
         needs_wgrad = weight.requires_grad
-        qx = module.input_quantizer.with_usage(rowwise=True, columnwise=needs_wgrad).quantize(x_2d)
+        if isinstance(x, QuantizedTensor):
+            qx = _prequantized_input(x, needs_wgrad)
+        else:
+            quantizer = module.input_quantizer.with_usage(rowwise=True, columnwise=needs_wgrad)
+            qx = quantizer.quantize(x.reshape(-1, x.shape[-1]))
         qw = weight if isinstance(weight, QuantizedTensor) else module.weight_quantizer.quantize(weight)
         y = scaled_mm(qx, qw, x.dtype, bias=bias)
-        if needs_wgrad:
+        if needs_wgrad and qx is not x:
             qx.update_usage(rowwise=False)  # the wgrad GEMM needs the columnwise data only
         ctx.save_for_backward(qx if needs_wgrad else None, qw)
         ctx.module, ctx.x_shape, ctx.has_bias, ctx.weight_dtype = module, x.shape, bias is not None, weight.dtype
@@ -116,12 +119,21 @@ class Linear(torch.nn.Linear):
             warnings.warn(self.high_precision_reason, stacklevel=2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.weight, self.bias)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`x @ weight^T + bias` under this layer's recipe, for a given (local) weight and bias.
+
+        `forward` passes the layer's own parameters; tensor-parallel styles (quant_fsdp.parallel)
+        pass their local shards and communicate around the call. `x` may already be quantized by
+        `input_quantizer` (2-D, e.g. gathered quantized along the sequence): it is used as it is,
+        and needs rowwise data, plus columnwise when the weight needs a gradient.
+        """
         if self.high_precision_reason:
-            weight = self.weight.dequantize(x.dtype) if isinstance(self.weight, QuantizedTensor) else self.weight
-            return torch.nn.functional.linear(
-                x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
-            )
-        return _QuantizedLinearFunction.apply(x, self.weight, self.bias, self)
+            x = x.dequantize() if isinstance(x, QuantizedTensor) else x
+            weight = weight.dequantize(x.dtype) if isinstance(weight, QuantizedTensor) else weight
+            return torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        return _QuantizedLinearFunction.apply(x, weight, bias, self)
 
     def reset_parameters(self) -> None:
         """nn.Linear's initialisation; a quantized weight is initialised in high precision, then requantized.
@@ -144,6 +156,26 @@ class Linear(torch.nn.Linear):
     def extra_repr(self) -> str:
         mode = f", high precision: {self.high_precision_reason}" if self.high_precision_reason else ""
         return f"{super().extra_repr()}, recipe={type(self.recipe).__name__}{mode}"
+
+
+def _prequantized_input(x: QuantizedTensor, needs_wgrad: bool) -> QuantizedTensor:
+    """An input the caller quantized: checked, and given derivable columnwise data if missing."""
+    rowwise, columnwise = x.usages
+    if x.dim() != 2 or not rowwise:
+        raise ValueError(
+            f"qt.nn.Linear takes a quantized input of 2 dims with rowwise data, got shape {tuple(x.shape)} with "
+            f"usages (rowwise, columnwise) = {x.usages}; quantize x.reshape(-1, x.shape[-1]) with "
+            "input_quantizer.with_usage(rowwise=True, columnwise=...)"
+        )
+    if needs_wgrad and not columnwise:
+        if not x.quantizer.can_derive_columnwise:
+            raise ValueError(
+                f"the weight needs a gradient, so the wgrad GEMM needs the quantized input's columnwise data, "
+                f"which this {x.quantizer.format_name} input lacks; quantize it with "
+                "input_quantizer.with_usage(rowwise=True, columnwise=True)"
+            )
+        x.update_usage(columnwise=True)
+    return x
 
 
 def _high_precision_like(weight: torch.Tensor) -> torch.Tensor:
