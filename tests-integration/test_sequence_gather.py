@@ -6,6 +6,7 @@ already quantized inputs with disagreeing scales); plain tensors gather exactly;
 from __future__ import annotations
 
 import copy
+import datetime
 
 import pytest
 import torch
@@ -92,6 +93,11 @@ def _gathers(rank: int, world: int) -> None:
             f"{recipe_name} already quantized",
             expect_fallback=recipe_name in ("fp8", "nvfp4"),
         )
+        # Quantized in another encoding (FP8 E5M2 vs E4M3, 2-D tiles vs 1-D blocks): the fallback.
+        other_role = {"fp8": "grad_output", "fp8-delayed": "grad_output", "fp8-block": "weight", "nvfp4": "weight"}
+        if recipe_name in other_role:
+            other = qt.recipe_from_name(recipe_name).quantizer(other_role[recipe_name]).quantize(x)
+            check(other, quantizer, world, f"{recipe_name} other encoding", expect_fallback=True)
     # Without a quantizer: a plain gather, for equal and unequal shards.
     for rows in (8, 3 + rank):
         x = local_input(rows, 5, rank, dtype=torch.float32)
@@ -134,3 +140,42 @@ def _reduce_scatter(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_reduce_scatter_along_first_dim(world_size):
     run_ranks(_reduce_scatter, world_size)
+
+
+def _async_gathers_return_before_the_peers_send(rank: int, world: int) -> None:
+    """Rank 0 issues two async gathers (a quantized one and a fallback) and only then lets the
+    other ranks send their shards (over a side group): its calls must have returned without any
+    peer data, i.e. nothing is read before wait(). Both are in flight at once; waited in reverse
+    order they equal the synchronous results."""
+    from quant_fsdp import _sequence
+
+    side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))  # a sync gather deadlocks: fail
+    quantizer = qt.MXFP8BlockScaling().quantizer("input")
+    inputs = [local_input(64, 256, rank), local_input(100, 256, rank)]  # 100 rows: the fallback
+    sync = [quant_fsdp.gather_along_first_dim(x, None, quantizer=copy.deepcopy(quantizer))[0] for x in inputs]
+
+    def after_rank_0_returned(payload):
+        def held_back(*args, **kwargs):
+            dist.broadcast(torch.zeros(1), src=0, group=side)  # rank 0's "my async call returned"
+            return payload(*args, **kwargs)
+
+        return held_back
+
+    if rank > 0:
+        _sequence._gather_quantized = after_rank_0_returned(_sequence._gather_quantized)
+        _sequence._gather_high_precision = after_rank_0_returned(_sequence._gather_high_precision)
+    pending = []
+    for x in inputs:
+        pending.append(quant_fsdp.gather_along_first_dim(x, None, quantizer=copy.deepcopy(quantizer), async_op=True))
+        if rank == 0:
+            dist.broadcast(torch.zeros(1), src=0, group=side)
+    for _, handle in reversed(pending):
+        handle.wait()
+        handle.wait()  # a second wait is a no-op
+    for (out, _), want in zip(pending, sync, strict=True):
+        assert_same_quantization(out, want, f"rank {rank}")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_async_gathers_read_nothing_before_wait(world_size):
+    run_ranks(_async_gathers_return_before_the_peers_send, world_size)

@@ -1,4 +1,5 @@
-"""quant-fsdp: FSDP2 all-gather of quantized weights, sequence-parallel gather, TP styles, the CLI.
+"""quant-fsdp: FSDP2 all-gather of quantized weights, sequence-parallel gather, TP styles
+(`quant_fsdp.parallel`), the CLI.
 
 Importing quant_fsdp gives every QuantizedTensor FSDP2's all-gather hooks, so quantized primary
 weights (`qt.convert(..., quantized_weights=True)`) gather their low-precision bytes under torch's
@@ -7,6 +8,7 @@ own `fully_shard`. `quant_fsdp.fully_shard` is the drop-in that also plans each 
 quantize-on-gather for high-precision weights. See docs/fsdp.md.
 """
 
+from quant_fsdp import parallel
 from quant_fsdp._amax import sync_amax_
 from quant_fsdp._fully_shard import fully_shard, install_hooks
 from quant_fsdp._plan import GatherPlan, gather_plan
@@ -26,6 +28,7 @@ __all__ = [
     "fully_shard",
     "gather_along_first_dim",
     "gather_plan",
+    "parallel",
     "reduce_scatter_along_first_dim",
     "reset_comm_stats",
     "sync_amax_",

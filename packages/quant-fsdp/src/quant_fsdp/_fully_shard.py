@@ -150,8 +150,14 @@ def _quantizer_and_mode(
     owner: torch.nn.Module, attribute: str, param: torch.Tensor, quantize_on_gather: bool
 ) -> tuple[Any, str]:
     local = qt.local_quantized(param)
-    if isinstance(param, DTensor):
-        return None, ""  # already sharded (tensor parallel): not handled here yet
+    if isinstance(param, DTensor):  # tensor parallel (quant_fsdp.parallel): FSDP2 gathers it as it is
+        if quantize_on_gather and isinstance(owner, qt.nn.Linear) and attribute == "weight":
+            logger.warning(
+                "%s.weight is tensor parallel: quantize_on_gather does not apply to it yet, FSDP2 gathers its "
+                "high-precision shard (the TP layer quantizes it in the forward)",
+                type(owner).__name__,
+            )
+        return None, ""
     if local is not None:
         if local.quantizer is None:
             raise ValueError(f"quantized parameter {attribute} of {type(owner).__name__} has no quantizer")

@@ -75,17 +75,7 @@ def _usage_payloads_match(shard: QuantizedTensor) -> bool:
 
 def pre_all_gather(shard: QuantizedTensor, world_size: int) -> tuple[tuple[torch.Tensor, ...], Payload]:
     """The all-gather inputs of a quantized shard and the metadata to rebuild it."""
-    inputs: list[torch.Tensor] = []
-    names: list[str] = []
-    for usage, wanted in zip(_USAGES, gathered_usages(shard), strict=True):
-        if not wanted:
-            continue
-        data, scale_inv = shard.usage_buffers(usage)
-        for name, buffer in ((f"{usage}_data", data), (f"{usage}_scale_inv", scale_inv)):
-            if buffer.dim() > 0:  # a 0-d scale is per-tensor: it stays local
-                inputs.append(_as_bytes(buffer.contiguous()))
-                names.append(name)
-    count_gather(shard.quantizer.format_name, inputs, world_size, quantized=True)
+    inputs, names = payload_of(shard, gathered_usages(shard), world_size)
     if world_size == 1 and len(inputs) > 1:
         # FSDP2 (torch 2.11 to 2.13) copies only the first input when its shard group has one rank.
         packed = tuple((t.dtype, t.shape) for t in inputs)
@@ -94,6 +84,26 @@ def pre_all_gather(shard: QuantizedTensor, world_size: int) -> tuple[tuple[torch
             pieces += [t.reshape(-1).view(torch.uint8), t.new_zeros(-_nbytes(t.dtype, t.shape) % 16, dtype=torch.uint8)]
         return (torch.cat(pieces),), Payload(shard, tuple(names), world_size, packed)
     return tuple(inputs), Payload(shard, tuple(names), world_size)
+
+
+def payload_of(
+    shard: QuantizedTensor, usages: tuple[bool, bool], world_size: int
+) -> tuple[list[torch.Tensor], list[str]]:
+    """The all-gather inputs of a shard's wanted (rowwise, columnwise) usages: data and non-scalar
+    scales as bytes (a 0-d scale is per-tensor: it stays local), with their buffer names; counted
+    in comm_stats as quantized bytes."""
+    inputs: list[torch.Tensor] = []
+    names: list[str] = []
+    for usage, wanted in zip(_USAGES, usages, strict=True):
+        if not wanted:
+            continue
+        data, scale_inv = shard.usage_buffers(usage)
+        for name, buffer in ((f"{usage}_data", data), (f"{usage}_scale_inv", scale_inv)):
+            if buffer.dim() > 0:
+                inputs.append(_as_bytes(buffer.contiguous()))
+                names.append(name)
+    count_gather(shard.quantizer.format_name, inputs, world_size, quantized=True)
+    return inputs, names
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

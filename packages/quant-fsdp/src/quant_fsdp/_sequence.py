@@ -87,11 +87,26 @@ def gather_along_first_dim(
     return _gather_quantized(x, quantizer, group, world, async_op)
 
 
+def _all_gather(output: torch.Tensor, input: torch.Tensor, **kwargs) -> dist.Work | None:
+    """torch 2.13's all_gather_single (the old name warns there), all_gather_into_tensor before."""
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(output, input, **kwargs)
+
+
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, **kwargs) -> dist.Work | None:
+    """torch 2.13's reduce_scatter_single (the old name warns there), reduce_scatter_tensor before."""
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(output, input, **kwargs)
+
+
 def _has_usages(x: torch.Tensor, quantizer: Quantizer) -> bool:
     if not isinstance(x, QuantizedTensor):
         return False
     wanted = quantizer.produced_usages
     return all(have or not want for have, want in zip(x.usages, wanted, strict=True))
+
+
+def _encoding(quantizer: Quantizer) -> tuple:
+    """What decoding a quantizer's bytes depends on: format, block shape, FP8 dtype."""
+    return quantizer.format_name, quantizer._metadata(), getattr(quantizer, "fp8_dtype", None)
 
 
 def _high_precision(x: torch.Tensor) -> torch.Tensor:
@@ -109,7 +124,7 @@ def _exchange(
     """(world, 1 + len(values)) float64: every rank's dim-0 size and per-tensor values."""
     mine = torch.tensor([float(rows), *(float(v) for v in values)], dtype=torch.float64, device=device)
     everyone = mine.new_empty(world * mine.numel())  # concatenated along dim 0, as gloo wants it
-    dist.all_gather_into_tensor(everyone, mine, group=group)
+    _all_gather(everyone, mine, group=group)
     return everyone.view(world, -1).cpu()
 
 
@@ -119,6 +134,8 @@ def _fallback_reason(
     """Why the shards cannot be gathered quantized (the same answer on every rank), or None."""
     if len(set(rows)) > 1:
         return f"dim 0 differs between ranks ({rows})"
+    if isinstance(x, QuantizedTensor) and _encoding(x.quantizer) != _encoding(quantizer):
+        return f"the input is encoded as {_encoding(x.quantizer)}, the quantizer's as {_encoding(quantizer)}"
     if isinstance(x, QuantizedTensor) and not _has_usages(x, quantizer):
         return f"the input is quantized without the usages the quantizer asks for {quantizer.produced_usages}"
     if not quantizer.is_quantizable(x):
@@ -153,7 +170,7 @@ def _gather_high_precision(
     full_shape = (sum(rows), *x.shape[1:])
     if quantizer is not None:
         count_gather(quantizer.format_name, [padded], world, quantized=False)
-    work = dist.all_gather_into_tensor(gathered, padded, group=group, async_op=True)
+    work = _all_gather(gathered, padded, group=group, async_op=True)
 
     def full() -> torch.Tensor:
         if len(set(rows)) == 1:
@@ -173,20 +190,11 @@ def _gather_quantized(
     shard: QuantizedTensor, quantizer: Quantizer, group, world: int, async_op: bool
 ) -> tuple[torch.Tensor, GatherHandle | None]:
     """The fast path of [Note: sequence gather]: the shard's bytes, rebuilt as in FSDP2's gather."""
-    derive_columnwise = shard.columnwise_data is not None and quantizer.can_derive_columnwise
-    inputs, names = [], []
-    for usage, present in zip(("rowwise", "columnwise"), shard.usages, strict=True):
-        if not present or (usage == "columnwise" and derive_columnwise):
-            continue
-        for name, buffer in zip((f"{usage}_data", f"{usage}_scale_inv"), shard.usage_buffers(usage), strict=True):
-            if buffer.dim() > 0:  # a 0-d scale is per-tensor: equal on every rank, it stays local
-                inputs.append(_gather._as_bytes(buffer.contiguous()))
-                names.append(name)
-    count_gather(quantizer.format_name, inputs, world, quantized=True)
+    rowwise, columnwise = shard.usages
+    derive_columnwise = columnwise and quantizer.can_derive_columnwise
+    inputs, names = _gather.payload_of(shard, (rowwise, columnwise and not derive_columnwise), world)
     outputs = [t.new_empty((world * t.shape[0], *t.shape[1:])) for t in inputs]
-    works = [
-        dist.all_gather_into_tensor(o, i, group=group, async_op=True) for o, i in zip(outputs, inputs, strict=True)
-    ]
+    works = [_all_gather(o, i, group=group, async_op=True) for o, i in zip(outputs, inputs, strict=True)]
     payload = _gather.Payload(shard, tuple(names), world)
     out = quantizer.make_empty((world * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
 
@@ -223,5 +231,5 @@ def reduce_scatter_along_first_dim(
             f"{tuple(x.shape)}; pad dim 0 to a multiple of {world}"
         )
     out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
-    work = dist.reduce_scatter_tensor(out, x.contiguous(), group=group, async_op=True)
+    work = _reduce_scatter(out, x.contiguous(), group=group, async_op=True)
     return _finished(out, GatherHandle([work], lambda: None), async_op)

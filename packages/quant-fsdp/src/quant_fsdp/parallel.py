@@ -1,0 +1,274 @@
+"""Tensor-parallel styles for qt.nn.Linear, for torch's `parallelize_module`.
+
+[Note: quantized tensor parallelism] On a 1-D TP mesh of `tp` ranks:
+
+- `QuantColwiseParallel` shards the weight and bias along dim 0: each rank computes its
+  out_features / tp columns of y. Without sequence parallelism the input is replicated and its
+  gradient is summed over the group in the backward. With it, the input is this rank's slice of
+  the sequence: it is gathered along the sequence *quantized* by the layer's input quantizer
+  (`gather_along_first_dim`: rowwise data for the forward GEMM, columnwise for the wgrad GEMM, or
+  the explicit high-precision fallback), and its gradient is reduce-scattered back to the slice.
+- `QuantRowwiseParallel` shards the weight along dim 1 and replicates the bias: each rank
+  multiplies its slice of the input's last dim, the partial products are summed over the group
+  (all-reduce; with sequence parallelism a reduce-scatter along the sequence, whose backward
+  gathers the gradient in high precision), then the bias is added once.
+
+Activations are local tensors in and out; DTensor inputs (e.g. from torch's `SequenceParallel`
+on a norm) are accepted when their placement is the one expected. Parameters become DTensors on
+the TP mesh, as with torch's styles, so FSDP2 on a 2-D mesh, DCP and optimizers see them as usual.
+The sequence gather treats tokens as rows in (sequence, batch) order: an input [b, s, h] with
+`sequence_dim=1` is moved to [s, b, h] and flattened, and the output moved back; the GEMMs do
+not depend on the order of rows.
+
+Per-tensor formats (FP8, NVFP4's global amax): the quantizers of tensors that are sharded over
+the group (both weights, the column-parallel grad_output, the row-parallel input) get the TP
+group as `amax_group`, so every rank scales with the whole tensor's amax, as one process does.
+The gathered input agrees on its amax inside the gather. Hence, apart from the order in which
+the row-parallel partial products are summed, the TP layers compute what one process computes.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+import quant_tensors as qt
+from quant_fsdp._sequence import gather_along_first_dim, reduce_scatter_along_first_dim
+from quant_tensors import QuantizedTensor
+
+__all__ = ["QuantColwiseParallel", "QuantRowwiseParallel"]
+
+
+class _QuantParallel(ParallelStyle):
+    _weight_dim: int
+    _what: str
+
+    def __init__(self, *, sequence_parallel: bool = False, sequence_dim: int = 1) -> None:
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+        self.sequence_dim = sequence_dim
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(sequence_parallel={self.sequence_parallel}, sequence_dim={self.sequence_dim})"
+
+    def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+        _check_layer(module, device_mesh, type(self).__name__)
+        tp = device_mesh.size()
+        features = module.weight.shape[self._weight_dim]
+        if features % tp:
+            name = ("out_features", "in_features")[self._weight_dim]
+            raise ValueError(
+                f"{type(self).__name__} splits {name}={features} of {module} over {tp} ranks, which does not "
+                f"divide it; choose a TP size that divides {features}"
+            )
+        placements = {"weight": Shard(self._weight_dim), "bias": Shard(0) if self._weight_dim == 0 else Replicate()}
+        for name, placement in placements.items():
+            param = getattr(module, name)
+            if param is not None:
+                sharded = distribute_tensor(param.detach(), device_mesh, [placement])
+                module.register_parameter(name, torch.nn.Parameter(sharded, requires_grad=param.requires_grad))
+        _fall_back_if_unquantizable(module, type(self).__name__)
+        group = device_mesh.get_group()
+        for quantizer in self._sharded_quantizers(module):
+            _share_amax(quantizer, group, module)
+        module.forward = functools.partial(self._forward, module, group)
+        return module
+
+    def _sharded_quantizers(self, module: qt.nn.Linear) -> tuple[qt.Quantizer, ...]:
+        raise NotImplementedError
+
+    def _forward(self, module: qt.nn.Linear, group: dist.ProcessGroup, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _sequence_dim(self, x: torch.Tensor) -> int:
+        dim = self.sequence_dim % x.dim() if -x.dim() <= self.sequence_dim < x.dim() else None
+        if dim is None or dim == x.dim() - 1:
+            raise ValueError(
+                f"{type(self).__name__}(sequence_dim={self.sequence_dim}) needs an input whose sequence dim is "
+                f"one of its leading dims, got shape {tuple(x.shape)}"
+            )
+        return dim
+
+
+class QuantColwiseParallel(_QuantParallel):
+    """Column-parallel qt.nn.Linear: weight and bias sharded along out_features; the output is
+    this rank's slice of the last dim. With `sequence_parallel=True` the input is this rank's
+    slice of `sequence_dim` and is gathered quantized ([Note: quantized tensor parallelism])."""
+
+    _weight_dim = 0
+
+    def _sharded_quantizers(self, module: qt.nn.Linear) -> tuple[qt.Quantizer, ...]:
+        return module.weight_quantizer, module.grad_output_quantizer
+
+    def _forward(self, module: qt.nn.Linear, group: dist.ProcessGroup, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = _local(module.weight), _local(module.bias)
+        if not self.sequence_parallel:
+            x = _local_input(x, Replicate(), self)
+            return module.linear(_SumGradients.apply(x, group), weight, bias)
+        dim = self._sequence_dim(x)
+        x = _local_input(x, Shard(dim), self)
+        rows = x.movedim(dim, 0)
+        quantizer = None
+        if not module.high_precision_reason:
+            quantizer = module.input_quantizer.with_usage(rowwise=True, columnwise=weight.requires_grad)
+        gathered = _GatherSequence.apply(rows.reshape(-1, rows.shape[-1]), group, quantizer)
+        y = module.linear(gathered, weight, bias)
+        sequence = rows.shape[0] * dist.get_world_size(group)
+        return y.view(sequence, *rows.shape[1:-1], y.shape[-1]).movedim(0, dim)
+
+
+class QuantRowwiseParallel(_QuantParallel):
+    """Row-parallel qt.nn.Linear: weight sharded along in_features, bias replicated; the input
+    is this rank's slice of the last dim. The output is replicated, or with
+    `sequence_parallel=True` this rank's slice of `sequence_dim` ([Note: quantized tensor parallelism])."""
+
+    _weight_dim = 1
+
+    def _sharded_quantizers(self, module: qt.nn.Linear) -> tuple[qt.Quantizer, ...]:
+        return module.weight_quantizer, module.input_quantizer
+
+    def _forward(self, module: qt.nn.Linear, group: dist.ProcessGroup, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = _local(module.weight), _local(module.bias)
+        x = _local_input(x, Shard(x.dim() - 1), self)
+        if not self.sequence_parallel:
+            y = _SumPartials.apply(module.linear(x, weight, None), group)
+            return y if bias is None else y + bias
+        dim = self._sequence_dim(x)
+        world = dist.get_world_size(group)
+        if x.shape[dim] % world:
+            raise ValueError(
+                f"QuantRowwiseParallel(sequence_parallel=True) splits the sequence ({x.shape[dim]} along dim {dim}) "
+                f"over {world} ranks, which does not divide it; pad the sequence to a multiple of {world}"
+            )
+        partial = module.linear(x.movedim(dim, 0), weight, None)  # tokens in (sequence, batch) order
+        y = _ReduceScatterSequence.apply(partial.reshape(-1, partial.shape[-1]), group)
+        y = y.view(partial.shape[0] // world, *partial.shape[1:]).movedim(0, dim)
+        return y if bias is None else y + _SumGradients.apply(bias, group)
+
+
+def _check_layer(module: torch.nn.Module, mesh: DeviceMesh, style: str) -> None:
+    if not isinstance(module, qt.nn.Linear):
+        raise TypeError(
+            f"{style} parallelizes qt.nn.Linear layers, got {type(module).__name__}; convert the model with "
+            "qt.convert(model, recipe) first, or use torch's ColwiseParallel/RowwiseParallel for other modules"
+        )
+    if mesh.ndim != 1:
+        raise ValueError(f"{style} takes a 1-D TP mesh, got {mesh.ndim} dims; pass mesh['tp'] of a 2-D mesh")
+    for name, param in module.named_parameters(recurse=False):
+        if isinstance(param, (DTensor, QuantizedTensor)):
+            raise NotImplementedError(
+                f"{style}: {name} of {module} is already a {type(param).__name__}. Tensor parallelism takes "
+                "high-precision weights and comes before fully_shard: convert without quantized_weights=True "
+                "(quantized primary weights under TP would need per-tensor scales agreed over TP x FSDP: not built)"
+            )
+
+
+def _fall_back_if_unquantizable(module: qt.nn.Linear, style: str) -> None:
+    """The explicit fallback when the local weight's dims do not fit the format's blocks."""
+    if module.high_precision_reason:
+        return
+    rows_multiple, k_multiple = module.weight_quantizer.dim_multiple
+    rows, k = module.weight.to_local().shape
+    if rows % rows_multiple or k % k_multiple:
+        module.high_precision_reason = (
+            f"{style} leaves {module} a local weight of {rows} x {k}, which {module.weight_quantizer.format_name} "
+            f"cannot quantize (it needs multiples of {rows_multiple} x {k_multiple}); the layer computes in high "
+            "precision. Choose a TP size that keeps the local features at those multiples."
+        )
+        warnings.warn(module.high_precision_reason, stacklevel=4)
+
+
+def _share_amax(quantizer: qt.Quantizer, group: dist.ProcessGroup, module: torch.nn.Module) -> None:
+    if not quantizer.per_tensor_amax:
+        return
+    if quantizer.amax_group is not None and quantizer.amax_group is not group:
+        raise ValueError(
+            f"a quantizer of {module} already agrees on its amax over another group; tensor parallelism needs the "
+            "TP group there: apply the TP style before fully_shard and before setting amax_group yourself"
+        )
+    quantizer.amax_group = group
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _local_input(x: Any, placement: Shard | Replicate, style: _QuantParallel) -> torch.Tensor:
+    if not isinstance(x, DTensor):
+        return x
+    if tuple(x.placements) != (placement,):
+        raise ValueError(
+            f"{style!r} expects an input placed as {placement!r}, got a DTensor placed as {x.placements!r}; "
+            "redistribute it first (or pass the local tensor)"
+        )
+    return x.to_local()
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Gathers rows along dim 0 (quantized when a quantizer is given); the backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, group: dist.ProcessGroup, quantizer: qt.Quantizer | None) -> torch.Tensor:
+        ctx.group = group
+        gathered, _ = gather_along_first_dim(rows, group, quantizer=quantizer)
+        if gathered.shape[0] != rows.shape[0] * dist.get_world_size(group):
+            raise ValueError(
+                f"sequence parallelism needs the same sequence slice on every rank; this rank has {rows.shape[0]} "
+                f"rows of {gathered.shape[0]} gathered"
+            )
+        return gathered
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        summed, _ = reduce_scatter_along_first_dim(grad, ctx.group)
+        return summed, None, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Sums partial rows over the group and keeps this rank's slice; the backward gathers."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return reduce_scatter_along_first_dim(rows, group)[0]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return gather_along_first_dim(grad, ctx.group)[0], None
+
+
+class _SumPartials(torch.autograd.Function):
+    """All-reduces partial products in the forward; the gradient passes through."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        summed = partial.clone()
+        dist.all_reduce(summed, group=group)
+        return summed
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _SumGradients(torch.autograd.Function):
+    """The identity whose backward all-reduces: for a replicated tensor used by every rank on
+    different data (the column-parallel input, the sequence-parallel bias)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        summed = grad.clone()
+        dist.all_reduce(summed, group=ctx.group)
+        return summed, None

@@ -1,0 +1,249 @@
+"""quant_fsdp.parallel: tensor and sequence parallel qt.nn.Linear under torch's parallelize_module.
+
+Training parity: a small transformer whose block Linears are QuantColwiseParallel /
+QuantRowwiseParallel (with and without sequence parallelism; embedding, norms and head use
+torch's own styles) trains to the losses of the same model in one process, within issue #5's
+tolerance, for every recipe: TP=2 + SP on 2 gloo ranks, TP=2 + SP x FSDP2=2 on 4 (TP=2 without SP
+trained within 1.1e-4, 5.0e-4 for NVFP4, when measured on 2026-11-23; not in CI for time). Per
+layer: forward and backward equal the unsharded layer's slices, with and without SP, 2 and 4 ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+import quant_fsdp
+import quant_tensors as qt
+from quant_core.testing import run_ranks
+from quant_fsdp.parallel import QuantColwiseParallel, QuantRowwiseParallel
+from quant_fsdp.testing import train_data_parallel, train_replicas
+from quant_tensors.testing import MarkovTask, TransformerConfig
+
+RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
+LOSS_TOLERANCE = 5e-3  # relative, at every step (issue #5)
+LR = 3e-4  # as issue #5's parity tests
+CONFIG = TransformerConfig(vocab=256, hidden=256, layers=2, heads=4, sequence=64)
+STEPS, BATCH = 10, 8
+TASK = MarkovTask(CONFIG.vocab)
+HIDDEN, HEADS, VOCAB = CONFIG.hidden, CONFIG.heads, CONFIG.vocab
+
+
+class Block(torch.nn.Module):
+    """A pre-norm transformer block with separate q, k, v (so each shards by heads under TP)."""
+
+    def __init__(self, recipe: qt.Recipe) -> None:
+        super().__init__()
+        self.head_dim = HIDDEN // HEADS
+        self.attention_norm = torch.nn.LayerNorm(HIDDEN)
+        self.q, self.k, self.v, self.proj = (qt.nn.Linear(HIDDEN, HIDDEN, recipe=recipe) for _ in range(4))
+        self.mlp_norm = torch.nn.LayerNorm(HIDDEN)
+        self.fc1 = qt.nn.Linear(HIDDEN, 4 * HIDDEN, recipe=recipe)
+        self.fc2 = qt.nn.Linear(4 * HIDDEN, HIDDEN, recipe=recipe)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attention_norm(x)
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        batch, sequence = q.shape[:2]
+        heads = lambda t: t.reshape(batch, sequence, -1, self.head_dim).transpose(1, 2)  # noqa: E731
+        attention = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+        x = x + self.proj(attention.transpose(1, 2).reshape(batch, sequence, -1))
+        return x + self.fc2(F.gelu(self.fc1(self.mlp_norm(x))))
+
+
+class Model(torch.nn.Module):
+    config = CONFIG  # what the quant_fsdp.testing training loops read
+
+    def __init__(self, recipe: qt.Recipe) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = torch.nn.ModuleList(Block(recipe) for _ in range(CONFIG.layers))
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def make_model(recipe_name: str) -> Model:
+    torch.manual_seed(0)
+    return Model(qt.recipe_from_name(recipe_name))
+
+
+def tensor_parallel_plan(model: Model, sequence_parallel: bool) -> dict:
+    """torch's styles for the embedding, norms and head; quant_fsdp's for the block Linears."""
+    sp = sequence_parallel
+    plan = {
+        "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()),
+        "head": ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate()),
+    }
+    if sp:
+        plan["norm"] = SequenceParallel()
+    for i in range(len(model.blocks)):
+        for name in ("q", "k", "v", "fc1"):
+            plan[f"blocks.{i}.{name}"] = QuantColwiseParallel(sequence_parallel=sp)
+        for name in ("proj", "fc2"):
+            plan[f"blocks.{i}.{name}"] = QuantRowwiseParallel(sequence_parallel=sp)
+        if sp:
+            plan[f"blocks.{i}.attention_norm"] = SequenceParallel()
+            plan[f"blocks.{i}.mlp_norm"] = SequenceParallel()
+    return plan
+
+
+def _train_tensor_parallel(rank: int, world: int, sequence_parallel: bool, dp: int, expected: dict) -> None:
+    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
+    for recipe_name, want in expected.items():
+        model = make_model(recipe_name)
+        parallelize_module(model, mesh["tp"], tensor_parallel_plan(model, sequence_parallel))
+        if dp > 1:
+            for block in model.blocks:
+                quant_fsdp.fully_shard(block, mesh=mesh["dp"])
+            quant_fsdp.fully_shard(model, mesh=mesh["dp"])
+        got = train_data_parallel(model, TASK, steps=STEPS, batch_size=BATCH, lr=LR, group=mesh["dp"].get_group())
+        worst = max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
+        if rank == 0:
+            print(
+                f"{recipe_name} tp={world // dp} dp={dp} sp={sequence_parallel}: max relative loss difference {worst:.2e}"
+            )
+        assert worst <= LOSS_TOLERANCE, (recipe_name, worst, got, want)
+
+
+@pytest.mark.parametrize(
+    ("world", "dp", "sequence_parallel"),
+    [(2, 1, True), (4, 2, True)],  # TP without SP: the per-layer test below (CI time)
+    ids=["tp2-sp", "tp2xfsdp2-sp"],
+)
+def test_tensor_parallel_training_matches_single_process(world, dp, sequence_parallel):
+    expected = {}
+    for recipe_name in RECIPES:
+        replicas = [make_model(recipe_name) for _ in range(dp)]
+        expected[recipe_name] = train_replicas(replicas, TASK, steps=STEPS, batch_size=BATCH, lr=LR)
+    run_ranks(_train_tensor_parallel, world, sequence_parallel, dp, expected)
+
+
+# ---- one layer: forward and backward equal the unsharded layer's slices -------------------------
+
+
+def deterministic(recipe_name: str) -> qt.Recipe:
+    """The recipe, with NVFP4's stochastic rounding of gradients off: a rank's slice of dy draws
+    other random numbers than the whole dy does, so only round-to-nearest compares elementwise
+    (the training test above keeps it on)."""
+    recipe = qt.recipe_from_name(recipe_name)
+    return dataclasses.replace(recipe, stochastic_rounding=False) if recipe_name == "nvfp4" else recipe
+
+
+LAYER_CASES = [  # (style, sequence_parallel, sequence_dim)
+    *((QuantColwiseParallel, False, 0), (QuantColwiseParallel, True, 0), (QuantColwiseParallel, True, 1)),
+    *((QuantRowwiseParallel, False, 0), (QuantRowwiseParallel, True, 0), (QuantRowwiseParallel, True, 1)),
+]
+
+
+def in_layout(t: torch.Tensor, dim: int | None, *, sequence_dim: int, world: int, rank: int) -> torch.Tensor:
+    """A sequence-first [s, b, h] tensor in the TP layer's layout, this rank's slice along dim
+    (None: all of it)."""
+    t = t if sequence_dim == 0 else t.transpose(0, 1)
+    return t if dim is None else t.chunk(world, dim=dim)[rank]
+
+
+def _layer_matches_unsharded(rank: int, world: int) -> None:
+    """The reference runs the whole layer on sequence-first tensors [s, b, h]; the TP layer gets
+    them as [s, b, h] (sequence_dim=0) or [b, s, h] (sequence_dim=1), sliced as its style wants.
+    Its gather orders tokens (sequence, batch) either way, so the wgrad's token blocks match.
+    512 features: 128 per rank on 4 ranks, so every format quantizes the local weights."""
+    mesh = init_device_mesh("cpu", (world,))
+    generator = torch.Generator().manual_seed(7)
+    x, dy = (torch.randn(64, 4, 512, generator=generator) for _ in range(2))  # the same on every rank
+    for recipe_name in RECIPES:
+        for style_type, sequence_parallel, sequence_dim in LAYER_CASES:
+            label = f"{recipe_name} {style_type.__name__} sp={sequence_parallel} sequence_dim={sequence_dim}"
+            torch.manual_seed(1)
+            reference = qt.nn.Linear(512, 512, recipe=deterministic(recipe_name))
+            layer = copy.deepcopy(reference)
+            parallelize_module(layer, mesh, style_type(sequence_parallel=sequence_parallel, sequence_dim=sequence_dim))
+            want_x = x.clone().requires_grad_(True)
+            want_y = reference(want_x)
+            want_y.backward(dy)
+            want_y = want_y.detach()
+
+            mine = functools.partial(in_layout, sequence_dim=sequence_dim, world=world, rank=rank)
+            sequence = sequence_dim if sequence_parallel else None
+            input_dim, output_dim = (sequence, -1) if style_type is QuantColwiseParallel else (-1, sequence)
+            local_x = mine(x, input_dim).clone().requires_grad_(True)
+            got = layer(local_x)
+            got.backward(mine(dy, output_dim))
+            weight_dim, bias_dim = (0, 0) if style_type is QuantColwiseParallel else (1, None)
+            # Exact up to the order of fp32 sums: over the ranks (row-parallel y, column-parallel dx)
+            # and inside the GEMMs of a slice.
+            pairs = {
+                "y": (got.detach(), mine(want_y, output_dim)),
+                "dx": (local_x.grad, mine(want_x.grad, input_dim)),
+                "dw": (layer.weight.grad.to_local(), reference.weight.grad.chunk(world, dim=weight_dim)[rank]),
+                "db": (
+                    layer.bias.grad.to_local(),
+                    reference.bias.grad if bias_dim is None else reference.bias.grad.chunk(world)[rank],
+                ),
+            }
+            for name, (a, b) in pairs.items():
+                # fp32 GEMMs over slices may sum in another order: 1e-5 of the largest magnitude
+                scale = float(b.abs().max())
+                torch.testing.assert_close(
+                    a, b, rtol=1e-5, atol=1e-5 * scale, msg=lambda m, n=f"{label} {name}": f"{n}: {m}"
+                )
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_parallel_linear_equals_the_unsharded_layer(world_size):
+    run_ranks(_layer_matches_unsharded, world_size)
+
+
+def _bad_inputs(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    recipe = qt.Float8BlockScaling()
+    with pytest.raises(TypeError, match="parallelizes qt.nn.Linear layers.*qt.convert"):
+        parallelize_module(torch.nn.Linear(256, 256), mesh, QuantColwiseParallel())
+    with pytest.warns(UserWarning, match="out_features=257"):
+        odd = qt.nn.Linear(256, 257, recipe=qt.Float8CurrentScaling())
+    with pytest.raises(ValueError, match="splits out_features=257 .* over 2 ranks"):
+        parallelize_module(odd, mesh, QuantColwiseParallel())
+    with pytest.raises(ValueError, match="takes a 1-D TP mesh"):
+        QuantRowwiseParallel()._apply(qt.nn.Linear(256, 256, recipe=recipe), init_device_mesh("cpu", (1, world)))
+    quantized = qt.convert(torch.nn.Sequential(torch.nn.Linear(256, 256)), recipe, quantized_weights=True)[0]
+    with pytest.raises(NotImplementedError, match="takes high-precision weights.*quantized_weights=True"):
+        parallelize_module(quantized, mesh, QuantRowwiseParallel())
+    layer = parallelize_module(
+        qt.nn.Linear(256, 256, recipe=recipe), mesh, QuantColwiseParallel(sequence_parallel=True)
+    )
+    wrong = DTensor.from_local(torch.randn(2, 64, 256), mesh, [Replicate()])
+    with pytest.raises(ValueError, match=r"expects an input placed as Shard\(dim=1\)"):
+        layer(wrong)
+    with pytest.raises(ValueError, match="sequence_dim=1.*leading dims"):
+        layer(torch.randn(64, 256))
+    rowwise = parallelize_module(
+        qt.nn.Linear(256, 256, recipe=recipe), mesh, QuantRowwiseParallel(sequence_parallel=True)
+    )
+    with pytest.raises(ValueError, match="splits the sequence .*pad the sequence"):
+        rowwise(torch.randn(2, 63, 128))
+    # A local weight the blocks do not divide: the explicit fallback, and the result is still right.
+    torch.manual_seed(3)
+    narrow = qt.nn.Linear(256, 128, recipe=recipe)
+    reference = copy.deepcopy(narrow)
+    with pytest.warns(UserWarning, match="local weight of 64 x 256.*computes in high precision"):
+        parallelize_module(narrow, mesh, QuantColwiseParallel(sequence_parallel=True))
+    x = torch.randn(2, 64, 256, generator=torch.Generator().manual_seed(0))
+    want = torch.nn.functional.linear(x, reference.weight, reference.bias).chunk(world, dim=-1)[rank]
+    torch.testing.assert_close(narrow(x.chunk(world, dim=1)[rank]), want, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_get_clear_errors():
+    run_ranks(_bad_inputs, 2)
