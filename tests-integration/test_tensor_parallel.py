@@ -16,7 +16,10 @@ import functools
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
@@ -221,6 +224,12 @@ def _bad_inputs(rank: int, world: int) -> None:
     quantized = qt.convert(torch.nn.Sequential(torch.nn.Linear(256, 256)), recipe, quantized_weights=True)[0]
     with pytest.raises(NotImplementedError, match="takes high-precision weights.*quantized_weights=True"):
         parallelize_module(quantized, mesh, QuantRowwiseParallel())
+    fp8 = qt.nn.Linear(256, 256, recipe=qt.Float8CurrentScaling())
+    fp8.weight_quantizer.amax_group = dist.new_group(backend="gloo")
+    weight = fp8.weight
+    with pytest.raises(ValueError, match="already agrees on its amax over another group"):
+        parallelize_module(fp8, mesh, QuantColwiseParallel())
+    assert fp8.weight is weight  # a refused layer is left as it was
     layer = parallelize_module(
         qt.nn.Linear(256, 256, recipe=recipe), mesh, QuantColwiseParallel(sequence_parallel=True)
     )
@@ -247,3 +256,49 @@ def _bad_inputs(rank: int, world: int) -> None:
 
 def test_bad_inputs_get_clear_errors():
     run_ranks(_bad_inputs, 2)
+
+
+# ---- torch.distributed.checkpoint ----------------------------------------------------------------
+
+
+def _checkpoint_resumes_bitwise(rank: int, world: int, path: str) -> None:
+    """TP parameters are DTensors: DCP saves model and AdamW state at step 2, and a fresh TP model
+    loading it continues bitwise like the original. (MXFP8: its quantizers keep no state; the
+    TP weights themselves are high precision in every recipe.)"""
+    mesh = init_device_mesh("cpu", (world,))
+
+    def build() -> tuple[Model, torch.optim.Optimizer]:
+        model = make_model("mxfp8")
+        parallelize_module(model, mesh, tensor_parallel_plan(model, sequence_parallel=True))
+        return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+
+    def train_steps(model: Model, optimizer: torch.optim.Optimizer, steps: range) -> list[float]:
+        losses = []
+        for step in steps:
+            inputs, targets = TASK.batch(step, BATCH, CONFIG.sequence)
+            loss = F.cross_entropy(model(inputs).float().reshape(-1, VOCAB), targets.reshape(-1))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        return losses
+
+    model, optimizer = build()
+    train_steps(model, optimizer, range(2))
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+    want = train_steps(model, optimizer, range(2, 4))
+
+    resumed, resumed_optimizer = build()
+    model_state, optimizer_state = get_state_dict(resumed, resumed_optimizer)
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+    set_state_dict(resumed, resumed_optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    assert train_steps(resumed, resumed_optimizer, range(2, 4)) == want
+    for (name, a), b in zip(model.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(
+            a.to_local() if isinstance(a, DTensor) else a, b.to_local() if isinstance(b, DTensor) else b
+        ), name
+
+
+def test_checkpoint_of_a_tensor_parallel_model_resumes_bitwise(tmp_path):
+    run_ranks(_checkpoint_resumes_bitwise, 2, str(tmp_path / "checkpoint"))

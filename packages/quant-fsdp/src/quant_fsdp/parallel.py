@@ -23,8 +23,11 @@ not depend on the order of rows.
 Per-tensor formats (FP8, NVFP4's global amax): the quantizers of tensors that are sharded over
 the group (both weights, the column-parallel grad_output, the row-parallel input) get the TP
 group as `amax_group`, so every rank scales with the whole tensor's amax, as one process does.
-The gathered input agrees on its amax inside the gather. Hence, apart from the order in which
-the row-parallel partial products are summed, the TP layers compute what one process computes.
+The gathered input agrees on its amax inside the gather. Hence the TP layers compute what one
+process computes on the same tokens in (sequence, batch) order, apart from the order of fp32
+sums (row-parallel partial products, GEMMs over slices). With batch-first activations one
+process would order tokens (batch, sequence): the wgrad's token blocks (MXFP8, blockwise, NVFP4
+columnwise data) then group other tokens, an equally valid but not identical quantization.
 """
 
 from __future__ import annotations
@@ -48,7 +51,6 @@ __all__ = ["QuantColwiseParallel", "QuantRowwiseParallel"]
 
 class _QuantParallel(ParallelStyle):
     _weight_dim: int
-    _what: str
 
     def __init__(self, *, sequence_parallel: bool = False, sequence_dim: int = 1) -> None:
         super().__init__()
@@ -59,6 +61,7 @@ class _QuantParallel(ParallelStyle):
         return f"{type(self).__name__}(sequence_parallel={self.sequence_parallel}, sequence_dim={self.sequence_dim})"
 
     def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+        # Every check comes before the first change: a refused layer is left as it was.
         _check_layer(module, device_mesh, type(self).__name__)
         tp = device_mesh.size()
         features = module.weight.shape[self._weight_dim]
@@ -68,6 +71,13 @@ class _QuantParallel(ParallelStyle):
                 f"{type(self).__name__} splits {name}={features} of {module} over {tp} ranks, which does not "
                 f"divide it; choose a TP size that divides {features}"
             )
+        group = device_mesh.get_group()
+        sharded_quantizers = [q for q in self._sharded_quantizers(module) if q.per_tensor_amax]
+        if any(q.amax_group is not None and q.amax_group is not group for q in sharded_quantizers):
+            raise ValueError(
+                f"a quantizer of {module} already agrees on its amax over another group; tensor parallelism needs "
+                "the TP group there: apply the TP style before fully_shard and before setting amax_group yourself"
+            )
         placements = {"weight": Shard(self._weight_dim), "bias": Shard(0) if self._weight_dim == 0 else Replicate()}
         for name, placement in placements.items():
             param = getattr(module, name)
@@ -75,9 +85,8 @@ class _QuantParallel(ParallelStyle):
                 sharded = distribute_tensor(param.detach(), device_mesh, [placement])
                 module.register_parameter(name, torch.nn.Parameter(sharded, requires_grad=param.requires_grad))
         _fall_back_if_unquantizable(module, type(self).__name__)
-        group = device_mesh.get_group()
-        for quantizer in self._sharded_quantizers(module):
-            _share_amax(quantizer, group, module)
+        for quantizer in sharded_quantizers:
+            quantizer.amax_group = group
         module.forward = functools.partial(self._forward, module, group)
         return module
 
@@ -183,17 +192,6 @@ def _fall_back_if_unquantizable(module: qt.nn.Linear, style: str) -> None:
             "precision. Choose a TP size that keeps the local features at those multiples."
         )
         warnings.warn(module.high_precision_reason, stacklevel=4)
-
-
-def _share_amax(quantizer: qt.Quantizer, group: dist.ProcessGroup, module: torch.nn.Module) -> None:
-    if not quantizer.per_tensor_amax:
-        return
-    if quantizer.amax_group is not None and quantizer.amax_group is not group:
-        raise ValueError(
-            f"a quantizer of {module} already agrees on its amax over another group; tensor parallelism needs the "
-            "TP group there: apply the TP style before fully_shard and before setting amax_group yourself"
-        )
-    quantizer.amax_group = group
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
