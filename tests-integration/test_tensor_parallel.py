@@ -163,10 +163,11 @@ def _layer_matches_unsharded(rank: int, world: int) -> None:
     """The reference runs the whole layer on sequence-first tensors [s, b, h]; the TP layer gets
     them as [s, b, h] (sequence_dim=0) or [b, s, h] (sequence_dim=1), sliced as its style wants.
     Its gather orders tokens (sequence, batch) either way, so the wgrad's token blocks match.
-    512 features: 128 per rank on 4 ranks, so every format quantizes the local weights."""
+    512 features and 128 x 4 tokens: 128 features and 128 token rows per rank on 4 ranks, so every
+    format quantizes the local weights and gathers quantized."""
     mesh = init_device_mesh("cpu", (world,))
     generator = torch.Generator().manual_seed(7)
-    x, dy = (torch.randn(64, 4, 512, generator=generator) for _ in range(2))  # the same on every rank
+    x, dy = (torch.randn(128, 4, 512, generator=generator) for _ in range(2))  # the same on every rank
     for recipe_name in RECIPES:
         for style_type, sequence_parallel, sequence_dim in LAYER_CASES:
             label = f"{recipe_name} {style_type.__name__} sp={sequence_parallel} sequence_dim={sequence_dim}"
@@ -183,8 +184,14 @@ def _layer_matches_unsharded(rank: int, world: int) -> None:
             sequence = sequence_dim if sequence_parallel else None
             input_dim, output_dim = (sequence, -1) if style_type is QuantColwiseParallel else (-1, sequence)
             local_x = mine(x, input_dim).clone().requires_grad_(True)
+            quant_fsdp.reset_comm_stats()
             got = layer(local_x)
             got.backward(mine(dy, output_dim))
+            # Sequence parallel: the column-parallel input (forward) or the row-parallel gradient
+            # (backward) travels quantized; nothing is gathered otherwise.
+            stats = quant_fsdp.comm_stats().get(layer.input_quantizer.format_name, {"quantized": 0, "fallback": 0})
+            assert (stats["quantized"] > 0) == sequence_parallel, (label, stats)
+            assert stats["fallback"] == 0, (label, stats)
             weight_dim, bias_dim = (0, 0) if style_type is QuantColwiseParallel else (1, None)
             # Exact up to the order of fp32 sums: over the ranks (row-parallel y, column-parallel dx)
             # and inside the GEMMs of a slice.

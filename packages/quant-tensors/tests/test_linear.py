@@ -139,6 +139,40 @@ def test_prequantized_input_without_what_the_gemms_need_is_refused():
     assert fp8.weight.grad is not None
 
 
+class _QuantizedGradient(torch.autograd.Function):
+    """The identity whose backward hands the gradient on quantized (as a sequence-parallel gather does)."""
+
+    @staticmethod
+    def forward(ctx, y, quantizer):
+        ctx.quantizer = quantizer
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.quantizer.quantize(grad), None
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_prequantized_gradient_equals_quantizing_inside_the_layer(name):
+    torch.manual_seed(0)
+    recipe = qt.recipe_from_name(name)
+    if name == "nvfp4":  # stochastic rounding would draw from the two quantizers' own streams
+        recipe = dataclasses.replace(recipe, stochastic_rounding=False)
+    layer = qt.nn.Linear(256, 128, bias=False, recipe=recipe)
+    twin = copy.deepcopy(layer)
+    x = torch.randn(128, 256, generator=gen(6))
+    dy = torch.randn(128, 128, generator=gen(7))
+    got_x, want_x = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    quantizer = copy.deepcopy(layer.grad_output_quantizer).with_usage(rowwise=True, columnwise=True)
+    _QuantizedGradient.apply(layer(got_x), quantizer).backward(dy)
+    twin(want_x).backward(dy)
+    assert torch.equal(got_x.grad, want_x.grad)
+    assert torch.equal(layer.weight.grad, twin.weight.grad)
+    with_bias = qt.nn.Linear(256, 128, recipe=recipe)
+    with pytest.raises(ValueError, match="bias gradient is the sum of the high-precision gradient"):
+        _QuantizedGradient.apply(with_bias(x), quantizer).backward(dy)
+
+
 def test_scaled_mm_reports_its_path_and_checks_operands():
     q = qt.Float8CurrentScaling().quantizer("input")
     a, b = q.quantize(torch.randn(64, 128)), q.quantize(torch.randn(32, 128))

@@ -1,4 +1,4 @@
-"""comm_stats(): bytes the FSDP2 all-gather hooks hand to the collective, per format and path."""
+"""comm_stats(): bytes quant-fsdp's all-gathers hand to the collective, per format and path."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ _BYTES: defaultdict[str, dict[str, int]] = defaultdict(lambda: {"quantized": 0, 
 
 
 def comm_stats() -> dict[str, dict[str, int]]:
-    """Bytes all-gathered through quant-fsdp's hooks since the last reset, per format.
+    """Bytes all-gathered by quant-fsdp since the last reset, per format: FSDP2's weight gathers
+    through the hooks and the sequence-parallel gathers (`gather_along_first_dim`, the TP styles).
 
     `{format: {"quantized": bytes, "fallback": bytes}}`: "quantized" counts gathers of quantized
     bytes, "fallback" the high-precision gathers of parameters whose shards cannot be quantized on

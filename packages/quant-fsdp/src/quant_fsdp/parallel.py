@@ -11,7 +11,8 @@
 - `QuantRowwiseParallel` shards the weight along dim 1 and replicates the bias: each rank
   multiplies its slice of the input's last dim, the partial products are summed over the group
   (all-reduce; with sequence parallelism a reduce-scatter along the sequence, whose backward
-  gathers the gradient in high precision), then the bias is added once.
+  gathers the gradient quantized by the layer's grad_output quantizer, for its dgrad and wgrad
+  GEMMs), then the bias is added once.
 
 Activations are local tensors in and out; DTensor inputs (e.g. from torch's `SequenceParallel`
 on a norm) are accepted when their placement is the one expected. Parameters become DTensors on
@@ -156,9 +157,15 @@ class QuantRowwiseParallel(_QuantParallel):
                 f"QuantRowwiseParallel(sequence_parallel=True) splits the sequence ({x.shape[dim]} along dim {dim}) "
                 f"over {world} ranks, which does not divide it; pad the sequence to a multiple of {world}"
             )
-        partial = module.linear(x.movedim(dim, 0), weight, None)  # tokens in (sequence, batch) order
-        y = _ReduceScatterSequence.apply(partial.reshape(-1, partial.shape[-1]), group)
-        y = y.view(partial.shape[0] // world, *partial.shape[1:]).movedim(0, dim)
+        rows = x.movedim(dim, 0)  # tokens in (sequence, batch) order
+        partial = module.linear(rows.reshape(-1, rows.shape[-1]), weight, None)
+        quantizer = None
+        if not module.high_precision_reason:
+            quantizer = module.grad_output_quantizer.with_usage(
+                rowwise=x.requires_grad, columnwise=weight.requires_grad
+            )
+        y = _ReduceScatterSequence.apply(partial, group, quantizer)
+        y = y.view(rows.shape[0] // world, *rows.shape[1:-1], y.shape[-1]).movedim(0, dim)
         return y if bias is None else y + _SumGradients.apply(bias, group)
 
 
@@ -230,16 +237,18 @@ class _GatherSequence(torch.autograd.Function):
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
-    """Sums partial rows over the group and keeps this rank's slice; the backward gathers."""
+    """Sums partial rows over the group and keeps this rank's slice; the backward gathers the
+    gradient, quantized for the layer's dgrad and wgrad GEMMs when a quantizer is given (the
+    layer takes it as it is)."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx, rows: torch.Tensor, group: dist.ProcessGroup, quantizer: qt.Quantizer | None) -> torch.Tensor:
+        ctx.group, ctx.quantizer = group, quantizer
         return reduce_scatter_along_first_dim(rows, group)[0]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return gather_along_first_dim(grad, ctx.group)[0], None
+        return gather_along_first_dim(grad, ctx.group, quantizer=ctx.quantizer)[0], None, None
 
 
 class _SumPartials(torch.autograd.Function):

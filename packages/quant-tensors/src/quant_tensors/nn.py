@@ -57,7 +57,7 @@ class _QuantizedLinearFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, module: Linear) -> torch.Tensor:
         needs_wgrad = weight.requires_grad
         if isinstance(x, QuantizedTensor):
-            qx = _prequantized_input(x, needs_wgrad)
+            qx = _prequantized(x, "input", rowwise=True, columnwise=needs_wgrad)
         else:
             quantizer = module.input_quantizer.with_usage(rowwise=True, columnwise=needs_wgrad)
             qx = quantizer.quantize(x.reshape(-1, x.shape[-1]))
@@ -74,9 +74,12 @@ class _QuantizedLinearFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         qx, qw = ctx.saved_tensors
         module: Linear = ctx.module
-        dy_2d = dy.reshape(-1, dy.shape[-1])
         needs_dgrad, needs_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        qdy = module.grad_output_quantizer.with_usage(rowwise=needs_dgrad, columnwise=needs_wgrad).quantize(dy_2d)
+        if isinstance(dy, QuantizedTensor):  # e.g. gathered quantized by a row-parallel sequence-parallel layer
+            qdy = _prequantized(dy, "gradient", rowwise=needs_dgrad, columnwise=needs_wgrad)
+        else:
+            quantizer = module.grad_output_quantizer.with_usage(rowwise=needs_dgrad, columnwise=needs_wgrad)
+            qdy = quantizer.quantize(dy.reshape(-1, dy.shape[-1]))
         dx = dw = db = None
         if needs_dgrad:
             derived = qw.columnwise_data is None
@@ -88,7 +91,12 @@ class _QuantizedLinearFunction(torch.autograd.Function):
         if needs_wgrad:
             dw = scaled_mm(qdy, qx, ctx.weight_dtype, a_usage="columnwise", b_usage="columnwise")
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy_2d.sum(dim=0)
+            if qdy is dy:
+                raise ValueError(
+                    "the bias gradient is the sum of the high-precision gradient, which a quantized gradient no longer "
+                    "holds; add the bias outside the layer (as QuantRowwiseParallel does) or pass a plain gradient"
+                )
+            db = dy.reshape(-1, dy.shape[-1]).sum(dim=0)
         return dx, dw, db, None
 
 
@@ -158,24 +166,24 @@ class Linear(torch.nn.Linear):
         return f"{super().extra_repr()}, recipe={type(self.recipe).__name__}{mode}"
 
 
-def _prequantized_input(x: QuantizedTensor, needs_wgrad: bool) -> QuantizedTensor:
-    """An input the caller quantized: checked, and given derivable columnwise data if missing."""
-    rowwise, columnwise = x.usages
-    if x.dim() != 2 or not rowwise:
+def _prequantized(t: QuantizedTensor, what: str, *, rowwise: bool, columnwise: bool) -> QuantizedTensor:
+    """An input or gradient the caller quantized for the GEMMs: checked, given derivable
+    columnwise data if it lacks it, and otherwise used as it is."""
+    role, name = ("input_quantizer", "x") if what == "input" else ("grad_output_quantizer", "dy")
+    if t.dim() != 2 or (rowwise and not t.usages[0]):
         raise ValueError(
-            f"qt.nn.Linear takes a quantized input of 2 dims with rowwise data, got shape {tuple(x.shape)} with "
-            f"usages (rowwise, columnwise) = {x.usages}; quantize x.reshape(-1, x.shape[-1]) with "
-            "input_quantizer.with_usage(rowwise=True, columnwise=...)"
+            f"qt.nn.Linear takes a quantized {what} of 2 dims with rowwise data, got shape {tuple(t.shape)} with "
+            f"usages (rowwise, columnwise) = {t.usages}; quantize {name}.reshape(-1, {name}.shape[-1]) with "
+            f"{role}.with_usage(rowwise=True, columnwise=...)"
         )
-    if needs_wgrad and not columnwise:
-        if not x.quantizer.can_derive_columnwise:
+    if columnwise and not t.usages[1]:
+        if not t.quantizer.can_derive_columnwise:
             raise ValueError(
-                f"the weight needs a gradient, so the wgrad GEMM needs the quantized input's columnwise data, "
-                f"which this {x.quantizer.format_name} input lacks; quantize it with "
-                "input_quantizer.with_usage(rowwise=True, columnwise=True)"
+                f"the wgrad GEMM needs the quantized {what}'s columnwise data, which this {t.quantizer.format_name} "
+                f"{what} lacks; quantize it with {role}.with_usage(rowwise=True, columnwise=True)"
             )
-        x.update_usage(columnwise=True)
-    return x
+        t.update_usage(columnwise=True)
+    return t
 
 
 def _high_precision_like(weight: torch.Tensor) -> torch.Tensor:
