@@ -15,6 +15,7 @@ import torch.distributed as dist
 import quant_fsdp
 import quant_tensors as qt
 from quant_core.testing import raw_bits, run_ranks
+from quant_fsdp.testing import count_all_gather_bytes
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 
@@ -179,3 +180,43 @@ def _async_gathers_return_before_the_peers_send(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_async_gathers_read_nothing_before_wait(world_size):
     run_ranks(_async_gathers_return_before_the_peers_send, world_size)
+
+
+def _coalesced_gathers(rank: int, world: int) -> None:
+    """gather_many_along_first_dim: each result equals gathering that tensor alone, with one
+    exchange for all of them instead of one each (collectives counted)."""
+    fp8, mxfp8, block = (qt.recipe_from_name(n).quantizer("input") for n in ("fp8", "mxfp8", "fp8-block"))
+    nvfp4 = qt.NVFP4BlockScaling().quantizer("input")
+    xs = [
+        local_input(64, 256, rank),  # MXFP8, quantized bytes
+        local_input(64, 256, rank).t(),  # FP8 (the group's amax), non-contiguous
+        local_input(100, 256, rank),  # blockwise: 100 rows, the fallback
+        local_input(3 + rank, 5, rank, dtype=torch.float32),  # plain, unequal rows
+        copy.deepcopy(nvfp4).quantize(local_input(64, 256, rank)),  # already quantized, local amaxes differ
+    ]
+    quantizers = [mxfp8, fp8, block, None, None]
+    with count_all_gather_bytes() as alone:
+        want = [
+            quant_fsdp.gather_along_first_dim(x, None, quantizer=copy.deepcopy(q))[0]
+            for x, q in zip(xs, quantizers, strict=True)
+        ]
+    for async_op in (False, True):
+        with count_all_gather_bytes() as together:
+            got, handle = quant_fsdp.gather_many_along_first_dim(
+                xs, None, quantizers=[copy.deepcopy(q) for q in quantizers], async_op=async_op
+            )
+            if handle is not None:
+                handle.wait()
+        assert together.calls == alone.calls - (len(xs) - 1), (alone.calls, together.calls)
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            if isinstance(b, qt.QuantizedTensor):
+                assert_same_quantization(a, b, f"tensor {i} async={async_op}")
+            else:
+                assert torch.equal(a, b), i
+    with pytest.raises(ValueError, match="got 2 tensors but 1 quantizers"):
+        quant_fsdp.gather_many_along_first_dim(xs[:2], None, quantizers=[fp8])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_coalesced_gathers_equal_gathering_each_alone(world_size):
+    run_ranks(_coalesced_gathers, world_size)

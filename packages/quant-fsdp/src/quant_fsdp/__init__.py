@@ -12,7 +12,12 @@ from quant_fsdp import parallel
 from quant_fsdp._amax import sync_amax_
 from quant_fsdp._fully_shard import fully_shard, install_hooks
 from quant_fsdp._plan import GatherPlan, gather_plan
-from quant_fsdp._sequence import GatherHandle, gather_along_first_dim, reduce_scatter_along_first_dim
+from quant_fsdp._sequence import (
+    GatherHandle,
+    gather_along_first_dim,
+    gather_many_along_first_dim,
+    reduce_scatter_along_first_dim,
+)
 from quant_fsdp._stats import comm_stats, reset_comm_stats
 from quant_fsdp._version import __version__
 from quant_fsdp._weight import QuantizeOnGatherTensor
@@ -27,6 +32,7 @@ __all__ = [
     "comm_stats",
     "fully_shard",
     "gather_along_first_dim",
+    "gather_many_along_first_dim",
     "gather_plan",
     "parallel",
     "reduce_scatter_along_first_dim",

@@ -16,14 +16,18 @@ concatenation along dim 0 of every rank's x, quantized:
    shards differ in size), quantize the result; logged once per call site, counted in
    `comm_stats()` as "fallback".
 Without a quantizer (and for a plain input) it is a high-precision gather. With one rank it only
-quantizes. `reduce_scatter_along_first_dim` is the backward's sum-and-split, in high precision. `async_op=True` returns a handle whose `wait()` finishes the collectives and the
-post-processing; `out` must not be read before.
+quantizes. `async_op=True` returns once the payload collectives are issued (step 1 is
+synchronous: the path depends on it), with a handle whose `wait()` finishes the collectives and
+the post-processing; `out` must not be read before. `gather_many_along_first_dim` coalesces
+several gathers: one exchange for all, every payload issued before any wait, one handle.
+`reduce_scatter_along_first_dim` is the backward's sum-and-split, in high precision.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
 import torch
@@ -37,19 +41,23 @@ from quant_tensors import QuantizedTensor, Quantizer
 logger = logging.getLogger("quant_fsdp")
 _warned_call_sites: set[tuple[str, int]] = set()
 
+_Issued = tuple[torch.Tensor, list[dist.Work], Callable[[], object]]
+"""A started gather: its output, its collectives, and what rebuilds the output once they are done."""
+
 
 class GatherHandle:
-    """Finishes an asynchronous gather: `wait()` waits for its collectives, then post-processes."""
+    """Finishes asynchronous gathers: `wait()` waits for their collectives, then post-processes."""
 
-    def __init__(self, works: list[dist.Work], finish) -> None:
-        self._works, self._finish, self._done = works, finish, False
+    def __init__(self, works: list[dist.Work], finishes: list[Callable[[], object]]) -> None:
+        self._works, self._finishes, self._done = works, finishes, False
 
     def wait(self) -> None:
         if self._done:
             return
         for work in self._works:
             work.wait()
-        self._finish()
+        for finish in self._finishes:
+            finish()
         self._done = True
 
 
@@ -59,32 +67,84 @@ def gather_along_first_dim(
     """Concatenates every rank's `x` along dim 0, quantized when a quantizer is given or x is
     quantized; see [Note: sequence gather]. Returns (out, handle); handle is None unless
     `async_op`, and then `out` is valid only after `handle.wait()`."""
-    if not isinstance(x, torch.Tensor) or x.dim() == 0:
-        raise ValueError(f"gather_along_first_dim needs a tensor with at least one dim, got {type(x).__name__}")
-    quantizer = quantizer if quantizer is not None or not isinstance(x, QuantizedTensor) else x.quantizer
+    (out,), handle = _gather_all([x], [quantizer], group, async_op, _call_site())
+    return out, handle
+
+
+def gather_many_along_first_dim(
+    xs: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    *,
+    quantizers: Sequence[Quantizer | None] | None = None,
+    async_op: bool = False,
+) -> tuple[list[torch.Tensor], GatherHandle | None]:
+    """`gather_along_first_dim` of several tensors, coalesced: one small exchange for all of them,
+    then every payload collective issued before any is waited for, and one handle. Each result
+    equals gathering that tensor alone. `quantizers[i]` (None: plain, or xs[i]'s own) goes with xs[i]."""
+    xs = list(xs)
+    quantizers = [None] * len(xs) if quantizers is None else list(quantizers)
+    if len(quantizers) != len(xs):
+        raise ValueError(f"gather_many_along_first_dim got {len(xs)} tensors but {len(quantizers)} quantizers")
+    return _gather_all(xs, quantizers, group, async_op, _call_site())
+
+
+def _call_site() -> tuple[str, int]:
+    frame = sys._getframe(2)  # the caller of the public function calling this
+    return frame.f_code.co_filename, frame.f_lineno
+
+
+def _gather_all(
+    xs: list[torch.Tensor], quantizers: list[Quantizer | None], group, async_op: bool, site: tuple[str, int]
+) -> tuple[list[torch.Tensor], GatherHandle | None]:
+    for x in xs:
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            raise ValueError(f"gather_along_first_dim needs tensors with at least one dim, got {type(x).__name__}")
+    quantizers = [
+        q if q is not None or not isinstance(x, QuantizedTensor) else x.quantizer
+        for x, q in zip(xs, quantizers, strict=True)
+    ]
     world = dist.get_world_size(group)
-    if world == 1:
-        out = x if quantizer is None or _has_usages(x, quantizer) else quantizer.quantize(_high_precision(x))
-        return out, (GatherHandle([], lambda: None) if async_op else None)
+    if world == 1 or not xs:
+        outs = [
+            x if q is None or _has_usages(x, q) else q.quantize(_high_precision(x))
+            for x, q in zip(xs, quantizers, strict=True)
+        ]
+        return outs, (GatherHandle([], []) if async_op else None)
+    fresh = [
+        q is not None and q.per_tensor_amax and not isinstance(x, QuantizedTensor)
+        for x, q in zip(xs, quantizers, strict=True)
+    ]
+    local_values = [
+        [quant_core.amax(x)] if f else _per_tensor_values(x) if isinstance(x, QuantizedTensor) else []
+        for x, f in zip(xs, fresh, strict=True)
+    ]
+    everyone = _exchange([(x.shape[0], v) for x, v in zip(xs, local_values, strict=True)], xs[0].device, group, world)
+    issued = [_issue(*args, group, world, site) for args in zip(xs, quantizers, everyone, fresh, strict=True)]
+    handle = GatherHandle([w for _, works, _ in issued for w in works], [finish for _, _, finish in issued])
+    outs = [out for out, _, _ in issued]
+    if async_op:
+        return outs, handle
+    handle.wait()
+    return outs, None
 
-    fresh_per_tensor = quantizer is not None and quantizer.per_tensor_amax and not isinstance(x, QuantizedTensor)
-    local_values = _per_tensor_values(x) if isinstance(x, QuantizedTensor) else []
-    if fresh_per_tensor:
-        local_values = [quant_core.amax(x)]
-    everyone = _exchange(x.shape[0], local_values, x.device, group, world)
+
+def _issue(
+    x: torch.Tensor, quantizer: Quantizer | None, everyone: torch.Tensor, fresh_per_tensor: bool, group, world: int,
+    site: tuple[str, int],
+) -> _Issued:  # fmt: skip
+    """Starts one gather on the path every rank agrees on (see `_fallback_reason`)."""
     rows = [int(r) for r in everyone[:, 0].tolist()]
-
     if quantizer is None:
-        return _gather_high_precision(x.contiguous(), rows, group, async_op, None)
+        return _gather_high_precision(x.contiguous(), rows, group, None)
     reason = _fallback_reason(x, quantizer, rows, everyone, fresh_per_tensor)
     if reason is not None:
-        _log_fallback(quantizer, reason)
-        return _gather_high_precision(_high_precision(x), rows, group, async_op, quantizer)
+        _log_fallback(quantizer, reason, site)
+        return _gather_high_precision(_high_precision(x), rows, group, quantizer)
     if fresh_per_tensor:
         x = quantizer.quantize(x.contiguous(), amax=everyone[:, 1].max().to(torch.float32))
     elif not isinstance(x, QuantizedTensor):
         x = quantizer.quantize(x.contiguous())
-    return _gather_quantized(x, quantizer, group, world, async_op)
+    return _gather_quantized(x, quantizer, group, world)
 
 
 def _all_gather(output: torch.Tensor, input: torch.Tensor, **kwargs) -> dist.Work | None:
@@ -119,13 +179,17 @@ def _per_tensor_values(x: QuantizedTensor) -> list[torch.Tensor]:
 
 
 def _exchange(
-    rows: int, values: list[torch.Tensor], device: torch.device, group: dist.ProcessGroup | None, world: int
-) -> torch.Tensor:
-    """(world, 1 + len(values)) float64: every rank's dim-0 size and per-tensor values."""
-    mine = torch.tensor([float(rows), *(float(v) for v in values)], dtype=torch.float64, device=device)
+    entries: list[tuple[int, list[torch.Tensor]]], device: torch.device, group, world: int
+) -> list[torch.Tensor]:
+    """For each (dim-0 size, per-tensor values) entry, every rank's: a (world, 1 + len(values))
+    float64 tensor. One all-gather for all entries."""
+    widths = [1 + len(values) for _, values in entries]
+    mine = torch.tensor(
+        [float(v) for rows, values in entries for v in (rows, *values)], dtype=torch.float64, device=device
+    )
     everyone = mine.new_empty(world * mine.numel())  # concatenated along dim 0, as gloo wants it
     _all_gather(everyone, mine, group=group)
-    return everyone.view(world, -1).cpu()
+    return list(everyone.view(world, -1).cpu().split(widths, dim=1))
 
 
 def _fallback_reason(
@@ -148,9 +212,7 @@ def _fallback_reason(
     return None
 
 
-def _log_fallback(quantizer: Quantizer, reason: str) -> None:
-    frame = sys._getframe(2)  # the caller of gather_along_first_dim
-    site = (frame.f_code.co_filename, frame.f_lineno)
+def _log_fallback(quantizer: Quantizer, reason: str, site: tuple[str, int]) -> None:
     if site not in _warned_call_sites:
         _warned_call_sites.add(site)
         logger.warning(
@@ -159,9 +221,7 @@ def _log_fallback(quantizer: Quantizer, reason: str) -> None:
         )  # fmt: skip
 
 
-def _gather_high_precision(
-    x: torch.Tensor, rows: list[int], group, async_op: bool, quantizer: Quantizer | None
-) -> tuple[torch.Tensor, GatherHandle | None]:
+def _gather_high_precision(x: torch.Tensor, rows: list[int], group, quantizer: Quantizer | None) -> _Issued:
     """All-gathers contiguous x along dim 0 (padded to the longest shard when sizes differ); with
     a quantizer (the fallback) the full tensor is quantized into `out` once it has arrived."""
     longest, world = max(rows), len(rows)
@@ -179,16 +239,12 @@ def _gather_high_precision(
 
     if quantizer is None:
         out = gathered if len(set(rows)) == 1 else x.new_empty(full_shape)
-        handle = GatherHandle([work], lambda: None if out is gathered else out.copy_(full()))
-    else:
-        out = quantizer.make_empty(full_shape, dtype=x.dtype, device=x.device)
-        handle = GatherHandle([work], lambda: quantizer.quantize_(full(), out))
-    return _finished(out, handle, async_op)
+        return out, [work], lambda: None if out is gathered else out.copy_(full())
+    out = quantizer.make_empty(full_shape, dtype=x.dtype, device=x.device)
+    return out, [work], lambda: quantizer.quantize_(full(), out)
 
 
-def _gather_quantized(
-    shard: QuantizedTensor, quantizer: Quantizer, group, world: int, async_op: bool
-) -> tuple[torch.Tensor, GatherHandle | None]:
+def _gather_quantized(shard: QuantizedTensor, quantizer: Quantizer, group, world: int) -> _Issued:
     """The fast path of [Note: sequence gather]: the shard's bytes, rebuilt as in FSDP2's gather."""
     rowwise, columnwise = shard.usages
     derive_columnwise = columnwise and quantizer.can_derive_columnwise
@@ -203,14 +259,7 @@ def _gather_quantized(
         if derive_columnwise:
             out.update_usage(columnwise=True)
 
-    return _finished(out, GatherHandle(works, finish), async_op)
-
-
-def _finished(out: torch.Tensor, handle: GatherHandle, async_op: bool) -> tuple[torch.Tensor, GatherHandle | None]:
-    if async_op:
-        return out, handle
-    handle.wait()
-    return out, None
+    return out, works, finish
 
 
 def reduce_scatter_along_first_dim(
@@ -232,4 +281,7 @@ def reduce_scatter_along_first_dim(
         )
     out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
     work = _reduce_scatter(out, x.contiguous(), group=group, async_op=True)
-    return _finished(out, GatherHandle([work], lambda: None), async_op)
+    if async_op:
+        return out, GatherHandle([work], [])
+    work.wait()
+    return out, None
