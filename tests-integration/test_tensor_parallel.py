@@ -1,11 +1,12 @@
 """quant_fsdp.parallel: tensor and sequence parallel qt.nn.Linear under torch's parallelize_module.
 
 Training parity: a small transformer whose block Linears are QuantColwiseParallel /
-QuantRowwiseParallel (with and without sequence parallelism; embedding, norms and head use
-torch's own styles) trains to the losses of the same model in one process, within issue #5's
-tolerance, for every recipe: TP=2 + SP on 2 gloo ranks, TP=2 + SP x FSDP2=2 on 4 (TP=2 without SP
-trained within 1.1e-4, 5.0e-4 for NVFP4, when measured on 2026-11-23; not in CI for time). Per
-layer: forward and backward equal the unsharded layer's slices, with and without SP, 2 and 4 ranks.
+QuantRowwiseParallel with sequence parallelism (embedding, norms and head use torch's own
+styles) trains to the losses of the same model in one process, within issue #5's tolerance, for
+every recipe: TP=2 + SP on 2 gloo ranks, TP=2 + SP x FSDP2=2 on 4. (TP=2 without SP trained
+within 1.1e-4, 5.0e-4 for NVFP4, measured on 2026-11-23; left out of CI for time.) Per layer:
+forward and backward equal the unsharded layer's slices, with and without SP, on 2 and 4 ranks.
+Errors for bad inputs; DCP resume.
 """
 
 from __future__ import annotations
