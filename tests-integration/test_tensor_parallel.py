@@ -218,6 +218,44 @@ def test_parallel_linear_equals_the_unsharded_layer(world_size):
     run_ranks(_layer_matches_unsharded, world_size)
 
 
+def _qkv_share_one_gather(rank: int, world: int) -> None:
+    """Three column-parallel SP layers reading one input object (q, k, v) gather it once when
+    their quantizers quantize alike (not delayed scaling: each layer's amax history is its own),
+    with the same outputs and gradients as three separate gathers."""
+    mesh = init_device_mesh("cpu", (world,))
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(128, 4, 512, generator=generator).chunk(world)[rank]  # sequence first
+    dys = [torch.randn(128, 4, 512 // world, generator=generator) for _ in range(3)]
+    for recipe_name in RECIPES:
+        torch.manual_seed(2)
+        shared = [qt.nn.Linear(512, 512, recipe=deterministic(recipe_name)) for _ in range(3)]
+        separate = copy.deepcopy(shared)
+        for layer in shared + separate:
+            parallelize_module(layer, mesh, QuantColwiseParallel(sequence_parallel=True, sequence_dim=0))
+        runs = {}
+        for name, layers, inputs in [
+            ("shared", shared, [x.clone().requires_grad_(True)] * 3),
+            ("separate", separate, [x.clone().requires_grad_(True) for _ in range(3)]),
+        ]:
+            quant_fsdp.reset_comm_stats()
+            ys = [layer(i) for layer, i in zip(layers, inputs, strict=True)]
+            sum((y * dy).sum() for y, dy in zip(ys, dys, strict=True)).backward()
+            gathered = sum(counts["quantized"] for counts in quant_fsdp.comm_stats().values())
+            dx = sum(i.grad for i in {id(i): i for i in inputs}.values())
+            runs[name] = (gathered, ys, dx, [layer.weight.grad.to_local() for layer in layers])
+        (shared_bytes, *got), (separate_bytes, *want) = runs["shared"], runs["separate"]
+        assert shared_bytes * (1 if recipe_name == "fp8-delayed" else 3) == separate_bytes, recipe_name
+        for y, y_alone in zip(got[0], want[0], strict=True):
+            assert torch.equal(y, y_alone), recipe_name
+        torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)  # dx: one sum of three vs three sums
+        for dw, dw_alone in zip(got[2], want[2], strict=True):
+            assert torch.equal(dw, dw_alone), recipe_name
+
+
+def test_layers_reading_one_input_share_its_gather():
+    run_ranks(_qkv_share_one_gather, 2)
+
+
 def _bad_inputs(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     recipe = qt.Float8BlockScaling()

@@ -108,3 +108,26 @@ def test_mxfp8_ignores_the_on_demand_environment(monkeypatch):
     assert not qt.MXFP8BlockScaling().quantizer("weight").columnwise_on_demand
     with pytest.raises(ValueError, match="columnwise_on_demand needs columnwise data that is a lossless transpose"):
         qt.MXFP8Quantizer(columnwise_on_demand=True)
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4"])
+def test_quantizes_like_means_equal_bytes_and_refuses_state(name):
+    recipe = qt.recipe_from_name(name)
+    a, b = recipe.quantizer("input"), recipe.quantizer("input")
+    stateful = name == "fp8-delayed"
+    assert a.stateless is not stateful
+    assert a.quantizes_like(b) is not stateful
+    assert not a.quantizes_like(a.with_usage(columnwise=not a.columnwise))
+    # Gradients: E5M2 (fp8, fp8-block), stochastic rounding (nvfp4), a history (fp8-delayed);
+    # MXFP8 quantizes inputs and gradients alike.
+    assert a.quantizes_like(recipe.quantizer("grad_output")) is (name == "mxfp8")
+    if a.quantizes_like(b):
+        x = torch.randn(64, 128)
+        qa, qb = a.quantize(x), b.quantize(x)
+        for key, buffer in qa.buffers().items():
+            assert (buffer is None) == (qb.buffers()[key] is None)
+            if buffer is not None:
+                assert torch.equal(
+                    buffer.reshape(-1).view(torch.uint8), qb.buffers()[key].reshape(-1).view(torch.uint8)
+                ), key
+    assert recipe.quantizer("grad_output").stateless is (name not in ("nvfp4", "fp8-delayed"))

@@ -33,8 +33,10 @@ columnwise data) then group other tokens, an equally valid but not identical qua
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -42,6 +44,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.utils.weak import WeakIdKeyDictionary
 
 import quant_tensors as qt
 from quant_fsdp._sequence import gather_along_first_dim, reduce_scatter_along_first_dim
@@ -123,12 +126,11 @@ class QuantColwiseParallel(_QuantParallel):
             x = _local_input(x, Replicate(), self)
             return module.linear(_SumGradients.apply(x, group), weight, bias)
         dim = self._sequence_dim(x)
-        x = _local_input(x, Shard(dim), self)
-        rows = x.movedim(dim, 0)
+        rows = _local_input(x, Shard(dim), self).movedim(dim, 0)
         quantizer = None
         if not module.high_precision_reason:
             quantizer = module.input_quantizer.with_usage(rowwise=True, columnwise=weight.requires_grad)
-        gathered = _GatherSequence.apply(rows.reshape(-1, rows.shape[-1]), group, quantizer)
+        gathered = _gathered_input(x, rows, group, quantizer)
         y = module.linear(gathered, weight, bias)
         sequence = rows.shape[0] * dist.get_world_size(group)
         return y.view(sequence, *rows.shape[1:-1], y.shape[-1]).movedim(0, dim)
@@ -167,6 +169,43 @@ class QuantRowwiseParallel(_QuantParallel):
         y = _ReduceScatterSequence.apply(partial, group, quantizer)
         y = y.view(rows.shape[0] // world, *rows.shape[1:-1], y.shape[-1]).movedim(0, dim)
         return y if bias is None else y + _SumGradients.apply(bias, group)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SharedGather:
+    version: int
+    grad_enabled: bool
+    group: dist.ProcessGroup
+    quantizer: qt.Quantizer | None
+    gathered: torch.Tensor
+
+
+# The column-parallel layers reading one input object (q, k and v after one norm) share its
+# sequence gather while that object lives, when their quantizers quantize alike.
+_shared_gathers = WeakIdKeyDictionary()
+
+
+def _gathered_input(
+    x: torch.Tensor, rows: torch.Tensor, group: dist.ProcessGroup, quantizer: qt.Quantizer | None
+) -> torch.Tensor:
+    """`rows` (x's local tokens, sequence first) gathered along the sequence, quantized; reused
+    when another layer already gathered the same, unmodified x alike. Once x is gone, so is every
+    forward reader: the rowwise data (forward GEMM) is dropped, the columnwise (wgrad) kept."""
+    shared = _shared_gathers.get(x)
+    if (
+        shared is not None
+        and shared.version == x._version
+        and shared.grad_enabled == torch.is_grad_enabled()
+        and shared.group is group
+        and (shared.quantizer is None if quantizer is None else quantizer.quantizes_like(shared.quantizer))
+    ):
+        return shared.gathered
+    gathered = _GatherSequence.apply(rows.reshape(-1, rows.shape[-1]), group, quantizer)
+    if quantizer is None or quantizer.stateless:
+        _shared_gathers[x] = _SharedGather(x._version, torch.is_grad_enabled(), group, quantizer, gathered)
+    if isinstance(gathered, QuantizedTensor) and quantizer.columnwise:
+        weakref.finalize(x, gathered.update_usage, rowwise=False)
+    return gathered
 
 
 def _check_layer(module: torch.nn.Module, mesh: DeviceMesh, style: str) -> None:

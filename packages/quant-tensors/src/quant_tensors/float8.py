@@ -173,6 +173,10 @@ class Float8DelayedQuantizer(Float8Quantizer):
 
     format_name: ClassVar[str] = "per-tensor FP8 (delayed scaling)"
 
+    @property
+    def stateless(self) -> bool:
+        return False  # the scale comes from the amax history
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.amax_history_len < 1:

@@ -59,6 +59,10 @@ class NVFP4Quantizer(BlockQuantizer):
     per_tensor_amax: ClassVar[bool] = True
 
     @property
+    def stateless(self) -> bool:
+        return not self.stochastic_rounding  # each stochastic quantize draws from the next stream
+
+    @property
     def block_shape(self) -> tuple[int, int]:
         return (quant_core.NVFP4_BLOCK if self.tile else 1, quant_core.NVFP4_BLOCK)
 

@@ -75,6 +75,22 @@ class Quantizer:
         return 1
 
     @property
+    def stateless(self) -> bool:
+        """Whether `quantize(x)` depends only on x and this quantizer's configuration (no amax
+        history, no random stream)."""
+        return True
+
+    def quantizes_like(self, other: Quantizer) -> bool:
+        """Whether self and other quantize every tensor identically: the same class and
+        configuration (the fields shown in repr), neither keeping state."""
+        return (
+            type(self) is type(other)
+            and self.stateless
+            and other.stateless
+            and all(getattr(self, f.name) == getattr(other, f.name) for f in dataclasses.fields(self) if f.repr)
+        )
+
+    @property
     def produced_usages(self) -> tuple[bool, bool]:
         """(rowwise, columnwise) that `quantize` writes (on-demand columnwise left out)."""
         return self.rowwise, self.columnwise and not (self.columnwise_on_demand and self.rowwise)
