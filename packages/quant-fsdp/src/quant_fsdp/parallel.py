@@ -130,8 +130,7 @@ class QuantColwiseParallel(_QuantParallel):
         quantizer = None
         if not module.high_precision_reason:
             quantizer = module.input_quantizer.with_usage(rowwise=True, columnwise=weight.requires_grad)
-        gathered = _gathered_input(x, rows, group, quantizer)
-        y = module.linear(gathered, weight, bias)
+        y = module.linear(_gathered_input(x, rows, dim, group, quantizer), weight, bias)
         sequence = rows.shape[0] * dist.get_world_size(group)
         return y.view(sequence, *rows.shape[1:-1], y.shape[-1]).movedim(0, dim)
 
@@ -175,6 +174,7 @@ class QuantRowwiseParallel(_QuantParallel):
 class _SharedGather:
     version: int
     grad_enabled: bool
+    sequence_dim: int
     group: dist.ProcessGroup
     quantizer: qt.Quantizer | None
     gathered: torch.Tensor
@@ -186,23 +186,25 @@ _shared_gathers = WeakIdKeyDictionary()
 
 
 def _gathered_input(
-    x: torch.Tensor, rows: torch.Tensor, group: dist.ProcessGroup, quantizer: qt.Quantizer | None
+    x: torch.Tensor, rows: torch.Tensor, dim: int, group: dist.ProcessGroup, quantizer: qt.Quantizer | None
 ) -> torch.Tensor:
-    """`rows` (x's local tokens, sequence first) gathered along the sequence, quantized; reused
-    when another layer already gathered the same, unmodified x alike. Once x is gone, so is every
-    forward reader: the rowwise data (forward GEMM) is dropped, the columnwise (wgrad) kept."""
+    """`rows` (x's local tokens, its sequence dim `dim` moved first) gathered along the sequence,
+    quantized; reused when another layer already gathered the same, unmodified x alike. Once x is
+    gone, so is every forward reader: the rowwise data (forward GEMM) is dropped, the columnwise
+    (wgrad) kept."""
     shared = _shared_gathers.get(x)
     if (
         shared is not None
         and shared.version == x._version
         and shared.grad_enabled == torch.is_grad_enabled()
+        and shared.sequence_dim == dim
         and shared.group is group
         and (shared.quantizer is None if quantizer is None else quantizer.quantizes_like(shared.quantizer))
     ):
         return shared.gathered
     gathered = _GatherSequence.apply(rows.reshape(-1, rows.shape[-1]), group, quantizer)
     if quantizer is None or quantizer.stateless:
-        _shared_gathers[x] = _SharedGather(x._version, torch.is_grad_enabled(), group, quantizer, gathered)
+        _shared_gathers[x] = _SharedGather(x._version, torch.is_grad_enabled(), dim, group, quantizer, gathered)
     if isinstance(gathered, QuantizedTensor) and quantizer.columnwise:
         weakref.finalize(x, gathered.update_usage, rowwise=False)
     return gathered
