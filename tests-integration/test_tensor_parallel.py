@@ -30,6 +30,7 @@ import quant_tensors as qt
 from quant_core.testing import run_ranks
 from quant_fsdp.parallel import QuantColwiseParallel, QuantRowwiseParallel
 from quant_fsdp.testing import train_data_parallel, train_replicas
+from quant_optim import FusedAdam
 from quant_tensors.testing import MarkovTask, TransformerConfig
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
@@ -267,9 +268,16 @@ def _bad_inputs(rank: int, world: int) -> None:
         parallelize_module(odd, mesh, QuantColwiseParallel())
     with pytest.raises(ValueError, match="takes a 1-D TP mesh"):
         QuantRowwiseParallel()._apply(qt.nn.Linear(256, 256, recipe=recipe), init_device_mesh("cpu", (1, world)))
-    quantized = qt.convert(torch.nn.Sequential(torch.nn.Linear(256, 256)), recipe, quantized_weights=True)[0]
-    with pytest.raises(NotImplementedError, match="takes high-precision weights.*quantized_weights=True"):
+    # 256 / 2 = 128 columns per rank fit 128 x 128 tiles; 128 / 2 = 64 do not.
+    quantized = qt.convert(torch.nn.Sequential(torch.nn.Linear(128, 256)), recipe, quantized_weights=True)[0]
+    with pytest.raises(ValueError, match=r"local weight of \(256, 64\).*cannot hold.*quantized_weights"):
         parallelize_module(quantized, mesh, QuantRowwiseParallel())
+    assert isinstance(quantized.weight, qt.QuantizedTensor)  # left as it was
+    parallelize_module(quantized, mesh, QuantColwiseParallel())
+    with pytest.raises(ValueError, match="already a DTensor"):
+        parallelize_module(quantized, mesh, QuantColwiseParallel())
+    with pytest.raises(NotImplementedError, match="quantized primary weight split for tensor parallelism.*TP alone"):
+        quant_fsdp.fully_shard(torch.nn.Sequential(quantized), mesh=mesh)
     fp8 = qt.nn.Linear(256, 256, recipe=qt.Float8CurrentScaling())
     fp8.weight_quantizer.amax_group = dist.new_group(backend="gloo")
     weight = fp8.weight
@@ -304,6 +312,61 @@ def test_bad_inputs_get_clear_errors():
     run_ranks(_bad_inputs, 2)
 
 
+def train_steps(model: Model, optimizer: torch.optim.Optimizer, steps: range) -> list[float]:
+    """Whole batches (every TP rank sees the same ones); returns the losses."""
+    losses = []
+    for step in steps:
+        inputs, targets = TASK.batch(step, BATCH, CONFIG.sequence)
+        loss = F.cross_entropy(model(inputs).float().reshape(-1, VOCAB), targets.reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+# ---- quantized primary weights with FusedAdam -----------------------------------------------------
+
+
+def quantized_weights_model(recipe_name: str) -> Model:
+    """make_model with the block Linears' weights stored quantized (qt.convert's mode 1)."""
+    model = make_model(recipe_name)
+    for layer in model.blocks.modules():
+        if isinstance(layer, qt.nn.Linear):
+            layer.weight = qt.nn.quantized_parameter(layer.weight.detach(), layer.weight_quantizer)
+    return model
+
+
+def _quantized_weights_train(rank: int, world: int, expected: dict) -> None:
+    """TP=2 + SP with quantized primary weights: every local weight is the slice of the whole
+    weight's quantization (dequantized values compared bitwise; not for delayed scaling, whose
+    slices scale by the amax history the whole weight's quantization started), and FusedAdam (fp32
+    masters, requantizing with the amax agreed over TP) trains to the one-process losses."""
+    mesh = init_device_mesh("cpu", (world,))
+    for recipe_name, want in expected.items():
+        whole = quantized_weights_model(recipe_name)
+        model = quantized_weights_model(recipe_name)
+        parallelize_module(model, mesh, tensor_parallel_plan(model, sequence_parallel=True))
+        for (name, p), w in zip(model.blocks.named_parameters(), whole.blocks.parameters(), strict=True):
+            if isinstance(w, qt.QuantizedTensor) and w.quantizer.stateless:
+                dim = p.placements[0].dim
+                slice_of_whole = w.dequantize().chunk(world, dim=dim)[rank]
+                assert torch.equal(p.to_local().dequantize(), slice_of_whole), (recipe_name, name)
+        got = train_steps(model, FusedAdam(model.parameters(), lr=LR), range(STEPS))
+        worst = max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
+        if rank == 0:
+            print(f"{recipe_name} quantized weights tp={world} sp=True: max relative loss difference {worst:.2e}")
+        assert worst <= LOSS_TOLERANCE, (recipe_name, worst, got, want)
+
+
+def test_tensor_parallel_quantized_weights_with_fused_adam_match_single_process():
+    expected = {}
+    for recipe_name in RECIPES:
+        model = quantized_weights_model(recipe_name)
+        expected[recipe_name] = train_steps(model, FusedAdam(model.parameters(), lr=LR), range(STEPS))
+    run_ranks(_quantized_weights_train, 2, expected)
+
+
 # ---- torch.distributed.checkpoint ----------------------------------------------------------------
 
 
@@ -317,17 +380,6 @@ def _checkpoint_resumes_bitwise(rank: int, world: int, path: str) -> None:
         model = make_model("mxfp8")
         parallelize_module(model, mesh, tensor_parallel_plan(model, sequence_parallel=True))
         return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-
-    def train_steps(model: Model, optimizer: torch.optim.Optimizer, steps: range) -> list[float]:
-        losses = []
-        for step in steps:
-            inputs, targets = TASK.batch(step, BATCH, CONFIG.sequence)
-            loss = F.cross_entropy(model(inputs).float().reshape(-1, VOCAB), targets.reshape(-1))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-        return losses
 
     model, optimizer = build()
     train_steps(model, optimizer, range(2))

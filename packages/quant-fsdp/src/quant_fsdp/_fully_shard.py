@@ -151,6 +151,12 @@ def _quantizer_and_mode(
 ) -> tuple[Any, str]:
     local = qt.local_quantized(param)
     if isinstance(param, DTensor):  # tensor parallel (quant_fsdp.parallel): FSDP2 gathers it as it is
+        if local is not None:
+            raise NotImplementedError(
+                f"{type(owner).__name__}.{attribute} is a quantized primary weight split for tensor parallelism; "
+                "sharding it with FSDP2 as well is not built (its per-tensor scale would have to agree over TP x "
+                "FSDP and its FSDP shards fall on block rows). Use high-precision weights for TP x FSDP2, or TP alone."
+            )
         if quantize_on_gather and isinstance(owner, qt.nn.Linear) and attribute == "weight":
             logger.warning(
                 "%s.weight is tensor parallel: quantize_on_gather does not apply to it yet, FSDP2 gathers its "

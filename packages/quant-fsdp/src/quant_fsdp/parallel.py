@@ -14,6 +14,10 @@
   gathers the gradient quantized by the layer's grad_output quantizer, for its dgrad and wgrad
   GEMMs), then the bias is added once.
 
+Quantized primary weights (qt.convert(..., quantized_weights=True)) are split by quantizing
+each rank's slice of their high-precision value (`_distribute_quantized`); FSDP2 on top of them
+is refused by quant_fsdp.fully_shard.
+
 Activations are local tensors in and out; DTensor inputs (e.g. from torch's `SequenceParallel`
 on a norm) are accepted when their placement is the one expected. Parameters become DTensors on
 the TP mesh, as with torch's styles, so FSDP2 on a 2-D mesh, DCP and optimizers see them as usual.
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import warnings
 import weakref
 from typing import Any
@@ -51,6 +56,8 @@ from quant_fsdp._sequence import gather_along_first_dim, reduce_scatter_along_fi
 from quant_tensors import QuantizedTensor
 
 __all__ = ["QuantColwiseParallel", "QuantRowwiseParallel"]
+
+logger = logging.getLogger("quant_fsdp")
 
 
 class _QuantParallel(ParallelStyle):
@@ -76,21 +83,42 @@ class _QuantParallel(ParallelStyle):
                 f"divide it; choose a TP size that divides {features}"
             )
         group = device_mesh.get_group()
-        sharded_quantizers = [q for q in self._sharded_quantizers(module) if q.per_tensor_amax]
+        quantized_weight = module.weight if isinstance(module.weight, QuantizedTensor) else None
+        sharded_quantizers = [
+            *self._sharded_quantizers(module),
+            *([quantized_weight.quantizer] if quantized_weight is not None else []),
+        ]
+        sharded_quantizers = [q for q in sharded_quantizers if q.per_tensor_amax]
         if any(q.amax_group is not None and q.amax_group is not group for q in sharded_quantizers):
             raise ValueError(
                 f"a quantizer of {module} already agrees on its amax over another group; tensor parallelism needs "
                 "the TP group there: apply the TP style before fully_shard and before setting amax_group yourself"
             )
+        local_shape = list(module.weight.shape)
+        local_shape[self._weight_dim] //= tp
+        if quantized_weight is not None and not quantized_weight.quantizer.is_quantizable(
+            torch.empty(local_shape, device="meta")
+        ):
+            raise ValueError(
+                f"{type(self).__name__} leaves {module} a local weight of {tuple(local_shape)}, which its quantized "
+                f"{quantized_weight.quantizer.format_name} weight cannot hold (blocks of {quantized_weight.quantizer.dim_multiple}); "
+                "choose a TP size that keeps the local features at those multiples, or convert without quantized_weights"
+            )
+        for quantizer in sharded_quantizers:
+            quantizer.amax_group = group
         placements = {"weight": Shard(self._weight_dim), "bias": Shard(0) if self._weight_dim == 0 else Replicate()}
         for name, placement in placements.items():
             param = getattr(module, name)
-            if param is not None:
-                sharded = distribute_tensor(param.detach(), device_mesh, [placement])
-                module.register_parameter(name, torch.nn.Parameter(sharded, requires_grad=param.requires_grad))
+            if param is None:
+                continue
+            if param is quantized_weight:
+                sharded, init_value = _distribute_quantized(param, device_mesh, placement)
+            else:
+                sharded, init_value = distribute_tensor(param.detach(), device_mesh, [placement]), None
+            module.register_parameter(name, torch.nn.Parameter(sharded, requires_grad=param.requires_grad))
+            if init_value is not None:  # for the optimizer's fp32 master (qt.high_precision_init_value)
+                qt.nn.attach_high_precision_init_value(getattr(module, name), init_value)
         _fall_back_if_unquantizable(module, type(self).__name__)
-        for quantizer in sharded_quantizers:
-            quantizer.amax_group = group
         module.forward = functools.partial(self._forward, module, group)
         return module
 
@@ -210,6 +238,27 @@ def _gathered_input(
     return gathered
 
 
+def _distribute_quantized(weight: QuantizedTensor, mesh: DeviceMesh, placement: Shard) -> tuple[DTensor, DTensor]:
+    """A quantized primary weight as this rank's slice, and the slice of its high-precision value.
+
+    The slice is quantized from the high-precision value qt.convert kept (else the dequantized
+    weight), rank 0's as with distribute_tensor, by the weight's quantizer, whose per-tensor amax
+    the TP group already agrees on: since the slices fall on block boundaries, this is the slice
+    of the whole weight's quantization, bit for bit.
+    """
+    value = qt.high_precision_init_value(weight)
+    if value is None:
+        logger.warning(
+            "a %s weight of shape %s is split for tensor parallelism without its high-precision initial value: "
+            "its slices start from the dequantized weight", weight.quantizer.format_name, tuple(weight.shape),
+        )  # fmt: skip
+        value = weight.dequantize()
+    value = distribute_tensor(value.detach(), mesh, [placement])
+    local = weight.quantizer.quantize(value.to_local().contiguous())
+    sharded = DTensor.from_local(local, mesh, [placement], run_check=False, shape=weight.shape, stride=weight.stride())
+    return sharded, value
+
+
 def _check_layer(module: torch.nn.Module, mesh: DeviceMesh, style: str) -> None:
     if not isinstance(module, qt.nn.Linear):
         raise TypeError(
@@ -219,11 +268,10 @@ def _check_layer(module: torch.nn.Module, mesh: DeviceMesh, style: str) -> None:
     if mesh.ndim != 1:
         raise ValueError(f"{style} takes a 1-D TP mesh, got {mesh.ndim} dims; pass mesh['tp'] of a 2-D mesh")
     for name, param in module.named_parameters(recurse=False):
-        if isinstance(param, (DTensor, QuantizedTensor)):
-            raise NotImplementedError(
-                f"{style}: {name} of {module} is already a {type(param).__name__}. Tensor parallelism takes "
-                "high-precision weights and comes before fully_shard: convert without quantized_weights=True "
-                "(quantized primary weights under TP would need per-tensor scales agreed over TP x FSDP: not built)"
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"{style}: {name} of {module} is already a DTensor (sharded); apply the TP style once, before "
+                "fully_shard"
             )
 
 

@@ -214,13 +214,14 @@ class FusedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
-        for p, _ in work:  # before anything changes
-            self._check_grad(p)
-        self.last_step_skipped = not self._grads_finite([qt.local_shard(p.grad) for p, _ in work], found_inf)
+        grads = [_local_grad(p) for p, _ in work]
+        for (p, _), grad in zip(work, grads, strict=True):  # before anything changes
+            self._check_grad(p, grad)
+        self.last_step_skipped = not self._grads_finite(grads, found_inf)
         if self.last_step_skipped:
             self.skipped_steps += 1
             return loss
-        updates = [self._prepare(p, group) for p, group in work]
+        updates = [self._prepare(p, group, grad) for (p, group), grad in zip(work, grads, strict=True)]
         self._update(updates)
         self._write_back(updates)
         for (p, _), u in zip(work, updates, strict=True):
@@ -228,8 +229,8 @@ class FusedAdam(torch.optim.Optimizer):
         return loss
 
     @staticmethod
-    def _check_grad(p: torch.Tensor) -> None:
-        local, grad = qt.local_shard(p), qt.local_shard(p.grad)
+    def _check_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
+        local = qt.local_shard(p)
         if grad.dtype not in _GRAD_DTYPES or grad.shape != local.shape:
             raise ValueError(
                 f"a parameter of local shape {tuple(local.shape)} has a gradient of dtype {grad.dtype} and local "
@@ -237,10 +238,10 @@ class FusedAdam(torch.optim.Optimizer):
                 "parameter (nothing was changed)"
             )
 
-    def _prepare(self, p: torch.Tensor, group: dict[str, Any]) -> _ParamUpdate:
+    def _prepare(self, p: torch.Tensor, group: dict[str, Any], grad: torch.Tensor) -> _ParamUpdate:
         """Names the local tensors the parameter's update touches (changes nothing)."""
         state = self._state_of(p, group)
-        local, grad = qt.local_shard(p), qt.local_shard(p.grad)
+        local = qt.local_shard(p)
         if "master" in state:
             master = qt.local_shard(state["master"])
         elif local.dtype != torch.float32:  # master_weights=False: a transient fp32 copy
@@ -336,6 +337,17 @@ class FusedAdam(torch.optim.Optimizer):
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return not bool(bad)
+
+
+def _local_grad(p: torch.Tensor) -> torch.Tensor:
+    """p's gradient as a local tensor laid out like p's: a DTensor gradient placed otherwise is
+    redistributed first (torch's TP styles leave Partial gradients on replicated norm weights and
+    Replicate ones on row-sharded embeddings; reading their local tensors would use a partial
+    sum or the wrong rows). That is a collective on p's mesh, as torch's optimizers do it."""
+    grad = p.grad
+    if isinstance(grad, DTensor) and isinstance(p, DTensor) and tuple(grad.placements) != tuple(p.placements):
+        grad = grad.redistribute(p.device_mesh, p.placements)
+    return qt.local_shard(grad)
 
 
 @dataclass(eq=False)
