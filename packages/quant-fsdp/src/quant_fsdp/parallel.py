@@ -72,38 +72,8 @@ class _QuantParallel(ParallelStyle):
         return f"{type(self).__name__}(sequence_parallel={self.sequence_parallel}, sequence_dim={self.sequence_dim})"
 
     def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
-        # Every check comes before the first change: a refused layer is left as it was.
-        _check_layer(module, device_mesh, type(self).__name__)
-        tp = device_mesh.size()
-        features = module.weight.shape[self._weight_dim]
-        if features % tp:
-            name = ("out_features", "in_features")[self._weight_dim]
-            raise ValueError(
-                f"{type(self).__name__} splits {name}={features} of {module} over {tp} ranks, which does not "
-                f"divide it; choose a TP size that divides {features}"
-            )
+        sharded_quantizers = self._checked(module, device_mesh)  # a refused layer is left as it was
         group = device_mesh.get_group()
-        quantized_weight = module.weight if isinstance(module.weight, QuantizedTensor) else None
-        sharded_quantizers = [
-            *self._sharded_quantizers(module),
-            *([quantized_weight.quantizer] if quantized_weight is not None else []),
-        ]
-        sharded_quantizers = [q for q in sharded_quantizers if q.per_tensor_amax]
-        if any(q.amax_group is not None and q.amax_group is not group for q in sharded_quantizers):
-            raise ValueError(
-                f"a quantizer of {module} already agrees on its amax over another group; tensor parallelism needs "
-                "the TP group there: apply the TP style before fully_shard and before setting amax_group yourself"
-            )
-        local_shape = list(module.weight.shape)
-        local_shape[self._weight_dim] //= tp
-        if quantized_weight is not None and not quantized_weight.quantizer.is_quantizable(
-            torch.empty(local_shape, device="meta")
-        ):
-            raise ValueError(
-                f"{type(self).__name__} leaves {module} a local weight of {tuple(local_shape)}, which its quantized "
-                f"{quantized_weight.quantizer.format_name} weight cannot hold (blocks of {quantized_weight.quantizer.dim_multiple}); "
-                "choose a TP size that keeps the local features at those multiples, or convert without quantized_weights"
-            )
         for quantizer in sharded_quantizers:
             quantizer.amax_group = group
         placements = {"weight": Shard(self._weight_dim), "bias": Shard(0) if self._weight_dim == 0 else Replicate()}
@@ -111,7 +81,7 @@ class _QuantParallel(ParallelStyle):
             param = getattr(module, name)
             if param is None:
                 continue
-            if param is quantized_weight:
+            if isinstance(param, QuantizedTensor):
                 sharded, init_value = _distribute_quantized(param, device_mesh, placement)
             else:
                 sharded, init_value = distribute_tensor(param.detach(), device_mesh, [placement]), None
@@ -121,6 +91,40 @@ class _QuantParallel(ParallelStyle):
         _fall_back_if_unquantizable(module, type(self).__name__)
         module.forward = functools.partial(self._forward, module, group)
         return module
+
+    def _checked(self, module: torch.nn.Module, mesh: DeviceMesh) -> list[qt.Quantizer]:
+        """Every check of `_apply`, before it changes anything; returns the per-tensor quantizers
+        whose tensors the TP group shards (they must agree on amax over it)."""
+        style = type(self).__name__
+        _check_layer(module, mesh, style)
+        tp = mesh.size()
+        features = module.weight.shape[self._weight_dim]
+        if features % tp:
+            name = ("out_features", "in_features")[self._weight_dim]
+            raise ValueError(
+                f"{style} splits {name}={features} of {module} over {tp} ranks, which does not divide it; choose a "
+                f"TP size that divides {features}"
+            )
+        quantizers = list(self._sharded_quantizers(module))
+        if isinstance(module.weight, QuantizedTensor):
+            weight_quantizer = module.weight.quantizer
+            quantizers.append(weight_quantizer)
+            local_shape = list(module.weight.shape)
+            local_shape[self._weight_dim] //= tp
+            if not weight_quantizer.is_quantizable(torch.empty(local_shape, device="meta")):
+                raise ValueError(
+                    f"{style} leaves {module} a local weight of {tuple(local_shape)}, which its quantized "
+                    f"{weight_quantizer.format_name} weight cannot hold (blocks of {weight_quantizer.dim_multiple}); "
+                    "choose a TP size that keeps the local features at those multiples, or convert without "
+                    "quantized_weights"
+                )
+        quantizers = [q for q in quantizers if q.per_tensor_amax]
+        if any(q.amax_group is not None and q.amax_group is not mesh.get_group() for q in quantizers):
+            raise ValueError(
+                f"a quantizer of {module} already agrees on its amax over another group; tensor parallelism needs "
+                "the TP group there: apply the TP style before fully_shard and before setting amax_group yourself"
+            )
+        return quantizers
 
     def _sharded_quantizers(self, module: qt.nn.Linear) -> tuple[qt.Quantizer, ...]:
         raise NotImplementedError
