@@ -220,3 +220,25 @@ def _coalesced_gathers(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_coalesced_gathers_equal_gathering_each_alone(world_size):
     run_ranks(_coalesced_gathers, world_size)
+
+
+def _world_size_1(rank: int, world: int) -> None:
+    """One rank: no collective; a plain input is quantized, an input already quantized alike is
+    returned as it is, one in another encoding is requantized."""
+    quantizer = qt.MXFP8BlockScaling().quantizer("input")
+    x = local_input(64, 256, rank)
+    with count_all_gather_bytes() as counter:
+        got, handle = quant_fsdp.gather_along_first_dim(x, None, quantizer=copy.deepcopy(quantizer), async_op=True)
+        handle.wait()
+        assert_same_quantization(got, copy.deepcopy(quantizer).quantize(x), "plain")
+        already = copy.deepcopy(quantizer).quantize(x)
+        assert quant_fsdp.gather_along_first_dim(already, None, quantizer=quantizer)[0] is already
+        tiles = qt.NVFP4BlockScaling().quantizer("weight").quantize(x)
+        nvfp4 = qt.NVFP4BlockScaling().quantizer("input")
+        got = quant_fsdp.gather_along_first_dim(tiles, None, quantizer=nvfp4)[0]
+        assert_same_quantization(got, qt.NVFP4BlockScaling().quantizer("input").quantize(tiles.dequantize()), "tiles")
+    assert counter.calls == 0
+
+
+def test_world_size_1_only_quantizes():
+    run_ranks(_world_size_1, 1)

@@ -253,6 +253,30 @@ def _qkv_share_one_gather(rank: int, world: int) -> None:
             assert torch.equal(dw, dw_alone), recipe_name
 
 
+def _rowwise_data_freed_with_the_input(rank: int, world: int) -> None:
+    """The gathered input keeps its rowwise data (the forward GEMMs) while the input lives, and
+    only the columnwise data (the wgrad GEMM) once it is gone; the backward still runs."""
+    from quant_fsdp.parallel import _shared_gathers
+
+    mesh = init_device_mesh("cpu", (world,))
+    layer = qt.nn.Linear(512, 512, recipe=qt.MXFP8BlockScaling())
+    parallelize_module(layer, mesh, QuantColwiseParallel(sequence_parallel=True, sequence_dim=0))
+    leaf = torch.randn(128, 4, 512, generator=torch.Generator().manual_seed(5)).chunk(world)[rank].requires_grad_(True)
+    x = leaf * 1  # not a leaf: nothing else keeps it alive
+    y = layer(x)
+    gathered = _shared_gathers.get(x).gathered
+    assert gathered.usages == (True, True)
+    del x
+    assert gathered.usages == (False, True)
+    y.sum().backward()
+    assert leaf.grad is not None
+    assert layer.weight.grad is not None
+
+
+def test_gathered_rowwise_data_is_freed_with_the_input():
+    run_ranks(_rowwise_data_freed_with_the_input, 2)
+
+
 def test_layers_reading_one_input_share_its_gather():
     run_ranks(_qkv_share_one_gather, 2)
 

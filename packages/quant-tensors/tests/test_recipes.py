@@ -131,3 +131,12 @@ def test_quantizes_like_means_equal_bytes_and_refuses_state(name):
                     buffer.reshape(-1).view(torch.uint8), qb.buffers()[key].reshape(-1).view(torch.uint8)
                 ), key
     assert recipe.quantizer("grad_output").stateless is (name not in ("nvfp4", "fp8-delayed"))
+
+
+def test_encodes_like_compares_the_byte_layout_not_the_scales():
+    fp8, delayed, mxfp8 = (qt.recipe_from_name(n) for n in ("fp8", "fp8-delayed", "mxfp8"))
+    assert fp8.quantizer("input").encodes_like(delayed.quantizer("input"))  # both E4M3 per-tensor
+    assert not fp8.quantizer("input").encodes_like(fp8.quantizer("grad_output"))  # E4M3 vs E5M2
+    assert not qt.Float8BlockScaling().quantizer("input").encodes_like(qt.Float8BlockScaling().quantizer("weight"))
+    assert not mxfp8.quantizer("input").encodes_like(fp8.quantizer("input"))
+    assert mxfp8.quantizer("input").encodes_like(mxfp8.quantizer("grad_output"))

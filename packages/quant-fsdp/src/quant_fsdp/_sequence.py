@@ -106,7 +106,7 @@ def _gather_all(
     world = dist.get_world_size(group)
     if world == 1 or not xs:
         outs = [
-            x if q is None or _has_usages(x, q) else q.quantize(_high_precision(x))
+            x if q is None or _usable_as_is(x, q) else q.quantize(_high_precision(x))
             for x, q in zip(xs, quantizers, strict=True)
         ]
         return outs, (GatherHandle([], []) if async_op else None)
@@ -157,16 +157,11 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, **kwargs) -> dist
     return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(output, input, **kwargs)
 
 
-def _has_usages(x: torch.Tensor, quantizer: Quantizer) -> bool:
-    if not isinstance(x, QuantizedTensor):
+def _usable_as_is(x: torch.Tensor, quantizer: Quantizer) -> bool:
+    """Whether x is already quantized in the quantizer's encoding with every usage it asks for."""
+    if not isinstance(x, QuantizedTensor) or not x.quantizer.encodes_like(quantizer):
         return False
-    wanted = quantizer.produced_usages
-    return all(have or not want for have, want in zip(x.usages, wanted, strict=True))
-
-
-def _encoding(quantizer: Quantizer) -> tuple:
-    """What decoding a quantizer's bytes depends on: format, block shape, FP8 dtype."""
-    return quantizer.format_name, quantizer._metadata(), getattr(quantizer, "fp8_dtype", None)
+    return all(have or not want for have, want in zip(x.usages, quantizer.produced_usages, strict=True))
 
 
 def _high_precision(x: torch.Tensor) -> torch.Tensor:
@@ -198,10 +193,8 @@ def _fallback_reason(
     """Why the shards cannot be gathered quantized (the same answer on every rank), or None."""
     if len(set(rows)) > 1:
         return f"dim 0 differs between ranks ({rows})"
-    if isinstance(x, QuantizedTensor) and _encoding(x.quantizer) != _encoding(quantizer):
-        return f"the input is encoded as {_encoding(x.quantizer)}, the quantizer's as {_encoding(quantizer)}"
-    if isinstance(x, QuantizedTensor) and not _has_usages(x, quantizer):
-        return f"the input is quantized without the usages the quantizer asks for {quantizer.produced_usages}"
+    if isinstance(x, QuantizedTensor) and not _usable_as_is(x, quantizer):
+        return f"the input ({x.quantizer}, usages {x.usages}) is not in the encoding or lacks the usages of {quantizer}"
     if not quantizer.is_quantizable(x):
         return f"shape {tuple(x.shape)} is not divisible by the {quantizer.format_name} blocks {quantizer.dim_multiple}"
     rows_2d = x.numel() // x.shape[-1]

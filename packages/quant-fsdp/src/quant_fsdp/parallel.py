@@ -109,11 +109,10 @@ class _QuantParallel(ParallelStyle):
         if isinstance(module.weight, QuantizedTensor):
             weight_quantizer = module.weight.quantizer
             quantizers.append(weight_quantizer)
-            local_shape = list(module.weight.shape)
-            local_shape[self._weight_dim] //= tp
-            if not weight_quantizer.is_quantizable(torch.empty(local_shape, device="meta")):
+            local_shape = _local_weight_shape(module.weight, self._weight_dim, tp)
+            if not _fits(weight_quantizer, local_shape):
                 raise ValueError(
-                    f"{style} leaves {module} a local weight of {tuple(local_shape)}, which its quantized "
+                    f"{style} leaves {module} a local weight of {local_shape}, which its quantized "
                     f"{weight_quantizer.format_name} weight cannot hold (blocks of {weight_quantizer.dim_multiple}); "
                     "choose a TP size that keeps the local features at those multiples, or convert without "
                     "quantized_weights"
@@ -279,19 +278,29 @@ def _check_layer(module: torch.nn.Module, mesh: DeviceMesh, style: str) -> None:
             )
 
 
+def _local_weight_shape(weight: torch.Tensor, dim: int, tp: int) -> tuple[int, ...]:
+    shape = list(weight.shape)
+    shape[dim] //= tp
+    return tuple(shape)
+
+
+def _fits(quantizer: qt.Quantizer, shape: tuple[int, ...]) -> bool:
+    """Whether a weight of `shape` fits the quantizer's blocks (its own check, on a meta tensor)."""
+    return quantizer.is_quantizable(torch.empty(shape, device="meta"))
+
+
 def _fall_back_if_unquantizable(module: qt.nn.Linear, style: str) -> None:
-    """The explicit fallback when the local weight's dims do not fit the format's blocks."""
-    if module.high_precision_reason:
+    """The explicit fallback when the local high-precision weight does not fit the format's blocks."""
+    local_shape = tuple(module.weight.to_local().shape)
+    if module.high_precision_reason or _fits(module.weight_quantizer, local_shape):
         return
-    rows_multiple, k_multiple = module.weight_quantizer.dim_multiple
-    rows, k = module.weight.to_local().shape
-    if rows % rows_multiple or k % k_multiple:
-        module.high_precision_reason = (
-            f"{style} leaves {module} a local weight of {rows} x {k}, which {module.weight_quantizer.format_name} "
-            f"cannot quantize (it needs multiples of {rows_multiple} x {k_multiple}); the layer computes in high "
-            "precision. Choose a TP size that keeps the local features at those multiples."
-        )
-        warnings.warn(module.high_precision_reason, stacklevel=4)
+    module.high_precision_reason = (
+        f"{style} leaves {module} a local weight of {local_shape[0]} x {local_shape[1]}, which "
+        f"{module.weight_quantizer.format_name} cannot quantize (it needs multiples of "
+        f"{module.weight_quantizer.dim_multiple}); the layer computes in high precision. Choose a TP size that keeps "
+        "the local features at those multiples."
+    )
+    warnings.warn(module.high_precision_reason, stacklevel=4)
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:

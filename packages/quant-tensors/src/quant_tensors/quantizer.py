@@ -90,6 +90,15 @@ class Quantizer:
             and all(getattr(self, f.name) == getattr(other, f.name) for f in dataclasses.fields(self) if f.repr)
         )
 
+    def encodes_like(self, other: Quantizer) -> bool:
+        """Whether tensors of the two share one byte layout (tensor class, block shape, FP8 dtype),
+        so one's buffers read as the other's; their scales may still differ."""
+        return (
+            self.tensor_class is other.tensor_class
+            and self._metadata() == other._metadata()
+            and getattr(self, "fp8_dtype", None) == getattr(other, "fp8_dtype", None)
+        )
+
     @property
     def produced_usages(self) -> tuple[bool, bool]:
         """(rowwise, columnwise) that `quantize` writes (on-demand columnwise left out)."""
