@@ -261,16 +261,17 @@ void quantize_fp8_blockwise(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int
 }
 
 void quantize_nvfp4(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
-                    int64_t block_rows, uintptr_t tensor_scale, bool stochastic_rounding, uint64_t seed,
+                    int64_t block_rows, uintptr_t tensor_scale, bool stochastic_rounding, uintptr_t seed,
                     uintptr_t rowwise_data, uintptr_t rowwise_scale, uintptr_t columnwise_data,
                     uintptr_t columnwise_scale, int num_threads) {
   const float S = *reinterpret_cast<const float*>(tensor_scale);
   const Outputs out = outputs(rowwise_data, rowwise_scale, columnwise_data, columnwise_scale);
   if (stochastic_rounding) {
-    quantize_blocks(x_MK, dtype, M, K, stride_row, stride_col, 16, block_rows > 1, Nvfp4Policy<true>{S, seed}, out,
-                    num_threads);
+    const uint64_t seed_bits = *reinterpret_cast<const uint64_t*>(seed);
+    quantize_blocks(x_MK, dtype, M, K, stride_row, stride_col, 16, block_rows > 1, Nvfp4Policy<true>{S, seed_bits},
+                    out, num_threads);
   } else {
-    quantize_blocks(x_MK, dtype, M, K, stride_row, stride_col, 16, block_rows > 1, Nvfp4Policy<false>{S, seed}, out,
+    quantize_blocks(x_MK, dtype, M, K, stride_row, stride_col, 16, block_rows > 1, Nvfp4Policy<false>{S, 0}, out,
                     num_threads);
   }
 }

@@ -27,8 +27,10 @@ void quantize_fp8_blockwise(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int
                             int64_t block_rows, int fp8_format, bool power_2_scales, uintptr_t rowwise_data,
                             uintptr_t rowwise_scale, uintptr_t columnwise_data, uintptr_t columnwise_scale,
                             int num_threads);
+// NVFP4: `tensor_scale` points at the fp32 S, `seed` at the int64 stochastic-rounding seed (read as
+// its uint64 bits, and only with stochastic_rounding): both are tensors so callers never sync.
 void quantize_nvfp4(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
-                    int64_t block_rows, uintptr_t tensor_scale, bool stochastic_rounding, uint64_t seed,
+                    int64_t block_rows, uintptr_t tensor_scale, bool stochastic_rounding, uintptr_t seed,
                     uintptr_t rowwise_data, uintptr_t rowwise_scale, uintptr_t columnwise_data,
                     uintptr_t columnwise_scale, int num_threads);
 

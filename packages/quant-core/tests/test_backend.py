@@ -7,6 +7,23 @@ import quant_core
 from quant_core import _backend
 
 
+@pytest.fixture(autouse=True)
+def _reread_environment_afterwards():
+    """Tests here change QUANT_CORE_BACKEND with monkeypatch; autouse fixtures are torn down after
+    monkeypatch has restored it, so re-reading here leaves the next test the real environment."""
+    yield
+    quant_core.reload_backend_env()
+
+
+def set_backend_env(monkeypatch: pytest.MonkeyPatch, value: str | None) -> None:
+    """Sets (or, with None, unsets) QUANT_CORE_BACKEND and has quant_core read it again."""
+    if value is None:
+        monkeypatch.delenv(quant_core.BACKEND_ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(quant_core.BACKEND_ENV_VAR, value)
+    quant_core.reload_backend_env()
+
+
 def test_cpp_backend_is_built_and_listed():
     # A plain install builds the extension; CI must exercise it rather than silently skip it.
     assert quant_core.available_backends()[:2] == ("reference", "cpp")
@@ -14,27 +31,42 @@ def test_cpp_backend_is_built_and_listed():
 
 
 def test_auto_picks_cpp_on_cpu(monkeypatch):
-    monkeypatch.delenv(quant_core.BACKEND_ENV_VAR, raising=False)
+    set_backend_env(monkeypatch, None)
     assert quant_core.selected_backend("amax", torch.device("cpu")) == "cpp"
 
 
 @pytest.mark.parametrize("name", ["reference", "cpp"])
 def test_environment_variable_forces_backend(monkeypatch, name):
-    monkeypatch.setenv(quant_core.BACKEND_ENV_VAR, name)
+    set_backend_env(monkeypatch, name)
     assert quant_core.selected_backend("cast_to_fp8", torch.device("cpu")) == name
+    assert _backend.kernel("cast_to_fp8", torch.device("cpu")) is _backend._kernels["cast_to_fp8"][name]
+
+
+def test_environment_variable_is_read_once_until_reloaded(monkeypatch):
+    set_backend_env(monkeypatch, "reference")
+    assert _backend.kernel("amax", torch.device("cpu")) is _backend._kernels["amax"]["reference"]
+    monkeypatch.setenv(quant_core.BACKEND_ENV_VAR, "cpp")  # not re-read: no per-call environment reads
+    assert quant_core.selected_backend("amax", torch.device("cpu")) == "reference"
+    assert _backend.kernel("amax", torch.device("cpu")) is _backend._kernels["amax"]["reference"]
+    quant_core.reload_backend_env()
+    assert quant_core.selected_backend("amax", torch.device("cpu")) == "cpp"
+    assert _backend.kernel("amax", torch.device("cpu")) is _backend._kernels["amax"]["cpp"]
 
 
 def test_use_backend_overrides_environment(monkeypatch):
-    monkeypatch.setenv(quant_core.BACKEND_ENV_VAR, "cpp")
+    set_backend_env(monkeypatch, "cpp")
     with quant_core.use_backend("reference"):
         assert quant_core.selected_backend("amax", torch.device("cpu")) == "reference"
+        assert _backend.kernel("amax", torch.device("cpu")) is _backend._kernels["amax"]["reference"]
     assert quant_core.selected_backend("amax", torch.device("cpu")) == "cpp"
+    assert _backend.kernel("amax", torch.device("cpu")) is _backend._kernels["amax"]["cpp"]
 
 
 def test_unknown_backend_in_environment_is_rejected(monkeypatch):
-    monkeypatch.setenv(quant_core.BACKEND_ENV_VAR, "cuda")
-    with pytest.raises(ValueError, match="QUANT_CORE_BACKEND='cuda' is not a backend"):
-        quant_core.amax(torch.ones(3))
+    set_backend_env(monkeypatch, "cuda")
+    for _ in range(2):  # errors are raised on every call, never cached
+        with pytest.raises(ValueError, match="QUANT_CORE_BACKEND='cuda' is not a backend"):
+            quant_core.amax(torch.ones(3))
 
 
 def test_unknown_backend_in_use_backend_is_rejected():
@@ -43,8 +75,19 @@ def test_unknown_backend_in_use_backend_is_rejected():
 
 
 def test_forcing_a_backend_on_the_wrong_device_raises():
-    with quant_core.use_backend("triton"), pytest.raises(ValueError, match="runs on cuda tensors only"):
-        quant_core.amax(torch.ones(3))
+    for _ in range(2):
+        with quant_core.use_backend("triton"), pytest.raises(ValueError, match="runs on cuda tensors only"):
+            quant_core.amax(torch.ones(3))
+    assert quant_core.amax(torch.ones(3)).item() == 1.0
+
+
+def test_a_kernel_registered_later_replaces_a_cached_choice(monkeypatch):
+    # The Triton module registers its kernels at import; a choice cached before must not hide them.
+    impls = {"reference": lambda: "reference"}
+    monkeypatch.setitem(_backend._kernels, "late_op", impls)
+    assert _backend.kernel("late_op", torch.device("cpu"))() == "reference"
+    _backend.register_kernel("late_op", "cpp")(lambda: "cpp")
+    assert _backend.kernel("late_op", torch.device("cpu"))() == "cpp"
 
 
 def test_registering_a_kernel_twice_raises():

@@ -271,6 +271,12 @@ def test_bad_block_shapes_raise():
         quant_core.quantize_nvfp4(torch.ones(4, 32), (32, 32))
 
 
+def test_bad_seeds_raise():
+    for seed in (torch.tensor(1.0), torch.tensor([1]), torch.tensor(1, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="seed must be an int or a 0-d int64 tensor"):
+            quant_core.quantize_nvfp4(torch.ones(4, 32), stochastic_rounding=True, seed=seed)
+
+
 def test_mismatched_out_buffer_raises_and_leaves_it_untouched():
     good = quant_core.quantize_mxfp8(torch.randn(64, 64), columnwise=True)
     before = good.rowwise_data.view(torch.uint8).clone()

@@ -6,28 +6,21 @@ import pytest
 import torch
 
 from quant_core import _numerics
-
-
-def _splitmix64_python(seed: int, index: int) -> int:
-    mask = (1 << 64) - 1
-    z = ((index + 1) * 0x9E3779B97F4A7C15 + seed) & mask
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-    return z ^ (z >> 31)
+from quant_core.testing import splitmix64_int
 
 
 @pytest.mark.parametrize("seed", [0, 1, 123456789, 2**63 + 5, 2**64 - 1])
 def test_splitmix64_matches_arbitrary_precision_integers(seed):
     indices = [0, 1, 2, 1000, 2**31 + 7, 2**40 + 3]
     got = _numerics.splitmix64(seed, torch.tensor(indices))
-    assert [v & (2**64 - 1) for v in got.tolist()] == [_splitmix64_python(seed, i) for i in indices]
+    assert [v & (2**64 - 1) for v in got.tolist()] == [splitmix64_int(seed, i) for i in indices]
     # SplitMix64's published first output for seed 0 (state 0x9E3779B97F4A7C15).
-    assert _splitmix64_python(0, 0) == 0xE220A8397B1DCDAF
+    assert splitmix64_int(0, 0) == 0xE220A8397B1DCDAF
 
 
 def test_random24_is_the_top_24_bits():
     draws = _numerics.random24(42, torch.arange(5))
-    assert draws.tolist() == [_splitmix64_python(42, i) >> 40 for i in range(5)]
+    assert draws.tolist() == [splitmix64_int(42, i) >> 40 for i in range(5)]
     assert all(0 <= d < 2**24 for d in draws.tolist())
 
 

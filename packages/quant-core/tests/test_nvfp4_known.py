@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import quant_core
+from quant_core.testing import splitmix64_int
 
 NAN, INF = float("nan"), float("inf")
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -312,6 +313,33 @@ def test_nvfp4_stochastic_rounding_is_unbiased(backend):
     assert q.rowwise_data.tolist() != nearest.rowwise_data.tolist()
     assert torch.equal(decode(nearest.rowwise_data)[:, 1:8], torch.ones(rows, 7))
     assert torch.equal(decode(nearest.rowwise_data)[:, 8:], torch.full((rows, 8), -2.0))
+
+
+@pytest.mark.parametrize("backend", quant_core.available_backends())
+@pytest.mark.parametrize("seed", [12345, 2**63 + 5])
+@pytest.mark.parametrize("seed_as_tensor", [False, True], ids=["int", "tensor"])
+def test_nvfp4_stochastic_rounding_known_draws(backend, seed, seed_as_tensor):
+    # Every block has amax 6 (global amax 6): S = 448, s = 448, enc = 1. 1.25 lies halfway between
+    # 1 and 1.5, so it rounds up (code 3) iff the 24-bit draw is below 2^23, i.e. iff bit 63 of
+    # splitmix64(seed, index) is 0, else down to 1.0 (code 2); 6 is on the grid (code 7).
+    # Row 0 is all 6; row 1 is [6, 1.25 x 15]. Rowwise index m * 16 + k; columnwise (x^T, rows
+    # [6, x[1, k]], its blocks along M) continues at M * K = 32: index 32 + 2k + m.
+    x = torch.tensor([[6.0] * 16, [6.0] + [1.25] * 15])
+
+    def code(index: int) -> int:
+        return 2 if splitmix64_int(seed, index) >> 63 else 3
+
+    rowwise = [[7] * 16, [7] + [code(16 + k) for k in range(1, 16)]]
+    columnwise = [[7, 7]] + [[7, code(32 + 2 * k + 1)] for k in range(1, 16)]
+    # The tensor form of a seed holds its uint64 bits as int64 (2^63 + 5 -> -2^63 + 5).
+    seed_arg = torch.tensor(seed - 2**64 if seed >= 2**63 else seed) if seed_as_tensor else seed
+    with quant_core.use_backend(backend):
+        q = quant_core.quantize_nvfp4(
+            x, global_amax=amax(6.0), columnwise=True, stochastic_rounding=True, seed=seed_arg
+        )
+    assert q.rowwise_data.tolist() == [pack(row) for row in rowwise]
+    assert q.columnwise_data.tolist() == [pack(row) for row in columnwise]
+    assert {code(i) for i in range(17, 32)} == {2, 3}  # both directions occur: the test can fail
 
 
 @pytest.mark.parametrize("backend", quant_core.available_backends())

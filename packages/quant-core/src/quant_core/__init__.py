@@ -1,9 +1,15 @@
 """quant-core: quantization kernels with a plain-torch reference for each.
 
-Every op picks a backend per call (see `quant_core._backend`, [Note: backends]):
-C++ for CPU tensors, Triton for CUDA tensors, the reference otherwise or when forced with
-QUANT_CORE_BACKEND=reference|cpp|triton or `use_backend(...)`. Buffer layouts of every format:
-[Note: block layouts] in `quant_core._blocks` and packages/quant-core/README.md.
+Every op runs on a backend chosen once per (op, device type) (see `quant_core._backend`, [Note:
+backends]): C++ for CPU tensors, Triton for CUDA tensors, the reference otherwise or when forced
+with QUANT_CORE_BACKEND=reference|cpp|triton (read once; `reload_backend_env()` re-reads it) or
+`use_backend(...)`. Buffer layouts of every format: [Note: block layouts] in `quant_core._blocks`
+and packages/quant-core/README.md.
+
+The public functions check their arguments and then call operators `torch.ops.quant_core.<op>`
+([Note: custom ops] in `quant_core._ops`), which torch.compile traces as opaque nodes; callers that
+have validated already may call those operators directly (contracts in each format module's
+docstring).
 """
 
 from quant_core._adam import (
@@ -19,6 +25,7 @@ from quant_core._backend import (
     BACKENDS,
     Backend,
     available_backends,
+    reload_backend_env,
     selected_backend,
     use_backend,
 )
@@ -74,6 +81,7 @@ __all__ = [
     "BACKEND_ENV_VAR",
     "Backend",
     "available_backends",
+    "reload_backend_env",
     "selected_backend",
     "use_backend",
     # Adam

@@ -15,10 +15,21 @@ with inv_bc2_sqrt = 1 / sqrt(1 - beta2^step) and step_size = lr / (1 - beta1^ste
 from torch.optim.AdamW by rounding only (a few ulp of the update). Gradients may be fp32, bf16 or
 fp16; moments fp32 or bf16 (read as fp32, updated in fp32, stored rounded to nearest even, the
 update using the fp32 value); parameters (fp32 masters) are updated in place.
+
+Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
+- `torch.ops.quant_core.adam_step(params, grads, exp_avgs, exp_avg_sqs, scalars, compute_amax)
+  -> Tensor`: non-empty lists of equal length of plain tensors on one device; params contiguous
+  fp32, grads of one dtype out of fp32/bf16/fp16 (any strides), each moment list contiguous of one
+  dtype out of `MOMENT_DTYPES`; the i-th tensors of the lists have equal numels; scalars the
+  fields of `AdamScalars` in order (`dataclasses.astuple`). Updates params and moments in place;
+  returns the (len(params),) fp32 amaxes with compute_amax, else an empty tensor.
+- `torch.ops.quant_core.has_non_finite(tensors) -> Tensor`: a non-empty list of plain fp32/bf16/
+  fp16 tensors on one device, any strides. Returns fp32 0-d 1.0 if any element is NaN or +-Inf.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +39,7 @@ import torch
 from quant_core._backend import kernel, register_kernel
 from quant_core._checks import FLOAT_DTYPES, check_float_input
 from quant_core._fp8 import amax_reference
+from quant_core._ops import define_op
 
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -99,11 +111,39 @@ def adam_step_(
     _check_adam_inputs(params, grads, exp_avgs, exp_avg_sqs)
     if not params:
         return torch.zeros(0, dtype=torch.float32) if compute_amax else None
+    if not all(map(_is_plain, (*params, *grads, *exp_avgs, *exp_avg_sqs))):  # see _is_plain
+        with torch.no_grad():
+            return adam_step_reference(params, grads, exp_avgs, exp_avg_sqs, scalars, compute_amax)
+    amaxes = torch.ops.quant_core.adam_step(
+        params, grads, exp_avgs, exp_avg_sqs, list(dataclasses.astuple(scalars)), compute_amax
+    )
+    return amaxes if compute_amax else None
+
+
+def _adam_step_fake(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    scalars: list[float],
+    compute_amax: bool,
+) -> torch.Tensor:
+    return params[0].new_empty(len(params) if compute_amax else 0, dtype=torch.float32)
+
+
+@define_op("adam_step", mutates_args=("params", "exp_avgs", "exp_avg_sqs"), fake=_adam_step_fake)
+def _adam_step_op(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    scalars: list[float],
+    compute_amax: bool,
+) -> torch.Tensor:
     grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
     step = kernel("adam_step", params[0].device)
-    if not all(map(_is_plain, (*params, *grads, *exp_avgs, *exp_avg_sqs))):
-        step = adam_step_reference  # see _is_plain
-    return step(params, grads, exp_avgs, exp_avg_sqs, scalars, compute_amax)
+    amaxes = step(params, grads, exp_avgs, exp_avg_sqs, AdamScalars(*scalars), compute_amax)
+    return amaxes if amaxes is not None else params[0].new_empty(0, dtype=torch.float32)
 
 
 def has_non_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -113,12 +153,23 @@ def has_non_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         check_float_input(t, f"tensors[{i}]")
         if t.device != tensors[0].device:
             raise ValueError(f"tensors[{i}] is on {t.device} but tensors[0] is on {tensors[0].device}")
-    tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors if t.numel()]
     if not tensors:
         return torch.zeros((), dtype=torch.float32)
     if not all(map(_is_plain, tensors)):
         return has_non_finite_reference(tensors)
-    return kernel("has_non_finite", tensors[0].device)(tensors)
+    return torch.ops.quant_core.has_non_finite(list(tensors))
+
+
+def _has_non_finite_fake(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0].new_empty((), dtype=torch.float32)
+
+
+@define_op("has_non_finite", fake=_has_non_finite_fake)
+def _has_non_finite_op(tensors: list[torch.Tensor]) -> torch.Tensor:
+    nonempty = [t if t.is_contiguous() else t.contiguous() for t in tensors if t.numel()]
+    if not nonempty:
+        return torch.zeros((), dtype=torch.float32, device=tensors[0].device)
+    return kernel("has_non_finite", tensors[0].device)(nonempty)
 
 
 def _is_plain(t: torch.Tensor) -> bool:

@@ -6,6 +6,11 @@ on the fastest backend that has a kernel for it on the tensor's device (C++ on C
 CUDA, else the reference). `QUANT_CORE_BACKEND=reference|cpp|triton` or `use_backend(...)`
 forces one; forcing a backend that cannot run the op on that device raises instead of falling
 back, so a forced run never measures something else.
+
+The choice is resolved once per (op, device type, forced backend) and cached: a call costs a
+dict lookup. QUANT_CORE_BACKEND is read once, when the first kernel is resolved;
+`reload_backend_env()` re-reads it (tests that change the variable in-process call it).
+Registering a kernel forgets the cached choices.
 """
 
 from __future__ import annotations
@@ -39,19 +44,35 @@ _kernels: dict[str, dict[Backend, Callable[..., Any]]] = {}
 _load_errors: dict[Backend, str] = {}
 _loaded = False
 _forced: contextvars.ContextVar[Backend | None] = contextvars.ContextVar("quant_core_backend", default=None)
+# QUANT_CORE_BACKEND as read at the first resolution (None: not read yet), and the kernels resolved
+# since, keyed by (op, device type, backend forced by use_backend).
+_environment: str | None = None
+_resolved: dict[tuple[str, str, Backend | None], Callable[..., Any]] = {}
 
 
 def register_kernel(op: str, backend: Backend) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Registers the decorated function as `backend`'s kernel for `op`; registering twice raises."""
+    """Registers the decorated function as `backend`'s kernel for `op`; registering twice raises.
+
+    The function is returned unchanged. Reference kernels are registered to run under
+    `torch.no_grad()`: every backend's outputs are plain, non-differentiable tensors.
+    """
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         impls = _kernels.setdefault(op, {})
         if backend in impls:
             raise RuntimeError(f"op {op!r} already has a {backend} kernel ({impls[backend].__qualname__})")
-        impls[backend] = fn
+        impls[backend] = torch.no_grad()(fn) if backend == "reference" else fn
+        _resolved.clear()
         return fn
 
     return decorate
+
+
+def reload_backend_env() -> None:
+    """Re-reads QUANT_CORE_BACKEND (otherwise read once, at the first op) and forgets cached choices."""
+    global _environment
+    _environment = os.environ.get(BACKEND_ENV_VAR, "auto")
+    _resolved.clear()
 
 
 def _load_backends() -> None:
@@ -93,7 +114,9 @@ def requested_backend() -> Backend | Literal["auto"]:
     forced = _forced.get()
     if forced is not None:
         return forced
-    value = os.environ.get(BACKEND_ENV_VAR, "auto").strip().lower() or "auto"
+    if _environment is None:
+        reload_backend_env()
+    value = (_environment or "auto").strip().lower() or "auto"
     if value != "auto" and value not in BACKENDS:
         raise ValueError(f"{BACKEND_ENV_VAR}={value!r} is not a backend; use one of auto, {', '.join(BACKENDS)}")
     return value  # type: ignore[return-value]
@@ -140,5 +163,11 @@ def selected_backend(op: str, device: torch.device) -> Backend:
 
 
 def kernel(op: str, device: torch.device) -> Callable[..., Any]:
-    """The kernel that runs `op` for tensors on `device` (see [Note: backends])."""
-    return _kernels[op][selected_backend(op, device)]
+    """The kernel that runs `op` for tensors on `device` (see [Note: backends]); cached per
+    (op, device type, forced backend), errors are raised again on every call."""
+    key = (op, device.type, _forced.get())
+    fn = _resolved.get(key)
+    if fn is None:
+        fn = _kernels[op][selected_backend(op, device)]
+        _resolved[key] = fn
+    return fn

@@ -12,6 +12,17 @@
 - Nothing is padded: edge blocks may be partial. An FSDP2 shard along dim 0 concatenates rowwise
   data and scales along dim 0 (when its rows fall on block boundaries) and columnwise data and
   scales along dim 1.
+
+[Note: block operators] Every block format has two operators ([Note: custom ops]) with one
+contract (format-specific arguments in the format's module docstring):
+- `quantize_<format>(x_MK, *format args, rowwise_data, rowwise_scale_inv, columnwise_data,
+  columnwise_scale_inv) -> ()`: x_MK 2-D fp32/bf16/fp16, any strides; each buffer None (usage
+  not wanted) or contiguous with the shape and dtype of [Note: block layouts] for an (M, K)
+  input (rowwise data as (M, K / codes per byte)). Fills the buffers given.
+- `dequantize_<format>(data_2d, scale_inv, *format args, dtype) -> Tensor`: data_2d 2-D codes of
+  either usage (R, C / codes per byte), scale_inv (ceil(R / block rows), ceil(C / block cols)) of
+  the format's scale dtype on data's device, any strides; dtype fp32/bf16/fp16. Returns the
+  contiguous (R, C) values.
 """
 
 from __future__ import annotations
@@ -56,7 +67,7 @@ def scale_shape(rows: int, cols: int, block_shape: BlockShape) -> tuple[int, int
 
 
 def check_block_shape(block_shape: object, allowed: tuple[BlockShape, ...], format_name: str) -> BlockShape:
-    if tuple(block_shape) not in allowed:  # type: ignore[arg-type]
+    if tuple(block_shape) not in allowed:
         raise ValueError(f"{format_name} block_shape must be one of {allowed}, got {block_shape}")
     return tuple(block_shape)  # type: ignore[return-value]
 
@@ -83,10 +94,11 @@ def quantize_blocks(
     amax: torch.Tensor | None = None,
     out: BlockQuantized | None = None,
 ) -> BlockQuantized:
-    """Allocates (or checks `out`'s) buffers and runs `op`'s kernel: the body of every block quantize.
+    """Allocates (or checks `out`'s) buffers and calls operator `op`: the body of every block quantize.
 
-    The kernel is called as kernel(x_MK, *kernel_args, rowwise_data_MK, rowwise_scale_inv,
-    columnwise_data, columnwise_scale_inv), each buffer None when its usage is not asked for.
+    The operator (and its kernel) is called as op(x_MK, *kernel_args, rowwise_data_MK,
+    rowwise_scale_inv, columnwise_data, columnwise_scale_inv), each buffer None when its usage
+    is not asked for ([Note: block operators]).
     """
     if not (rowwise or columnwise):
         raise ValueError("ask for at least one usage: rowwise=True and/or columnwise=True")
@@ -106,10 +118,35 @@ def quantize_blocks(
         columnwise_data = get("columnwise_data", (K, M // codes_per_byte), data_dtype)
         columnwise_shape = scale_shape(K, M, block_shape[::-1] if two_d else block_shape)
         columnwise_scale = get("columnwise_scale_inv", columnwise_shape, scale_dtype)
-    if x.numel() > 0:
-        rowwise_MK = None if rowwise_data is None else rowwise_data.view(M, K // codes_per_byte)
-        kernel(op, device)(x_MK, *kernel_args, rowwise_MK, rowwise_scale, columnwise_data, columnwise_scale)
+    rowwise_MK = None if rowwise_data is None else as_2d(rowwise_data)
+    getattr(torch.ops.quant_core, op)(x_MK, *kernel_args, rowwise_MK, rowwise_scale, columnwise_data, columnwise_scale)
     return BlockQuantized(rowwise_data, rowwise_scale, columnwise_data, columnwise_scale, amax)
+
+
+def run_quantize_kernel(op: str, x_MK: torch.Tensor, *args: object) -> None:
+    """The body of every block quantize operator: `op`'s kernel on (x_MK, *args) unless x is empty."""
+    if x_MK.numel() > 0:
+        kernel(op, x_MK.device)(x_MK, *args)
+
+
+def run_dequantize_kernel(
+    op: str, codes_per_byte: int, data_2d: torch.Tensor, scale_inv: torch.Tensor, *args: object
+) -> torch.Tensor:
+    """The body of every block dequantize operator: args are the format's, then the output dtype."""
+    *kernel_args, dtype = args
+    out_2d = torch.empty((data_2d.shape[0], data_2d.shape[1] * codes_per_byte), dtype=dtype, device=data_2d.device)
+    if out_2d.numel() > 0:
+        kernel(op, data_2d.device)(data_2d.contiguous(), scale_inv.contiguous(), *kernel_args, out_2d)
+    return out_2d
+
+
+def dequantize_fake(codes_per_byte: int) -> Callable[..., torch.Tensor]:
+    """The fake of a block dequantize operator (output metadata for torch.compile)."""
+
+    def fake(data_2d: torch.Tensor, scale_inv: torch.Tensor, *args: object) -> torch.Tensor:
+        return data_2d.new_empty((data_2d.shape[0], data_2d.shape[1] * codes_per_byte), dtype=args[-1])
+
+    return fake
 
 
 # ---- reference building blocks ----------------------------------------------------------------
@@ -196,17 +233,18 @@ def dequantize_blocks(
     kernel_args: tuple[object, ...],
     format_name: str,
 ) -> torch.Tensor:
-    """Checks a (data, scale_inv) pair of either usage and runs `op`'s dequantize kernel.
+    """Checks a (data, scale_inv) pair of either usage and calls dequantize operator `op`.
 
-    The kernel is called as kernel(data_2d, scale_inv, *kernel_args, out_2d) with contiguous
-    2-D operands; columnwise data is x^T's rowwise layout, so one kernel serves both usages.
+    The operator is called as op(data_2d, scale_inv, *kernel_args, dtype) and its kernel as
+    kernel(data_2d, scale_inv, *kernel_args, out_2d) with contiguous 2-D operands; columnwise
+    data is x^T's rowwise layout, so one kernel serves both usages.
     """
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"dtype must be one of {FLOAT_DTYPES} for the dequantized values, got {dtype}")
     if not isinstance(data, torch.Tensor) or data.dtype != data_dtype or data.dim() == 0:
         got = f"{data.dtype} of shape {tuple(data.shape)}" if isinstance(data, torch.Tensor) else type(data).__name__
         raise ValueError(f"{format_name} data must be a {data_dtype} tensor with at least one dim, got {got}")
-    data_2d = as_2d(data).contiguous()
+    data_2d = as_2d(data)
     R, C = data_2d.shape[0], data_2d.shape[1] * codes_per_byte
     expected = scale_shape(R, C, block_shape)
     if scale_inv.dtype != scale_dtype or tuple(scale_inv.shape) != expected or scale_inv.device != data.device:
@@ -215,7 +253,5 @@ def dequantize_blocks(
             f"{scale_dtype} tensor of shape {expected} on {data.device}, got {scale_inv.dtype} of shape "
             f"{tuple(scale_inv.shape)} on {scale_inv.device}"
         )
-    out = torch.empty((*data.shape[:-1], C), dtype=dtype, device=data.device)
-    if out.numel() > 0:
-        kernel(op, data.device)(data_2d, scale_inv.contiguous(), *kernel_args, out.view(R, C))
-    return out
+    out_2d = getattr(torch.ops.quant_core, op)(data_2d, scale_inv, *kernel_args, dtype)
+    return out_2d.view(*data.shape[:-1], C)

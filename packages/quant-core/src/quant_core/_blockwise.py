@@ -4,6 +4,12 @@ Per block: with power-of-two scales (the default) scale = the largest power of t
 block_amax * scale <= fmax (1 for an all-zero block); otherwise scale = fmax / block_amax
 (clamped to the largest fp32). codes = fp8(x * scale); stored: scale_inv = 1 / scale (fp32).
 Columnwise of 1 x 128 is the 1 x 128 quantization of x^T; of 128 x 128 the exact transpose.
+
+Operators ([Note: block operators]; format arguments: block_rows 1 or 128, the FP8 dtype,
+power-of-two scales): `torch.ops.quant_core.quantize_fp8_blockwise(x_MK, block_rows, fp8_dtype,
+power_2_scales, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv)` with
+fp8_dtype data and fp32 scales; `torch.ops.quant_core.dequantize_fp8_blockwise(data_2d, scale_inv,
+block_rows, dtype)`. Blocks span 128 columns.
 """
 
 from __future__ import annotations
@@ -19,13 +25,17 @@ from quant_core._blocks import (
     check_quantize_input,
     copy_into,
     dequantize_blocks,
+    dequantize_fake,
     expand_blocks,
     quantize_blocks,
     quantize_blocks_reference,
+    run_dequantize_kernel,
+    run_quantize_kernel,
 )
 from quant_core._checks import as_2d, check_fp8_dtype
 from quant_core._fp8 import transpose_fp8
 from quant_core._numerics import FLOAT32_MAX, divide, encode_fp8, max_exponent_within, power_of_two, to_output_dtype
+from quant_core._ops import define_op
 
 BLOCKWISE_BLOCK = 128
 BLOCKWISE_SHAPES: tuple[BlockShape, ...] = ((1, BLOCKWISE_BLOCK), (BLOCKWISE_BLOCK, BLOCKWISE_BLOCK))
@@ -95,6 +105,33 @@ def quantize_fp8_blockwise(
     )
 
 
+@define_op(
+    "quantize_fp8_blockwise",
+    mutates_args=("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"),
+)
+def _quantize_fp8_blockwise_op(
+    x_MK: torch.Tensor,
+    block_rows: int,
+    fp8_dtype: torch.dtype,
+    power_2_scales: bool,
+    rowwise_data: torch.Tensor | None,
+    rowwise_scale_inv: torch.Tensor | None,
+    columnwise_data: torch.Tensor | None,
+    columnwise_scale_inv: torch.Tensor | None,
+) -> None:
+    run_quantize_kernel(
+        "quantize_fp8_blockwise",
+        x_MK,
+        block_rows,
+        fp8_dtype,
+        power_2_scales,
+        rowwise_data,
+        rowwise_scale_inv,
+        columnwise_data,
+        columnwise_scale_inv,
+    )
+
+
 @register_kernel("quantize_fp8_blockwise", "reference")
 def _quantize_fp8_blockwise_reference_kernel(
     x_MK: torch.Tensor, block_rows: int, fp8_dtype: torch.dtype, power_2_scales: bool, *buffers: torch.Tensor | None
@@ -146,6 +183,13 @@ def dequantize_fp8_blockwise(
         kernel_args=(block_shape[0],),
         format_name="blockwise FP8",
     )
+
+
+@define_op("dequantize_fp8_blockwise", fake=dequantize_fake(codes_per_byte=1))
+def _dequantize_fp8_blockwise_op(
+    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, dtype: torch.dtype
+) -> torch.Tensor:
+    return run_dequantize_kernel("dequantize_fp8_blockwise", 1, data_2d, scale_inv, block_rows, dtype)
 
 
 @register_kernel("dequantize_fp8_blockwise", "reference")

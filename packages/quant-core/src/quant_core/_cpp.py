@@ -93,15 +93,16 @@ def _quantize_nvfp4(
     block_rows: int,
     tensor_scale: torch.Tensor,
     stochastic_rounding: bool,
-    seed: int,
+    seed: torch.Tensor,
     *buffers: torch.Tensor | None,
 ) -> None:
+    seed = seed if seed.device.type == "cpu" else seed.cpu()  # read through its pointer
     _C.quantize_nvfp4(
         *_x_args(x_MK),
         block_rows,
         tensor_scale.data_ptr(),
         stochastic_rounding,
-        seed & 0xFFFFFFFFFFFFFFFF,
+        seed.data_ptr(),
         *_outputs(*buffers),
         torch.get_num_threads(),
     )

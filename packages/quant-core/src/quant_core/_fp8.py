@@ -3,6 +3,19 @@
 Buffers: rowwise data has the input's shape; columnwise data is the (K, M) transpose of the
 input's (M, K) view (M = product of the leading dims, K = the last dim). Data tensors carry the
 torch FP8 dtype; `.view(torch.uint8)` gives the raw bytes that collectives move.
+
+Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
+- `torch.ops.quant_core.amax(x_MK) -> Tensor`: x_MK 2-D fp32/bf16/fp16, any strides. Returns
+  fp32 0-d max |x| over the finite elements (0 if none or empty).
+- `torch.ops.quant_core.cast_to_fp8(x_MK, scale, fp8_dtype, rowwise_MK, columnwise_KM) -> ()`:
+  x_MK 2-D fp32/bf16/fp16, any strides; scale a one-element fp32 tensor on x's device;
+  fp8_dtype E4M3 or E5M2; rowwise_MK a contiguous (M, K) tensor of fp8_dtype or None,
+  columnwise_KM contiguous (K, M) or None. Fills the buffers given.
+- `torch.ops.quant_core.dequantize_fp8(data_MK, scale_inv, dtype) -> Tensor`: data_MK 2-D FP8,
+  any strides; scale_inv a one-element fp32 tensor on its device; dtype fp32/bf16/fp16.
+  Returns the contiguous (M, K) values.
+- `torch.ops.quant_core.transpose_bytes(data_MK) -> Tensor`: data_MK 2-D with one-byte elements,
+  any strides. Returns its contiguous (K, M) transpose, same dtype.
 """
 
 from __future__ import annotations
@@ -15,6 +28,7 @@ import torch
 from quant_core._backend import kernel, register_kernel
 from quant_core._checks import as_2d, check_float_input, check_fp8_dtype, check_scalar, output_buffer
 from quant_core._numerics import FLOAT32_MAX, divide, encode_fp8, finite_abs, to_output_dtype
+from quant_core._ops import define_op
 
 _FLOAT32_EXPONENT_MASK = 0x7F800000
 AmaxComputeAlgo = Literal["max", "most_recent"]
@@ -42,9 +56,18 @@ class Float8Quantized:
 def amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| over the finite elements of x as an fp32 0-d tensor (0 if none is finite)."""
     check_float_input(x)
-    if x.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
-    return kernel("amax", x.device)(as_2d(x))
+    return torch.ops.quant_core.amax(as_2d(x))
+
+
+def _amax_fake(x_MK: torch.Tensor) -> torch.Tensor:
+    return x_MK.new_empty((), dtype=torch.float32)
+
+
+@define_op("amax", fake=_amax_fake)
+def _amax_op(x_MK: torch.Tensor) -> torch.Tensor:
+    if x_MK.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x_MK.device)
+    return kernel("amax", x_MK.device)(x_MK)
 
 
 @register_kernel("amax", "reference")
@@ -71,7 +94,10 @@ def fp8_scale(
     check_fp8_dtype(fp8_dtype)
     fmax = torch.finfo(fp8_dtype).max
     amax = amax.float()
-    scale = torch.where(amax > 0, divide(fmax, amax) / 2.0**margin, 1.0).clamp(max=FLOAT32_MAX)
+    quotient = divide(fmax, amax)
+    if margin:
+        quotient = quotient / 2.0**margin
+    scale = torch.where(amax > 0, quotient, 1.0).clamp(max=FLOAT32_MAX)
     if power_2_scales:
         # Keep the exponent bits only: the largest power of two <= scale (scale is normal here).
         scale = (scale.view(torch.int32) & _FLOAT32_EXPONENT_MASK).view(torch.float32)
@@ -151,10 +177,21 @@ def cast_to_fp8(
     columnwise_data = (
         output_buffer(columnwise_out, "columnwise_out", (K, M), fp8_dtype, x.device) if columnwise else None
     )
-    if x.numel() > 0:
-        rowwise_MK = None if rowwise_data is None else rowwise_data.view(M, K)
-        kernel("cast_to_fp8", x.device)(x_MK, scale.reshape(()), fp8_dtype, rowwise_MK, columnwise_data)
+    rowwise_MK = None if rowwise_data is None else as_2d(rowwise_data)
+    torch.ops.quant_core.cast_to_fp8(x_MK, scale, fp8_dtype, rowwise_MK, columnwise_data)
     return rowwise_data, columnwise_data
+
+
+@define_op("cast_to_fp8", mutates_args=("rowwise_MK", "columnwise_KM"))
+def _cast_to_fp8_op(
+    x_MK: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    rowwise_MK: torch.Tensor | None,
+    columnwise_KM: torch.Tensor | None,
+) -> None:
+    if x_MK.numel() > 0:
+        kernel("cast_to_fp8", x_MK.device)(x_MK, scale, fp8_dtype, rowwise_MK, columnwise_KM)
 
 
 @register_kernel("cast_to_fp8", "reference")
@@ -231,10 +268,19 @@ def dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dty
     check_scalar(scale_inv, "scale_inv", data.device)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be float32, bfloat16 or float16 for the dequantized values, got {dtype}")
-    out = torch.empty(data.shape, dtype=dtype, device=data.device)
-    if data.numel() > 0:
-        kernel("dequantize_fp8", data.device)(as_2d(data).contiguous(), scale_inv.reshape(()), as_2d(out))
-    return out
+    return torch.ops.quant_core.dequantize_fp8(as_2d(data), scale_inv, dtype).view(data.shape)
+
+
+def _dequantize_fp8_fake(data_MK: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return data_MK.new_empty(data_MK.shape, dtype=dtype)
+
+
+@define_op("dequantize_fp8", fake=_dequantize_fp8_fake)
+def _dequantize_fp8_op(data_MK: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    out_MK = torch.empty(data_MK.shape, dtype=dtype, device=data_MK.device)
+    if out_MK.numel() > 0:
+        kernel("dequantize_fp8", data_MK.device)(data_MK.contiguous(), scale_inv, out_MK)
+    return out_MK
 
 
 @register_kernel("dequantize_fp8", "reference")
@@ -255,11 +301,19 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"data must be FP8 data with at least one dim, got {getattr(data, 'dtype', type(data).__name__)}"
         )
-    data_MK = as_2d(data)
-    out = torch.empty((data_MK.shape[1], data_MK.shape[0]), dtype=data.dtype, device=data.device)
-    if out.numel() > 0:
-        kernel("transpose_bytes", data.device)(data_MK.view(torch.uint8), out.view(torch.uint8))
-    return out
+    return torch.ops.quant_core.transpose_bytes(as_2d(data))
+
+
+def _transpose_bytes_fake(data_MK: torch.Tensor) -> torch.Tensor:
+    return data_MK.new_empty((data_MK.shape[1], data_MK.shape[0]))
+
+
+@define_op("transpose_bytes", fake=_transpose_bytes_fake)
+def _transpose_bytes_op(data_MK: torch.Tensor) -> torch.Tensor:
+    out_KM = torch.empty((data_MK.shape[1], data_MK.shape[0]), dtype=data_MK.dtype, device=data_MK.device)
+    if out_KM.numel() > 0:
+        kernel("transpose_bytes", data_MK.device)(data_MK.view(torch.uint8), out_KM.view(torch.uint8))
+    return out_KM
 
 
 @register_kernel("transpose_bytes", "reference")

@@ -3,6 +3,10 @@
 Per block: e = the smallest integer with block_amax <= 448 * 2^e, clamped to [-127, 127]
 (an all-zero block gets -127); stored as the byte e + 127; codes = e4m3(x / 2^e); dequantized
 e4m3(code) * 2^e. Rowwise blocks run along K, columnwise blocks along M ([Note: block layouts]).
+
+Operators ([Note: block operators]; no format arguments): `torch.ops.quant_core.quantize_mxfp8(
+x_MK, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv)` with E4M3 data and
+uint8 E8M0 scales; `torch.ops.quant_core.dequantize_mxfp8(data_2d, scale_inv, dtype)`.
 """
 
 from __future__ import annotations
@@ -16,12 +20,16 @@ from quant_core._blocks import (
     check_quantize_input,
     copy_into,
     dequantize_blocks,
+    dequantize_fake,
     expand_blocks,
     quantize_blocks,
     quantize_blocks_reference,
+    run_dequantize_kernel,
+    run_quantize_kernel,
 )
 from quant_core._checks import as_2d
 from quant_core._numerics import E4M3_MAX, encode_fp8, max_exponent_within, power_of_two, to_output_dtype
+from quant_core._ops import define_op
 
 MXFP8_BLOCK = 32
 _BLOCK_SHAPE = (1, MXFP8_BLOCK)
@@ -64,6 +72,20 @@ def quantize_mxfp8(
     )
 
 
+@define_op(
+    "quantize_mxfp8",
+    mutates_args=("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"),
+)
+def _quantize_mxfp8_op(
+    x_MK: torch.Tensor,
+    rowwise_data: torch.Tensor | None,
+    rowwise_scale_inv: torch.Tensor | None,
+    columnwise_data: torch.Tensor | None,
+    columnwise_scale_inv: torch.Tensor | None,
+) -> None:
+    run_quantize_kernel("quantize_mxfp8", x_MK, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv)
+
+
 @register_kernel("quantize_mxfp8", "reference")
 def _quantize_mxfp8_reference_kernel(x_MK: torch.Tensor, *buffers: torch.Tensor | None) -> None:
     rowwise, _, columnwise, _ = buffers
@@ -94,6 +116,11 @@ def dequantize_mxfp8(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.d
         kernel_args=(),
         format_name="MXFP8",
     )
+
+
+@define_op("dequantize_mxfp8", fake=dequantize_fake(codes_per_byte=1))
+def _dequantize_mxfp8_op(data_2d: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return run_dequantize_kernel("dequantize_mxfp8", 1, data_2d, scale_inv, dtype)
 
 
 @register_kernel("dequantize_mxfp8", "reference")

@@ -5,6 +5,8 @@ These are the spec in code: the C++ and Triton kernels reproduce them bit for bi
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -54,7 +56,7 @@ def max_exponent_within(amax: torch.Tensor, fmax: float) -> torch.Tensor:
     else q - p - 1. Read off the fp32 bits, so no rounded division decides a boundary case.
     Subnormal amax gives a large s; callers clamp it to what their scale format can hold.
     """
-    fmax_bits = torch.tensor(fmax, dtype=torch.float32).view(torch.int32).item()
+    fmax_bits = struct.unpack("<i", struct.pack("<f", fmax))[0]
     q, f_mantissa = (fmax_bits >> 23) - 127, fmax_bits & 0x7FFFFF
     bits = amax.float().view(torch.int32)
     exponent_field, mantissa = bits >> 23, bits & 0x7FFFFF
@@ -129,14 +131,18 @@ def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
 
 # [Note: counter RNG] Stochastic rounding and Hadamard signs draw element `index` of the SplitMix64
 # stream started at `seed` (state seed + (index + 1) * golden, then the SplitMix64 finalizer): a
-# pure function of (seed, element index), so every backend and every shard draws the same bits. uint64 arithmetic is done on int64 tensors, whose
-# multiplication wraps modulo 2^64; right shifts are made logical by masking.
+# pure function of (seed, element index), so every backend and every shard draws the same bits.
+# uint64 arithmetic is done on int64 tensors, whose multiplication wraps modulo 2^64; right
+# shifts are made logical by masking. A seed is a Python int (any of its 64 low bits) or, for
+# stochastic rounding, a 0-d int64 tensor holding the uint64 bits: callers keep their per-step
+# counter as a tensor, which neither syncs the host nor specializes a torch.compile graph.
 _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
 
 
-def _signed64(value: int) -> int:
+def signed64(value: int) -> int:
+    """The int64 holding the low 64 bits of `value` (what an int64 tensor or schema int can carry)."""
     value &= (1 << 64) - 1
     return value - (1 << 64) if value >= 1 << 63 else value
 
@@ -145,14 +151,27 @@ def _logical_shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def splitmix64(seed: int, index: torch.Tensor) -> torch.Tensor:
+def seed_tensor(seed: int | torch.Tensor) -> torch.Tensor:
+    """A seed as the 0-d int64 tensor the stochastic-rounding kernels read ([Note: counter RNG])."""
+    if not isinstance(seed, torch.Tensor):
+        return torch.tensor(signed64(int(seed)), dtype=torch.int64)
+    if seed.dtype != torch.int64 or seed.dim() != 0:
+        raise ValueError(
+            f"seed must be an int or a 0-d int64 tensor, got a {seed.dtype} tensor of shape {tuple(seed.shape)} "
+            "(keep the counter as torch.zeros((), dtype=torch.int64) and add to it in place)"
+        )
+    return seed
+
+
+def splitmix64(seed: int | torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Output `index` of the SplitMix64 stream seeded with `seed`, as int64 holding the uint64 bits."""
-    x = (index.to(torch.int64) + 1) * _signed64(_GOLDEN) + _signed64(seed)
-    x = (x ^ _logical_shift_right(x, 30)) * _signed64(_MIX1)
-    x = (x ^ _logical_shift_right(x, 27)) * _signed64(_MIX2)
+    seed = seed.to(index.device) if isinstance(seed, torch.Tensor) else signed64(seed)
+    x = (index.to(torch.int64) + 1) * signed64(_GOLDEN) + seed
+    x = (x ^ _logical_shift_right(x, 30)) * signed64(_MIX1)
+    x = (x ^ _logical_shift_right(x, 27)) * signed64(_MIX2)
     return x ^ _logical_shift_right(x, 31)
 
 
-def random24(seed: int, index: torch.Tensor) -> torch.Tensor:
+def random24(seed: int | torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """A uniform 24-bit integer per index: the top 24 bits of splitmix64(seed, index)."""
     return _logical_shift_right(splitmix64(seed, index), 40)

@@ -8,6 +8,21 @@ dequantized fp32(q) * (fp32(s) / S). Codes pack along the last dim, even element
 nibble, so the packed dim must be even. Optional stochastic rounding draws from the counter RNG
 ([Note: counter RNG]); `hadamard_transform_16` is the 16 x 16 random Hadamard transform applied
 to wgrad operands before quantization.
+
+Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
+- `torch.ops.quant_core.quantize_nvfp4(x_MK, block_rows, tensor_scale, stochastic_rounding, seed,
+  rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv) -> ()`: [Note: block
+  operators] with block_rows 1 or 16, uint8 data (two codes per byte: K even, and M even when
+  columnwise data is given) and E4M3 scales; tensor_scale the fp32 one-element S
+  (`nvfp4_tensor_scale`) on x's device; seed a 0-d int64 tensor on any device (read only with
+  stochastic rounding; one on neither the CPU nor x's device costs a copy).
+- `torch.ops.quant_core.dequantize_nvfp4(data_2d, scale_inv, block_rows, tensor_scale, dtype)`:
+  [Note: block operators], packed data (R, C/2), E4M3 scales, tensor_scale as above.
+- `torch.ops.quant_core.transpose_nvfp4(packed_MK) -> Tensor`: rowwise 16 x 16 data (M, K/2)
+  uint8 with M even, any strides. Returns the packed codes of x^T, contiguous (K, M/2).
+- `torch.ops.quant_core.hadamard_transform_16(x_MK, seed) -> Tensor`: x_MK 2-D fp32/bf16/fp16
+  with K a multiple of 16, any strides; seed an int in int64 range (`signed64`). Returns the
+  contiguous (M, K) transform in x's dtype.
 """
 
 from __future__ import annotations
@@ -25,10 +40,13 @@ from quant_core._blocks import (
     check_quantize_input,
     copy_into,
     dequantize_blocks,
+    dequantize_fake,
     element_index,
     expand_blocks,
     quantize_blocks,
     quantize_blocks_reference,
+    run_dequantize_kernel,
+    run_quantize_kernel,
 )
 from quant_core._checks import as_2d, check_float_input, check_scalar
 from quant_core._fp8 import amax, amax_reference
@@ -43,10 +61,13 @@ from quant_core._numerics import (
     encode_fp8,
     pack_nibbles,
     random24,
+    seed_tensor,
+    signed64,
     splitmix64,
     to_output_dtype,
     unpack_nibbles,
 )
+from quant_core._ops import define_op
 
 NVFP4_BLOCK = 16
 NVFP4_SHAPES: tuple[BlockShape, ...] = ((1, NVFP4_BLOCK), (NVFP4_BLOCK, NVFP4_BLOCK))
@@ -88,13 +109,13 @@ def quantize_nvfp4_reference(
     rowwise: bool = True,
     columnwise: bool = False,
     stochastic_rounding: bool = False,
-    seed: int = 0,
+    seed: int | torch.Tensor = 0,
 ) -> BlockQuantized:
     """Plain-torch NVFP4 quantization (the spec in code)."""
     block_shape = _check_input(x, block_shape, columnwise)
     global_amax = amax_reference(x) if global_amax is None else global_amax.float().reshape(())
     result = _quantize_with_tensor_scale_reference(
-        x, block_shape, nvfp4_tensor_scale(global_amax), rowwise, columnwise, stochastic_rounding, seed
+        x, block_shape, nvfp4_tensor_scale(global_amax), rowwise, columnwise, stochastic_rounding, seed_tensor(seed)
     )
     return dataclasses.replace(result, amax=global_amax)
 
@@ -106,9 +127,9 @@ def _quantize_with_tensor_scale_reference(
     rowwise: bool,
     columnwise: bool,
     stochastic_rounding: bool,
-    seed: int,
+    seed: torch.Tensor,
 ) -> BlockQuantized:
-    """The NVFP4 reference given the tensor scale S (what the kernels receive)."""
+    """The NVFP4 reference given the tensor scale S and the seed tensor (what the kernels receive)."""
 
     def rowwise_fn(x_MK: torch.Tensor, index_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
         M, K = x_MK.shape
@@ -137,7 +158,7 @@ def quantize_nvfp4(
     rowwise: bool = True,
     columnwise: bool = False,
     stochastic_rounding: bool = False,
-    seed: int = 0,
+    seed: int | torch.Tensor = 0,
     out: BlockQuantized | None = None,
 ) -> BlockQuantized:
     """NVFP4 codes (uint8, two per byte) and E4M3 block scales for the usages asked for, in one pass.
@@ -148,6 +169,8 @@ def quantize_nvfp4(
         global_amax: amax of the whole (unsharded) tensor; computed from x when None.
         stochastic_rounding: round E2M1 stochastically with the counter RNG keyed by `seed` and
             the element index (rowwise: m * K + k; columnwise: M * K + k * M + m).
+        seed: an int, or a 0-d int64 tensor on any device holding the uint64 bits (a per-step
+            counter kept as a tensor: no host sync, no torch.compile specialization).
         out: a previous result whose buffers are refilled in place.
     """
     block_shape = _check_input(x, block_shape, columnwise)
@@ -164,9 +187,38 @@ def quantize_nvfp4(
         data_dtype=torch.uint8,
         scale_dtype=torch.float8_e4m3fn,
         codes_per_byte=2,
-        kernel_args=(block_shape[0], nvfp4_tensor_scale(global_amax), stochastic_rounding, int(seed)),
+        kernel_args=(block_shape[0], nvfp4_tensor_scale(global_amax), stochastic_rounding, seed_tensor(seed)),
         amax=global_amax,
         out=out,
+    )
+
+
+@define_op(
+    "quantize_nvfp4",
+    mutates_args=("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"),
+)
+def _quantize_nvfp4_op(
+    x_MK: torch.Tensor,
+    block_rows: int,
+    tensor_scale: torch.Tensor,
+    stochastic_rounding: bool,
+    seed: torch.Tensor,
+    rowwise_data: torch.Tensor | None,
+    rowwise_scale_inv: torch.Tensor | None,
+    columnwise_data: torch.Tensor | None,
+    columnwise_scale_inv: torch.Tensor | None,
+) -> None:
+    run_quantize_kernel(
+        "quantize_nvfp4",
+        x_MK,
+        block_rows,
+        tensor_scale,
+        stochastic_rounding,
+        seed,
+        rowwise_data,
+        rowwise_scale_inv,
+        columnwise_data,
+        columnwise_scale_inv,
     )
 
 
@@ -176,7 +228,7 @@ def _quantize_nvfp4_reference_kernel(
     block_rows: int,
     tensor_scale: torch.Tensor,
     stochastic_rounding: bool,
-    seed: int,
+    seed: torch.Tensor,
     *buffers: torch.Tensor | None,
 ) -> None:
     result = _quantize_with_tensor_scale_reference(
@@ -239,6 +291,13 @@ def dequantize_nvfp4(
     )
 
 
+@define_op("dequantize_nvfp4", fake=dequantize_fake(codes_per_byte=2))
+def _dequantize_nvfp4_op(
+    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, tensor_scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    return run_dequantize_kernel("dequantize_nvfp4", 2, data_2d, scale_inv, block_rows, tensor_scale, dtype)
+
+
 @register_kernel("dequantize_nvfp4", "reference")
 def _dequantize_nvfp4_reference_kernel(
     data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, tensor_scale: torch.Tensor, out_2d: torch.Tensor
@@ -267,10 +326,24 @@ def transpose_nvfp4(data: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.
             f"scale_inv of 16 x 16 tiles for data of shape {tuple(data.shape)} must have shape {expected}, got "
             f"{tuple(scale_inv.shape)} (1 x 16 data cannot be transposed losslessly: quantize x^T instead)"
         )
-    out = torch.empty((K, M // 2), dtype=torch.uint8, device=data.device)
-    if out.numel() > 0:
-        kernel("transpose_nvfp4", data.device)(packed.contiguous(), out)
-    return out, scale_inv.t().contiguous()
+    return torch.ops.quant_core.transpose_nvfp4(packed), scale_inv.t().contiguous()
+
+
+def _transposed_packed_shape(packed_MK: torch.Tensor) -> tuple[int, int]:
+    """(K, M/2): the packed shape of x^T for packed (M, K/2) codes."""
+    return packed_MK.shape[1] * 2, packed_MK.shape[0] // 2
+
+
+def _transpose_nvfp4_fake(packed_MK: torch.Tensor) -> torch.Tensor:
+    return packed_MK.new_empty(_transposed_packed_shape(packed_MK))
+
+
+@define_op("transpose_nvfp4", fake=_transpose_nvfp4_fake)
+def _transpose_nvfp4_op(packed_MK: torch.Tensor) -> torch.Tensor:
+    out_KM = torch.empty(_transposed_packed_shape(packed_MK), dtype=torch.uint8, device=packed_MK.device)
+    if out_KM.numel() > 0:
+        kernel("transpose_nvfp4", packed_MK.device)(packed_MK.contiguous(), out_KM)
+    return out_KM
 
 
 @register_kernel("transpose_nvfp4", "reference")
@@ -307,10 +380,19 @@ def hadamard_transform_16(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
     check_float_input(x)
     if x.dim() == 0 or x.shape[-1] % NVFP4_BLOCK:
         raise ValueError(f"the Hadamard transform mixes groups of 16 along the last dim; got shape {tuple(x.shape)}")
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if x.numel() > 0:
-        kernel("hadamard_transform_16", x.device)(as_2d(x), int(seed), out.view(-1, x.shape[-1]))
-    return out
+    return torch.ops.quant_core.hadamard_transform_16(as_2d(x), signed64(int(seed))).view(x.shape)
+
+
+def _hadamard_fake(x_MK: torch.Tensor, seed: int) -> torch.Tensor:
+    return x_MK.new_empty(x_MK.shape)
+
+
+@define_op("hadamard_transform_16", fake=_hadamard_fake)
+def _hadamard_transform_16_op(x_MK: torch.Tensor, seed: int) -> torch.Tensor:
+    out_MK = torch.empty(x_MK.shape, dtype=x_MK.dtype, device=x_MK.device)
+    if out_MK.numel() > 0:
+        kernel("hadamard_transform_16", x_MK.device)(x_MK, seed, out_MK)
+    return out_MK
 
 
 @register_kernel("hadamard_transform_16", "reference")

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from quant_core._backend import Backend, available_backends
 from quant_core._checks import FLOAT_DTYPES, FP8_DTYPES
 
-__all__ = ["FLOAT_DTYPES", "FP8_DTYPES", "adversarial", "kernel_backends", "raw_bits", "run_ranks"]
+__all__ = ["FLOAT_DTYPES", "FP8_DTYPES", "adversarial", "kernel_backends", "raw_bits", "run_ranks", "splitmix64_int"]
 
 # Values every kernel must get right besides random ones: signed zeros, fp32 denormals, a value
 # that is an fp16 denormal, +-Inf, NaN of both signs, values far above every format's max.
@@ -53,6 +53,16 @@ def adversarial(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, seed
 def raw_bits(t: torch.Tensor | None) -> torch.Tensor | None:
     """The bytes of a quantized buffer as uint8, so comparisons are bitwise (NaN codes included)."""
     return None if t is None else t.view(torch.uint8)
+
+
+def splitmix64_int(seed: int, index: int) -> int:
+    """Draw `index` of the SplitMix64 stream of `seed` ([Note: counter RNG]) in Python integers:
+    the textbook algorithm, independent of the tensor arithmetic the references use."""
+    mask = (1 << 64) - 1
+    z = ((index + 1) * 0x9E3779B97F4A7C15 + seed) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
 
 
 def kernel_backends() -> tuple[Backend, ...]:

@@ -1,0 +1,187 @@
+"""The torch.ops.quant_core operators ([Note: custom ops]): schemas, fake kernels, tracing, and the
+unchecked entry points giving what the public functions give.
+
+`torch.library.opcheck` checks each operator's fake kernel against the real one, its autograd
+registration and AOT tracing with dynamic shapes. Its schema test compares tensors with allclose,
+which torch has no FP8 kernels for, so ops with FP8 tensors have their mutation claims checked
+here bytewise instead (`test_schema_declares_exactly_the_buffers_written`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import quant_core
+
+E4M3 = torch.float8_e4m3fn
+OPS = torch.ops.quant_core
+
+
+def _x(shape=(6, 48), dtype=torch.bfloat16, seed=0):
+    """Finite values: opcheck compares outputs with assert_close, where NaN is unequal to itself
+    (the bitwise tests of each format cover NaN and Inf)."""
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 100).to(dtype)
+
+
+def _buffers(q: quant_core.BlockQuantized) -> tuple[torch.Tensor | None, ...]:
+    """The four buffers of a result, rowwise data as the (M, K / codes per byte) view kernels take."""
+    rowwise = None if q.rowwise_data is None else q.rowwise_data.reshape(-1, q.rowwise_data.shape[-1])
+    return rowwise, q.rowwise_scale_inv, q.columnwise_data, q.columnwise_scale_inv
+
+
+def _sentinel(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A fresh buffer filled with a byte no correct kernel leaves everywhere."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return torch.full((*shape, size), 0xA5, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _empty_like_result(q: quant_core.BlockQuantized) -> tuple[torch.Tensor | None, ...]:
+    """Fresh buffers shaped like a result's (see _sentinel)."""
+    return tuple(None if b is None else _sentinel(tuple(b.shape), b.dtype) for b in _buffers(q))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).contiguous().view(torch.uint8)
+
+
+def _cases() -> dict[str, tuple[torch._ops.OpOverload, tuple]]:
+    """Each operator with cheap arguments: partial edge blocks, both usages, strided inputs."""
+    x = _x()
+    x_strided = _x((48, 12)).t()  # (12, 48) with strides (1, 12)
+    scale = torch.tensor(3.0)
+    fp8 = quant_core.quantize_fp8(x, columnwise=True)
+    mx = quant_core.quantize_mxfp8(x_strided, columnwise=True)
+    bw = quant_core.quantize_fp8_blockwise(x, (128, 128), columnwise=True)
+    nv = quant_core.quantize_nvfp4(x, (16, 16), columnwise=True)
+    S = quant_core.nvfp4_tensor_scale(nv.amax)
+    seed = torch.tensor(-7, dtype=torch.int64)
+    params = [torch.randn(5), torch.randn(3, 7)]
+    return {
+        "amax": (OPS.amax.default, (x_strided,)),
+        "cast_to_fp8": (
+            OPS.cast_to_fp8.default,
+            (x_strided, scale, E4M3, _sentinel((12, 48), E4M3), _sentinel((48, 12), E4M3)),
+        ),
+        "cast_to_fp8_columnwise_only": (
+            OPS.cast_to_fp8.default,
+            (x, scale, torch.float8_e5m2, None, _sentinel((48, 6), torch.float8_e5m2)),
+        ),
+        "dequantize_fp8": (OPS.dequantize_fp8.default, (fp8.columnwise_data, fp8.scale_inv, torch.float16)),
+        "transpose_bytes": (OPS.transpose_bytes.default, (fp8.rowwise_data.view(torch.uint8)[:, 3:],)),
+        "quantize_mxfp8": (OPS.quantize_mxfp8.default, (x_strided, *_empty_like_result(mx))),
+        "dequantize_mxfp8": (
+            OPS.dequantize_mxfp8.default,
+            (mx.columnwise_data, mx.columnwise_scale_inv, torch.float32),
+        ),
+        "quantize_fp8_blockwise": (
+            OPS.quantize_fp8_blockwise.default,
+            (x, 128, E4M3, True, *_empty_like_result(bw)),
+        ),
+        "dequantize_fp8_blockwise": (
+            OPS.dequantize_fp8_blockwise.default,
+            (bw.rowwise_data, bw.rowwise_scale_inv, 128, torch.bfloat16),
+        ),
+        "quantize_nvfp4": (OPS.quantize_nvfp4.default, (x, 16, S, True, seed, *_empty_like_result(nv))),
+        "dequantize_nvfp4": (
+            OPS.dequantize_nvfp4.default,
+            (nv.rowwise_data, nv.rowwise_scale_inv, 16, S, torch.float32),
+        ),
+        "transpose_nvfp4": (OPS.transpose_nvfp4.default, (nv.rowwise_data,)),
+        "hadamard_transform_16": (OPS.hadamard_transform_16.default, (x_strided, -3)),
+        "adam_step": (
+            OPS.adam_step.default,
+            (
+                params,
+                [torch.randn(5), torch.randn(7, 3).t()],
+                [torch.zeros(5), torch.zeros(3, 7)],
+                [torch.zeros(5, dtype=torch.bfloat16), torch.zeros(3, 7, dtype=torch.bfloat16)],
+                list(dataclasses.astuple(_scalars())),
+                True,
+            ),
+        ),
+        "has_non_finite": (OPS.has_non_finite.default, ([x, torch.empty(0), x_strided.float()],)),
+    }
+
+
+def _scalars() -> quant_core.AdamScalars:
+    return quant_core.AdamScalars.of(
+        lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=3, adam_w_mode=True
+    )
+
+
+def _tensors(args: tuple) -> list[tuple[int, torch.Tensor]]:
+    """(argument index, tensor) of every tensor argument, list elements included."""
+    found = []
+    for i, arg in enumerate(args):
+        for t in arg if isinstance(arg, list) else [arg]:
+            if isinstance(t, torch.Tensor):
+                found.append((i, t))
+    return found
+
+
+def _has_fp8(args: tuple) -> bool:
+    return any(t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for _, t in _tensors(args))
+
+
+def test_every_kernel_op_is_an_operator():
+    # One operator per kernel dispatch point; the registry's op names are the operator names.
+    kernel_ops = set(quant_core._backend._kernels)
+    assert kernel_ops == {name for name in kernel_ops if hasattr(OPS, name)}
+    assert {name for name, _ in _cases().items() if not name.endswith("_columnwise_only")} == kernel_ops
+
+
+@pytest.mark.parametrize("name", sorted(_cases()))
+def test_opcheck(name):
+    op, args = _cases()[name]
+    tests = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    if not _has_fp8(args):
+        tests = ("test_schema", *tests)
+    torch.library.opcheck(op, args, test_utils=tests)
+
+
+@pytest.mark.parametrize("name", sorted(_cases()))
+def test_schema_declares_exactly_the_buffers_written(name):
+    op, args = _cases()[name]
+    written = {i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
+    before = [(i, _bytes(t).clone()) for i, t in _tensors(args)]
+    op(*args)
+    for (i, old), (_, t) in zip(before, _tensors(args), strict=True):
+        changed = not torch.equal(old, _bytes(t))
+        assert changed == (i in written and old.numel() > 0), (op._schema.arguments[i].name, changed)
+
+
+def test_operators_do_not_record_autograd_history():
+    x = _x((4, 32), torch.float32).requires_grad_()
+    with quant_core.use_backend("reference"):  # torch ops inside: they would record without no_grad
+        assert not OPS.amax(x).requires_grad
+        assert not OPS.hadamard_transform_16(x, 1).requires_grad
+    assert not OPS.amax(x).requires_grad
+
+
+def test_unchecked_operators_equal_the_public_functions():
+    x = _x((40, 64), torch.float32, seed=3)
+    q = quant_core.quantize_nvfp4(x, columnwise=True, stochastic_rounding=True, seed=2**63 + 9)
+    buffers = _empty_like_result(q)
+    S = quant_core.nvfp4_tensor_scale(q.amax)
+    OPS.quantize_nvfp4(x, 1, S, True, torch.tensor(-(2**63) + 9), *buffers)
+    for got, want in zip(buffers, _buffers(q), strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    scale = torch.tensor(0.75)
+    rowwise, columnwise = quant_core.cast_to_fp8(x, scale, E4M3, columnwise=True)
+    buffers = (_sentinel((40, 64), E4M3), _sentinel((64, 40), E4M3))
+    OPS.cast_to_fp8(x, scale, E4M3, *buffers)
+    assert torch.equal(buffers[0].view(torch.uint8), rowwise.view(torch.uint8))
+    assert torch.equal(buffers[1].view(torch.uint8), columnwise.view(torch.uint8))
+
+
+def test_operators_handle_empty_inputs():
+    empty = torch.empty(0, 32)
+    assert OPS.amax(empty).item() == 0.0
+    assert OPS.transpose_bytes(torch.empty(0, 5, dtype=torch.uint8)).shape == (5, 0)
+    assert OPS.dequantize_mxfp8(
+        torch.empty(0, 32, dtype=E4M3), torch.empty(0, 1, dtype=torch.uint8), torch.float32
+    ).shape == (0, 32)
+    OPS.quantize_mxfp8(empty, torch.empty(0, 32, dtype=E4M3), torch.empty(0, 1, dtype=torch.uint8), None, None)
