@@ -303,7 +303,7 @@ def _bad_inputs(rank: int, world: int) -> None:
     with pytest.raises(NotImplementedError, match="quantized primary weight split for tensor parallelism.*TP alone"):
         quant_fsdp.fully_shard(torch.nn.Sequential(quantized), mesh=mesh)
     fp8 = qt.nn.Linear(256, 256, recipe=qt.Float8CurrentScaling())
-    fp8.weight_quantizer.amax_group = dist.new_group(backend="gloo")
+    fp8.weight_quantizer.bind(amax_group=dist.new_group(backend="gloo"))
     weight = fp8.weight
     with pytest.raises(ValueError, match="already agrees on its amax over another group"):
         parallelize_module(fp8, mesh, QuantColwiseParallel())

@@ -331,7 +331,7 @@ def test_row_alignment_is_the_block_rows_a_shard_must_start_on(name, role, align
 def test_quantizer_pickles_and_copies_without_its_process_group():
     quantizer = qt.Float8DelayedScaling().quantizer("weight")
     group = object()  # stands in for a ProcessGroup, which neither pickles nor deep-copies
-    quantizer.amax_group = group
+    quantizer.bind(amax_group=group)
     quantizer.quantize(torch.randn(16, 16), amax=torch.tensor(3.0))  # a given amax needs no group
     restored = pickle.loads(pickle.dumps(quantizer))
     assert restored.amax_group is None

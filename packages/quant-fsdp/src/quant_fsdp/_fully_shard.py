@@ -35,7 +35,7 @@ logger = logging.getLogger("quant_fsdp")
 
 def _pre_all_gather(self: QuantizedTensor, mesh, outer_size=None, outer_stride=None, module=None, mp_policy=None):
     if self.quantizer.per_tensor_amax and self.quantizer.amax_group is None:
-        self.quantizer.amax_group = mesh.get_group()  # sharded by torch's fully_shard directly
+        self.quantizer.bind(amax_group=mesh.get_group())  # sharded by torch's fully_shard directly
     return _gather.pre_all_gather(self, mesh.size())
 
 
@@ -101,7 +101,7 @@ def fully_shard(
                 plan.fallback_reason,
             )
         elif quantizer.per_tensor_amax:
-            quantizer.amax_group = shard_group
+            quantizer.bind(amax_group=shard_group)
         if plan.mode == _plan.QUANTIZED_WEIGHTS and plan.quantized_gather:
             init_value = qt.high_precision_init_value(param)
             if init_value is not None:

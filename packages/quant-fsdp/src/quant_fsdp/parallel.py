@@ -75,7 +75,7 @@ class _QuantParallel(ParallelStyle):
         sharded_quantizers = self._checked(module, device_mesh)  # a refused layer is left as it was
         group = device_mesh.get_group()
         for quantizer in sharded_quantizers:
-            quantizer.amax_group = group
+            quantizer.bind(amax_group=group)
         placements = {"weight": Shard(self._weight_dim), "bias": Shard(0) if self._weight_dim == 0 else Replicate()}
         for name, placement in placements.items():
             param = getattr(module, name)

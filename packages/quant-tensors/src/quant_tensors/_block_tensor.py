@@ -113,7 +113,7 @@ class BlockScaledTensor(QuantizedTensor):
         }
 
 
-@dataclass(kw_only=True, eq=False)
+@dataclass(frozen=True, kw_only=True)
 class BlockQuantizer(Quantizer):
     """Base of the block-scaled formats' quantizers: `_quantize` runs the format's quant-core op."""
 
@@ -147,15 +147,15 @@ class BlockQuantizer(Quantizer):
         columnwise: bool,
         out: quant_core.BlockQuantized | None,
         amax: torch.Tensor | None,
+        state: torch.Tensor | None,
     ) -> quant_core.BlockQuantized:
         raise NotImplementedError
 
-    def _quantize(self, x, *, out, amax):
+    def _quantize(self, x, *, out, amax, state, usages):
         if out is not None and tuple(out.block_shape) != self.block_shape:
             raise ValueError(f"quantize_ into {out.block_shape} blocks with a {self.block_shape} quantizer")
-        rowwise, columnwise = self.produced_usages if out is None else out.usages
         core_out = None if out is None else quant_core.BlockQuantized(*_contiguous_buffers(out))
-        result = self._quantize_core(x, rowwise, columnwise, core_out, amax)
+        result = self._quantize_core(x, *usages, core_out, amax, state)
         if out is not None:
             if getattr(out, "amax", None) is not None and result.amax is not None:
                 out.amax.copy_(result.amax)

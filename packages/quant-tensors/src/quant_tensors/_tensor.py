@@ -230,6 +230,13 @@ class QuantizedTensor(torch.Tensor):
                 )
             unwrap = lambda t: t.dequantize() if isinstance(t, QuantizedTensor) else t  # noqa: E731
             return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        if func._schema.is_mutable:
+            raise NotImplementedError(
+                f"{func} would update a {cls.__name__} in place, which its op table (quant_tensors README) does not "
+                "allow: torch optimizers and in-place math cannot step quantized weights. Train them with "
+                "quant_optim.FusedAdam (fp32 master weights, requantized after every step), or convert with "
+                "quantized_weights=False to keep high-precision weights for any optimizer."
+            )
         raise NotImplementedError(
             f"{func} is not supported on {cls.__name__}: its op table (quant_tensors README) has no entry for it. "
             "Call .dequantize() first if a high-precision result is what you want."
@@ -266,7 +273,12 @@ class QuantizedTensor(torch.Tensor):
         """The storage of the first present data buffer (a wrapper has none of its own).
 
         Lets code that sizes, frees or compares storages (FSDP2's bookkeeping) see real bytes.
+        While torch.compile fakes tensors (a fake mode is active) the wrapper's own empty storage
+        is returned: the buffers are faked separately, and sharing their storage with the
+        wrapper would make the fake wrapper alias them.
         """
+        if torch._guards.detect_fake_mode() is not None:
+            return super().untyped_storage()
         for name in ("rowwise_data", "columnwise_data"):
             buffer = getattr(self, name, None)
             if buffer is not None:

@@ -36,7 +36,7 @@ class Float8BlockwiseTensor(BlockScaledTensor):
         return quant_core.transpose_fp8_blockwise(data, scale_inv)
 
 
-@dataclass(kw_only=True, eq=False)
+@dataclass(frozen=True, kw_only=True)
 class Float8BlockQuantizer(BlockQuantizer):
     """Blockwise FP8 quantizer: power-of-two scales by default, both usages in one pass."""
 
@@ -57,7 +57,7 @@ class Float8BlockQuantizer(BlockQuantizer):
     def _allocation(self):
         return {"block_shape": self.block_shape, "fp8_dtype": self.fp8_dtype}
 
-    def _quantize_core(self, x, rowwise, columnwise, out, amax):
+    def _quantize_core(self, x, rowwise, columnwise, out, amax, state):
         return quant_core.quantize_fp8_blockwise(
             x,
             self.block_shape,

@@ -46,6 +46,7 @@ def convert(
         )
         replacement.weight = linear.weight
         replacement.bias = linear.bias
+        replacement.make_quantizer_states(linear.weight.device)
         if quantized_weights and not replacement.high_precision_reason:
             if linear.weight.is_meta:
                 quantizer = replacement.weight_quantizer

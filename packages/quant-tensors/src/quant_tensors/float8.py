@@ -7,7 +7,7 @@ one scale_inv (fp32 0-d) shared by both. Columnwise follows from rowwise lossles
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -77,7 +77,7 @@ class Float8Tensor(QuantizedTensor):
         return {"fp8_dtype": self.fp8_dtype, "scale_inv": self.scale_inv}
 
 
-@dataclass(kw_only=True, eq=False)
+@dataclass(frozen=True, kw_only=True)
 class Float8Quantizer(Quantizer):
     """Per-tensor FP8 with current scaling: scale = fmax / amax of the tensor being quantized."""
 
@@ -106,16 +106,17 @@ class Float8Quantizer(Quantizer):
     def _allocation(self) -> dict[str, Any]:
         return {"fp8_dtype": self.fp8_dtype}
 
-    def _scale(self, x: torch.Tensor, amax: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(scale, scale_inv, amax of x) for this call."""
+    def _scale(
+        self, x: torch.Tensor, amax: torch.Tensor | None, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, scale_inv) for this call."""
         x_amax = self._measured_amax(x, amax)
-        scale, scale_inv = quant_core.fp8_scale(x_amax, self.fp8_dtype, power_2_scales=self.power_2_scales)
-        return scale, scale_inv, x_amax
+        return quant_core.fp8_scale(x_amax, self.fp8_dtype, power_2_scales=self.power_2_scales)
 
-    def _quantize(self, x, *, out, amax):
-        scale, scale_inv, _ = self._scale(x, amax)
+    def _quantize(self, x, *, out, amax, state, usages):
+        scale, scale_inv = self._scale(x, amax, state)
+        rowwise, columnwise = usages
         if out is None:
-            rowwise, columnwise = self.produced_usages
             rowwise_data, columnwise_data = quant_core.cast_to_fp8(
                 x, scale, self.fp8_dtype, rowwise=rowwise, columnwise=columnwise
             )
@@ -129,7 +130,6 @@ class Float8Quantizer(Quantizer):
             )
         if out.fp8_dtype != self.fp8_dtype:
             raise ValueError(f"quantize_ into a {out.fp8_dtype} Float8Tensor with a {self.fp8_dtype} quantizer")
-        rowwise, columnwise = out.usages
         quant_core.cast_to_fp8(
             x,
             scale,
@@ -154,12 +154,13 @@ def _contiguous_target(buffer: torch.Tensor) -> torch.Tensor:
 AmaxComputeAlgo = Literal["max", "most_recent"]
 
 
-@dataclass(kw_only=True, eq=False)
+@dataclass(frozen=True, kw_only=True)
 class Float8DelayedQuantizer(Float8Quantizer):
     """Per-tensor FP8 with delayed scaling: the scale comes from earlier amaxes (the history).
 
     Each quantize scales with fmax / amax(history) / 2^margin, then pushes the amax it measured.
-    The history lives here, on the quantizer, so it follows the quantizer through checkpoints.
+    The history is the quantizer's state: fp32 (amax_history_len,), newest first, zeros at the
+    start (scale 1 until an amax is seen) ([Note: quantizer configuration and bindings]).
     """
 
     amax_history_len: int = 16
@@ -168,8 +169,6 @@ class Float8DelayedQuantizer(Float8Quantizer):
     """How the history becomes one amax: its max or its most recent entry."""
     margin: int = 0
     """Extra headroom: the scale is divided by 2^margin."""
-    amax_history: torch.Tensor = field(default=None)  # type: ignore[assignment]
-    """fp32 (amax_history_len,), newest first; zeros at the start (scale 1 until an amax is seen)."""
 
     format_name: ClassVar[str] = "per-tensor FP8 (delayed scaling)"
 
@@ -178,18 +177,22 @@ class Float8DelayedQuantizer(Float8Quantizer):
         return False  # the scale comes from the amax history
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if self.amax_history_len < 1:
             raise ValueError(f"amax_history_len must be >= 1, got {self.amax_history_len}")
-        if self.amax_history is None:
-            self.amax_history = torch.zeros(self.amax_history_len)
+        super().__post_init__()
 
-    def _scale(self, x, amax):
-        history = self.amax_history.to(x.device) if self.amax_history.device != x.device else self.amax_history
-        self.amax_history = history
-        history_amax = quant_core.amax_from_history(history, self.amax_compute_algo)
+    @property
+    def amax_history(self) -> torch.Tensor:
+        """The bound amax history (this quantizer's state)."""
+        return self.state
+
+    def new_state(self, device: torch.device | str | None = None) -> torch.Tensor:
+        return torch.zeros(self.amax_history_len, dtype=torch.float32, device=device)
+
+    def _scale(self, x, amax, state):
+        history_amax = quant_core.amax_from_history(state, self.amax_compute_algo)
         scale, scale_inv = quant_core.fp8_scale(
             history_amax, self.fp8_dtype, margin=self.margin, power_2_scales=self.power_2_scales
         )
-        quant_core.push_amax_(history, self._measured_amax(x, amax))
-        return scale, scale_inv, history_amax
+        quant_core.push_amax_(state, self._measured_amax(x, amax))
+        return scale, scale_inv

@@ -26,7 +26,7 @@ class MXFP8Tensor(BlockScaledTensor):
         return quant_core.dequantize_mxfp8(data, scale_inv, dtype)
 
 
-@dataclass(kw_only=True, eq=False)
+@dataclass(frozen=True, kw_only=True)
 class MXFP8Quantizer(BlockQuantizer):
     """MXFP8 quantizer: both usages come from one pass over the input."""
 
@@ -37,5 +37,5 @@ class MXFP8Quantizer(BlockQuantizer):
     def block_shape(self) -> tuple[int, int]:
         return (1, quant_core.MXFP8_BLOCK)
 
-    def _quantize_core(self, x, rowwise, columnwise, out, amax):
+    def _quantize_core(self, x, rowwise, columnwise, out, amax, state):
         return quant_core.quantize_mxfp8(x, rowwise=rowwise, columnwise=columnwise, out=out)

@@ -23,7 +23,8 @@ import torch
 
 from quant_tensors._tensor import QuantizedTensor, local_quantized, local_shard, shard_like
 from quant_tensors.ops import scaled_mm
-from quant_tensors.recipes import Recipe
+from quant_tensors.quantizer import Quantizer
+from quant_tensors.recipes import ROLES, Recipe
 
 _HIGH_PRECISION_INIT = "_quant_tensors_high_precision_init_value"
 
@@ -52,34 +53,59 @@ def quantized_parameter(value: torch.Tensor, quantizer: Any, *, requires_grad: b
     return param
 
 
+# [Note: qt.nn.Linear under torch.compile] The autograd Function below is `allow_in_graph`:
+# dynamo records one call to it and AOTAutograd traces its forward and backward, quantized
+# tensors included, into aten ops and quant-core custom ops. Its arguments are therefore tensors
+# (the per-step quantizer states among them, updated in place, so compiled and eager runs advance
+# the same histories and counters) and constants: the quantizers are frozen dataclasses compared
+# by value ([Note: quantizer configuration and bindings]), so equal layers share compiled code.
+@torch._dynamo.allow_in_graph
 class _QuantizedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, module: Linear) -> torch.Tensor:
-        needs_wgrad = weight.requires_grad
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        input_state: torch.Tensor | None,
+        weight_state: torch.Tensor | None,
+        grad_output_state: torch.Tensor | None,
+        input_quantizer: Quantizer,
+        weight_quantizer: Quantizer,
+        grad_output_quantizer: Quantizer,
+        grad_enabled: bool,
+    ) -> torch.Tensor:
+        # Only operands a gradient needs get columnwise data: none under no_grad (inference).
+        needs_dgrad, needs_wgrad = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
         if isinstance(x, QuantizedTensor):
             qx = _prequantized(x, "input", rowwise=True, columnwise=needs_wgrad)
         else:
-            quantizer = module.input_quantizer.with_usage(rowwise=True, columnwise=needs_wgrad)
-            qx = quantizer.quantize(x.reshape(-1, x.shape[-1]))
-        qw = weight if isinstance(weight, QuantizedTensor) else module.weight_quantizer.quantize(weight)
+            qx = input_quantizer.quantize(
+                x.reshape(-1, x.shape[-1]), state=input_state, rowwise=True, columnwise=needs_wgrad
+            )
+        if isinstance(weight, QuantizedTensor):
+            qw = weight
+        else:
+            qw = weight_quantizer.quantize(weight, state=weight_state, rowwise=True, columnwise=needs_dgrad)
         y = scaled_mm(qx, qw, x.dtype, bias=bias)
         if needs_wgrad and qx is not x:
             qx.update_usage(rowwise=False)  # the wgrad GEMM needs the columnwise data only
-        ctx.save_for_backward(qx if needs_wgrad else None, qw)
-        ctx.module, ctx.x_shape, ctx.has_bias, ctx.weight_dtype = module, x.shape, bias is not None, weight.dtype
+        ctx.save_for_backward(qx if needs_wgrad else None, qw if needs_dgrad else None, grad_output_state)
+        ctx.grad_output_quantizer, ctx.x_shape = grad_output_quantizer, x.shape
+        ctx.has_bias, ctx.weight_dtype = bias is not None, weight.dtype
         # _unsafe_view, as torch.matmul does: the output is not a view of a temporary (FSDP2 warns on views)
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], y.shape[-1]))
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        qx, qw = ctx.saved_tensors
-        module: Linear = ctx.module
+        qx, qw, grad_output_state = ctx.saved_tensors
         needs_dgrad, needs_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if isinstance(dy, QuantizedTensor):  # e.g. gathered quantized by a row-parallel sequence-parallel layer
             qdy = _prequantized(dy, "gradient", rowwise=needs_dgrad, columnwise=needs_wgrad)
         else:
-            quantizer = module.grad_output_quantizer.with_usage(rowwise=needs_dgrad, columnwise=needs_wgrad)
-            qdy = quantizer.quantize(dy.reshape(-1, dy.shape[-1]))
+            qdy = ctx.grad_output_quantizer.quantize(
+                dy.reshape(-1, dy.shape[-1]), state=grad_output_state, rowwise=needs_dgrad, columnwise=needs_wgrad
+            )
         dx = dw = db = None
         if needs_dgrad:
             derived = qw.columnwise_data is None
@@ -97,7 +123,7 @@ class _QuantizedLinearFunction(torch.autograd.Function):
                     "holds; add the bias outside the layer (as QuantRowwiseParallel does) or pass a plain gradient"
                 )
             db = dy.reshape(-1, dy.shape[-1]).sum(dim=0)
-        return dx, dw, db, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 class Linear(torch.nn.Linear):
@@ -122,6 +148,7 @@ class Linear(torch.nn.Linear):
         self.weight_quantizer = recipe.quantizer("weight")
         self.input_quantizer = recipe.quantizer("input")
         self.grad_output_quantizer = recipe.quantizer("grad_output")
+        self.make_quantizer_states(device)
         self.high_precision_reason = _unquantizable_reason(self.weight_quantizer, in_features, out_features, recipe)
         if self.high_precision_reason:
             warnings.warn(self.high_precision_reason, stacklevel=2)
@@ -141,7 +168,57 @@ class Linear(torch.nn.Linear):
             x = x.dequantize() if isinstance(x, QuantizedTensor) else x
             weight = weight.dequantize(x.dtype) if isinstance(weight, QuantizedTensor) else weight
             return torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
-        return _QuantizedLinearFunction.apply(x, weight, bias, self)
+        states = self._buffers
+        return _QuantizedLinearFunction.apply(
+            x,
+            weight,
+            bias,
+            states.get("input_quantizer_state"),
+            states.get("weight_quantizer_state"),
+            states.get("grad_output_quantizer_state"),
+            self.input_quantizer,
+            self.weight_quantizer,
+            self.grad_output_quantizer,
+            torch.is_grad_enabled(),  # needs_input_grad ignores no_grad
+        )
+
+    # ---- quantizer states ([Note: quantizer configuration and bindings]) -----------------------
+
+    def make_quantizer_states(self, device: torch.device | str | None = None) -> None:
+        """Registers a fresh state buffer `<role>_quantizer_state` on `device` for each stateful
+        quantizer (delayed scaling's amax histories, NVFP4's stochastic-rounding counter) and binds
+        it to the quantizer. Buffers move with `.to()` and are saved in the state dict."""
+        for role in ROLES:
+            state = getattr(self, f"{role}_quantizer").new_state(device)
+            if state is not None:
+                self.register_buffer(f"{role}_quantizer_state", state)
+        self._bind_quantizer_states()
+
+    def _bind_quantizer_states(self) -> None:
+        """Binds each state buffer to its quantizer, in place, so the quantizer's other holders (a
+        quantized weight's `.quantizer`, quant-fsdp's hooks, FusedAdam) use the module's state."""
+        for role in ROLES:
+            state = self._buffers.get(f"{role}_quantizer_state")
+            if state is not None:
+                getattr(self, f"{role}_quantizer").bind(state=state)
+        weight = local_quantized(self._parameters.get("weight"))
+        if weight is not None and weight.quantizer is not None and weight.quantizer == self.weight_quantizer:
+            weight.quantizer = self.weight_quantizer
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        """nn.Module._apply, keeping each state buffer's dtype (`.half()` moves, never rounds, an
+        amax history) and binding the moved states."""
+        before = {name: t for name, t in self._buffers.items() if name.endswith("_quantizer_state")}
+        super()._apply(fn, recurse)
+        for name, state in before.items():
+            if self._buffers[name].dtype != state.dtype:
+                self._buffers[name] = state.to(self._buffers[name].device)
+        self._bind_quantizer_states()
+        return self
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super()._load_from_state_dict(*args, **kwargs)
+        self._bind_quantizer_states()  # load_state_dict(assign=True) replaces buffers
 
     def reset_parameters(self) -> None:
         """nn.Linear's initialisation; a quantized weight is initialised in high precision, then requantized.
@@ -149,6 +226,10 @@ class Linear(torch.nn.Linear):
         Under FSDP2 (a DTensor weight after meta-device init) only the local shard is initialised
         and quantized; its quantizer's `amax_group` keeps per-tensor scales equal across shards.
         """
+        for role in ROLES:  # absent while nn.Linear.__init__ runs
+            state = self._buffers.get(f"{role}_quantizer_state")
+            if state is not None:
+                state.zero_()
         if local_quantized(getattr(self, "weight", None)) is None:
             super().reset_parameters()
             return

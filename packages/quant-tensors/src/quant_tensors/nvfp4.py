@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -41,9 +41,15 @@ class NVFP4Tensor(BlockScaledTensor):
         return quant_core.transpose_nvfp4(data, scale_inv)
 
 
-@dataclass(kw_only=True, eq=False)
+@dataclass(frozen=True, kw_only=True)
 class NVFP4Quantizer(BlockQuantizer):
-    """NVFP4 quantizer; the global amax is the input's own unless one is passed (shards)."""
+    """NVFP4 quantizer; the global amax is the input's own unless one is passed (shards).
+
+    With stochastic rounding the state is an int64 0-d counter of the quantizations made: call n
+    rounds with the stream `seed + n`, and the counter advances in place, so two steps never reuse
+    a stream and a layer loaded from a state dict continues where it stopped
+    ([Note: quantizer configuration and bindings]).
+    """
 
     tile: bool = False
     """16 x 16 tiles (weights) instead of 1 x 16 blocks (activations and gradients)."""
@@ -51,8 +57,6 @@ class NVFP4Quantizer(BlockQuantizer):
     """Round E2M1 stochastically (gradients); each call draws from a new counter stream."""
     seed: int = 0
     """Base of the stochastic-rounding streams; call n uses seed + n."""
-    calls: int = field(default=0, repr=False)
-    """Quantize calls made so far (advances the stochastic-rounding stream)."""
 
     tensor_class: ClassVar[type[BlockScaledTensor]] = NVFP4Tensor
     format_name: ClassVar[str] = "NVFP4"
@@ -66,9 +70,19 @@ class NVFP4Quantizer(BlockQuantizer):
     def block_shape(self) -> tuple[int, int]:
         return (quant_core.NVFP4_BLOCK if self.tile else 1, quant_core.NVFP4_BLOCK)
 
-    def _quantize_core(self, x, rowwise, columnwise, out, amax):
-        seed = self.seed + self.calls
-        self.calls += 1
+    @property
+    def calls(self) -> int:
+        """Stochastic quantizations made so far with the bound state (0 without stochastic rounding)."""
+        return 0 if self.state is None else int(self.state)
+
+    def new_state(self, device: torch.device | str | None = None) -> torch.Tensor | None:
+        return torch.zeros((), dtype=torch.int64, device=device) if self.stochastic_rounding else None
+
+    def _quantize_core(self, x, rowwise, columnwise, out, amax, state):
+        seed = self.seed
+        if state is not None:
+            seed = state + self.seed
+            state.add_(1)
         return quant_core.quantize_nvfp4(
             x,
             self.block_shape,

@@ -99,9 +99,17 @@ def operand_k(t: QuantizedTensor, usage: Usage) -> int:
 
 def _hardware_scaled_mm(a, b, a_data, a_scale, b_data, b_scale, out_dtype, bias):
     if isinstance(a, Float8Tensor):
-        return torch._scaled_mm(
-            a_data, b_data.t(), scale_a=a_scale.reshape(()), scale_b=b_scale.reshape(()), bias=bias, out_dtype=out_dtype
+        # torch._scaled_mm refuses a bias with fp32 output: that bias is added afterwards, in fp32.
+        fused_bias = bias if out_dtype != torch.float32 else None
+        out = torch._scaled_mm(
+            a_data,
+            b_data.t(),
+            scale_a=a_scale.reshape(()),
+            scale_b=b_scale.reshape(()),
+            bias=fused_bias,
+            out_dtype=out_dtype,
         )
+        return out if bias is None or fused_bias is not None else out + bias
     # Blockwise on Hopper (FACTS.md): scale_a (M, K/128) stored K-block-major, i.e. strides (1, M);
     # scale_b (K/128, N/128) for 128 x 128 tiles or (K/128, N) for 1 x 128 blocks, stored the same way.
     scale_a = a_scale.t().contiguous().t()

@@ -1,8 +1,18 @@
 """Quantizer: turns high-precision tensors into one format's QuantizedTensor.
 
-A recipe makes one quantizer per role ("weight", "input", "grad_output"). Quantizers carry the
-usages to produce (rowwise for the forward GEMM, columnwise for the backward GEMMs) and, for
-delayed scaling, the amax history.
+A recipe makes one quantizer per role ("weight", "input", "grad_output").
+
+[Note: quantizer configuration and bindings] A quantizer is a frozen dataclass: its configuration
+(format, FP8 dtype, block shape, default usages) is immutable and compared by value, so equal
+quantizers are equal constants to torch.compile (no recompilation per layer) and a quantizer is
+never copied per call: `quantize(x, rowwise=..., columnwise=...)` takes the usages of one call.
+Two things are *bindings*, not configuration, excluded from == and hash and set in place with
+`bind(...)` so every holder (the module, the tensors it made) sees them:
+- `amax_group`, the process group over which a per-tensor amax is all-reduced;
+- `state`, the tensor a stateful quantizer updates in place on every quantize: delayed scaling's
+  amax history (fp32 (amax_history_len,)), NVFP4 stochastic rounding's counter (int64 0-d).
+  qt.nn.Linear registers each of its quantizers' state as a buffer (moved by `.to()`, saved in
+  `state_dict`) and passes it explicitly as `quantize(..., state=...)`.
 """
 
 from __future__ import annotations
@@ -31,9 +41,9 @@ def columnwise_on_demand_default() -> bool:
     return os.environ.get(COLUMNWISE_ON_DEMAND_ENV_VAR, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-@dataclass(kw_only=True, eq=False)
+@dataclass(frozen=True, kw_only=True)
 class Quantizer:
-    """Base of every format's quantizer."""
+    """Base of every format's quantizer ([Note: quantizer configuration and bindings])."""
 
     rowwise: bool = True
     """Produce rowwise data (the forward GEMM operand)."""
@@ -41,10 +51,14 @@ class Quantizer:
     """Produce columnwise data (the backward GEMMs' operand)."""
     columnwise_on_demand: bool = False
     """Leave columnwise out of `quantize`; derive it with update_usage ([Note: on-demand columnwise])."""
-    amax_group: Any = field(default=None, repr=False)
-    """Process group over which formats with a per-tensor amax (per-tensor FP8, NVFP4) all-reduce
-    (MAX) the amax they measure, so that the shards of one tensor share one scale. quant-fsdp sets
-    it for sharded weights. An `amax=` passed to `quantize` is used as given. Not pickled."""
+    amax_group: Any = field(default=None, repr=False, compare=False)
+    """Binding: process group over which formats with a per-tensor amax (per-tensor FP8, NVFP4)
+    all-reduce (MAX) the amax they measure, so that the shards of one tensor share one scale.
+    quant-fsdp binds it for sharded weights. An `amax=` passed to `quantize` is used as given.
+    Not pickled."""
+    state: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    """Binding: the per-step state of a stateful quantizer (None for stateless ones); made by
+    `new_state` when not given."""
 
     tensor_class: ClassVar[type[QuantizedTensor]]
     format_name: ClassVar[str]
@@ -52,6 +66,8 @@ class Quantizer:
     """Whether one amax scales the whole tensor (then shards must agree on it: `amax_group`)."""
 
     def __post_init__(self) -> None:
+        if self.state is None:
+            object.__setattr__(self, "state", self.new_state())
         if not (self.rowwise or self.columnwise):
             raise ValueError(f"{type(self).__name__} needs at least one usage: rowwise=True and/or columnwise=True")
         if self.columnwise_on_demand and not self.can_derive_columnwise:
@@ -82,13 +98,8 @@ class Quantizer:
 
     def quantizes_like(self, other: Quantizer) -> bool:
         """Whether self and other quantize every tensor identically: the same class and
-        configuration (the fields shown in repr), neither keeping state."""
-        return (
-            type(self) is type(other)
-            and self.stateless
-            and other.stateless
-            and all(getattr(self, f.name) == getattr(other, f.name) for f in dataclasses.fields(self) if f.repr)
-        )
+        configuration (==, bindings left out), neither keeping state."""
+        return self.stateless and other.stateless and self == other
 
     def encodes_like(self, other: Quantizer) -> bool:
         """Whether tensors of the two share one byte layout (tensor class, block shape, FP8 dtype),
@@ -102,21 +113,48 @@ class Quantizer:
     @property
     def produced_usages(self) -> tuple[bool, bool]:
         """(rowwise, columnwise) that `quantize` writes (on-demand columnwise left out)."""
-        return self.rowwise, self.columnwise and not (self.columnwise_on_demand and self.rowwise)
+        return self.usages_for()
+
+    def usages_for(self, rowwise: bool | None = None, columnwise: bool | None = None) -> tuple[bool, bool]:
+        """(rowwise, columnwise) that `quantize(x, rowwise=..., columnwise=...)` writes: the
+        arguments, or the configured usages where None; on-demand columnwise left out."""
+        rowwise = self.rowwise if rowwise is None else rowwise
+        columnwise = self.columnwise if columnwise is None else columnwise
+        return rowwise, columnwise and not (self.columnwise_on_demand and rowwise)
 
     # ---- public API --------------------------------------------------------------------------
 
-    def quantize(self, x: torch.Tensor, *, amax: torch.Tensor | None = None) -> QuantizedTensor:
-        """Quantizes x (fp32/bf16/fp16, at least one dim) for this quantizer's usages.
+    def quantize(
+        self,
+        x: torch.Tensor,
+        *,
+        amax: torch.Tensor | None = None,
+        state: torch.Tensor | None = None,
+        rowwise: bool | None = None,
+        columnwise: bool | None = None,
+    ) -> QuantizedTensor:
+        """Quantizes x (fp32/bf16/fp16, at least one dim).
 
-        `amax`: for formats with a per-tensor scale, the amax to scale with instead of x's own
-        (e.g. the all-reduced amax of a sharded tensor).
+        Args:
+            amax: for formats with a per-tensor scale, the amax to scale with instead of x's own
+                (e.g. the all-reduced amax of a sharded tensor).
+            state: a stateful quantizer's state to read and update in place instead of the bound
+                one ([Note: quantizer configuration and bindings]).
+            rowwise, columnwise: the usages of this call (default: the configured ones).
         """
         self._check_input(x)
-        return self._quantize(x, out=None, amax=amax)
+        rowwise, columnwise = self.usages_for(rowwise, columnwise)
+        if not (rowwise or columnwise):
+            raise ValueError(f"{type(self).__name__}.quantize needs at least one usage: rowwise or columnwise")
+        return self._quantize(x, out=None, amax=amax, state=self._state_for(x, state), usages=(rowwise, columnwise))
 
     def quantize_(
-        self, src: torch.Tensor, out: QuantizedTensor, *, amax: torch.Tensor | None = None
+        self,
+        src: torch.Tensor,
+        out: QuantizedTensor,
+        *,
+        amax: torch.Tensor | None = None,
+        state: torch.Tensor | None = None,
     ) -> QuantizedTensor:
         """Requantizes `src` into `out`'s existing buffers (the usages `out` holds), in place."""
         self._check_input(src)
@@ -125,7 +163,31 @@ class Quantizer:
                 f"quantize_ into {type(out).__name__}{tuple(out.shape)} from a {tuple(src.shape)} source with "
                 f"{type(self).__name__}: `out` must be a {self.tensor_class.__name__} of the source's shape"
             )
-        return self._quantize(src, out=out, amax=amax)
+        return self._quantize(src, out=out, amax=amax, state=self._state_for(src, state), usages=out.usages)
+
+    def new_state(self, device: torch.device | str | None = None) -> torch.Tensor | None:
+        """A fresh state for this quantizer (None for stateless formats), on `device` (default cpu)."""
+        return None
+
+    def bind(self, *, amax_group: Any = None, state: torch.Tensor | None = None) -> Quantizer:
+        """Sets the bindings given (not None) in place and returns self
+        ([Note: quantizer configuration and bindings])."""
+        if amax_group is not None:
+            object.__setattr__(self, "amax_group", amax_group)
+        if state is not None:
+            if self.state is None:
+                raise ValueError(f"{type(self).__name__} keeps no state; there is nothing to bind")
+            object.__setattr__(self, "state", state)
+        return self
+
+    def _state_for(self, x: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor | None:
+        """The state a quantize of x uses: the given one, else the bound one (moved to x's device
+        in place the first time: the bound state follows the tensors it quantizes)."""
+        if state is not None or self.state is None:
+            return state
+        if self.state.device != x.device:
+            self.state.data = self.state.data.to(x.device)
+        return self.state
 
     def is_quantizable(self, x: torch.Tensor) -> bool:
         """Whether x can take the quantized GEMM and all-gather paths (block-divisible dims)."""
@@ -154,7 +216,10 @@ class Quantizer:
         )
 
     def with_usage(self, *, rowwise: bool | None = None, columnwise: bool | None = None) -> Quantizer:
-        """A copy of this quantizer with other usages (shares state such as an amax history)."""
+        """A quantizer configured with other usages, sharing this one's bindings (amax group, state).
+
+        For one call, pass the usages to `quantize` instead: that copies nothing.
+        """
         return dataclasses.replace(
             self,
             rowwise=self.rowwise if rowwise is None else rowwise,
@@ -179,7 +244,7 @@ class Quantizer:
         clone = object.__new__(type(self))
         memo[id(self)] = clone
         for name, value in self.__dict__.items():  # the group is shared, everything else copied
-            setattr(clone, name, value if name == "amax_group" else copy.deepcopy(value, memo))
+            object.__setattr__(clone, name, value if name == "amax_group" else copy.deepcopy(value, memo))
         return clone
 
     # ---- what every format provides ----------------------------------------------------------
@@ -189,7 +254,16 @@ class Quantizer:
         """(M, K) multiples a tensor needs for the quantized GEMM and all-gather."""
         raise NotImplementedError
 
-    def _quantize(self, x: torch.Tensor, *, out: QuantizedTensor | None, amax: torch.Tensor | None) -> QuantizedTensor:
+    def _quantize(
+        self,
+        x: torch.Tensor,
+        *,
+        out: QuantizedTensor | None,
+        amax: torch.Tensor | None,
+        state: torch.Tensor | None,
+        usages: tuple[bool, bool],
+    ) -> QuantizedTensor:
+        """Quantizes checked input x for `usages` (into `out`'s buffers if given), with `state`."""
         raise NotImplementedError
 
     def _allocation(self) -> dict[str, object]:

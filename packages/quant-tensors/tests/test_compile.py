@@ -1,0 +1,81 @@
+"""torch.compile over qt.nn.Linear: every recipe, high-precision and quantized weights, no graph
+breaks inside the layer, and eager's numbers ([Note: qt.nn.Linear under torch.compile])."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import quant_tensors as qt
+
+RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def _model(name: str, quantized_weights: bool, device: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.Linear(256, 128, bias=False)).to(device)
+    return qt.convert(model, qt.recipe_from_name(name), quantized_weights=quantized_weights)
+
+
+def _run(model: torch.nn.Module, forward, steps: int, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(output, input gradient) of `steps` forward/backward passes. No optimizer: the weights stay,
+    the quantizer states (histories, counters) advance."""
+    results = []
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(step)
+        x = (torch.randn(4, 32, 128, generator=generator) * 4**step).to(device).requires_grad_(True)
+        dy = (torch.randn(4, 32, 128, generator=generator) / 4**step).to(device)
+        y = forward(x)
+        y.backward(dy)
+        results.append((y.detach(), x.grad))
+    return results
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("quantized_weights", [False, True], ids=["hp-weights", "quantized-weights"])
+@pytest.mark.parametrize("name", RECIPES)
+def test_compiled_layers_equal_eager_bitwise_across_steps(name, quantized_weights, device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run scripts/gpu-suite.sh on a GPU machine)")
+    torch._dynamo.reset()
+    eager = _model(name, quantized_weights, device)
+    compiled = copy.deepcopy(eager)
+    expected = _run(eager, eager, 3, device)
+    got = _run(compiled, torch.compile(compiled, fullgraph=True), 3, device)
+    # Only qt.nn.Linear layers: the same quant-core kernels and GEMMs run, so every output,
+    # gradient and quantizer state (delayed histories, stochastic-rounding counters) is bitwise
+    # eager's, step after step.
+    for step, ((y, dx), (compiled_y, compiled_dx)) in enumerate(zip(expected, got, strict=True)):
+        assert torch.equal(compiled_y, y), step
+        assert torch.equal(compiled_dx, dx), step
+    compiled_states = dict(compiled.named_buffers())
+    for key, state in eager.named_buffers():
+        assert torch.equal(state, compiled_states[key]), key
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_no_graph_break_inside_the_layer(name):
+    torch._dynamo.reset()
+    layer = qt.nn.Linear(128, 128, recipe=qt.recipe_from_name(name))
+    explanation = torch._dynamo.explain(layer)(torch.randn(16, 128, requires_grad=True))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+def test_equal_layers_share_compiled_code():
+    # Quantizers compare by value, so a second layer of the same recipe reuses the first's graph.
+    torch._dynamo.reset()
+    layers = [qt.nn.Linear(128, 128, recipe=qt.Float8DelayedScaling()) for _ in range(3)]
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+
+    @torch.compile(fullgraph=True)
+    def run(layer: qt.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return layer(x)
+
+    for layer in layers:
+        run(layer, torch.randn(16, 128))
+    assert counts["stats"]["unique_graphs"] == 1
