@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from quant_core._backend import kernel
-from quant_core._checks import FLOAT_DTYPES, as_2d, check_float_input, output_buffer
+from quant_core._checks import FLOAT_DTYPES, as_2d, check_float_input, output_buffer, with_shape
 from quant_core._numerics import finite_abs
 
 # (rows, cols) of a 2-D block, e.g. (1, 32) or (128, 128).
@@ -254,4 +254,4 @@ def dequantize_blocks(
             f"{tuple(scale_inv.shape)} on {scale_inv.device}"
         )
     out_2d = getattr(torch.ops.quant_core, op)(data_2d, scale_inv, *kernel_args, dtype)
-    return out_2d.view(*data.shape[:-1], C)
+    return with_shape(out_2d, (*data.shape[:-1], C))

@@ -60,6 +60,12 @@ def output_buffer(
     return out
 
 
+def with_shape(x_2d: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A contiguous 2-D result viewed in `shape`: itself when it has that shape already (the common
+    case: no view object, no host time)."""
+    return x_2d if x_2d.shape == shape else x_2d.view(shape)
+
+
 def as_2d(x: torch.Tensor) -> torch.Tensor:
     """The (M, K) view kernels read: M = product of the leading dims, K = the last (a view when possible)."""
     if x.dim() == 2:

@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 
 from quant_core._backend import kernel, register_kernel
-from quant_core._checks import as_2d, check_float_input, check_fp8_dtype, check_scalar, output_buffer
+from quant_core._checks import as_2d, check_float_input, check_fp8_dtype, check_scalar, output_buffer, with_shape
 from quant_core._numerics import FLOAT32_MAX, divide, encode_fp8, finite_abs, to_output_dtype
 from quant_core._ops import define_op
 
@@ -268,7 +268,7 @@ def dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dty
     check_scalar(scale_inv, "scale_inv", data.device)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be float32, bfloat16 or float16 for the dequantized values, got {dtype}")
-    return torch.ops.quant_core.dequantize_fp8(as_2d(data), scale_inv, dtype).view(data.shape)
+    return with_shape(torch.ops.quant_core.dequantize_fp8(as_2d(data), scale_inv, dtype), data.shape)
 
 
 def _dequantize_fp8_fake(data_MK: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -48,7 +48,7 @@ from quant_core._blocks import (
     run_dequantize_kernel,
     run_quantize_kernel,
 )
-from quant_core._checks import as_2d, check_float_input, check_scalar
+from quant_core._checks import as_2d, check_float_input, check_scalar, with_shape
 from quant_core._fp8 import amax, amax_reference
 from quant_core._numerics import (
     E2M1_MAX,
@@ -380,7 +380,7 @@ def hadamard_transform_16(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
     check_float_input(x)
     if x.dim() == 0 or x.shape[-1] % NVFP4_BLOCK:
         raise ValueError(f"the Hadamard transform mixes groups of 16 along the last dim; got shape {tuple(x.shape)}")
-    return torch.ops.quant_core.hadamard_transform_16(as_2d(x), signed64(int(seed))).view(x.shape)
+    return with_shape(torch.ops.quant_core.hadamard_transform_16(as_2d(x), signed64(int(seed))), x.shape)
 
 
 def _hadamard_fake(x_MK: torch.Tensor, seed: int) -> torch.Tensor:
