@@ -8,8 +8,10 @@ So fprop is scaled_mm(x, w) = X W^T, dgrad scaled_mm(dy, w, b_usage="columnwise"
 wgrad scaled_mm(dy, x, a_usage="columnwise", b_usage="columnwise") = dY^T X.
 
 Paths: `torch._scaled_mm` where the GPU has the kernel (Hopper: per-tensor FP8, blockwise
-1x128 x 128x128 and 1x128 x 1x128), else an exact emulation: dequantize both operands to fp32,
-fp32 matmul, add the bias in fp32, cast. `scaled_mm_path` says which one runs.
+1x128 x 128x128 and 1x128 x 1x128), else an exact emulation: on CUDA with a bf16/fp16 output,
+bf16 tensor cores over operands whose values are exact in bf16 ([Note: exact bf16 operands]);
+otherwise dequantize both operands to fp32, fp32 matmul. The bias is added in fp32, then the
+result is cast. `scaled_mm_path` says which one runs.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ from typing import Literal
 
 import torch
 
+import quant_core
 from quant_tensors._tensor import QuantizedTensor
 from quant_tensors.blockwise import Float8BlockwiseTensor
 from quant_tensors.float8 import Float8Tensor
+from quant_tensors.mxfp8 import MXFP8Tensor
+from quant_tensors.nvfp4 import NVFP4Tensor
 
 Usage = Literal["rowwise", "columnwise"]
 GemmPath = Literal["torch._scaled_mm", "emulated"]
@@ -85,10 +90,52 @@ def scaled_mm(
         raise ValueError(f"scaled_mm reduction dims differ: A is (*, {a_k}) ({a_usage}), B is (*, {b_k}) ({b_usage})")
     if scaled_mm_path(a, b, a_usage=a_usage, b_usage=b_usage) == "torch._scaled_mm":
         return _hardware_scaled_mm(a, b, a_data, a_scale, b_data, b_scale, out_dtype, bias)
-    product = torch.matmul(operand_values(a, a_usage), operand_values(b, b_usage).t())
+    product = _bf16_tensor_core_product(a, b, a_usage, b_usage) if out_dtype != torch.float32 else None
+    if product is None:
+        product = torch.matmul(operand_values(a, a_usage), operand_values(b, b_usage).t())
     if bias is not None:
         product = product + bias.float()
     return product.to(out_dtype)
+
+
+def _bf16_tensor_core_product(a: QuantizedTensor, b: QuantizedTensor, a_usage: Usage, b_usage: Usage):
+    """A @ B^T in fp32 from bf16 tensor cores, on CUDA, where both operands' values are exact in
+    bf16 ([Note: exact bf16 operands]); None elsewhere (the caller multiplies in fp32)."""
+    if a.device.type != "cuda":
+        return None
+    a_values, a_scale = bf16_operand(a, a_usage)
+    b_values, b_scale = bf16_operand(b, b_usage)
+    if a_values is None or b_values is None:
+        return None
+    product = torch.mm(a_values, b_values.t(), out_dtype=torch.float32)
+    for scale in (a_scale, b_scale):
+        if scale is not None:
+            product = product * scale
+    return product
+
+
+# [Note: exact bf16 operands] bf16 holds 8 significant bits. E4M3/E5M2 codes (<= 4), codes times a
+# power of two (MXFP8's E8M0 scales, blockwise FP8 with power-of-two scales) and E2M1 codes times
+# E4M3 block scales (NVFP4 without its tensor scale: <= 5 bits) are exact in bf16 (short of
+# underflow below 2^-133), so a bf16 GEMM with fp32 accumulation computes the emulated product
+# from the same operand values; the per-tensor fp32 factors (FP8's scale_inv, NVFP4's 1 / S) are
+# applied to the fp32 product. It differs from the fp32 emulation only by accumulation order.
+def bf16_operand(t: QuantizedTensor, usage: Usage) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(bf16 values of a usage of t, per-tensor fp32 factor or None), or (None, None) where the
+    values are not exact in bf16 ([Note: exact bf16 operands])."""
+    data, scale_inv = _operand_buffers(t, usage)
+    if isinstance(t, Float8Tensor):
+        return data.to(torch.bfloat16), scale_inv
+    if isinstance(t, NVFP4Tensor):
+        unit_scale_amax = torch.full((), _NVFP4_UNIT_SCALE_AMAX, device=t.device)  # S = 1
+        values = quant_core.dequantize_nvfp4(data, scale_inv, unit_scale_amax, t.block_shape, torch.bfloat16)
+        return values, torch.reciprocal(quant_core.nvfp4_tensor_scale(t.amax))
+    if isinstance(t, MXFP8Tensor) or (isinstance(t, Float8BlockwiseTensor) and t.quantizer.power_2_scales):
+        return t._dequantize_buffers(data, scale_inv, torch.bfloat16), None
+    return None, None
+
+
+_NVFP4_UNIT_SCALE_AMAX = 448.0 * 6.0  # the global amax whose tensor scale S is exactly 1
 
 
 def operand_k(t: QuantizedTensor, usage: Usage) -> int:
