@@ -9,7 +9,7 @@ quantize-on-gather for high-precision weights. See docs/fsdp.md.
 """
 
 from quant_fsdp import parallel
-from quant_fsdp._amax import sync_amax_
+from quant_fsdp._amax import sync_amax_, sync_amax_histories_
 from quant_fsdp._fully_shard import fully_shard, install_hooks
 from quant_fsdp._plan import GatherPlan, gather_plan
 from quant_fsdp._sequence import (
@@ -38,4 +38,5 @@ __all__ = [
     "reduce_scatter_along_first_dim",
     "reset_comm_stats",
     "sync_amax_",
+    "sync_amax_histories_",
 ]

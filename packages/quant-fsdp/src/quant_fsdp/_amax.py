@@ -1,8 +1,10 @@
-"""sync_amax_: one all-reduce for the per-tensor amaxes of many quantize-on-gather shards."""
+"""One all-reduce for many amaxes: quantize-on-gather shards' (`sync_amax_`), delayed scaling's
+histories (`sync_amax_histories_`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,3 +44,61 @@ def sync_amax_(params: Iterable[torch.Tensor], group: dist.ProcessGroup | None =
     for shard, amax in zip(shards, amaxes, strict=True):
         shard._synced_amax = (shard._data._version, amax)
     return len(shards)
+
+
+# [Note: shared amax histories] Delayed scaling scales step t with the amaxes of earlier steps.
+# Under data parallelism each rank sees other inputs and gradients, so its histories would drift
+# apart, and with them its scales. `sync_amax_histories_` reduces (MAX) every delayed-scaling
+# history of a module in one collective, so every rank holds the same histories (what
+# TransformerEngine does). quant_fsdp.fully_shard calls it before each forward of a sharded
+# module, for the histories that changed since the last call: the outermost sharded module (the
+# root) syncs the whole model in one all-reduce per step, inner ones then find nothing to do.
+
+
+def amax_histories(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The delayed-scaling amax histories of every qt.nn.Linear in `module` (its state buffers)."""
+    return [
+        layer.get_buffer(f"{role}_quantizer_state")
+        for layer in module.modules()
+        if isinstance(layer, qt.nn.Linear)
+        for role in qt.ROLES
+        if isinstance(getattr(layer, f"{role}_quantizer"), qt.Float8DelayedQuantizer)
+    ]
+
+
+def sync_amax_histories_(
+    module: torch.nn.Module, groups: dist.ProcessGroup | Iterable[dist.ProcessGroup] | None = None
+) -> int:
+    """All-reduces (MAX) every delayed-scaling amax history in `module` in one collective per
+    group ([Note: shared amax histories]); returns how many histories were synced.
+
+    `groups`: the data-parallel group, or several (the dims of an HSDP mesh, reduced in turn);
+    default the whole world. Every rank of the groups must call it.
+    """
+    return _all_reduce_max(amax_histories(module), groups)
+
+
+def _all_reduce_max(histories: list[torch.Tensor], groups: Any) -> int:
+    if not histories:
+        return 0
+    flat = torch.cat(histories)
+    for group in groups if isinstance(groups, (list, tuple)) else (groups,):
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+    torch._foreach_copy_(histories, list(flat.split([h.numel() for h in histories])))
+    return len(histories)
+
+
+class HistorySyncHook:
+    """A forward pre-hook that syncs the module's histories that changed since the last sync
+    ([Note: shared amax histories]). Versions advance alike on every rank, so all ranks agree on
+    whether to communicate."""
+
+    def __init__(self, groups: tuple[dist.ProcessGroup, ...]) -> None:
+        self.groups = groups
+
+    @torch.compiler.disable  # communication between compiled blocks, as FSDP2's own hooks
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        changed = [h for h in amax_histories(module) if getattr(h, "_synced_version", None) != h._version]
+        _all_reduce_max(changed, self.groups)
+        for history in changed:
+            history._synced_version = history._version

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 import quant_tensors as qt
 from quant_fsdp import _gather, _plan
+from quant_fsdp._amax import HistorySyncHook, amax_histories
 from quant_fsdp._weight import QuantizeOnGatherTensor
 from quant_tensors import QuantizedTensor
 
@@ -111,6 +112,8 @@ def fully_shard(
             wrapped = QuantizeOnGatherTensor(value, quantizer, fallback=not plan.quantized_gather)
             owner.register_parameter(attribute, torch.nn.Parameter(wrapped, requires_grad=param.requires_grad))
     torch_fully_shard(module, **{**kwargs, "mesh": mesh})
+    if amax_histories(module):  # [Note: shared amax histories]
+        module.register_forward_pre_hook(HistorySyncHook(tuple(mesh.get_group(d) for d in range(mesh.ndim))))
     _attach_init_value_shards(module, init_values, mesh)
     plans = tuple(entry[0] for entry in entries)
     _plan.record(module, plans)
