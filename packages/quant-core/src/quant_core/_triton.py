@@ -1,6 +1,6 @@
 """The Triton backend (CUDA tensors): Adam and the non-finite check here; importing this module
-also registers the FP8 kernels (`_triton_fp8`, `_triton_blocks`, numerics in `_triton_numerics`);
-NVFP4 runs the reference on CUDA (see [Note: backends]).
+also registers the quantize, dequantize and transpose kernels of every format (`_triton_fp8`,
+`_triton_blocks`, `_triton_nvfp4`, sharing `_triton_numerics`), so every op has a Triton kernel.
 
 [Note: exact Triton arithmetic] By default Triton contracts `a * b + c` into a fused
 multiply-add and lowers `/` and `sqrt` to approximate instructions; libdevice's explicitly
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quant_core import _triton_blocks, _triton_fp8  # noqa: F401  (register their kernels)
+from quant_core import _triton_blocks, _triton_fp8, _triton_nvfp4  # noqa: F401  (register their kernels)
 from quant_core._adam import AdamScalars
 from quant_core._backend import register_kernel
 
