@@ -1,9 +1,11 @@
-"""The `quant-fsdp` command line: `demo` runs the end-to-end job, `bench` the benchmark suite."""
+"""The `quant-fsdp` command line: `demo` runs the end-to-end job, `bench` the benchmark suite
+(`bench --e2e`: training a Llama-style decoder on one device)."""
 
 from __future__ import annotations
 
 import argparse
 import pathlib
+import shlex
 import sys
 from collections.abc import Sequence
 
@@ -24,17 +26,91 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--device",
         choices=("all", "cpu", "cuda"),
         default="all",
-        help="devices to benchmark (all: CPU and CUDA if present)",
+        help="devices to benchmark (all: CPU and CUDA if present; with --e2e: CUDA if present, else the CPU)",
     )
+    _add_e2e_arguments(bench)
     args = parser.parse_args(argv)
 
     if args.command == "demo":
         from quant_fsdp._demo import run_demo
 
         return run_demo(args.out, world_size=args.world_size, steps=args.steps)
+    if args.e2e:
+        return _run_e2e(parser, args, argv)
+    given = [f"--{name.replace('_', '-')}" for name in _E2E_OPTIONS if getattr(args, name) is not None]
+    if given:
+        parser.error(f"{', '.join(given)} configure the end-to-end benchmark: add --e2e")
     from quant_fsdp._bench import run_bench
 
     return run_bench(args.out, size=args.size, min_run_time=args.min_run_time, device=args.device)
+
+
+_E2E_OPTIONS = ("runs", "config", "steps", "warmup", "model", "compile_backend", "fidelity")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _add_e2e_arguments(bench: argparse.ArgumentParser) -> None:
+    bench.add_argument(
+        "--e2e",
+        action="store_true",
+        help="instead of the kernels: train a Llama-style decoder on one device with bf16, torchao float8 and every "
+        "recipe; write e2e.json and e2e.md",
+    )
+    e2e = bench.add_argument_group("end to end (with --e2e)")
+    e2e.add_argument(
+        "--runs",
+        help="comma-separated globs on run names <base>[:hp|qw]:eager|compiled, e.g. 'bf16,fp8', '*:compiled', "
+        "'fp8:qw', 'all' (default: every eager run plus bf16, torchao tensorwise and fp8 compiled; with "
+        "--fidelity: bf16:eager and every recipe's hp:eager)",
+    )
+    e2e.add_argument("--config", choices=("default", "large", "tiny"), help="model size (default: default)")
+    e2e.add_argument("--steps", type=_positive, help="timed steps per run (default 8)")
+    e2e.add_argument("--warmup", type=int, help="untimed warm-up steps per run (default 3)")
+    e2e.add_argument(
+        "--model",
+        choices=("auto", "transformers", "builtin"),
+        help="transformers' LlamaForCausalLM or the built-in equivalent (default auto: transformers when it imports)",
+    )
+    e2e.add_argument("--compile-backend", help="torch.compile backend of the compiled runs (default inductor)")
+    e2e.add_argument(
+        "--fidelity",
+        type=_positive,
+        metavar="STEPS",
+        help="train each run STEPS steps on the Markov task and compare final losses with bf16 (writes "
+        "e2e_fidelity.json/.md/.png)",
+    )
+
+
+def _run_e2e(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    from quant_fsdp._bench_e2e import DEFAULT_FIDELITY_RUNS, DEFAULT_RUNS, E2EOptions, run_e2e, select_runs
+
+    try:
+        runs = select_runs(args.runs or (DEFAULT_FIDELITY_RUNS if args.fidelity else DEFAULT_RUNS))
+        settings = {
+            "config": args.config,
+            "num_steps": args.steps,
+            "num_warmup": args.warmup,
+            "model_source": args.model,
+            "compile_backend": args.compile_backend,
+        }
+        options = E2EOptions(
+            **{k: v for k, v in settings.items() if v is not None},
+            device=args.device,
+            command=shlex.join(["quant-fsdp", *(sys.argv[1:] if argv is None else argv)]),
+        )
+    except ValueError as error:
+        parser.error(str(error))
+    if args.fidelity:
+        from quant_fsdp._e2e_fidelity import run_fidelity
+
+        return run_fidelity(args.out, runs, options, num_steps=args.fidelity)
+    return run_e2e(args.out, runs, options)
 
 
 if __name__ == "__main__":

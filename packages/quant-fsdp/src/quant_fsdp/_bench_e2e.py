@@ -1,0 +1,445 @@
+"""`quant-fsdp bench --e2e`: train a Llama-style decoder on one device, bf16 vs torchao vs every recipe.
+
+Every run builds a fresh model from the same seed (quant_fsdp._e2e_model) and trains it on the
+same batches of the Markov task. Runs are named `<base>[:<weights>]:<mode>`:
+- base: `bf16`, `torchao-tensorwise`, `torchao-rowwise` (torchao.float8's
+  `convert_to_float8_training`), or a recipe of ours (`qt.convert`);
+- weights (recipes only): `hp` keeps high-precision weights, quantized every forward, stepped by
+  torch.optim.AdamW (fused on CUDA); `qw` makes them quantized primary weights
+  (`quantized_weights=True`) stepped by quant_optim.FusedAdam with fp32 masters;
+- mode: `eager`, or `compiled` (`torch.compile(model)`).
+bf16 and torchao runs use torch.optim.AdamW too. The lm_head is never converted.
+
+Per run: tokens/s from the median step time of `num_steps` steps after `num_warmup` warm-up
+steps (on CUDA, CUDA events between steps, one synchronize at the end: a host-bound step shows as
+its wall time, a device-bound one as its GPU time), ratios to bf16 eager and to torchao
+tensorwise compiled of the same invocation, peak memory (torch.cuda.max_memory_allocated, reset
+after the model is built), host CPU time per step (time.process_time over the timed steps; a
+blocking synchronize inside a step, e.g. FusedAdam's non-finite check, spins and counts), and the
+last step's loss. A run that raises becomes a row with its error; the others go on.
+
+`--fidelity STEPS` trains each run for STEPS steps instead and compares final losses with bf16
+eager's (quant_fsdp._e2e_fidelity).
+"""
+
+from __future__ import annotations
+
+import datetime
+import fnmatch
+import gc
+import importlib.metadata
+import itertools
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+
+import quant_core
+import quant_tensors as qt
+from quant_fsdp._e2e_model import (
+    CONFIGS,
+    MODEL_SOURCES,
+    DecoderConfig,
+    MarkovTask,
+    build_decoder,
+    describe_model,
+    resolve_model_source,
+)
+
+RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
+TORCHAO_RECIPES = ("tensorwise", "rowwise")
+# Every eager run and the compiled runs the issue-16 targets compare (~7 min on one H100).
+DEFAULT_RUNS = "*:eager,bf16:compiled,torchao-tensorwise:compiled,fp8:*:compiled"
+DEFAULT_FIDELITY_RUNS = "bf16:eager,*:hp:eager"
+BF16_BASELINE = "bf16:eager"
+TORCHAO_BASELINE = "torchao-tensorwise:compiled"
+SEED = 0
+LEARNING_RATE = 3e-4
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training configuration: what converts the Linears, which weights, eager or compiled."""
+
+    base: str
+    """"bf16", "torchao-<recipe>" or one of RECIPES."""
+    quantized_weights: bool = False
+    """Recipes only: quantized primary weights stepped by FusedAdam."""
+    compiled: bool = False
+    """torch.compile(model)."""
+
+    @property
+    def name(self) -> str:
+        weights = ("qw" if self.quantized_weights else "hp",) if self.base in RECIPES else ()
+        return ":".join((self.base, *weights, "compiled" if self.compiled else "eager"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class E2EOptions:
+    """How `quant-fsdp bench --e2e` runs."""
+
+    config: str = "default"
+    """Model and batch size: a key of quant_fsdp._e2e_model.CONFIGS."""
+    num_steps: int = 8
+    """Timed steps per run."""
+    num_warmup: int = 3
+    """Untimed steps before them (compilation happens here)."""
+    device: str = "all"
+    """"cuda", "cpu", or "all": CUDA when present, else the CPU."""
+    model_source: str = "auto"
+    """"transformers", "builtin", or "auto": transformers' LlamaForCausalLM when it imports."""
+    compile_backend: str = "inductor"
+    """torch.compile backend of the compiled runs ("aot_eager" traces without generating code)."""
+    command: str = ""
+    """The command line, for the report."""
+
+    def __post_init__(self) -> None:
+        if self.config not in CONFIGS:
+            raise ValueError(f"config must be one of {', '.join(CONFIGS)}, got {self.config!r}")
+        if self.num_steps < 1 or self.num_warmup < 0:
+            raise ValueError(f"need steps >= 1 and warmup >= 0, got {self.num_steps} and {self.num_warmup}")
+        if self.model_source not in MODEL_SOURCES:
+            raise ValueError(f"model must be one of {', '.join(MODEL_SOURCES)}, got {self.model_source!r}")
+
+    @property
+    def decoder(self) -> DecoderConfig:
+        return CONFIGS[self.config]
+
+    def torch_device(self) -> torch.device:
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("quant-fsdp bench --e2e --device cuda: no CUDA device is visible")
+        return torch.device("cuda" if self.device != "cpu" and torch.cuda.is_available() else "cpu")
+
+
+@dataclass(frozen=True)
+class E2ERow:
+    """What one run measured; an error leaves the numbers None."""
+
+    run: str
+    tokens_per_s: float | None = None
+    vs_bf16_eager: float | None = None
+    vs_torchao_compiled: float | None = None
+    """Over torchao float8 tensorwise compiled of the same invocation."""
+    peak_memory_gib: float | None = None
+    """torch.cuda.max_memory_allocated over the steps (CUDA only)."""
+    host_ms_per_step: float | None = None
+    step_ms: float | None = None
+    """Median step time."""
+    loss: float | None = None
+    """The last step's loss."""
+    error: str = ""
+    """'<type>: <first line>' of what the run raised, or 'skipped: <why>'."""
+    step_ms_all: list[float] = field(default_factory=list)
+    """Each timed step's time."""
+
+
+def all_runs() -> list[RunSpec]:
+    """Every run, in the order they execute and print."""
+    modes = (False, True)
+    runs = [RunSpec(base, compiled=c) for base in ("bf16", *(f"torchao-{r}" for r in TORCHAO_RECIPES)) for c in modes]
+    return runs + [RunSpec(recipe, qw, c) for recipe in RECIPES for qw in modes for c in modes]
+
+
+def select_runs(patterns: str) -> list[RunSpec]:
+    """The runs that comma-separated `patterns` name, in `all_runs` order.
+
+    A pattern is a glob on run names (`*:compiled`, `torchao-*`, `fp8:qw:eager`) and also matches
+    the names it prefixes up to a colon: `fp8` is fp8's four runs, `fp8:qw` its two with quantized
+    weights. `all` is every run. A pattern that matches nothing is a ValueError naming the runs.
+    """
+    runs = all_runs()
+    names = [r.name for r in runs]
+    chosen: set[str] = set()
+    for pattern in (p.strip() for p in patterns.split(",")):
+        pattern = "*" if pattern == "all" else pattern
+        matched = {n for n in names if fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(n, f"{pattern}:*")}
+        if not matched:
+            raise ValueError(
+                f"--runs: {pattern!r} matches no run. Runs: {', '.join(names)}. Patterns are comma-separated globs "
+                "('fp8', 'fp8:qw', '*:compiled', 'torchao-*', 'all')"
+            )
+        chosen |= matched
+    return [r for r in runs if r.name in chosen]
+
+
+def torchao_missing() -> str:
+    """Why torchao float8 runs cannot run here, or ''."""
+    try:
+        import torchao.float8  # noqa: F401
+    except Exception as error:  # an ImportError, or a torchao built for another torch
+        return f"skipped: torchao.float8 does not import ({type(error).__name__}: {first_line(error)})"
+    return ""
+
+
+def _not_lm_head(module: torch.nn.Module, name: str) -> bool:
+    return name != "lm_head"
+
+
+def _optimizer(model: torch.nn.Module, spec: RunSpec, device: torch.device) -> torch.optim.Optimizer:
+    if not spec.quantized_weights:
+        return torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0, fused=device.type == "cuda")
+    try:
+        from quant_optim import FusedAdam
+    except ImportError as error:
+        raise ImportError(
+            "the ':qw' runs step quantized weights with quant-optim's FusedAdam: pip install 'quant-fsdp[optim]'"
+        ) from error
+    return FusedAdam(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
+
+
+def build_run(
+    spec: RunSpec, options: E2EOptions, device: torch.device, source: str
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """(model, optimizer, step) of one run; `step(inputs, targets)` trains one step and returns the loss."""
+    torch.manual_seed(SEED)
+    model = build_decoder(options.decoder, device, source)
+    if spec.base.startswith("torchao-"):
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        recipe = Float8LinearConfig.from_recipe_name(spec.base.removeprefix("torchao-"))
+        convert_to_float8_training(model, config=recipe, module_filter_fn=_not_lm_head)
+    elif spec.base != "bf16":
+        recipe = qt.recipe_from_name(spec.base)
+        qt.convert(model, recipe, quantized_weights=spec.quantized_weights, module_filter_fn=_not_lm_head)
+    optimizer = _optimizer(model, spec, device)
+    forward = torch.compile(model, backend=options.compile_backend) if spec.compiled else model
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        output = forward(inputs)
+        logits = getattr(output, "logits", output)  # transformers returns an output object
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return model, optimizer, step
+
+
+def free_memory(device: torch.device) -> None:
+    """Drops what a finished run left: compiled graphs, reference cycles, cached CUDA blocks."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_steps(
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    batches: torch.Tensor,
+    options: E2EOptions,
+    device: torch.device,
+) -> tuple[list[float], float, float]:
+    """(seconds of each timed step, host CPU seconds per timed step, last loss)."""
+    for i in range(options.num_warmup):
+        step(batches[i, :, :-1], batches[i, :, 1:])
+    _synchronize(device)
+    timed = range(options.num_warmup, options.num_warmup + options.num_steps)
+    cpu_start = time.process_time()
+    if device.type == "cuda":
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(timed) + 1)]
+        events[0].record()
+        for i, event in zip(timed, events[1:], strict=True):
+            loss = step(batches[i, :, :-1], batches[i, :, 1:])
+            event.record()
+        host = time.process_time() - cpu_start
+        torch.cuda.synchronize(device)
+        seconds = [a.elapsed_time(b) * 1e-3 for a, b in itertools.pairwise(events)]
+    else:
+        marks = [time.perf_counter()]
+        for i in timed:
+            loss = step(batches[i, :, :-1], batches[i, :, 1:])
+            marks.append(time.perf_counter())
+        host = time.process_time() - cpu_start
+        seconds = [b - a for a, b in itertools.pairwise(marks)]
+    return seconds, host / len(timed), float(loss)
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+def measure_run(spec: RunSpec, batches: torch.Tensor, options: E2EOptions, device: torch.device, source: str) -> E2ERow:
+    """Builds and times one run; what it raises becomes the row's error."""
+    try:
+        model, optimizer, step = build_run(spec, options, device, source)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        seconds, host, loss = _time_steps(step, batches, options, device)
+    except Exception as error:  # a benchmark row, not a test: report it and go on
+        return E2ERow(spec.name, error=f"{type(error).__name__}: {first_line(error)}")
+    del model, optimizer, step
+    median = statistics.median(seconds)
+    return E2ERow(
+        spec.name,
+        tokens_per_s=options.decoder.tokens_per_step / median,
+        peak_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        host_ms_per_step=host * 1e3,
+        step_ms=median * 1e3,
+        loss=loss,
+        step_ms_all=[s * 1e3 for s in seconds],
+    )
+
+
+def _with_ratios(rows: list[E2ERow]) -> list[E2ERow]:
+    speeds = {r.run: r.tokens_per_s for r in rows}
+    bf16, torchao = speeds.get(BF16_BASELINE), speeds.get(TORCHAO_BASELINE)
+    return [
+        replace(
+            r,
+            vs_bf16_eager=r.tokens_per_s / bf16 if r.tokens_per_s and bf16 else None,
+            vs_torchao_compiled=r.tokens_per_s / torchao if r.tokens_per_s and torchao else None,
+        )
+        for r in rows
+    ]
+
+
+def _version_of(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment(options: E2EOptions, device: torch.device, source: str) -> dict[str, object]:
+    """Device, versions, date, command, model and sizes: the header of both reports."""
+    config = options.decoder
+    return {
+        "date": datetime.date.today().isoformat(),
+        "command": options.command,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.machine()} cpu",
+        "torch": torch.__version__,
+        "triton": _version_of("triton"),
+        "transformers": _version_of("transformers"),
+        "torchao": _version_of("torchao"),
+        "quant_core": quant_core.__version__,
+        "quant_tensors": qt.__version__,
+        "env": {k: os.environ[k] for k in ("QUANT_CORE_BACKEND", qt.COLUMNWISE_ON_DEMAND_ENV_VAR) if k in os.environ},
+        "threads": torch.get_num_threads(),
+        "model": describe_model(source),
+        "config_name": options.config,
+        "config": asdict(config),
+        "num_parameters": config.num_parameters,
+        "num_warmup": options.num_warmup,
+        "num_steps": options.num_steps,
+        "compile_backend": options.compile_backend,
+        "learning_rate": LEARNING_RATE,
+    }
+
+
+def header_lines(report: dict) -> list[str]:
+    c = report["config"]
+    versions = ", ".join(f"{k} {report[k]}" for k in ("torch", "triton", "transformers", "torchao") if report[k])
+    return [
+        f"- Device: {report['device']}; {versions}; quant-tensors {report['quant_tensors']}; {report['date']}.",
+        f"- Command: `{report['command']}`" + (f" (environment: {report['env']})" if report["env"] else ""),
+        f"- Model: {report['model']}, {format_count(report['num_parameters'])} parameters (vocab {c['vocab_size']}, "
+        f"hidden {c['hidden_size']}, intermediate {c['intermediate_size']}, {c['num_layers']} layers, "
+        f"{c['num_heads']} heads), bf16 parameters, lm_head never quantized; batch {c['batch_size']} x "
+        f"{c['sequence_length']} tokens.",
+    ]
+
+
+def format_count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def format_value(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _cells(r: E2ERow) -> list[str]:
+    tokens = None if r.tokens_per_s is None else r.tokens_per_s / 1e3
+    return [
+        r.run,
+        format_value(tokens, ".1f", "k"),
+        format_value(r.vs_bf16_eager, ".2f", "x"),
+        format_value(r.vs_torchao_compiled, ".2f", "x"),
+        format_value(r.peak_memory_gib, ".1f"),
+        format_value(r.host_ms_per_step, ".1f"),
+        format_value(r.loss, ".4f"),
+        r.error,
+    ]
+
+
+COLUMNS = ("run", "tokens/s", "vs bf16 eager", "vs torchao tw compiled", "peak GiB", "host ms/step", "loss", "error")
+
+
+def markdown(report: dict, rows: list[E2ERow]) -> str:
+    """e2e.md: the header and one table row per run, ready for docs/benchmarks.md."""
+    lines = [f"## End to end, {report['config_name']} configuration", "", *header_lines(report)]
+    lines.append(
+        f"- Median of {report['num_steps']} steps after {report['num_warmup']} warm-up steps; host ms/step is "
+        "process CPU time over the timed steps; peak GiB is torch.cuda.max_memory_allocated."
+    )
+    lines += ["", "| " + " | ".join(COLUMNS) + " |", "| --- |" + " ---: |" * (len(COLUMNS) - 2) + " --- |"]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in _cells(r)) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _table(report: dict, rows: list[E2ERow]) -> Table:
+    c = report["config"]
+    table = Table(
+        title=f"End to end on {report['device']}: {report['model']}, {format_count(report['num_parameters'])}, "
+        f"{c['batch_size']}x{c['sequence_length']} tokens, median of {report['num_steps']} steps"
+    )
+    for column in COLUMNS:
+        table.add_column(column, justify="left" if column in ("run", "error") else "right")
+    for r in rows:
+        table.add_row(*_cells(r), style="red" if r.error and not r.error.startswith("skipped") else None)
+    return table
+
+
+def console_for_logs() -> Console:
+    return Console(width=None if sys.stdout.isatty() else 160)  # logs: no wrapped tables
+
+
+def markov_batches(config: DecoderConfig, num_steps: int) -> torch.Tensor:
+    """The token ids of steps 0 .. num_steps - 1 (the same for every run and invocation), on the CPU."""
+    return MarkovTask(config.vocab_size, seed=SEED).batches(range(num_steps), config.batch_size, config.sequence_length)
+
+
+def run_e2e(out: pathlib.Path, runs: Sequence[RunSpec], options: E2EOptions, console: Console | None = None) -> int:
+    """Times `runs`, prints the table, writes e2e.json and e2e.md to `out`; 1 if a run failed."""
+    console = console or console_for_logs()
+    device = options.torch_device()
+    source = resolve_model_source(options.model_source)
+    report = environment(options, device, source)
+    batches = markov_batches(options.decoder, options.num_warmup + options.num_steps).to(device)
+    skipped = torchao_missing() if any(r.base.startswith("torchao-") for r in runs) else ""
+    rows = []
+    for index, spec in enumerate(runs, 1):
+        console.print(f"[{index}/{len(runs)}] {spec.name} ...", highlight=False)
+        if spec.base.startswith("torchao-") and skipped:
+            rows.append(E2ERow(spec.name, error=skipped))
+        else:
+            rows.append(measure_run(spec, batches, options, device, source))
+            free_memory(device)
+        r = rows[-1]
+        console.print(f"    {r.error or f'{r.tokens_per_s:,.0f} tokens/s, loss {r.loss:.4f}'}", highlight=False)
+    rows = _with_ratios(rows)
+    console.print(_table(report, rows))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "e2e.json").write_text(json.dumps({**report, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
+    (out / "e2e.md").write_text(markdown(report, rows))
+    console.print(f"wrote {out / 'e2e.json'} and {out / 'e2e.md'}")
+    failed = [r.run for r in rows if r.error and not r.error.startswith("skipped")]
+    if failed:
+        console.print(f"runs that failed: {', '.join(failed)}")
+    return 1 if failed else 0

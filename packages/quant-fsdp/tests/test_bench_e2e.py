@@ -1,0 +1,111 @@
+"""`quant-fsdp bench --e2e` on the tiny configuration, on the CPU: every run yields a row (no numbers asserted)."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import pytest
+from rich.console import Console
+
+import quant_tensors as qt
+from quant_fsdp._bench_e2e import DEFAULT_FIDELITY_RUNS, DEFAULT_RUNS, RECIPES, E2EOptions, run_e2e, select_runs
+from quant_fsdp._e2e_model import CONFIGS, Decoder
+from quant_fsdp.cli import main
+
+
+def _names(patterns: str) -> list[str]:
+    return [r.name for r in select_runs(patterns)]
+
+
+def test_run_filters_select_by_glob_and_by_name_prefix():
+    assert _names("bf16") == ["bf16:eager", "bf16:compiled"]
+    assert _names("fp8") == ["fp8:hp:eager", "fp8:hp:compiled", "fp8:qw:eager", "fp8:qw:compiled"]
+    assert _names("fp8:qw, bf16:eager") == ["bf16:eager", "fp8:qw:eager", "fp8:qw:compiled"]
+    assert _names("torchao-*:compiled") == ["torchao-tensorwise:compiled", "torchao-rowwise:compiled"]
+    assert _names("*:hp:eager") == [f"{r}:hp:eager" for r in RECIPES]
+    assert len(_names("all")) == 2 + 4 + 4 * len(RECIPES)
+    default = _names(DEFAULT_RUNS)
+    assert all(n.endswith(":eager") for n in default if not n.startswith(("bf16", "torchao-tensorwise", "fp8:")))
+    assert _names(DEFAULT_FIDELITY_RUNS) == ["bf16:eager", *(f"{r}:hp:eager" for r in RECIPES)]
+
+
+def test_an_unknown_run_is_refused_when_parsing_arguments(capsys):
+    with pytest.raises(ValueError, match=r"'fp9' matches no run"):
+        select_runs("bf16,fp9")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--e2e", "--runs", "fp9"])
+    assert exit_info.value.code == 2
+    assert "matches no run" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--config", "tiny"])  # an e2e option without --e2e
+    assert "add --e2e" in capsys.readouterr().err
+
+
+def test_builtin_decoder_has_the_configured_parameter_count():
+    config = CONFIGS["tiny"]
+    assert sum(p.numel() for p in Decoder(config).parameters()) == config.num_parameters
+
+
+def test_tiny_e2e_runs_record_every_run_and_failures(tmp_path, monkeypatch):
+    recipe_from_name = qt.recipe_from_name
+
+    def fail_for_fp8_block(name):
+        if name == "fp8-block":
+            raise RuntimeError("forced failure\nsecond line")
+        return recipe_from_name(name)
+
+    monkeypatch.setattr(qt, "recipe_from_name", fail_for_fp8_block)
+    runs = select_runs("bf16:eager,fp8:hp,fp8:qw:eager,fp8-block:hp:eager")
+    options = E2EOptions(
+        config="tiny", num_steps=2, num_warmup=1, device="cpu", model_source="builtin", compile_backend="aot_eager"
+    )
+    output = io.StringIO()
+    assert run_e2e(tmp_path, runs, options, console=Console(file=output, width=200)) == 1  # one run failed
+
+    report = json.loads((tmp_path / "e2e.json").read_text())
+    rows = {row["run"]: row for row in report["rows"]}
+    assert list(rows) == ["bf16:eager", "fp8:hp:eager", "fp8:hp:compiled", "fp8:qw:eager", "fp8-block:hp:eager"]
+    for name in ("bf16:eager", "fp8:hp:eager", "fp8:hp:compiled", "fp8:qw:eager"):
+        row = rows[name]
+        assert row["error"] == ""
+        assert math.isfinite(row["tokens_per_s"])
+        assert row["tokens_per_s"] > 0
+        assert math.isfinite(row["loss"])
+        assert math.isfinite(row["vs_bf16_eager"])
+        assert len(row["step_ms_all"]) == 2
+    assert rows["bf16:eager"]["vs_bf16_eager"] == 1.0
+    assert rows["fp8-block:hp:eager"]["error"] == "RuntimeError: forced failure"
+    assert rows["fp8-block:hp:eager"]["tokens_per_s"] is None
+    assert report["model"].startswith("quant_fsdp built-in")
+    assert report["config"] == {
+        "vocab_size": 256,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_layers": 2,
+        "num_heads": 4,
+        "sequence_length": 64,
+        "batch_size": 2,
+    }
+    table = (tmp_path / "e2e.md").read_text()
+    assert "| fp8:qw:eager |" in table
+    assert "RuntimeError: forced failure |" in table
+    assert "runs that failed: fp8-block:hp:eager" in output.getvalue()
+
+
+def test_tiny_fidelity_compares_final_losses_with_bf16(tmp_path):
+    from quant_fsdp._e2e_fidelity import run_fidelity
+
+    options = E2EOptions(config="tiny", device="cpu", model_source="builtin")
+    runs = select_runs("bf16:eager,fp8:qw:eager")
+    output = io.StringIO()
+    assert run_fidelity(tmp_path, runs, options, num_steps=3, console=Console(file=output, width=200)) == 0
+    report = json.loads((tmp_path / "e2e_fidelity.json").read_text())
+    rows = {row["run"]: row for row in report["rows"]}
+    assert list(rows) == ["bf16:eager", "fp8:qw:eager"]
+    assert rows["bf16:eager"]["vs_bf16"] == 0.0
+    assert len(rows["fp8:qw:eager"]["losses"]) == 3
+    assert math.isfinite(rows["fp8:qw:eager"]["vs_bf16"])
+    assert rows["fp8:qw:eager"]["tolerance"] == 0.005
+    assert "| fp8:qw:eager |" in (tmp_path / "e2e_fidelity.md").read_text()
