@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 QUANTIZED_WEIGHTS = "quantized weights"
 QUANTIZE_ON_GATHER = "quantize on gather"
@@ -62,8 +63,10 @@ def fallback_reason(quantizer: Any, shape: tuple[int, ...], world_size: int) -> 
 
 # ---- which FSDP2 module gathers a quantizer's weight, and how its backward gathers ----------------
 
-_FSDP_MODULE_OF: weakref.WeakKeyDictionary[Any, weakref.ref[torch.nn.Module]] = weakref.WeakKeyDictionary()
-_BACKWARD_GATHERS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+# Keyed by identity: quantizers compare by value, and equal quantizers of two layers may belong to
+# differently sharded modules.
+_FSDP_MODULE_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_BACKWARD_GATHERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def register_fsdp_module(quantizer: Any, module: torch.nn.Module) -> None:
