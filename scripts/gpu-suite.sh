@@ -1,27 +1,27 @@
 #!/usr/bin/env bash
 # The GPU suite, in one command on a CUDA machine: install, run the `cuda` tests, run the
 # benchmarks, print a short table last. Results go to $OUT (the device tool's folder) or results/.
-# GPU_SUITE_STEPS picks steps (comma-separated, default all): tests, bench (kernels), e2e
-# (`quant-fsdp bench --e2e`, ~8 min on an H100; E2E_ARGS adds options, e.g. "--runs bf16,fp8"),
-# optim (FusedAdam).
+# GPU_SUITE_STEPS picks steps (comma-separated, default all): tests, bench (kernels), linear
+# (host time per Linear fwd+bwd, `quant-fsdp bench --linear`), e2e (`quant-fsdp bench --e2e`,
+# ~8 min on an H100; E2E_ARGS adds options, e.g. "--runs bf16,fp8"), optim (FusedAdam).
 #
 # The GPU image has torch, Triton, pytest, hypothesis, rich, scikit-build-core and pybind11 but no
 # network and no hatchling, so quant-core is built in place without build isolation and the three
 # pure-Python packages are put on PYTHONPATH rather than installed. torchao (for the e2e
-# comparison) comes as a wheel in the git-ignored .whl/ folder when someone put it there.
+# and host-time comparisons) comes as a wheel in the git-ignored .whl/ folder when someone put it there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-results}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-steps=",${GPU_SUITE_STEPS:-tests,bench,e2e,optim},"
+steps=",${GPU_SUITE_STEPS:-tests,bench,linear,e2e,optim},"
 want() { [[ "$steps" == *",$1,"* ]]; }
 
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name())'
 python3 -m pip install -q --no-build-isolation --no-deps ./packages/quant-core 2>&1 | tail -3
 export PYTHONPATH="$PWD/packages/quant-tensors/src:$PWD/packages/quant-fsdp/src:$PWD/packages/quant-optim/src${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c 'import quant_core; print("quant_core", quant_core.__version__, "backends", quant_core.available_backends())'
-if want e2e && compgen -G ".whl/*.whl" > /dev/null; then
+if (want e2e || want linear) && compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -3
   export PYTHONPATH="$PYTHONPATH:/tmp/site"  # after ours, still before site-packages: torchao only
 fi
@@ -36,6 +36,10 @@ fi
 if want bench; then
   python3 -m quant_fsdp.cli bench --device cuda --out "$out" 2>&1 | tee "$out/bench.log"
   bench_rc=${PIPESTATUS[0]}
+fi
+if want linear; then
+  python3 -m quant_fsdp.cli bench --linear --device cuda --out "$out" 2>&1 | tee "$out/linear.log"
+  bench_rc=$(( bench_rc | PIPESTATUS[0] ))
 fi
 if want e2e; then
   # shellcheck disable=SC2086  # E2E_ARGS is a list of options
@@ -61,6 +65,7 @@ for device in report["devices"]:
         print(f"{device['device'][:24]:24} {r['case'][:38]:38} {r['backend']:9} {r['median_ms']:9.3f} ms {r['gb_per_s']:8.1f} GB/s {r['speedup_vs_reference']:6.2f}x ref")
 PY
 fi
+if want linear; then grep -A40 "Host time per Linear" "$out/linear.log" || true; fi
 if want e2e && [[ -f "$out/e2e.md" ]]; then cat "$out/e2e.md"; fi
 if want optim; then grep -A12 "^FusedAdam vs torch AdamW" "$out/bench_optim.log" | grep -v "^wrote" || true; fi
 exit $(( tests_rc == 5 ? bench_rc : tests_rc | bench_rc ))

@@ -28,6 +28,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="all",
         help="devices to benchmark (all: CPU and CUDA if present; with --e2e: CUDA if present, else the CPU)",
     )
+    bench.add_argument(
+        "--linear",
+        action="store_true",
+        help="host time per Linear forward + backward (bf16 256^3): nn.Linear, every recipe, torchao; eager and "
+        "compiled; write linear_host.json",
+    )
     _add_e2e_arguments(bench)
     args = parser.parse_args(argv)
 
@@ -37,6 +43,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_demo(args.out, world_size=args.world_size, steps=args.steps)
     if args.e2e:
         return _run_e2e(parser, args, argv)
+    if args.linear:
+        from quant_fsdp._bench_linear import run_linear_host_bench
+
+        return run_linear_host_bench(args.out, args.device)
     given = [f"--{name.replace('_', '-')}" for name in _E2E_OPTIONS if getattr(args, name) is not None]
     if given:
         parser.error(f"{', '.join(given)} configure the end-to-end benchmark: add --e2e")

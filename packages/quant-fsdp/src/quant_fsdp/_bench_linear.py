@@ -1,0 +1,124 @@
+"""`quant-fsdp bench --linear`: host (CPU) time of one Linear forward + backward, per recipe.
+
+At a size where the GPU idles (bf16 256 x 256 x 256 by default) a layer's step costs what the
+host spends dispatching it: Python, torch's dispatcher, kernel launches. Measured side by side in
+one run: torch's nn.Linear, qt.nn.Linear under every recipe (eager and torch.compile), and
+torchao's Float8Linear (tensorwise; eager and compiled) where torchao imports. DESIGN section 9:
+per-tensor FP8 eager <= 150 us.
+
+Host time per step = wall time of N steps issued back to back, before the closing synchronize,
+over N: the GPU finishes each step before the host has issued the next, so the host never waits.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import quant_tensors as qt
+
+RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
+
+
+@dataclass(frozen=True)
+class LinearHostResult:
+    """One layer kind, eager or compiled."""
+
+    layer: str
+    compiled: bool
+    host_us: float
+    """Host time per forward + backward, microseconds (median of repeats)."""
+    vs_nn_linear: float
+    """This host time over nn.Linear's (eager)."""
+    error: str = ""
+
+
+def _layers(size: int, device: torch.device) -> dict[str, Callable[[], torch.nn.Module]]:
+    """Builders of every layer kind measured, by name."""
+
+    def plain() -> torch.nn.Module:
+        return torch.nn.Linear(size, size, device=device, dtype=torch.bfloat16)
+
+    builders: dict[str, Callable[[], torch.nn.Module]] = {"nn.Linear": plain}
+    for name in RECIPES:
+        builders[f"qt {name}"] = lambda name=name: qt.convert(torch.nn.Sequential(plain()), qt.recipe_from_name(name))[
+            0
+        ]
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        return builders
+
+    def torchao_tensorwise() -> torch.nn.Module:
+        config = Float8LinearConfig.from_recipe_name("tensorwise")
+        return convert_to_float8_training(torch.nn.Sequential(plain()), config=config)[0]
+
+    builders["torchao tensorwise"] = torchao_tensorwise
+    return builders
+
+
+def _host_us(step: Callable[[], None], device: torch.device, iterations: int, repeats: int) -> float:
+    for _ in range(3):  # warm-up: allocator, lazy init, compilation
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iterations):
+            step()
+        samples.append((time.perf_counter() - start) / iterations * 1e6)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return sorted(samples)[len(samples) // 2]
+
+
+def benchmark_linear_host(
+    device: torch.device, *, size: int = 256, iterations: int = 50, repeats: int = 5, compile: bool = True
+) -> list[LinearHostResult]:
+    """Host time per fwd + bwd of every layer kind on `device` (eager, and compiled if asked)."""
+    x = torch.randn(size, size, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    measured: list[tuple[str, bool, float, str]] = []
+    for name, build in _layers(size, device).items():
+        for compiled in (False, True) if compile else (False,):
+            try:
+                torch._dynamo.reset()
+                layer = copy.deepcopy(build())
+                forward = torch.compile(layer) if compiled else layer
+
+                def step(forward=forward) -> None:
+                    forward(x).backward(dy)
+
+                measured.append((name, compiled, _host_us(step, device, iterations, repeats), ""))
+            except Exception as error:  # one failing layer kind must not hide the others
+                measured.append((name, compiled, float("nan"), f"{type(error).__name__}: {str(error).splitlines()[0]}"))
+    baseline = next(us for name, compiled, us, _ in measured if name == "nn.Linear" and not compiled)
+    return [LinearHostResult(name, compiled, us, us / baseline, error) for name, compiled, us, error in measured]
+
+
+def run_linear_host_bench(out: pathlib.Path, device: str = "all", *, size: int = 256) -> int:
+    """Measures every layer kind on CUDA (the CPU when no GPU is present or asked for), prints the
+    table and writes linear_host.json; 1 if a layer kind failed."""
+    target = torch.device("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
+    results = benchmark_linear_host(target, size=size)
+    name = torch.cuda.get_device_name(target) if target.type == "cuda" else "cpu"
+    table = Table(title=f"Host time per Linear forward + backward, bf16 {size}^3, {name}, torch {torch.__version__}")
+    for column in ("layer", "mode", "host us", "vs nn.Linear", "error"):
+        table.add_column(column, justify="right" if column in ("host us", "vs nn.Linear") else "left")
+    for r in results:
+        mode = "compiled" if r.compiled else "eager"
+        table.add_row(r.layer, mode, f"{r.host_us:.0f}", f"{r.vs_nn_linear:.2f}x", r.error)
+    Console(width=160).print(table)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"device": name, "torch": torch.__version__, "size": size, "results": [asdict(r) for r in results]}
+    (out / "linear_host.json").write_text(json.dumps(report, indent=2) + "\n")
+    return 1 if any(r.error for r in results) else 0

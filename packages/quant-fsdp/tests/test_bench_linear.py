@@ -1,0 +1,20 @@
+"""`quant-fsdp bench --linear` on the CPU: every layer kind measured (no numbers asserted)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from quant_fsdp._bench_linear import RECIPES, benchmark_linear_host
+
+
+def test_every_layer_kind_gets_a_host_time():
+    results = benchmark_linear_host(torch.device("cpu"), size=128, iterations=2, repeats=1, compile=False)
+    layers = {r.layer for r in results}
+    assert {"nn.Linear", *(f"qt {name}" for name in RECIPES)} <= layers
+    for r in results:
+        assert not r.error, r
+        assert math.isfinite(r.host_us)
+        assert r.host_us > 0
+    assert next(r for r in results if r.layer == "nn.Linear").vs_nn_linear == 1.0
