@@ -18,6 +18,15 @@ void cast_to_fp8(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride
                  int64_t stride_col, uintptr_t scale, int fp8_format, uintptr_t rowwise_MK,
                  uintptr_t columnwise_KM, int num_threads);
 
+// Per-tensor FP8 scales (scale.cpp), fp32 throughout. fp8_scale: scale[i] and scale_inv[i] of
+// amax[i] for i < n. delayed_fp8_scale: the scale of the history's max (or, with most_recent, its
+// entry 0), then the history (`length` entries, newest first) shifts one older and *amax is written
+// at index 0.
+void fp8_scale(uintptr_t amax, int64_t n, float fmax, int margin, bool power_2_scales, uintptr_t scale,
+               uintptr_t scale_inv);
+void delayed_fp8_scale(uintptr_t amax_history, int64_t length, uintptr_t amax, float fmax, int margin,
+                       bool power_2_scales, bool most_recent, uintptr_t scale, uintptr_t scale_inv);
+
 // Block-scaled quantize (blocks.cpp): outputs as in [Note: block layouts]; a zero pointer skips a
 // usage. Scales: MXFP8 E8M0 bytes, blockwise FP8 fp32 scale_inv, NVFP4 E4M3 bytes.
 void quantize_mxfp8(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,

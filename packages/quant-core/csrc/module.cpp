@@ -18,9 +18,11 @@ PYBIND11_MODULE(_C, m) {
         py::arg("fp8_format"), py::arg("rowwise_MK"), py::arg("columnwise_KM"),
         py::arg("num_threads"), py::call_guard<py::gil_scoped_release>());
 
-  // The block formats, dequantize, transposes and the Hadamard transform: positional arguments
-  // exactly as declared in kernels.h.
+  // The scales, the block formats, dequantize, transposes and the Hadamard transform: positional
+  // arguments exactly as declared in kernels.h.
   const auto release = py::call_guard<py::gil_scoped_release>();
+  m.def("fp8_scale", &quant_core::fp8_scale, release);
+  m.def("delayed_fp8_scale", &quant_core::delayed_fp8_scale, release);
   m.def("quantize_mxfp8", &quant_core::quantize_mxfp8, release);
   m.def("quantize_fp8_blockwise", &quant_core::quantize_fp8_blockwise, release);
   m.def("quantize_nvfp4", &quant_core::quantize_nvfp4, release);

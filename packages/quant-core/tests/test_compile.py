@@ -32,6 +32,24 @@ def _delayed(x: torch.Tensor, seed: torch.Tensor) -> object:
     return codes, quant_core.push_amax_(history, quant_core.amax(x))
 
 
+def _delayed_in_one_operator(x: torch.Tensor, seed: torch.Tensor) -> object:
+    history = torch.tensor([3.0, 700.0, 0.0])
+    scale, scale_inv = quant_core.delayed_fp8_scale_(history, quant_core.amax(x), E5M2, margin=-2)
+    return quant_core.cast_to_fp8(x, scale, E5M2), scale_inv, history
+
+
+def _quantize_into(x: torch.Tensor, seed: torch.Tensor) -> object:
+    rowwise, scale_inv = torch.empty(x.shape, dtype=E4M3), torch.empty(())
+    quant_core.quantize_fp8_into(x, E4M3, rowwise_out=rowwise, scale_inv_out=scale_inv, amax=torch.tensor(100.0))
+    history = torch.zeros(4)
+    columnwise = torch.empty(x.shape[::-1], dtype=E5M2)
+    delayed_scale_inv = torch.empty(())
+    quant_core.quantize_fp8_delayed_into(
+        x, history, E5M2, columnwise_out=columnwise, scale_inv_out=delayed_scale_inv, power_2_scales=True
+    )
+    return rowwise, scale_inv, columnwise, delayed_scale_inv, history
+
+
 def _fp8_round_trip(x: torch.Tensor, seed: torch.Tensor) -> object:
     q = quant_core.quantize_fp8(x, columnwise=True)
     return (
@@ -78,6 +96,8 @@ CASES: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
     "amax": lambda x, seed: quant_core.amax(x),
     "fp8_scale+cast_to_fp8": _per_tensor_cast,
     "delayed_scaling": _delayed,
+    "delayed_fp8_scale_": _delayed_in_one_operator,
+    "quantize_fp8_into": _quantize_into,
     "quantize_fp8": _fp8_round_trip,
     "mxfp8": _mxfp8,
     "blockwise_1x128": _blockwise((1, 128)),
@@ -129,28 +149,56 @@ def test_public_functions_compile_to_one_graph_and_equal_eager(name):
     assert_bitwise_equal(got, CASES[name](x, seed))
 
 
-# Inductor generates code for the scale arithmetic traced around the operators (fp8_scale,
-# nvfp4_tensor_scale): on CUDA as Triton, whose division need not be IEEE. A cold Inductor
-# compile costs ~20 s of CPU time, more than the 2-core CI can spend on it, so both devices run
-# in the GPU suite (marker `cuda`); the aot_eager tests above cover tracing everywhere.
+def test_quantize_compiles_to_one_operator_and_updates_the_history_as_eager():
+    # [Note: fused FP8 quantize]: amax, scale (current or delayed: history read, then pushed) and
+    # cast are one node each; the history is a graph input mutated in place, step after step.
+    def quantize(x: torch.Tensor, history: torch.Tensor) -> object:
+        current = quant_core.quantize_fp8(x, E4M3, columnwise=True)
+        delayed = quant_core.quantize_fp8_delayed(x, history, E5M2, margin=1, columnwise=True)
+        return current, delayed
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(quantize, backend=counter, fullgraph=True)
+    history, eager_history = torch.zeros(3), torch.zeros(3)
+    for step in range(3):
+        x = adversarial((48, 80), torch.bfloat16, seed=step) * 4.0**step
+        assert_bitwise_equal(compiled(x, history), quantize(x, eager_history))
+        assert_bitwise_equal(history, eager_history)
+    assert counter.frame_count == 1
+    targets = [
+        str(node.target).removesuffix(".default")
+        for node in counter.graphs[0].graph.nodes
+        if node.op == "call_function" and str(node.target).startswith("quant_core.")
+    ]
+    assert targets == ["quant_core.quantize_fp8", "quant_core.quantize_fp8_delayed"]
+
+
+# Inductor generates code for whatever arithmetic is traced around the operators (on CUDA as
+# Triton, whose division need not be IEEE): per-tensor FP8 leaves none ([Note: fused FP8
+# quantize]), nvfp4_tensor_scale some. A cold Inductor compile costs ~20 s of CPU time, more than
+# the 2-core CI can spend on it, so both devices run in the GPU suite (marker `cuda`); the
+# aot_eager tests above cover tracing everywhere.
 # Importing Inductor touches torch.jit.script_method, deprecated in torch 2.13 (torch's own warning).
 @pytest.mark.cuda
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_inductor_scale_arithmetic_equals_eager_and_the_seed_is_not_specialized(device):
-    def quantize(x: torch.Tensor, seed: torch.Tensor) -> object:
+    def quantize(x: torch.Tensor, seed: torch.Tensor, history: torch.Tensor) -> object:
         per_tensor = quant_core.quantize_fp8(x, E5M2, rowwise=True, columnwise=True)
-        return per_tensor, quant_core.quantize_nvfp4(x, stochastic_rounding=True, seed=seed)
+        delayed = quant_core.quantize_fp8_delayed(x, history, E4M3, margin=1, columnwise=True)
+        return per_tensor, delayed, quant_core.quantize_nvfp4(x, stochastic_rounding=True, seed=seed)
 
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(quantize, backend=counter, fullgraph=True)
     # Gaussian values: amaxes that are no power of two, so the scale divisions round.
     x = (torch.randn(32, 64, generator=torch.Generator().manual_seed(0)) * 3).to(device)
+    history, eager_history = torch.tensor([7.0, 0.3], device=device), torch.tensor([7.0, 0.3], device=device)
     outputs = []
     for seed in (torch.tensor(1), torch.tensor(-(2**63) + 5)):  # the seed's value never recompiles
         seed = seed.to(device)
-        got = compiled(x, seed)
-        assert_bitwise_equal(got, quantize(x, seed))
-        outputs.append(got[1].rowwise_data)
+        got = compiled(x, seed, history)
+        assert_bitwise_equal(got, quantize(x, seed, eager_history))
+        assert_bitwise_equal(history, eager_history)
+        outputs.append(got[2].rowwise_data)
     assert counter.frame_count == 1
     assert not torch.equal(outputs[0], outputs[1])

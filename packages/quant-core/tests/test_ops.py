@@ -59,8 +59,59 @@ def _cases() -> dict[str, tuple[torch._ops.OpOverload, tuple]]:
     S = quant_core.nvfp4_tensor_scale(nv.amax)
     seed = torch.tensor(-7, dtype=torch.int64)
     params = [torch.randn(5), torch.randn(3, 7)]
+    one = torch.tensor(1.0)
     return {
         "amax": (OPS.amax.default, (x_strided,)),
+        "fp8_scale": (OPS.fp8_scale.default, (torch.tensor([[3.0, 0.0], [1e-40, 7e5]]), 448.0, 2, True)),
+        "delayed_fp8_scale": (
+            OPS.delayed_fp8_scale.default,
+            (torch.tensor([5.0, 0.5, 9.0]), torch.tensor(2.0), 57344.0, -1, False, "max"),
+        ),
+        "quantize_fp8": (
+            OPS.quantize_fp8.default,
+            (
+                x_strided,
+                None,
+                E4M3,
+                False,
+                _sentinel((12, 48), E4M3),
+                _sentinel((48, 12), E4M3),
+                one.clone(),
+                None,
+                one.clone(),
+            ),
+        ),
+        "quantize_fp8_given_amax": (
+            OPS.quantize_fp8.default,
+            (
+                x,
+                torch.tensor(1e3),
+                torch.float8_e5m2,
+                True,
+                None,
+                _sentinel((48, 6), torch.float8_e5m2),
+                one.clone(),
+                one.clone(),
+                None,
+            ),
+        ),
+        "quantize_fp8_delayed": (
+            OPS.quantize_fp8_delayed.default,
+            (
+                x_strided,
+                None,
+                torch.tensor([5.0, 0.5, 9.0]),
+                E4M3,
+                1,
+                True,
+                "most_recent",
+                _sentinel((12, 48), E4M3),
+                None,
+                one.clone(),
+                one.clone(),
+                one.clone(),
+            ),
+        ),
         "cast_to_fp8": (
             OPS.cast_to_fp8.default,
             (x_strided, scale, E4M3, _sentinel((12, 48), E4M3), _sentinel((48, 12), E4M3)),
@@ -126,11 +177,15 @@ def _has_fp8(args: tuple) -> bool:
     return any(t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for _, t in _tensors(args))
 
 
-def test_every_kernel_op_is_an_operator():
-    # One operator per kernel dispatch point; the registry's op names are the operator names.
+def test_every_kernel_op_is_an_operator_and_every_operator_is_checked():
+    # One operator per kernel dispatch point; the registry's op names are the operator names. The
+    # others run several kernels in one dispatch ([Note: fused FP8 quantize]).
     kernel_ops = set(quant_core._backend._kernels)
-    assert kernel_ops == {name for name in kernel_ops if hasattr(OPS, name)}
-    assert {name for name, _ in _cases().items() if not name.endswith("_columnwise_only")} == kernel_ops
+    operators = set(quant_core._ops.OPERATORS)
+    assert all(hasattr(OPS, name) for name in operators)
+    assert operators - kernel_ops == {"quantize_fp8", "quantize_fp8_delayed"}
+    assert kernel_ops <= operators
+    assert {op._schema.name.removeprefix("quant_core::") for op, _ in _cases().values()} == operators
 
 
 @pytest.mark.parametrize("name", sorted(_cases()))

@@ -17,6 +17,20 @@ def cast_to_fp8(
     columnwise_KM: int,
     num_threads: int,
 ) -> None: ...
+def fp8_scale(
+    amax: int, n: int, fmax: float, margin: int, power_2_scales: bool, scale: int, scale_inv: int
+) -> None: ...
+def delayed_fp8_scale(
+    amax_history: int,
+    length: int,
+    amax: int,
+    fmax: float,
+    margin: int,
+    power_2_scales: bool,
+    most_recent: bool,
+    scale: int,
+    scale_inv: int,
+) -> None: ...
 
 class AdamScalars:
     def __init__(

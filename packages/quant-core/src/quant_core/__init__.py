@@ -39,20 +39,31 @@ from quant_core._blockwise import (
     transpose_fp8_blockwise,
 )
 from quant_core._fp8 import (
-    AmaxComputeAlgo,
-    Float8Quantized,
     amax,
-    amax_from_history,
     amax_reference,
     cast_to_fp8,
     cast_to_fp8_reference,
     dequantize_fp8,
     dequantize_fp8_reference,
-    fp8_scale,
-    push_amax_,
-    quantize_fp8,
-    quantize_fp8_reference,
     transpose_fp8,
+)
+from quant_core._fp8_quantize import (
+    Float8Quantized,
+    quantize_fp8,
+    quantize_fp8_delayed,
+    quantize_fp8_delayed_into,
+    quantize_fp8_delayed_reference,
+    quantize_fp8_into,
+    quantize_fp8_reference,
+)
+from quant_core._fp8_scale import (
+    AmaxComputeAlgo,
+    amax_from_history,
+    delayed_fp8_scale_,
+    delayed_fp8_scale_reference,
+    fp8_scale,
+    fp8_scale_reference,
+    push_amax_,
 )
 from quant_core._mxfp8 import (
     MXFP8_BLOCK,
@@ -99,11 +110,18 @@ __all__ = [
     "amax_reference",
     "cast_to_fp8",
     "cast_to_fp8_reference",
+    "delayed_fp8_scale_",
+    "delayed_fp8_scale_reference",
     "dequantize_fp8",
     "dequantize_fp8_reference",
     "fp8_scale",
+    "fp8_scale_reference",
     "push_amax_",
     "quantize_fp8",
+    "quantize_fp8_delayed",
+    "quantize_fp8_delayed_into",
+    "quantize_fp8_delayed_reference",
+    "quantize_fp8_into",
     "quantize_fp8_reference",
     "transpose_fp8",
     # block-scaled formats

@@ -55,6 +55,37 @@ def _cast_to_fp8(
     )
 
 
+@register_kernel("fp8_scale", "cpp")
+def _fp8_scale(
+    amax: torch.Tensor, fmax: float, margin: int, power_2_scales: bool, scale: torch.Tensor, scale_inv: torch.Tensor
+) -> None:
+    _C.fp8_scale(amax.data_ptr(), amax.numel(), fmax, margin, power_2_scales, scale.data_ptr(), scale_inv.data_ptr())
+
+
+@register_kernel("delayed_fp8_scale", "cpp")
+def _delayed_fp8_scale(
+    amax_history: torch.Tensor,
+    amax: torch.Tensor,
+    fmax: float,
+    margin: int,
+    power_2_scales: bool,
+    most_recent: bool,
+    scale: torch.Tensor,
+    scale_inv: torch.Tensor,
+) -> None:
+    _C.delayed_fp8_scale(
+        amax_history.data_ptr(),
+        amax_history.numel(),
+        amax.data_ptr(),
+        fmax,
+        margin,
+        power_2_scales,
+        most_recent,
+        scale.data_ptr(),
+        scale_inv.data_ptr(),
+    )
+
+
 def _out_dtype_code(out: torch.Tensor) -> int:
     return _DTYPE_CODES[out.dtype]
 

@@ -1,4 +1,6 @@
-"""Per-tensor FP8 (DESIGN section 3): amax, scale, cast and quantize, each with its reference.
+"""Per-tensor FP8 (DESIGN section 3): amax, cast with a given scale, dequantize and transpose, each
+with its reference. The scales are in `_fp8_scale`, the one-operator quantize functions in
+`_fp8_quantize`.
 
 Buffers: rowwise data has the input's shape; columnwise data is the (K, M) transpose of the
 input's (M, K) view (M = product of the leading dims, K = the last dim). Data tensors carry the
@@ -20,35 +22,12 @@ Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
 from quant_core._backend import kernel, register_kernel
 from quant_core._checks import as_2d, check_float_input, check_fp8_dtype, check_scalar, output_buffer, with_shape
-from quant_core._numerics import FLOAT32_MAX, divide, encode_fp8, finite_abs, to_output_dtype
+from quant_core._numerics import encode_fp8, finite_abs, to_output_dtype
 from quant_core._ops import define_op
-
-_FLOAT32_EXPONENT_MASK = 0x7F800000
-AmaxComputeAlgo = Literal["max", "most_recent"]
-
-
-@dataclass(frozen=True)
-class Float8Quantized:
-    """Per-tensor FP8 quantization of a tensor: codes, one scale, and the amax it came from."""
-
-    rowwise_data: torch.Tensor | None
-    """FP8 codes with the input's shape, or None when rowwise usage was not asked for."""
-    columnwise_data: torch.Tensor | None
-    """FP8 codes of the transposed (K, M) view, or None when columnwise usage was not asked for."""
-    scale: torch.Tensor
-    """fp32 0-d: data = fp8(x * scale)."""
-    scale_inv: torch.Tensor
-    """fp32 0-d: 1 / scale; dequantized value = fp32(data) * scale_inv."""
-    amax: torch.Tensor
-    """fp32 0-d: max |x| over the finite elements."""
-
 
 # ---- amax ------------------------------------------------------------------------------------
 
@@ -77,58 +56,6 @@ def amax_reference(x: torch.Tensor) -> torch.Tensor:
     if finite.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     return finite.max()
-
-
-# ---- scale -----------------------------------------------------------------------------------
-
-
-def fp8_scale(
-    amax: torch.Tensor, fp8_dtype: torch.dtype, *, margin: int = 0, power_2_scales: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, scale_inv): scale = fmax / amax / 2^margin (1 if amax is 0).
-
-    A scale that overflows fp32 (tiny amax) is clamped to the largest finite fp32; with
-    `power_2_scales` it is rounded down to a power of two, so scaling is exact. Computed with
-    torch ops on amax's device (no host sync) and shared by every backend.
-    """
-    check_fp8_dtype(fp8_dtype)
-    fmax = torch.finfo(fp8_dtype).max
-    amax = amax.float()
-    quotient = divide(fmax, amax)
-    if margin:
-        quotient = quotient / 2.0**margin
-    scale = torch.where(amax > 0, quotient, 1.0).clamp(max=FLOAT32_MAX)
-    if power_2_scales:
-        # Keep the exponent bits only: the largest power of two <= scale (scale is normal here).
-        scale = (scale.view(torch.int32) & _FLOAT32_EXPONENT_MASK).view(torch.float32)
-    return scale, torch.reciprocal(scale)
-
-
-# ---- delayed scaling ---------------------------------------------------------------------------
-# The scale of step t comes from the amaxes of earlier steps (the history); the amax measured
-# while casting step t is pushed afterwards. Scalar bookkeeping on small tensors, so it is plain
-# torch on the history's device for every backend; the cast itself is `cast_to_fp8`.
-
-
-def amax_from_history(amax_history: torch.Tensor, amax_compute_algo: AmaxComputeAlgo = "max") -> torch.Tensor:
-    """The amax a delayed scale uses: the history's max, or its most recent entry (index 0)."""
-    if amax_history.dim() != 1 or amax_history.numel() == 0 or amax_history.dtype != torch.float32:
-        raise ValueError(
-            f"amax_history must be a non-empty 1-D float32 tensor, got {amax_history.dtype} of shape {tuple(amax_history.shape)}"
-        )
-    if amax_compute_algo == "max":
-        return amax_history.max()
-    if amax_compute_algo == "most_recent":
-        return amax_history[0].clone()
-    raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {amax_compute_algo!r}")
-
-
-def push_amax_(amax_history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """Shifts the history one step older (dropping the oldest) and writes `amax` at index 0, in place."""
-    amax_from_history(amax_history)  # validates the history
-    amax_history.copy_(torch.roll(amax_history, 1))
-    amax_history[0] = amax.reshape(())
-    return amax_history
 
 
 # ---- cast ------------------------------------------------------------------------------------
@@ -164,22 +91,36 @@ def cast_to_fp8(
     Returns:
         (rowwise_data, columnwise_data), None for a usage not asked for.
     """
-    check_float_input(x)
-    check_fp8_dtype(fp8_dtype)
-    check_scalar(scale, "scale", x.device)
-    if x.dim() == 0:
-        raise ValueError("x is 0-d; FP8 quantization needs a last dim to lay data out along (reshape it to (1,))")
     if not (rowwise or columnwise):
         raise ValueError("ask for at least one usage: rowwise=True and/or columnwise=True")
+    x_MK, rowwise_data, rowwise_MK, columnwise_KM = checked_layout(
+        x, fp8_dtype, rowwise, columnwise, rowwise_out, columnwise_out
+    )
+    check_scalar(scale, "scale", x.device)
+    torch.ops.quant_core.cast_to_fp8(x_MK, scale, fp8_dtype, rowwise_MK, columnwise_KM)
+    return rowwise_data, columnwise_KM
+
+
+def checked_layout(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    rowwise: bool,
+    columnwise: bool,
+    rowwise_out: torch.Tensor | None,
+    columnwise_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Checks x and fp8_dtype, checks the given buffers or allocates the missing ones of the usages
+    asked for. Returns (x_MK, rowwise data in x's shape, the same as (M, K), columnwise (K, M))."""
+    check_float_input(x)
+    check_fp8_dtype(fp8_dtype)
+    if x.dim() == 0:
+        raise ValueError("x is 0-d; FP8 quantization needs a last dim to lay data out along (reshape it to (1,))")
     x_MK = as_2d(x)
     M, K = x_MK.shape
     rowwise_data = output_buffer(rowwise_out, "rowwise_out", tuple(x.shape), fp8_dtype, x.device) if rowwise else None
-    columnwise_data = (
-        output_buffer(columnwise_out, "columnwise_out", (K, M), fp8_dtype, x.device) if columnwise else None
-    )
+    columnwise_KM = output_buffer(columnwise_out, "columnwise_out", (K, M), fp8_dtype, x.device) if columnwise else None
     rowwise_MK = None if rowwise_data is None else as_2d(rowwise_data)
-    torch.ops.quant_core.cast_to_fp8(x_MK, scale, fp8_dtype, rowwise_MK, columnwise_data)
-    return rowwise_data, columnwise_data
+    return x_MK, rowwise_data, rowwise_MK, columnwise_KM
 
 
 @define_op("cast_to_fp8", mutates_args=("rowwise_MK", "columnwise_KM"))
@@ -209,46 +150,6 @@ def _cast_to_fp8_reference_kernel(
         rowwise_MK.copy_(rowwise)
     if columnwise_KM is not None:
         columnwise_KM.copy_(columnwise)
-
-
-# ---- quantize (current scaling) ---------------------------------------------------------------
-
-
-def quantize_fp8_reference(
-    x: torch.Tensor,
-    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-    *,
-    power_2_scales: bool = False,
-    rowwise: bool = True,
-    columnwise: bool = False,
-) -> Float8Quantized:
-    """Plain-torch per-tensor current-scaling quantization (DESIGN section 3)."""
-    x_amax = amax_reference(x)
-    scale, scale_inv = fp8_scale(x_amax, fp8_dtype, power_2_scales=power_2_scales)
-    rowwise_data, columnwise_data = cast_to_fp8_reference(x, scale, fp8_dtype, rowwise=rowwise, columnwise=columnwise)
-    return Float8Quantized(rowwise_data, columnwise_data, scale, scale_inv, x_amax)
-
-
-def quantize_fp8(
-    x: torch.Tensor,
-    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-    *,
-    power_2_scales: bool = False,
-    rowwise: bool = True,
-    columnwise: bool = False,
-) -> Float8Quantized:
-    """Per-tensor FP8 with current scaling: amax of x, scale = fmax / amax, then the cast.
-
-    Args:
-        x: fp32/bf16/fp16 tensor with at least one dim.
-        fp8_dtype: torch.float8_e4m3fn (max 448) or torch.float8_e5m2 (max 57344).
-        power_2_scales: round the scale down to a power of two.
-        rowwise / columnwise: which layouts to write; both come from one pass over x.
-    """
-    x_amax = amax(x)
-    scale, scale_inv = fp8_scale(x_amax, fp8_dtype, power_2_scales=power_2_scales)
-    rowwise_data, columnwise_data = cast_to_fp8(x, scale, fp8_dtype, rowwise=rowwise, columnwise=columnwise)
-    return Float8Quantized(rowwise_data, columnwise_data, scale, scale_inv, x_amax)
 
 
 # ---- dequantize -------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 [Note: custom ops] Every kernel of quant_core is reached through an operator
 `torch.ops.quant_core.<op>` whose implementation picks the backend kernel (`_backend.kernel`,
-[Note: backends]) at run time, so torch.compile traces the public functions into graphs that hold
+[Note: backends]) at run time (a few operators run several kernels in one dispatch: [Note: fused
+FP8 quantize]), so torch.compile traces the public functions into graphs that hold
 these operators as opaque nodes (their fake implementations give output shapes and dtypes), and
 `use_backend` still applies to compiled code. Operators that fill caller-given buffers declare
 exactly those as mutated and return nothing; the others return new tensors.
@@ -29,6 +30,9 @@ import torch
 
 NAMESPACE = "quant_core"
 _library = torch.library.Library(NAMESPACE, "DEF")
+# Every operator defined, in definition order: the kernel registry's op names, and the operators
+# that run several kernels in one dispatch ([Note: fused FP8 quantize] in `_fp8_quantize`).
+OPERATORS: list[str] = []
 
 
 def define_op(
@@ -48,6 +52,7 @@ def define_op(
         _library.impl(name, impl, "CompositeExplicitAutograd")
         _library.impl(name, torch.library.fallthrough_kernel, "Autograd")
         torch.library.register_fake(f"{NAMESPACE}::{name}", fake or _no_outputs, lib=_library)
+        OPERATORS.append(name)
         return impl
 
     return decorate

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+import quant_core._triton_scale  # noqa: F401  (registers the FP8 scale kernels)
 from quant_core import _triton_blocks, _triton_fp8, _triton_nvfp4  # noqa: F401  (register their kernels)
 from quant_core._adam import AdamScalars
 from quant_core._backend import register_kernel

@@ -19,7 +19,16 @@ import torch.multiprocessing as mp
 from quant_core._backend import Backend, available_backends
 from quant_core._checks import FLOAT_DTYPES, FP8_DTYPES
 
-__all__ = ["FLOAT_DTYPES", "FP8_DTYPES", "adversarial", "kernel_backends", "raw_bits", "run_ranks", "splitmix64_int"]
+__all__ = [
+    "FLOAT_DTYPES",
+    "FP8_DTYPES",
+    "adversarial",
+    "adversarial_amaxes",
+    "kernel_backends",
+    "raw_bits",
+    "run_ranks",
+    "splitmix64_int",
+]
 
 # Values every kernel must get right besides random ones: signed zeros, fp32 denormals, a value
 # that is an fp16 denormal, +-Inf, NaN of both signs, values far above every format's max.
@@ -48,6 +57,39 @@ def adversarial(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, seed
     positions = torch.randperm(n, generator=generator)[: min(n, len(_SPECIALS))]
     x[positions] = torch.tensor(_SPECIALS[: len(positions)])
     return x.reshape(shape).to(dtype)
+
+
+# Amaxes every scale kernel must get right: zeros, fp32 subnormals (the scale overflows and is
+# clamped), the fp32 extremes, format maxima, non-finite and negative values (a scale is 1 unless
+# amax > 0; an infinite amax gives scale 0).
+_SPECIAL_AMAXES = (
+    0.0,
+    -0.0,
+    1e-45,
+    1e-40,
+    1.1754942e-38,
+    1.0,
+    3.0,
+    448.0,
+    57344.0,
+    3e38,
+    3.4028234663852886e38,
+    float("inf"),
+    -float("inf"),
+    float("nan"),
+    -float("nan"),
+    -5.0,
+)
+
+
+def adversarial_amaxes(num_random: int = 400, seed: int = 0) -> torch.Tensor:
+    """fp32 1-D: `_SPECIAL_AMAXES` and `num_random` amaxes spread over 60 decades, in a seeded
+    random order (also usable as a sequence of steps for amax histories)."""
+    generator = torch.Generator().manual_seed(seed)
+    exponents = torch.randint(-30, 30, (num_random,), generator=generator).float()
+    random = torch.randn(num_random, generator=generator).exp() * 10.0**exponents
+    amaxes = torch.cat([torch.tensor(_SPECIAL_AMAXES), random])
+    return amaxes[torch.randperm(len(amaxes), generator=generator)]
 
 
 def raw_bits(t: torch.Tensor | None) -> torch.Tensor | None:

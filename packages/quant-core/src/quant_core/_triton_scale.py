@@ -1,0 +1,118 @@
+"""Triton kernels of the per-tensor FP8 scales (`_fp8_scale.py`): current and delayed scaling.
+
+A handful of scalars per call: one program of one warp, launched with `enable_fp_fusion=False`
+and dividing with `tl.div_rn` ([Note: exact Triton arithmetic] in `_triton.py`), so the
+results equal the reference's IEEE fp32 arithmetic ([Note: FP8 scale arithmetic]) bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quant_core._backend import register_kernel
+
+# Elements of amax per program of `fp8_scale` (one program for the usual single amax).
+_SCALE_BLOCK = 128
+
+
+@triton.jit
+def _scale_of(amax, fmax, divisor, POWER_2: tl.constexpr):
+    """(scale, scale_inv) of fp32 amax, the mirror of csrc/scale.cpp `scale_of`."""
+    quotient = tl.div_rn(tl.div_rn(tl.zeros_like(amax) + fmax, amax), tl.zeros_like(amax) + divisor)
+    scale = tl.where(amax > 0.0, quotient, 1.0)
+    scale = tl.where(scale > 3.4028234663852886e38, 3.4028234663852886e38, scale)
+    if POWER_2:
+        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return scale, tl.div_rn(tl.zeros_like(scale) + 1.0, scale)
+
+
+@triton.jit
+def _fp8_scale_kernel(amax_ptr, scale_ptr, scale_inv_ptr, n, fmax, divisor, POWER_2: tl.constexpr, BLOCK: tl.constexpr):
+    """scale[i], scale_inv[i] of amax[i] for the BLOCK elements of this program."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    scale, scale_inv = _scale_of(tl.load(amax_ptr + offsets, mask=mask, other=0.0), fmax, divisor, POWER_2)
+    tl.store(scale_ptr + offsets, scale, mask=mask)
+    tl.store(scale_inv_ptr + offsets, scale_inv, mask=mask)
+
+
+@register_kernel("fp8_scale", "triton")
+def _fp8_scale(
+    amax: torch.Tensor, fmax: float, margin: int, power_2_scales: bool, scale: torch.Tensor, scale_inv: torch.Tensor
+) -> None:
+    n = amax.numel()
+    _fp8_scale_kernel[(triton.cdiv(n, _SCALE_BLOCK),)](
+        amax,
+        scale,
+        scale_inv,
+        n,
+        fmax,
+        2.0**margin,  # exact in fp32 for margin in [-126, 127]
+        POWER_2=power_2_scales,
+        BLOCK=_SCALE_BLOCK,
+        num_warps=1,
+        enable_fp_fusion=False,  # [Note: exact Triton arithmetic]
+    )
+
+
+@triton.jit
+def _delayed_fp8_scale_kernel(
+    history_ptr,
+    amax_ptr,
+    scale_ptr,
+    scale_inv_ptr,
+    length,
+    fmax,
+    divisor,
+    POWER_2: tl.constexpr,
+    MOST_RECENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The scale of the history (its max, NaN if any entry is NaN as torch's max; or entry 0), then
+    the history shifted one older with *amax_ptr written at entry 0. One program: every entry is
+    loaded before the barrier, every store comes after it."""
+    offsets = tl.arange(0, BLOCK)
+    mask = offsets < length
+    history = tl.load(history_ptr + offsets, mask=mask, other=float("-inf"))
+    pushed = tl.load(amax_ptr)
+    if MOST_RECENT:
+        used = tl.load(history_ptr)
+    else:
+        any_nan = tl.max((history != history).to(tl.int32), axis=0)
+        used = tl.where(any_nan > 0, float("nan"), tl.max(tl.where(history != history, 0.0, history), axis=0))
+    scale, scale_inv = _scale_of(used, fmax, divisor, POWER_2)
+    tl.store(scale_ptr, scale)
+    tl.store(scale_inv_ptr, scale_inv)
+    tl.debug_barrier()
+    tl.store(history_ptr + offsets + 1, history, mask=offsets + 1 < length)
+    tl.store(history_ptr, pushed)
+
+
+@register_kernel("delayed_fp8_scale", "triton")
+def _delayed_fp8_scale(
+    amax_history: torch.Tensor,
+    amax: torch.Tensor,
+    fmax: float,
+    margin: int,
+    power_2_scales: bool,
+    most_recent: bool,
+    scale: torch.Tensor,
+    scale_inv: torch.Tensor,
+) -> None:
+    length = amax_history.numel()
+    _delayed_fp8_scale_kernel[(1,)](
+        amax_history,
+        amax,
+        scale,
+        scale_inv,
+        length,
+        fmax,
+        2.0**margin,  # exact in fp32 for margin in [-126, 127]
+        POWER_2=power_2_scales,
+        MOST_RECENT=most_recent,
+        BLOCK=max(triton.next_power_of_2(length), 16),
+        num_warps=1,
+        enable_fp_fusion=False,  # [Note: exact Triton arithmetic]
+    )
