@@ -45,12 +45,19 @@ def test_compiled_layers_equal_eager_bitwise_across_steps(name, quantized_weight
     compiled = copy.deepcopy(eager)
     expected = _run(eager, eager, 3, device)
     got = _run(compiled, torch.compile(compiled, fullgraph=True), 3, device)
-    # Only qt.nn.Linear layers: the same quant-core kernels and GEMMs run, so every output,
-    # gradient and quantizer state (delayed histories, stochastic-rounding counters) is bitwise
-    # eager's, step after step.
+    # Only qt.nn.Linear layers: the same quant-core kernels run, so quantizer states (delayed
+    # histories, stochastic-rounding counters) are bitwise eager's, step after step, and so are
+    # outputs and gradients where the same GEMM kernels run: on the CPU, and on CUDA for per-tensor
+    # FP8 (torch._scaled_mm). On CUDA the other formats' bf16 tensor-core GEMMs (qt.ops,
+    # [Note: exact bf16 operands]) may be chosen differently by Inductor: the same products summed
+    # in another order, within a bf16 ulp or two.
+    exact = device == "cpu" or name in ("fp8", "fp8-delayed")
     for step, ((y, dx), (compiled_y, compiled_dx)) in enumerate(zip(expected, got, strict=True)):
-        assert torch.equal(compiled_y, y), step
-        assert torch.equal(compiled_dx, dx), step
+        for got_value, want in ((compiled_y, y), (compiled_dx, dx)):
+            if exact:
+                assert torch.equal(got_value, want), step
+            else:
+                torch.testing.assert_close(got_value, want, rtol=2**-7, atol=1e-5)
     compiled_states = dict(compiled.named_buffers())
     for key, state in eager.named_buffers():
         assert torch.equal(state, compiled_states[key]), key

@@ -106,41 +106,40 @@ class Float8Quantizer(Quantizer):
     def _allocation(self) -> dict[str, Any]:
         return {"fp8_dtype": self.fp8_dtype}
 
-    def _scale(
-        self, x: torch.Tensor, amax: torch.Tensor | None, state: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scale, scale_inv) for this call."""
-        x_amax = self._measured_amax(x, amax)
-        return quant_core.fp8_scale(x_amax, self.fp8_dtype, power_2_scales=self.power_2_scales)
-
     def _quantize(self, x, *, out, amax, state, usages):
-        scale, scale_inv = self._scale(x, amax, state)
-        rowwise, columnwise = usages
+        # The amax to scale with: given, or agreed over `amax_group`; None lets quant-core's one
+        # fused operator measure it ([Note: fused FP8 quantize] in quant_core).
+        amax = self._measured_amax(x, amax) if amax is not None or self.amax_group is not None else None
         if out is None:
-            rowwise_data, columnwise_data = quant_core.cast_to_fp8(
-                x, scale, self.fp8_dtype, rowwise=rowwise, columnwise=columnwise
-            )
+            quantized = self._quantize_fp8(x, amax, state, usages)
             return Float8Tensor(
                 x.shape,
                 x.dtype,
-                rowwise_data=rowwise_data,
-                columnwise_data=columnwise_data,
-                scale_inv=scale_inv,
+                rowwise_data=quantized.rowwise_data,
+                columnwise_data=quantized.columnwise_data,
+                scale_inv=quantized.scale_inv,
                 quantizer=self,
             )
         if out.fp8_dtype != self.fp8_dtype:
             raise ValueError(f"quantize_ into a {out.fp8_dtype} Float8Tensor with a {self.fp8_dtype} quantizer")
-        quant_core.cast_to_fp8(
+        self._quantize_fp8_into(
             x,
-            scale,
-            self.fp8_dtype,
-            rowwise=rowwise,
-            columnwise=columnwise,
+            amax,
+            state,
             rowwise_out=None if out.rowwise_data is None else _contiguous_target(out.rowwise_data),
             columnwise_out=None if out.columnwise_data is None else _contiguous_target(out.columnwise_data),
+            scale_inv_out=out.scale_inv,
         )
-        out.scale_inv.copy_(scale_inv)
         return out
+
+    def _quantize_fp8(self, x, amax, state, usages) -> quant_core.Float8Quantized:
+        rowwise, columnwise = usages
+        return quant_core.quantize_fp8(
+            x, self.fp8_dtype, power_2_scales=self.power_2_scales, rowwise=rowwise, columnwise=columnwise, amax=amax
+        )
+
+    def _quantize_fp8_into(self, x, amax, state, **buffers) -> None:
+        quant_core.quantize_fp8_into(x, self.fp8_dtype, power_2_scales=self.power_2_scales, amax=amax, **buffers)
 
 
 def _contiguous_target(buffer: torch.Tensor) -> torch.Tensor:
@@ -179,6 +178,8 @@ class Float8DelayedQuantizer(Float8Quantizer):
     def __post_init__(self) -> None:
         if self.amax_history_len < 1:
             raise ValueError(f"amax_history_len must be >= 1, got {self.amax_history_len}")
+        if not 0 <= self.margin <= 127:  # 2^margin must be an exact fp32 power of two
+            raise ValueError(f"margin must be an int in [0, 127], got {self.margin}")
         super().__post_init__()
 
     @property
@@ -189,10 +190,18 @@ class Float8DelayedQuantizer(Float8Quantizer):
     def new_state(self, device: torch.device | str | None = None) -> torch.Tensor:
         return torch.zeros(self.amax_history_len, dtype=torch.float32, device=device)
 
-    def _scale(self, x, amax, state):
-        history_amax = quant_core.amax_from_history(state, self.amax_compute_algo)
-        scale, scale_inv = quant_core.fp8_scale(
-            history_amax, self.fp8_dtype, margin=self.margin, power_2_scales=self.power_2_scales
+    def _quantize_fp8(self, x, amax, state, usages) -> quant_core.Float8Quantized:
+        rowwise, columnwise = usages
+        return quant_core.quantize_fp8_delayed(
+            x, state, self.fp8_dtype, rowwise=rowwise, columnwise=columnwise, amax=amax, **self._delayed_options()
         )
-        quant_core.push_amax_(state, self._measured_amax(x, amax))
-        return scale, scale_inv
+
+    def _quantize_fp8_into(self, x, amax, state, **buffers) -> None:
+        quant_core.quantize_fp8_delayed_into(x, state, self.fp8_dtype, amax=amax, **self._delayed_options(), **buffers)
+
+    def _delayed_options(self) -> dict[str, Any]:
+        return {
+            "margin": self.margin,
+            "power_2_scales": self.power_2_scales,
+            "amax_compute_algo": self.amax_compute_algo,
+        }

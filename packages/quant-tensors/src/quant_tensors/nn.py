@@ -90,7 +90,10 @@ class _QuantizedLinearFunction(torch.autograd.Function):
         y = scaled_mm(qx, qw, x.dtype, bias=bias)
         if needs_wgrad and qx is not x:
             qx.update_usage(rowwise=False)  # the wgrad GEMM needs the columnwise data only
-        ctx.save_for_backward(qx if needs_wgrad else None, qw if needs_dgrad else None, grad_output_state)
+        ctx.save_for_backward(qx if needs_wgrad else None, qw if needs_dgrad else None)
+        # Not saved for backward: the state is meant to change in place (other layers sharing a
+        # quantizer's state, e.g. tensor-parallel gathers, advance it before this backward runs).
+        ctx.grad_output_state = grad_output_state
         ctx.grad_output_quantizer, ctx.x_shape = grad_output_quantizer, x.shape
         ctx.has_bias, ctx.weight_dtype = bias is not None, weight.dtype
         # _unsafe_view, as torch.matmul does: the output is not a view of a temporary (FSDP2 warns on views)
@@ -98,13 +101,13 @@ class _QuantizedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        qx, qw, grad_output_state = ctx.saved_tensors
+        qx, qw = ctx.saved_tensors
         needs_dgrad, needs_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if isinstance(dy, QuantizedTensor):  # e.g. gathered quantized by a row-parallel sequence-parallel layer
             qdy = _prequantized(dy, "gradient", rowwise=needs_dgrad, columnwise=needs_wgrad)
         else:
             qdy = ctx.grad_output_quantizer.quantize(
-                dy.reshape(-1, dy.shape[-1]), state=grad_output_state, rowwise=needs_dgrad, columnwise=needs_wgrad
+                dy.reshape(-1, dy.shape[-1]), state=ctx.grad_output_state, rowwise=needs_dgrad, columnwise=needs_wgrad
             )
         dx = dw = db = None
         if needs_dgrad:

@@ -16,6 +16,7 @@ result is cast. `scaled_mm_path` says which one runs.
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -46,9 +47,10 @@ def scaled_mm_path(
     a: QuantizedTensor, b: QuantizedTensor, *, a_usage: Usage = "rowwise", b_usage: Usage = "rowwise"
 ) -> GemmPath:
     """Which implementation `scaled_mm` uses for these operands on this machine."""
-    if a.device.type != "cuda" or not torch.cuda.is_available():
+    if a.device.type != "cuda":
         return "emulated"
-    if torch.cuda.get_device_capability(a.device) < (8, 9):
+    capability = _capability(a.device.index if a.device.index is not None else torch.cuda.current_device())
+    if capability < (8, 9):
         return "emulated"
     if isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor):
         both_e5m2 = a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2
@@ -57,17 +59,26 @@ def scaled_mm_path(
         # Hopper's kernels: A in 1 x 128 blocks, B in 128 x 128 tiles or 1 x 128 blocks. With
         # 128 x 128 tiles, torch 2.11's kernel returns wrong results (silently, ~50% error) unless
         # the reduction dim holds a multiple of 4 blocks (measured on H100, docs/benchmarks.md).
-        hopper = torch.cuda.get_device_capability(a.device)[0] == 9
+        hopper = capability[0] == 9
         reduction_ok = not b.tiled or operand_k(a, a_usage) % 512 == 0
         if hopper and not a.tiled and reduction_ok and _dims_ok(a, b, a_usage, b_usage, 128):
             return "torch._scaled_mm"
     return "emulated"
 
 
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
 def _dims_ok(a: QuantizedTensor, b: QuantizedTensor, a_usage: Usage, b_usage: Usage, multiple: int) -> bool:
-    a_rows, k = _operand_buffers(a, a_usage)[0].shape
-    b_rows = _operand_buffers(b, b_usage)[0].shape[0]
-    return a_rows % multiple == 0 and b_rows % multiple == 0 and k % multiple == 0
+    """Whether both operand matrices' rows and the reduction dim are multiples of `multiple`."""
+    sizes = (operand_k(a, a_usage), operand_k(a, _other(a_usage)), operand_k(b, _other(b_usage)))
+    return all(size % multiple == 0 for size in sizes)
+
+
+def _other(usage: Usage) -> Usage:
+    return "columnwise" if usage == "rowwise" else "rowwise"
 
 
 def scaled_mm(
