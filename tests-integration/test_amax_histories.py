@@ -34,7 +34,7 @@ def _histories_agree_and_hold_the_maximum(rank: int, world_size: int) -> None:
         dist.all_reduce = lambda t, *a, **k: (calls.append(t.numel()), original(t, *a, **k))[1]  # type: ignore[assignment]
         model(_inputs(rank, step)).sum().backward()
         dist.all_reduce = original
-    # One all-reduce per step (the root's hook; the inner module's finds nothing changed), of
+    # One all-reduce per step (the root's hook; the inner module's runs inside the root's forward), of
     # every history: 2 layers x (input, weight, grad_output) x amax_history_len values.
     assert calls == [6 * 4] * STEPS, calls
     assert quant_fsdp.sync_amax_histories_(model) == 6  # the last step's amaxes

@@ -50,9 +50,8 @@ def sync_amax_(params: Iterable[torch.Tensor], group: dist.ProcessGroup | None =
 # Under data parallelism each rank sees other inputs and gradients, so its histories would drift
 # apart, and with them its scales. `sync_amax_histories_` reduces (MAX) every delayed-scaling
 # history of a module in one collective, so every rank holds the same histories (what
-# TransformerEngine does). quant_fsdp.fully_shard calls it before each forward of a sharded
-# module, for the histories that changed since the last call: the outermost sharded module (the
-# root) syncs the whole model in one all-reduce per step, inner ones then find nothing to do.
+# TransformerEngine does). quant_fsdp.fully_shard syncs before the forward of the outermost sharded
+# module (the root): the whole model in one all-reduce per step; inner sharded modules skip.
 
 
 def amax_histories(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -89,16 +88,27 @@ def _all_reduce_max(histories: list[torch.Tensor], groups: Any) -> int:
 
 
 class HistorySyncHook:
-    """A forward pre-hook that syncs the module's histories that changed since the last sync
-    ([Note: shared amax histories]). Versions advance alike on every rank, so all ranks agree on
-    whether to communicate."""
+    """Forward pre- and post-hooks of a sharded module: the outermost sharded module whose forward
+    starts syncs the histories of its whole subtree ([Note: shared amax histories]); sharded modules
+    inside its forward skip. Every rank runs the same modules, so all ranks agree on whether to
+    communicate. (Version counters cannot tell what changed: quant-core operators write histories
+    through pointers.)"""
+
+    _running = 0  # sharded modules whose forward is running, across all hooks
 
     def __init__(self, groups: tuple[dist.ProcessGroup, ...]) -> None:
         self.groups = groups
 
+    def register(self, module: torch.nn.Module) -> None:
+        module.register_forward_pre_hook(self.before)
+        module.register_forward_hook(self.after, always_call=True)
+
     @torch.compiler.disable  # communication between compiled blocks, as FSDP2's own hooks
-    def __call__(self, module: torch.nn.Module, args: Any) -> None:
-        changed = [h for h in amax_histories(module) if getattr(h, "_synced_version", None) != h._version]
-        _all_reduce_max(changed, self.groups)
-        for history in changed:
-            history._synced_version = history._version
+    def before(self, module: torch.nn.Module, args: Any) -> None:
+        if HistorySyncHook._running == 0:
+            _all_reduce_max(amax_histories(module), self.groups)
+        HistorySyncHook._running += 1
+
+    @torch.compiler.disable
+    def after(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        HistorySyncHook._running -= 1

@@ -113,7 +113,7 @@ def fully_shard(
             owner.register_parameter(attribute, torch.nn.Parameter(wrapped, requires_grad=param.requires_grad))
     torch_fully_shard(module, **{**kwargs, "mesh": mesh})
     if amax_histories(module):  # [Note: shared amax histories]
-        module.register_forward_pre_hook(HistorySyncHook(tuple(mesh.get_group(d) for d in range(mesh.ndim))))
+        HistorySyncHook(tuple(mesh.get_group(d) for d in range(mesh.ndim))).register(module)
     _attach_init_value_shards(module, init_values, mesh)
     plans = tuple(entry[0] for entry in entries)
     _plan.record(module, plans)
