@@ -178,13 +178,11 @@ def _has_fp8(args: tuple) -> bool:
 
 
 def test_every_kernel_op_is_an_operator_and_every_operator_is_checked():
-    # One operator per kernel dispatch point; the registry's op names are the operator names. The
-    # others run several kernels in one dispatch ([Note: fused FP8 quantize]).
+    # One operator per kernel dispatch point; the registry's op names are the operator names.
     kernel_ops = set(quant_core._backend._kernels)
     operators = set(quant_core._ops.OPERATORS)
     assert all(hasattr(OPS, name) for name in operators)
-    assert operators - kernel_ops == {"quantize_fp8", "quantize_fp8_delayed"}
-    assert kernel_ops <= operators
+    assert kernel_ops == operators
     assert {op._schema.name.removeprefix("quant_core::") for op, _ in _cases().values()} == operators
 
 

@@ -65,6 +65,47 @@ for length, most_recent in [(1, False), (5, True), (17, False)]:
         want = _delayed_scale_reference(expected, amax.reshape(()), 448.0, 1, True, most_recent)
         assert list(map(bits, got)) == list(map(bits, want)), (length, step)
         assert bits(history) == bits(expected), (length, step)
+
+# The fused quantize kernels ([Note: fused FP8 quantize on the GPU]) on fp32 input (the
+# interpreter's integer FP8 encoding is exact): 2 x 3 programs of the cast with a transpose, 9 of
+# the flat rowwise-only cast (partial amaxes of several programs are reduced either way).
+from quant_core import _triton_fp8
+from quant_core import quantize_fp8_delayed_reference, quantize_fp8_reference
+from quant_core.testing import adversarial
+
+def quantized(x, fp8_dtype, columnwise):
+    rowwise = torch.empty(x.shape, dtype=fp8_dtype)
+    transposed = torch.empty(x.shape[::-1], dtype=fp8_dtype) if columnwise else None
+    return rowwise, transposed, torch.empty(()), torch.empty(()), torch.empty(())
+
+def check(got, want, what):
+    assert bits(got[0].view(torch.uint8)) == bits(want.rowwise_data.view(torch.uint8)), what
+    if got[1] is not None:
+        assert bits(got[1].view(torch.uint8)) == bits(want.columnwise_data.view(torch.uint8)), what
+    assert bits(got[2]) == bits(want.scale_inv) and bits(got[3]) == bits(want.scale), what
+
+for shape, columnwise in [((100, 700), True), ((9, 2000), False)]:
+    for fp8_dtype, power_2_scales in [(torch.float8_e4m3fn, False), (torch.float8_e5m2, True)]:
+        x = adversarial(shape, seed=shape[0]) * 7.0
+        for amax in (None, torch.tensor(3e3)):
+            got = quantized(x, fp8_dtype, columnwise)
+            _triton_fp8._quantize_fp8(x, amax, fp8_dtype, power_2_scales, got[0], got[1], *got[2:])
+            want = quantize_fp8_reference(x, fp8_dtype, power_2_scales=power_2_scales, columnwise=columnwise, amax=amax)
+            check(got, want, (shape, fp8_dtype, amax))
+            assert amax is not None or bits(got[4]) == bits(want.amax), shape
+        history, expected = torch.zeros(5), torch.zeros(5)
+        for step in range(3):
+            x = adversarial(shape, seed=step) * 10.0**step
+            amax = torch.tensor(2e5) if step == 1 else None
+            got = quantized(x, fp8_dtype, columnwise)
+            options = dict(margin=1, power_2_scales=power_2_scales, amax_compute_algo="max")
+            _triton_fp8._quantize_fp8_delayed(
+                x, amax, history, fp8_dtype, 1, power_2_scales, "max", got[0], got[1], *got[2:]
+            )
+            want = quantize_fp8_delayed_reference(x, expected, fp8_dtype, columnwise=columnwise, amax=amax, **options)
+            check(got, want, (shape, fp8_dtype, step))
+            assert bits(history) == bits(expected), (shape, step)
+            assert amax is not None or bits(got[4]) == bits(want.amax), (shape, step)
 """
 
 
@@ -117,7 +158,7 @@ def test_delayed_scale_equals_reference_across_steps(history_len, amax_compute_a
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
-@pytest.mark.parametrize("shape", [(7,), (129, 257), (5, 3, 41)])
+@pytest.mark.parametrize("shape", [(7,), (129, 257), (5, 3, 41), (1000, 3000)])
 def test_quantize_in_one_operator_equals_reference(fp8_dtype, shape):
     x = adversarial(shape, torch.bfloat16, seed=len(shape))
     for amax in (None, torch.tensor(3e3)):
@@ -136,3 +177,21 @@ def test_quantize_in_one_operator_equals_reference(fp8_dtype, shape):
         want = quant_core.quantize_fp8_reference(x, fp8_dtype)
         assert torch.equal(raw_bits(rowwise).cpu(), raw_bits(want.rowwise_data))
         assert_bitwise(scale_inv, want.scale_inv)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("power_2_scales", [False, True])
+def test_quantize_of_a_strided_input_equals_reference_across_steps(power_2_scales):
+    # A transposed view: the amax and cast kernels read it through its strides, many programs wide.
+    history, expected_history = torch.zeros(16, device=CUDA), torch.zeros(16)
+    for step in range(3):
+        x = (adversarial((3000, 1000), torch.bfloat16, seed=step) * 10.0**step).t()
+        for columnwise in (False, True):
+            kwargs = dict(power_2_scales=power_2_scales, columnwise=columnwise)
+            got = quant_core.quantize_fp8(x.to(CUDA), **kwargs)
+            assert_same(got, quant_core.quantize_fp8_reference(x, **kwargs))
+        kwargs = dict(power_2_scales=power_2_scales, amax_compute_algo="most_recent", columnwise=True)
+        got = quant_core.quantize_fp8_delayed(x.to(CUDA), history, **kwargs)
+        assert_same(got, quant_core.quantize_fp8_delayed_reference(x, expected_history, **kwargs))
+        assert_bitwise(history, expected_history, f"step {step}")

@@ -162,6 +162,11 @@ def selected_backend(op: str, device: torch.device) -> Backend:
     return requested
 
 
+def backend_kernel(op: str, backend: Backend) -> Callable[..., Any]:
+    """`backend`'s kernel for `op`, whatever the device (for kernels composed of other kernels)."""
+    return _kernels[op][backend]
+
+
 def kernel(op: str, device: torch.device) -> Callable[..., Any]:
     """The kernel that runs `op` for tensors on `device` (see [Note: backends]); cached per
     (op, device type, forced backend), errors are raised again on every call."""

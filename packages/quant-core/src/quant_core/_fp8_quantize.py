@@ -1,11 +1,12 @@
 """Per-tensor FP8 quantize (DESIGN section 3): current and delayed scaling, each one operator.
 
-[Note: fused FP8 quantize] `quantize_fp8` and `quantize_fp8_delayed` are single operators whose
-implementation calls the kernels of `amax`, `fp8_scale` / `delayed_fp8_scale` and `cast_to_fp8`
-on the input's backend directly (`_backend.kernel`), not the operators: the host pays one
-operator dispatch instead of one per step (~3 us each on the CPU, ~20 us per aten op on an H100
-VM), and torch.compile sees one opaque node (no scale arithmetic is left for Inductor to
-generate), so compiled equals eager bit for bit. Given an amax (one all-reduced over the ranks that
+[Note: fused FP8 quantize] `quantize_fp8` and `quantize_fp8_delayed` are single operators with a
+kernel of their own per backend: the reference and C++ ones run the kernels of `amax`,
+`fp8_scale` / `delayed_fp8_scale` and `cast_to_fp8` one after another (`composed_quantize_fp8*`),
+the Triton one fuses them into two launches ([Note: fused FP8 quantize on the GPU] in
+`_triton_fp8.py`). The host pays one operator dispatch instead of one per step (~3 us each on the
+CPU, ~20 us per aten op on an H100 VM), and torch.compile sees one opaque node (no scale
+arithmetic is left for Inductor to generate), so compiled equals eager bit for bit. Given an amax (one all-reduced over the ranks that
 hold shards of x: callers measure it with `amax` first), the operators skip the measuring step.
 The `*_into` variants fill caller-given buffers (a quantized tensor's own, to requantize in place)
 and allocate nothing but x's amax and the scale.
@@ -25,11 +26,12 @@ Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from quant_core._backend import kernel
+from quant_core._backend import Backend, backend_kernel, kernel, register_kernel
 from quant_core._checks import check_scalar
 from quant_core._fp8 import amax_reference, cast_to_fp8_reference, checked_layout
 from quant_core._fp8_scale import (
@@ -152,14 +154,34 @@ def _quantize_fp8_op(
     scale: torch.Tensor | None,
     amax_out: torch.Tensor | None,
 ) -> None:
-    device = x_MK.device
-    if amax is None:
-        amax = _measured_amax(x_MK, amax_out)
-    if scale is None:
-        scale = _new_scalar(device)
-    kernel("fp8_scale", device)(amax, FP8_MAX[fp8_dtype], 0, power_2_scales, scale, scale_inv)
-    if x_MK.numel() > 0:
-        kernel("cast_to_fp8", device)(x_MK, scale, fp8_dtype, rowwise_MK, columnwise_KM)
+    kernel("quantize_fp8", x_MK.device)(
+        x_MK, amax, fp8_dtype, power_2_scales, rowwise_MK, columnwise_KM, scale_inv, scale, amax_out
+    )
+
+
+def composed_quantize_fp8(backend: Backend) -> Callable[..., None]:
+    """The `quantize_fp8` operator as `backend`'s amax, fp8_scale and cast kernels, one after another."""
+
+    def quantize(
+        x_MK: torch.Tensor,
+        amax: torch.Tensor | None,
+        fp8_dtype: torch.dtype,
+        power_2_scales: bool,
+        rowwise_MK: torch.Tensor | None,
+        columnwise_KM: torch.Tensor | None,
+        scale_inv: torch.Tensor,
+        scale: torch.Tensor | None,
+        amax_out: torch.Tensor | None,
+    ) -> None:
+        if amax is None:
+            amax = _measured_amax(backend, x_MK, amax_out)
+        if scale is None:
+            scale = _new_scalar(x_MK.device)
+        backend_kernel("fp8_scale", backend)(amax, FP8_MAX[fp8_dtype], 0, power_2_scales, scale, scale_inv)
+        if x_MK.numel() > 0:
+            backend_kernel("cast_to_fp8", backend)(x_MK, scale, fp8_dtype, rowwise_MK, columnwise_KM)
+
+    return quantize
 
 
 # ---- delayed scaling -----------------------------------------------------------------------------
@@ -295,23 +317,63 @@ def _quantize_fp8_delayed_op(
     scale: torch.Tensor | None,
     amax_out: torch.Tensor | None,
 ) -> None:
-    device = x_MK.device
-    if amax is None:
-        amax = _measured_amax(x_MK, amax_out)
-    if scale is None:
-        scale = _new_scalar(device)
-    kernel("delayed_fp8_scale", device)(
-        amax_history,
+    kernel("quantize_fp8_delayed", x_MK.device)(
+        x_MK,
         amax,
-        FP8_MAX[fp8_dtype],
+        amax_history,
+        fp8_dtype,
         margin,
         power_2_scales,
-        amax_compute_algo == "most_recent",
-        scale,
+        amax_compute_algo,
+        rowwise_MK,
+        columnwise_KM,
         scale_inv,
+        scale,
+        amax_out,
     )
-    if x_MK.numel() > 0:
-        kernel("cast_to_fp8", device)(x_MK, scale, fp8_dtype, rowwise_MK, columnwise_KM)
+
+
+def composed_quantize_fp8_delayed(backend: Backend) -> Callable[..., None]:
+    """The `quantize_fp8_delayed` operator as `backend`'s amax, delayed_fp8_scale and cast kernels."""
+
+    def quantize(
+        x_MK: torch.Tensor,
+        amax: torch.Tensor | None,
+        amax_history: torch.Tensor,
+        fp8_dtype: torch.dtype,
+        margin: int,
+        power_2_scales: bool,
+        amax_compute_algo: str,
+        rowwise_MK: torch.Tensor | None,
+        columnwise_KM: torch.Tensor | None,
+        scale_inv: torch.Tensor,
+        scale: torch.Tensor | None,
+        amax_out: torch.Tensor | None,
+    ) -> None:
+        if amax is None:
+            amax = _measured_amax(backend, x_MK, amax_out)
+        if scale is None:
+            scale = _new_scalar(x_MK.device)
+        backend_kernel("delayed_fp8_scale", backend)(
+            amax_history,
+            amax,
+            FP8_MAX[fp8_dtype],
+            margin,
+            power_2_scales,
+            amax_compute_algo == "most_recent",
+            scale,
+            scale_inv,
+        )
+        if x_MK.numel() > 0:
+            backend_kernel("cast_to_fp8", backend)(x_MK, scale, fp8_dtype, rowwise_MK, columnwise_KM)
+
+    return quantize
+
+
+# The reference and C++ backends run the steps' kernels; Triton fuses them (`_triton_fp8.py`).
+for _backend_name in ("reference", "cpp"):
+    register_kernel("quantize_fp8", _backend_name)(composed_quantize_fp8(_backend_name))
+    register_kernel("quantize_fp8_delayed", _backend_name)(composed_quantize_fp8_delayed(_backend_name))
 
 
 # ---- shared by the quantize functions ----------------------------------------------------------
@@ -356,12 +418,12 @@ def _new_scalar(device: torch.device) -> torch.Tensor:
     return torch.empty((), dtype=torch.float32, device=device)
 
 
-def _measured_amax(x_MK: torch.Tensor, amax_out: torch.Tensor | None) -> torch.Tensor:
-    """x's amax by the backend's kernel (0 if x is empty), also written into amax_out if given."""
+def _measured_amax(backend: Backend, x_MK: torch.Tensor, amax_out: torch.Tensor | None) -> torch.Tensor:
+    """x's amax by `backend`'s kernel (0 if x is empty), also written into amax_out if given."""
     if x_MK.numel() == 0:
         measured = torch.zeros((), dtype=torch.float32, device=x_MK.device)
     else:
-        measured = kernel("amax", x_MK.device)(x_MK)
+        measured = backend_kernel("amax", backend)(x_MK)
     if amax_out is not None:
         amax_out.copy_(measured)
     return measured

@@ -14,6 +14,8 @@ import triton
 import triton.language as tl
 
 from quant_core._backend import register_kernel
+from quant_core._fp8_quantize import composed_quantize_fp8, composed_quantize_fp8_delayed
+from quant_core._fp8_scale import FP8_MAX
 from quant_core._triton_numerics import (
     EXACT,
     HARDWARE_FP8,
@@ -25,6 +27,7 @@ from quant_core._triton_numerics import (
     store_bytes,
     store_values,
 )
+from quant_core._triton_scale import history_amax, history_block, push_amax, scale_of
 
 # Tuned on an H100 (docs/benchmarks.md, tile sweep at bf16 8192^2): tiles of the strided amax, the
 # flat amax of contiguous inputs (tile_m 1), the cast with and without a transposed output,
@@ -35,15 +38,27 @@ CAST_TILES = Tiles(64, 256, 8)
 CAST_ROWWISE_TILES = Tiles(1, 2048, 4)
 DEQUANTIZE_BLOCK = 2048
 TRANSPOSE_TILES = Tiles(128, 128, 8)
-# Programs of an amax launch, about: enough to fill the GPU, few enough that atomics stay rare.
+# Programs of an amax launch, about: enough to fill the GPU, few enough that atomics stay rare;
+# fewer where each program of the following cast reads all their partial amaxes.
 _AMAX_PROGRAMS = 1024
+_FUSED_AMAX_PROGRAMS = 256
 
 
 @triton.jit
 def _amax_kernel(
-    x_ptr, amax_ptr, M, K, stride_m, stride_k, tiles_per_program, TILE_M: tl.constexpr, TILE_K: tl.constexpr
+    x_ptr,
+    amax_ptr,
+    M,
+    K,
+    stride_m,
+    stride_k,
+    tiles_per_program,
+    PARTIAL: tl.constexpr,
+    TILE_M: tl.constexpr,
+    TILE_K: tl.constexpr,
 ):
-    """max |x| over the finite elements of `tiles_per_program` tiles along K; one atomic per program."""
+    """max |x| over the finite elements of `tiles_per_program` tiles along K: one atomic max into
+    amax_ptr[0] per program, or (PARTIAL) stored at amax_ptr[program], one partial amax each."""
     rows = tl.program_id(0) * TILE_M + tl.arange(0, TILE_M)
     row_offsets_M = rows.to(tl.int64) * stride_m
     largest_MK = tl.zeros((TILE_M, TILE_K), dtype=tl.float32)
@@ -53,12 +68,15 @@ def _amax_kernel(
         mask_MK = (rows < M)[:, None] & (cols < K)[None, :]
         x_MK = tl.load(x_ptr + row_offsets_M[:, None] + (cols * stride_k)[None, :], mask=mask_MK, other=0.0)
         largest_MK = tl.maximum(largest_MK, finite_abs(x_MK))
-    tl.atomic_max(amax_ptr, tl.max(largest_MK))
+    if PARTIAL:
+        tl.store(amax_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.max(largest_MK))
+    else:
+        tl.atomic_max(amax_ptr, tl.max(largest_MK))
 
 
-@register_kernel("amax", "triton")
-def _amax(x_MK: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros((), dtype=torch.float32, device=x_MK.device)
+def _launch_amax(x_MK: torch.Tensor, out: torch.Tensor | None, programs: int) -> torch.Tensor:
+    """Launches `_amax_kernel` over x_MK with about `programs` programs: atomics into `out` (zeroed,
+    one element), or with out None the partial amaxes, one per program, in a new fp32 tensor."""
     if x_MK.stride(0) < x_MK.stride(1):  # amax ignores order: read along the unit stride
         x_MK = x_MK.t()
     tiles = AMAX_TILES
@@ -66,8 +84,10 @@ def _amax(x_MK: torch.Tensor) -> torch.Tensor:
         x_MK, tiles = x_MK.view(1, -1), AMAX_FLAT_TILES
     M, K = x_MK.shape
     row_tiles, col_tiles = triton.cdiv(M, tiles.tile_m), triton.cdiv(K, tiles.tile_k)
-    tiles_per_program = max(1, min(col_tiles, row_tiles * col_tiles // _AMAX_PROGRAMS))
+    tiles_per_program = max(1, min(col_tiles, row_tiles * col_tiles // programs))
     grid = (row_tiles, triton.cdiv(col_tiles, tiles_per_program))
+    if out is None:
+        out = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x_MK.device)
     _amax_kernel[grid](
         x_MK,
         out,
@@ -75,6 +95,7 @@ def _amax(x_MK: torch.Tensor) -> torch.Tensor:
         K,
         *x_MK.stride(),
         tiles_per_program,
+        PARTIAL=out.dim() == 1,
         TILE_M=tiles.tile_m,
         TILE_K=tiles.tile_k,
         num_warps=tiles.num_warps,
@@ -82,16 +103,40 @@ def _amax(x_MK: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@register_kernel("amax", "triton")
+def _amax(x_MK: torch.Tensor) -> torch.Tensor:
+    return _launch_amax(x_MK, torch.zeros((), dtype=torch.float32, device=x_MK.device), _AMAX_PROGRAMS)
+
+
+# How the cast kernel gets its scale (constexpr SCALE): loaded; current scaling, from the max of
+# `num_amax` (partial) amaxes; delayed scaling, from the amax history.
+_GIVEN, _CURRENT, _DELAYED = 0, 1, 2
+
+
 @triton.jit
 def _cast_kernel(
     x_ptr,
-    scale_ptr,
     rowwise_ptr,
     columnwise_ptr,
     M,
     K,
     stride_m,
     stride_k,
+    scale_ptr,
+    scale_inv_ptr,
+    amax_ptr,
+    num_amax,
+    amax_out_ptr,
+    history_ptr,
+    history_len,
+    fmax,
+    divisor,
+    SCALE: tl.constexpr,
+    STORE_SCALE: tl.constexpr,
+    STORE_AMAX: tl.constexpr,
+    POWER_2: tl.constexpr,
+    MOST_RECENT: tl.constexpr,
+    AMAX_BLOCK: tl.constexpr,
     ROWWISE: tl.constexpr,
     COLUMNWISE: tl.constexpr,
     E4M3: tl.constexpr,
@@ -99,17 +144,116 @@ def _cast_kernel(
     TILE_K: tl.constexpr,
     HARDWARE: tl.constexpr,
 ):
-    """codes = fp8(x * scale) of one tile, written rowwise and/or transposed."""
+    """codes = fp8(x * scale) of one tile, written rowwise and/or transposed ([Note: fused FP8
+    quantize on the GPU]). SCALE _GIVEN loads the scale; otherwise every program computes it
+    (current: from the max of amax_ptr[:num_amax]; delayed: from the history, read only) and
+    program 0 stores scale (STORE_SCALE), scale_inv and, current, the amax (STORE_AMAX).
+    Delayed (STORE_AMAX): each program stores its tile's amax at amax_out_ptr[program]."""
+    pid = tl.program_id(0)
+    if SCALE == 0:
+        scale = tl.load(scale_ptr)
+    else:
+        if SCALE == 1:
+            offsets = tl.arange(0, AMAX_BLOCK)
+            used = tl.max(tl.load(amax_ptr + offsets, mask=offsets < num_amax, other=0.0), axis=0)
+        else:
+            _, used = history_amax(history_ptr, history_len, MOST_RECENT, AMAX_BLOCK)
+        scale, scale_inv = scale_of(used, fmax, divisor, POWER_2)
+        if pid == 0:
+            tl.store(scale_inv_ptr, scale_inv)
+            if STORE_SCALE:
+                tl.store(scale_ptr, scale)
+            if SCALE == 1 and STORE_AMAX:
+                tl.store(amax_out_ptr, used)
     col_tiles = tl.cdiv(K, TILE_K)
-    rows = ((tl.program_id(0) // col_tiles) * TILE_M + tl.arange(0, TILE_M)).to(tl.int64)
-    cols = ((tl.program_id(0) % col_tiles) * TILE_K + tl.arange(0, TILE_K)).to(tl.int64)
+    rows = ((pid // col_tiles) * TILE_M + tl.arange(0, TILE_M)).to(tl.int64)
+    cols = ((pid % col_tiles) * TILE_K + tl.arange(0, TILE_K)).to(tl.int64)
     mask_MK = (rows < M)[:, None] & (cols < K)[None, :]
     x_MK = tl.load(x_ptr + (rows * stride_m)[:, None] + (cols * stride_k)[None, :], mask=mask_MK, other=0.0)
-    codes_MK = encode_fp8(x_MK.to(tl.float32) * tl.load(scale_ptr), E4M3, HARDWARE)
+    codes_MK = encode_fp8(x_MK.to(tl.float32) * scale, E4M3, HARDWARE)
     if ROWWISE:
         store_bytes(rowwise_ptr, (rows * K)[:, None] + cols[None, :], codes_MK, mask_MK)
     if COLUMNWISE:
         store_bytes(columnwise_ptr, (cols * M)[:, None] + rows[None, :], tl.trans(codes_MK), tl.trans(mask_MK))
+    if SCALE == 2 and STORE_AMAX:
+        tl.store(amax_out_ptr + pid, tl.max(finite_abs(x_MK)))
+
+
+@triton.jit
+def _push_partial_amax_kernel(partials_ptr, num_partials, history_ptr, history_len, amax_out_ptr, BLOCK: tl.constexpr):
+    """Delayed scaling's last step, one program: amax = the max of the partial amaxes, pushed into
+    the history (after the cast kernel read it) and stored at amax_out_ptr if given."""
+    largest = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, num_partials, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        largest = tl.maximum(largest, tl.load(partials_ptr + offsets, mask=offsets < num_partials, other=0.0))
+    amax = tl.max(largest, axis=0)
+    history, _ = history_amax(history_ptr, history_len, True, BLOCK)
+    tl.debug_barrier()
+    push_amax(history_ptr, history, history_len, amax, BLOCK)
+    if amax_out_ptr is not None:
+        tl.store(amax_out_ptr, amax)
+
+
+def _launch_cast(
+    x_MK: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    rowwise_MK: torch.Tensor | None,
+    columnwise_KM: torch.Tensor | None,
+    *,
+    scale: torch.Tensor | None,
+    scale_inv: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+    amax_out: torch.Tensor | None = None,
+    history: torch.Tensor | None = None,
+    power_2_scales: bool = False,
+    most_recent: bool = False,
+    margin: int = 0,
+) -> torch.Tensor | None:
+    """Launches `_cast_kernel`; the scale mode follows from what is given: a history (delayed), an
+    amax (current) or else the scale. Delayed without an amax returns the tiles' partial amaxes."""
+    tiles = CAST_TILES
+    if columnwise_KM is None and x_MK.is_contiguous():
+        x_MK, rowwise_MK, tiles = x_MK.view(1, -1), rowwise_MK.view(1, -1), CAST_ROWWISE_TILES
+    M, K = x_MK.shape
+    programs = triton.cdiv(M, tiles.tile_m) * triton.cdiv(K, tiles.tile_k)
+    mode = _DELAYED if history is not None else _CURRENT if amax is not None else _GIVEN
+    if mode == _DELAYED:
+        amax_out = torch.empty(programs, dtype=torch.float32, device=x_MK.device) if amax is None else None
+    num_amax = 0 if amax is None else amax.numel()
+    history_len = 0 if history is None else history.numel()
+    _cast_kernel[(programs,)](
+        x_MK,
+        rowwise_MK,
+        columnwise_KM,
+        M,
+        K,
+        *x_MK.stride(),
+        scale,
+        scale_inv,
+        amax,
+        num_amax,
+        amax_out,
+        history,
+        history_len,
+        FP8_MAX[fp8_dtype],
+        2.0**margin,  # exact in fp32 for margin in [-126, 127]
+        SCALE=mode,
+        STORE_SCALE=scale is not None,
+        STORE_AMAX=amax_out is not None,
+        POWER_2=power_2_scales,
+        MOST_RECENT=most_recent,
+        AMAX_BLOCK=history_block(max(num_amax, history_len)),
+        ROWWISE=rowwise_MK is not None,
+        COLUMNWISE=columnwise_KM is not None,
+        E4M3=fp8_dtype == torch.float8_e4m3fn,
+        TILE_M=tiles.tile_m,
+        TILE_K=tiles.tile_k,
+        HARDWARE=HARDWARE_FP8,
+        num_warps=tiles.num_warps,
+        **EXACT,
+    )
+    return amax_out if mode == _DELAYED else None
 
 
 @register_kernel("cast_to_fp8", "triton")
@@ -120,26 +264,100 @@ def _cast_to_fp8(
     rowwise_MK: torch.Tensor | None,
     columnwise_KM: torch.Tensor | None,
 ) -> None:
-    tiles = CAST_TILES
-    if columnwise_KM is None and x_MK.is_contiguous():
-        x_MK, rowwise_MK, tiles = x_MK.view(1, -1), rowwise_MK.view(1, -1), CAST_ROWWISE_TILES
-    M, K = x_MK.shape
-    _cast_kernel[(triton.cdiv(M, tiles.tile_m) * triton.cdiv(K, tiles.tile_k),)](
+    _launch_cast(x_MK, fp8_dtype, rowwise_MK, columnwise_KM, scale=scale)
+
+
+@register_kernel("quantize_fp8", "triton")
+def _quantize_fp8(
+    x_MK: torch.Tensor,
+    amax: torch.Tensor | None,
+    fp8_dtype: torch.dtype,
+    power_2_scales: bool,
+    rowwise_MK: torch.Tensor | None,
+    columnwise_KM: torch.Tensor | None,
+    scale_inv: torch.Tensor,
+    scale: torch.Tensor | None,
+    amax_out: torch.Tensor | None,
+) -> None:
+    """[Note: fused FP8 quantize on the GPU] Current scaling in two launches: the partial amaxes
+    (one per program, no zeroed buffer, no atomics), then the cast, each of whose programs reduces
+    them and computes the scale itself (a few hundred floats from L2). Delayed scaling reads x
+    once: the cast computes the scale from the history (read only in that launch) and stores each
+    tile's amax; one small program then reduces those and pushes the amax into the history."""
+    if x_MK.numel() == 0:
+        return composed_quantize_fp8("triton")(
+            x_MK, amax, fp8_dtype, power_2_scales, rowwise_MK, columnwise_KM, scale_inv, scale, amax_out
+        )
+    if amax is None:
+        amax = _launch_amax(x_MK, None, _FUSED_AMAX_PROGRAMS)
+    else:
+        amax_out = None  # the operator leaves it alone when an amax is given
+    _launch_cast(
         x_MK,
-        scale,
+        fp8_dtype,
         rowwise_MK,
         columnwise_KM,
-        M,
-        K,
-        *x_MK.stride(),
-        ROWWISE=rowwise_MK is not None,
-        COLUMNWISE=columnwise_KM is not None,
-        E4M3=fp8_dtype == torch.float8_e4m3fn,
-        TILE_M=tiles.tile_m,
-        TILE_K=tiles.tile_k,
-        HARDWARE=HARDWARE_FP8,
-        num_warps=tiles.num_warps,
-        **EXACT,
+        scale=scale,
+        scale_inv=scale_inv,
+        amax=amax,
+        amax_out=amax_out,
+        power_2_scales=power_2_scales,
+    )
+
+
+@register_kernel("quantize_fp8_delayed", "triton")
+def _quantize_fp8_delayed(
+    x_MK: torch.Tensor,
+    amax: torch.Tensor | None,
+    amax_history: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: int,
+    power_2_scales: bool,
+    amax_compute_algo: str,
+    rowwise_MK: torch.Tensor | None,
+    columnwise_KM: torch.Tensor | None,
+    scale_inv: torch.Tensor,
+    scale: torch.Tensor | None,
+    amax_out: torch.Tensor | None,
+) -> None:
+    """[Note: fused FP8 quantize on the GPU], delayed scaling."""
+    if x_MK.numel() == 0:
+        return composed_quantize_fp8_delayed("triton")(
+            x_MK,
+            amax,
+            amax_history,
+            fp8_dtype,
+            margin,
+            power_2_scales,
+            amax_compute_algo,
+            rowwise_MK,
+            columnwise_KM,
+            scale_inv,
+            scale,
+            amax_out,
+        )
+    partials = _launch_cast(
+        x_MK,
+        fp8_dtype,
+        rowwise_MK,
+        columnwise_KM,
+        scale=scale,
+        scale_inv=scale_inv,
+        amax=amax,
+        history=amax_history,
+        power_2_scales=power_2_scales,
+        most_recent=amax_compute_algo == "most_recent",
+        margin=margin,
+    )
+    pushed = amax if partials is None else partials
+    _push_partial_amax_kernel[(1,)](
+        pushed,
+        pushed.numel(),
+        amax_history,
+        amax_history.numel(),
+        None if partials is None else amax_out,
+        BLOCK=history_block(max(amax_history.numel(), 1024)),
+        num_warps=4,
     )
 
 

@@ -18,7 +18,7 @@ _SCALE_BLOCK = 128
 
 
 @triton.jit
-def _scale_of(amax, fmax, divisor, POWER_2: tl.constexpr):
+def scale_of(amax, fmax, divisor, POWER_2: tl.constexpr):
     """(scale, scale_inv) of fp32 amax, the mirror of csrc/scale.cpp `scale_of`."""
     quotient = tl.div_rn(tl.div_rn(tl.zeros_like(amax) + fmax, amax), tl.zeros_like(amax) + divisor)
     scale = tl.where(amax > 0.0, quotient, 1.0)
@@ -33,7 +33,7 @@ def _fp8_scale_kernel(amax_ptr, scale_ptr, scale_inv_ptr, n, fmax, divisor, POWE
     """scale[i], scale_inv[i] of amax[i] for the BLOCK elements of this program."""
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
-    scale, scale_inv = _scale_of(tl.load(amax_ptr + offsets, mask=mask, other=0.0), fmax, divisor, POWER_2)
+    scale, scale_inv = scale_of(tl.load(amax_ptr + offsets, mask=mask, other=0.0), fmax, divisor, POWER_2)
     tl.store(scale_ptr + offsets, scale, mask=mask)
     tl.store(scale_inv_ptr + offsets, scale_inv, mask=mask)
 
@@ -58,6 +58,28 @@ def _fp8_scale(
 
 
 @triton.jit
+def history_amax(history_ptr, length, MOST_RECENT: tl.constexpr, BLOCK: tl.constexpr):
+    """(the history as loaded, BLOCK wide; the amax delayed scaling scales with): its max (NaN if
+    any entry is NaN, as torch's max) or its entry 0."""
+    offsets = tl.arange(0, BLOCK)
+    history = tl.load(history_ptr + offsets, mask=offsets < length, other=float("-inf"))
+    if MOST_RECENT:
+        used = tl.load(history_ptr)
+    else:
+        any_nan = tl.max((history != history).to(tl.int32), axis=0)
+        used = tl.where(any_nan > 0, float("nan"), tl.max(tl.where(history != history, 0.0, history), axis=0))
+    return history, used
+
+
+@triton.jit
+def push_amax(history_ptr, history, length, amax, BLOCK: tl.constexpr):
+    """Stores `history` (as loaded by history_amax) shifted one older, then amax at entry 0."""
+    offsets = tl.arange(0, BLOCK)
+    tl.store(history_ptr + offsets + 1, history, mask=offsets + 1 < length)
+    tl.store(history_ptr, amax)
+
+
+@triton.jit
 def _delayed_fp8_scale_kernel(
     history_ptr,
     amax_ptr,
@@ -73,21 +95,12 @@ def _delayed_fp8_scale_kernel(
     """The scale of the history (its max, NaN if any entry is NaN as torch's max; or entry 0), then
     the history shifted one older with *amax_ptr written at entry 0. One program: every entry is
     loaded before the barrier, every store comes after it."""
-    offsets = tl.arange(0, BLOCK)
-    mask = offsets < length
-    history = tl.load(history_ptr + offsets, mask=mask, other=float("-inf"))
-    pushed = tl.load(amax_ptr)
-    if MOST_RECENT:
-        used = tl.load(history_ptr)
-    else:
-        any_nan = tl.max((history != history).to(tl.int32), axis=0)
-        used = tl.where(any_nan > 0, float("nan"), tl.max(tl.where(history != history, 0.0, history), axis=0))
-    scale, scale_inv = _scale_of(used, fmax, divisor, POWER_2)
+    history, used = history_amax(history_ptr, length, MOST_RECENT, BLOCK)
+    scale, scale_inv = scale_of(used, fmax, divisor, POWER_2)
     tl.store(scale_ptr, scale)
     tl.store(scale_inv_ptr, scale_inv)
     tl.debug_barrier()
-    tl.store(history_ptr + offsets + 1, history, mask=offsets + 1 < length)
-    tl.store(history_ptr, pushed)
+    push_amax(history_ptr, history, length, tl.load(amax_ptr), BLOCK)
 
 
 @register_kernel("delayed_fp8_scale", "triton")
@@ -112,7 +125,12 @@ def _delayed_fp8_scale(
         2.0**margin,  # exact in fp32 for margin in [-126, 127]
         POWER_2=power_2_scales,
         MOST_RECENT=most_recent,
-        BLOCK=max(triton.next_power_of_2(length), 16),
+        BLOCK=history_block(length),
         num_warps=1,
         enable_fp_fusion=False,  # [Note: exact Triton arithmetic]
     )
+
+
+def history_block(length: int) -> int:
+    """The BLOCK of `history_amax` / `push_amax` for a history of `length` entries."""
+    return max(triton.next_power_of_2(length), 16)

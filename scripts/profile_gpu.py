@@ -1,0 +1,70 @@
+"""Profiles for the GPU machine (run from scripts/gpu-suite.sh's environment).
+
+    python3 scripts/profile_gpu.py host [RECIPE ...]   # cProfile of qt.nn.Linear fwd+bwd, bf16 256^3
+    python3 scripts/profile_gpu.py kernels             # each quantize once at bf16 8192^2 (under ncu)
+
+`host` prints where the host time of one forward + backward goes (the functions with the most own
+time, and the count of calls per step); `kernels` launches each quantize kernel twice (a warm-up,
+then the one ncu should profile: `ncu --launch-skip` per kernel name, see gpu-suite.sh).
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import sys
+
+import torch
+
+import quant_core
+import quant_tensors as qt
+
+
+def host(recipes: list[str]) -> None:
+    size, steps = 256, 200
+    x = torch.randn(size, size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    for name in recipes:
+        layer = torch.nn.Linear(size, size, device="cuda", dtype=torch.bfloat16)
+        if name != "nn.Linear":
+            layer = qt.convert(torch.nn.Sequential(layer), qt.recipe_from_name(name))[0]
+        for _ in range(5):
+            layer(x).backward(dy)
+        torch.cuda.synchronize()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(steps):
+            layer(x).backward(dy)
+        profiler.disable()
+        torch.cuda.synchronize()
+        stats = pstats.Stats(profiler)
+        calls = sum(entry[1] for entry in stats.stats.values()) / steps  # type: ignore[attr-defined]
+        print(f"\n=== {name}: {stats.total_tt / steps * 1e6:.0f} us/step under cProfile, {calls:.0f} calls/step")  # type: ignore[attr-defined]
+        stats.sort_stats("tottime").print_stats(28)
+
+
+def kernels() -> None:
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    amax = quant_core.amax(x)
+    cases = {
+        "mxfp8 both": lambda: quant_core.quantize_mxfp8(x, rowwise=True, columnwise=True),
+        "fp8-block 1x128 both": lambda: quant_core.quantize_fp8_blockwise(x, rowwise=True, columnwise=True),
+        "fp8-block 1x128 rowwise": lambda: quant_core.quantize_fp8_blockwise(x),
+        "nvfp4 1x16 both": lambda: quant_core.quantize_nvfp4(x, global_amax=amax, rowwise=True, columnwise=True),
+        "nvfp4 1x16 both sr": lambda: quant_core.quantize_nvfp4(
+            x, global_amax=amax, rowwise=True, columnwise=True, stochastic_rounding=True
+        ),
+        "nvfp4 16x16": lambda: quant_core.quantize_nvfp4(x, (16, 16), global_amax=amax, rowwise=True, columnwise=True),
+    }
+    for name, case in cases.items():
+        for _ in range(2):
+            case()
+        torch.cuda.synchronize()
+        print("ran", name)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "host":
+        host(sys.argv[2:] or ["nn.Linear", "fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4"])
+    else:
+        kernels()
