@@ -17,12 +17,14 @@ Why `torch.library.Library.define` + `impl` rather than `torch.library.custom_op
 schema, fake kernels and tracing, but custom_op's Python wrappers (autograd, version counters)
 cost ~20 us per call on the host against ~3 us here. These operators are not differentiable:
 the Autograd key falls through, no kernel records autograd history (reference kernels run under
-`torch.no_grad()`, see `_backend.register_kernel`), and a mutated buffer's version counter moves
-only where the kernel's own torch ops move it.
+`torch.no_grad()`, see `_backend.register_kernel`). Kernels that write through pointers (C++,
+Triton) leave version counters alone, so every operator bumps the version of each buffer it
+mutates after its kernel ran (autograd's saved-tensor checks then see the write).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,13 +51,35 @@ def define_op(
     def decorate(impl: Callable[..., Any]) -> Callable[..., Any]:
         schema = torch.library.infer_schema(impl, mutates_args=tuple(mutates_args))
         _library.define(name + schema)
-        _library.impl(name, impl, "CompositeExplicitAutograd")
+        _library.impl(
+            name, _bumping_versions(impl, mutates_args) if mutates_args else impl, "CompositeExplicitAutograd"
+        )
         _library.impl(name, torch.library.fallthrough_kernel, "Autograd")
         torch.library.register_fake(f"{NAMESPACE}::{name}", fake or _no_outputs, lib=_library)
         OPERATORS.append(name)
         return impl
 
     return decorate
+
+
+def _bumping_versions(impl: Callable[..., Any], mutates_args: Sequence[str]) -> Callable[..., Any]:
+    """impl, then the version counters of the mutated tensors bumped (arguments given positionally:
+    a tensor, a list of tensors, or None)."""
+    names = list(inspect.signature(impl).parameters)
+    positions = [names.index(arg) for arg in mutates_args]
+
+    def run(*args: Any) -> Any:
+        result = impl(*args)
+        written: list[torch.Tensor] = []
+        for i in positions:
+            if isinstance(args[i], torch.Tensor):
+                written.append(args[i])
+            elif args[i] is not None:
+                written.extend(args[i])
+        torch._C._increment_version(written)
+        return result
+
+    return run
 
 
 def _no_outputs(*args: object) -> None:

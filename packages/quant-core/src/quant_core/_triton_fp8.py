@@ -16,6 +16,7 @@ import triton.language as tl
 from quant_core._backend import register_kernel
 from quant_core._fp8_quantize import composed_quantize_fp8, composed_quantize_fp8_delayed
 from quant_core._fp8_scale import FP8_MAX
+from quant_core._triton_launch import launch
 from quant_core._triton_numerics import (
     EXACT,
     HARDWARE_FP8,
@@ -88,7 +89,9 @@ def _launch_amax(x_MK: torch.Tensor, out: torch.Tensor | None, programs: int) ->
     grid = (row_tiles, triton.cdiv(col_tiles, tiles_per_program))
     if out is None:
         out = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x_MK.device)
-    _amax_kernel[grid](
+    launch(
+        _amax_kernel,
+        grid,
         x_MK,
         out,
         M,
@@ -222,7 +225,9 @@ def _launch_cast(
         amax_out = torch.empty(programs, dtype=torch.float32, device=x_MK.device) if amax is None else None
     num_amax = 0 if amax is None else amax.numel()
     history_len = 0 if history is None else history.numel()
-    _cast_kernel[(programs,)](
+    launch(
+        _cast_kernel,
+        (programs,),
         x_MK,
         rowwise_MK,
         columnwise_KM,
@@ -350,7 +355,9 @@ def _quantize_fp8_delayed(
         margin=margin,
     )
     pushed = amax if partials is None else partials
-    _push_partial_amax_kernel[(1,)](
+    launch(
+        _push_partial_amax_kernel,
+        (1,),
         pushed,
         pushed.numel(),
         amax_history,
@@ -381,7 +388,9 @@ def _dequantize_fp8_kernel(
 @register_kernel("dequantize_fp8", "triton")
 def _dequantize_fp8(data_MK: torch.Tensor, scale_inv: torch.Tensor, out_MK: torch.Tensor) -> None:
     n = data_MK.numel()
-    _dequantize_fp8_kernel[(triton.cdiv(n, DEQUANTIZE_BLOCK),)](
+    launch(
+        _dequantize_fp8_kernel,
+        (triton.cdiv(n, DEQUANTIZE_BLOCK),),
         data_MK,
         scale_inv,
         out_MK,
@@ -409,7 +418,9 @@ def _transpose_bytes_kernel(data_ptr, out_ptr, M, K, stride_m, stride_k, TILE_M:
 def _transpose_bytes(data_MK: torch.Tensor, out_KM: torch.Tensor) -> None:
     M, K = data_MK.shape
     tiles = TRANSPOSE_TILES
-    _transpose_bytes_kernel[(triton.cdiv(M, tiles.tile_m) * triton.cdiv(K, tiles.tile_k),)](
+    launch(
+        _transpose_bytes_kernel,
+        (triton.cdiv(M, tiles.tile_m) * triton.cdiv(K, tiles.tile_k),),
         data_MK,
         out_KM,
         M,

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from quant_core._backend import register_kernel
+from quant_core._triton_launch import launch
 
 # Elements of amax per program of `fp8_scale` (one program for the usual single amax).
 _SCALE_BLOCK = 128
@@ -43,7 +44,9 @@ def _fp8_scale(
     amax: torch.Tensor, fmax: float, margin: int, power_2_scales: bool, scale: torch.Tensor, scale_inv: torch.Tensor
 ) -> None:
     n = amax.numel()
-    _fp8_scale_kernel[(triton.cdiv(n, _SCALE_BLOCK),)](
+    launch(
+        _fp8_scale_kernel,
+        (triton.cdiv(n, _SCALE_BLOCK),),
         amax,
         scale,
         scale_inv,
@@ -115,7 +118,9 @@ def _delayed_fp8_scale(
     scale_inv: torch.Tensor,
 ) -> None:
     length = amax_history.numel()
-    _delayed_fp8_scale_kernel[(1,)](
+    launch(
+        _delayed_fp8_scale_kernel,
+        (1,),
         amax_history,
         amax,
         scale,

@@ -1,0 +1,75 @@
+"""Launching Triton kernels with less host time than `kernel[grid](...)`.
+
+[Note: Triton launches] `JITFunction.run` binds the arguments, computes their specialization and
+the compiled kernel's cache key on every launch: tens of microseconds of Python per launch on an
+H100 VM's host, more than the GPU time of a quantize at the sizes of a training step's Linear
+layers (docs/benchmarks.md, issue #14). `launch` keys its own cache of compiled kernels on what
+Triton specializes on (per tensor: dtype and 16-byte alignment; per int: == 1, divisibility by
+16, 32-bit range; bools, None and constexpr values by value; the launch options; the current
+device), a superset of Triton's key, so a hit always finds the kernel Triton itself would run.
+A miss launches through Triton's normal path, which compiles if needed, and remembers the
+compiled kernel; a hit calls the compiled kernel's launcher directly (the call Triton 3.6-3.9
+make at the end of `JITFunction.run`). Under TRITON_INTERPRET=1 every launch takes the normal path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from triton import knobs
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_compiled: dict[tuple[Any, ...], Any] = {}
+
+
+def _specialization(value: object) -> object:
+    """What Triton's specialization (and so its compiled kernel) may depend on in an argument."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return value == 1, value % 16 == 0, -(2**31) <= value < 2**31
+    if isinstance(value, float):
+        return float
+    return value  # constexpr values: dtypes, strings, ...
+
+
+def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """`kernel[grid](*args, **kwargs)` ([Note: Triton launches]): args are the kernel's parameters
+    in order, kwargs its remaining parameters by name (constexprs) and launch options
+    (num_warps, enable_fp_fusion, ...)."""
+    if _INTERPRETED:
+        kernel[grid](*args, **kwargs)
+        return
+    names = kernel.arg_names
+    values = list(args) + [kwargs[name] for name in names[len(args) :]]
+    options = tuple(sorted((name, value) for name, value in kwargs.items() if name not in names))
+    device = driver.active.get_current_device()
+    key = (id(kernel), device, options, *map(_specialization, values))  # kernels are module globals
+    compiled = _compiled.get(key)
+    if compiled is None:
+        compiled = kernel[grid](*args, **kwargs)
+        _compiled[key] = compiled
+        return
+    stream = driver.active.get_current_stream(device)
+    grid_1 = grid[1] if len(grid) > 1 else 1
+    grid_2 = grid[2] if len(grid) > 2 else 1
+    enter_hook = knobs.runtime.launch_enter_hook
+    metadata = compiled.launch_metadata(grid, stream, *values) if enter_hook is not None else None
+    compiled.run(
+        grid[0],
+        grid_1,
+        grid_2,
+        stream,
+        compiled.function,
+        compiled.packed_metadata,
+        metadata,
+        enter_hook,
+        knobs.runtime.launch_exit_hook,
+        *values,
+    )
