@@ -55,6 +55,15 @@ void amax(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, i
   *reinterpret_cast<float*>(amax_out) = result;
 }
 
+void amax_many(const std::vector<uintptr_t>& x_MKs, const std::vector<int>& dtypes, const std::vector<int64_t>& Ms,
+               const std::vector<int64_t>& Ks, const std::vector<int64_t>& stride_rows,
+               const std::vector<int64_t>& stride_cols, uintptr_t amax_out, int num_threads) {
+  for (size_t t = 0; t < x_MKs.size(); ++t) {
+    amax(x_MKs[t], dtypes[t], Ms[t], Ks[t], stride_rows[t], stride_cols[t], amax_out + t * sizeof(float),
+         num_threads);
+  }
+}
+
 }  // namespace quant_core
 
 namespace quant_core {

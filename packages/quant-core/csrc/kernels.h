@@ -10,6 +10,12 @@ namespace quant_core {
 // Writes max |x| over the finite elements of x_MK (0 if there are none) to *amax_out (fp32).
 void amax(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
           uintptr_t amax_out, int num_threads);
+// amax of many tensors in one call: amax_out[t] (fp32) is the amax of tensor t, the (M, K) view
+// x_MKs[t] of dtype dtypes[t] read through (stride_rows[t], stride_cols[t]). Tensors run one after
+// another, each split across threads as `amax` splits it.
+void amax_many(const std::vector<uintptr_t>& x_MKs, const std::vector<int>& dtypes, const std::vector<int64_t>& Ms,
+               const std::vector<int64_t>& Ks, const std::vector<int64_t>& stride_rows,
+               const std::vector<int64_t>& stride_cols, uintptr_t amax_out, int num_threads);
 
 // Per-tensor FP8 cast with a given fp32 scale (read from *scale): code = fp8(x * scale).
 // Writes rowwise_MK (contiguous, M x K) and/or columnwise_KM (contiguous, K x M, the transpose)

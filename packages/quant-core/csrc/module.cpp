@@ -13,6 +13,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("amax", &quant_core::amax, py::arg("x_MK"), py::arg("dtype"), py::arg("M"), py::arg("K"),
         py::arg("stride_row"), py::arg("stride_col"), py::arg("amax_out"), py::arg("num_threads"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("amax_many", &quant_core::amax_many, py::arg("x_MKs"), py::arg("dtypes"), py::arg("Ms"), py::arg("Ks"),
+        py::arg("stride_rows"), py::arg("stride_cols"), py::arg("amax_out"), py::arg("num_threads"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("cast_to_fp8", &quant_core::cast_to_fp8, py::arg("x_MK"), py::arg("dtype"), py::arg("M"),
         py::arg("K"), py::arg("stride_row"), py::arg("stride_col"), py::arg("scale"),
         py::arg("fp8_format"), py::arg("rowwise_MK"), py::arg("columnwise_KM"),

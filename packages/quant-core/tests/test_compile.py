@@ -94,6 +94,7 @@ def _others(x: torch.Tensor, seed: torch.Tensor) -> object:
 
 CASES: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
     "amax": lambda x, seed: quant_core.amax(x),
+    "amax_many": lambda x, seed: quant_core.amax_many([x, x.t(), x[:0], x.float()[::2], x[0, 0]]),
     "fp8_scale+cast_to_fp8": _per_tensor_cast,
     "delayed_scaling": _delayed,
     "delayed_fp8_scale_": _delayed_in_one_operator,

@@ -62,6 +62,7 @@ def _cases() -> dict[str, tuple[torch._ops.OpOverload, tuple]]:
     one = torch.tensor(1.0)
     return {
         "amax": (OPS.amax.default, (x_strided,)),
+        "amax_many": (OPS.amax_many.default, ([x_strided, torch.empty(0, 3), x.float()[::2], torch.tensor(-2.0)],)),
         "fp8_scale": (OPS.fp8_scale.default, (torch.tensor([[3.0, 0.0], [1e-40, 7e5]]), 448.0, 2, True)),
         "delayed_fp8_scale": (
             OPS.delayed_fp8_scale.default,
@@ -233,6 +234,7 @@ def test_unchecked_operators_equal_the_public_functions():
 def test_operators_handle_empty_inputs():
     empty = torch.empty(0, 32)
     assert OPS.amax(empty).item() == 0.0
+    assert OPS.amax_many([empty, empty.t()]).tolist() == [0.0, 0.0]
     assert OPS.transpose_bytes(torch.empty(0, 5, dtype=torch.uint8)).shape == (5, 0)
     assert OPS.dequantize_mxfp8(
         torch.empty(0, 32, dtype=E4M3), torch.empty(0, 1, dtype=torch.uint8), torch.float32

@@ -4,6 +4,16 @@ __version__: str
 def amax(
     x_MK: int, dtype: int, M: int, K: int, stride_row: int, stride_col: int, amax_out: int, num_threads: int
 ) -> None: ...
+def amax_many(
+    x_MKs: list[int],
+    dtypes: list[int],
+    Ms: list[int],
+    Ks: list[int],
+    stride_rows: list[int],
+    stride_cols: list[int],
+    amax_out: int,
+    num_threads: int,
+) -> None: ...
 def cast_to_fp8(
     x_MK: int,
     dtype: int,

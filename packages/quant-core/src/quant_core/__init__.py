@@ -20,6 +20,7 @@ from quant_core._adam import (
     has_non_finite,
     has_non_finite_reference,
 )
+from quant_core._amax_many import amax_many, amax_many_reference
 from quant_core._backend import (
     BACKEND_ENV_VAR,
     BACKENDS,
@@ -107,6 +108,8 @@ __all__ = [
     "Float8Quantized",
     "amax",
     "amax_from_history",
+    "amax_many",
+    "amax_many_reference",
     "amax_reference",
     "cast_to_fp8",
     "cast_to_fp8_reference",

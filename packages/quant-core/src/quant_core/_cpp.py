@@ -15,6 +15,7 @@ import torch
 from quant_core import _C
 from quant_core._adam import AdamScalars
 from quant_core._backend import register_kernel
+from quant_core._checks import as_2d
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _FP8_FORMAT_CODES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
@@ -29,6 +30,23 @@ def _amax(x_MK: torch.Tensor) -> torch.Tensor:
     out = torch.empty((), dtype=torch.float32)
     M, K = x_MK.shape
     _C.amax(x_MK.data_ptr(), _DTYPE_CODES[x_MK.dtype], M, K, *x_MK.stride(), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+@register_kernel("amax_many", "cpp")
+def _amax_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    views = [as_2d(t) for t in tensors]  # read through their strides, as amax reads them
+    out = torch.empty(len(views), dtype=torch.float32)
+    _C.amax_many(
+        [v.data_ptr() for v in views],
+        [_DTYPE_CODES[v.dtype] for v in views],
+        [v.shape[0] for v in views],
+        [v.shape[1] for v in views],
+        [v.stride(0) for v in views],
+        [v.stride(1) for v in views],
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out
 
 

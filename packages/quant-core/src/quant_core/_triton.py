@@ -1,6 +1,7 @@
-"""The Triton backend (CUDA tensors): Adam and the non-finite check here; importing this module
-also registers the quantize, dequantize and transpose kernels of every format (`_triton_fp8`,
-`_triton_blocks`, `_triton_nvfp4`, sharing `_triton_numerics`), so every op has a Triton kernel.
+"""The Triton backend (CUDA tensors): Adam, the non-finite check and the amaxes of many tensors
+here; importing this module also registers the quantize, dequantize and transpose kernels of
+every format (`_triton_fp8`, `_triton_blocks`, `_triton_nvfp4`, sharing `_triton_numerics`), so
+every op has a Triton kernel.
 
 [Note: exact Triton arithmetic] By default Triton contracts `a * b + c` into a fused
 multiply-add and lowers `/` and `sqrt` to approximate instructions; libdevice's explicitly
@@ -22,6 +23,8 @@ import quant_core._triton_scale  # noqa: F401  (registers the FP8 scale kernels)
 from quant_core import _triton_blocks, _triton_fp8, _triton_nvfp4  # noqa: F401  (register their kernels)
 from quant_core._adam import AdamScalars
 from quant_core._backend import register_kernel
+from quant_core._checks import FLOAT_DTYPES
+from quant_core._triton_numerics import finite_abs
 
 _CHUNK = 16384  # elements per program: BLOCK-sized steps over one chunk of one tensor
 _BLOCK = 1024
@@ -189,3 +192,47 @@ def _has_non_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
             BLOCK=_BLOCK,
         )
     return found
+
+
+@triton.jit
+def _chunk_amax(x_ptr, chunk, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """max |x| over the finite elements of chunk `chunk` of the n elements at x_ptr (0 if none)."""
+    largest = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, CHUNK, BLOCK):
+        offsets = chunk * CHUNK + start + tl.arange(0, BLOCK)
+        largest = tl.maximum(largest, finite_abs(tl.load(x_ptr + offsets, mask=offsets < n, other=0.0)))
+    return tl.max(largest, axis=0)
+
+
+@triton.jit
+def _amax_many_kernel(pointers, chunks, amax_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """One chunk of tensor t merged into amax_ptr[t] (one atomic; amaxes are >= 0, so the float
+    atomic max is exact). Row t of `pointers`: address, number of elements, dtype code (the index
+    in FLOAT_DTYPES: fp32, bf16, fp16), so tensors of every dtype share the launch."""
+    t = tl.load(chunks + 2 * tl.program_id(0))
+    chunk = tl.load(chunks + 2 * tl.program_id(0) + 1).to(tl.int64)
+    address = tl.load(pointers + 3 * t)
+    n = tl.load(pointers + 3 * t + 1)
+    dtype_code = tl.load(pointers + 3 * t + 2)
+    if dtype_code == 0:
+        largest = _chunk_amax(address.to(tl.pointer_type(tl.float32)), chunk, n, CHUNK, BLOCK)
+    elif dtype_code == 1:
+        largest = _chunk_amax(address.to(tl.pointer_type(tl.bfloat16)), chunk, n, CHUNK, BLOCK)
+    else:
+        largest = _chunk_amax(address.to(tl.pointer_type(tl.float16)), chunk, n, CHUNK, BLOCK)
+    tl.atomic_max(amax_ptr + t, largest)
+
+
+@register_kernel("amax_many", "triton")
+def _amax_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    device = tensors[0].device
+    amax = torch.zeros(len(tensors), dtype=torch.float32, device=device)
+    flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]  # the kernel reads flat memory
+    chunks = _chunk_table(tuple(t.numel() for t in flat), device)
+    if len(chunks) == 0:  # every tensor is empty
+        return amax
+    rows = [[t.data_ptr(), t.numel(), FLOAT_DTYPES.index(t.dtype)] for t in flat]
+    pointers = torch.tensor(rows, dtype=torch.int64).to(device)
+    # Nothing to fuse (abs and max only); stated because Triton 3.9 warns when it is left unset.
+    _amax_many_kernel[(len(chunks),)](pointers, chunks, amax, CHUNK=_CHUNK, BLOCK=_BLOCK, enable_fp_fusion=False)
+    return amax

@@ -39,7 +39,7 @@ def sync_amax_(params: Iterable[torch.Tensor], group: dist.ProcessGroup | None =
         if len(groups) != 1:
             raise ValueError("sync_amax_ got shards of different process groups; pass group= or call it once per group")
         (group,) = groups.values()
-    amaxes = torch.stack([quant_core.amax(s._data) for s in shards])
+    amaxes = quant_core.amax_many([s._data for s in shards])  # one kernel call for all shards
     dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
     for shard, amax in zip(shards, amaxes, strict=True):
         shard._synced_amax = (shard._data._version, amax)

@@ -316,8 +316,13 @@ class FusedAdam(torch.optim.Optimizer):
                 pending.append(_PendingAmax(groups, u.amax, requantize))
             elif u.master is not u.local:
                 u.local.copy_(u.master)  # a bf16 cast, or a requantize of a block-scaled format
-            for moment in u.fp8_moments:
-                pending.append(_PendingAmax(u.shard_groups, quant_core.amax(moment.values), moment.store))
+        moments = [(u.shard_groups, moment) for u in updates for moment in u.fp8_moments]
+        if moments:  # their amaxes in one kernel call
+            moment_amaxes = quant_core.amax_many([moment.values for _, moment in moments])
+            pending += [
+                _PendingAmax(groups, amax, moment.store)
+                for (groups, moment), amax in zip(moments, moment_amaxes, strict=True)
+            ]
         by_groups: dict[tuple[int, ...], list[_PendingAmax]] = {}
         for item in pending:
             by_groups.setdefault(tuple(id(g) for g in item.groups), []).append(item)
