@@ -200,11 +200,13 @@ def test_opcheck(name):
 def test_schema_declares_exactly_the_buffers_written(name):
     op, args = _cases()[name]
     written = {i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
-    before = [(i, _bytes(t).clone()) for i, t in _tensors(args)]
+    before = [(i, _bytes(t).clone(), t._version) for i, t in _tensors(args)]
     op(*args)
-    for (i, old), (_, t) in zip(before, _tensors(args), strict=True):
+    for (i, old, version), (_, t) in zip(before, _tensors(args), strict=True):
         changed = not torch.equal(old, _bytes(t))
         assert changed == (i in written and old.numel() > 0), (op._schema.arguments[i].name, changed)
+        # Autograd sees every write: the version of a written buffer moves (C++ writes through pointers).
+        assert (t._version > version) == (i in written), (op._schema.arguments[i].name, "version")
 
 
 def test_operators_do_not_record_autograd_history():

@@ -16,7 +16,7 @@ import triton.language as tl
 from quant_core._backend import register_kernel
 from quant_core._fp8_quantize import composed_quantize_fp8, composed_quantize_fp8_delayed
 from quant_core._fp8_scale import FP8_MAX
-from quant_core._triton_launch import launch
+from quant_core._triton_launch import cdiv, launch
 from quant_core._triton_numerics import (
     EXACT,
     HARDWARE_FP8,
@@ -84,9 +84,9 @@ def _launch_amax(x_MK: torch.Tensor, out: torch.Tensor | None, programs: int) ->
     if x_MK.is_contiguous():
         x_MK, tiles = x_MK.view(1, -1), AMAX_FLAT_TILES
     M, K = x_MK.shape
-    row_tiles, col_tiles = triton.cdiv(M, tiles.tile_m), triton.cdiv(K, tiles.tile_k)
+    row_tiles, col_tiles = cdiv(M, tiles.tile_m), cdiv(K, tiles.tile_k)
     tiles_per_program = max(1, min(col_tiles, row_tiles * col_tiles // programs))
-    grid = (row_tiles, triton.cdiv(col_tiles, tiles_per_program))
+    grid = (row_tiles, cdiv(col_tiles, tiles_per_program))
     if out is None:
         out = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x_MK.device)
     launch(
@@ -219,7 +219,7 @@ def _launch_cast(
     if columnwise_KM is None and x_MK.is_contiguous():
         x_MK, rowwise_MK, tiles = x_MK.view(1, -1), rowwise_MK.view(1, -1), CAST_ROWWISE_TILES
     M, K = x_MK.shape
-    programs = triton.cdiv(M, tiles.tile_m) * triton.cdiv(K, tiles.tile_k)
+    programs = cdiv(M, tiles.tile_m) * cdiv(K, tiles.tile_k)
     mode = _DELAYED if history is not None else _CURRENT if amax is not None else _GIVEN
     if mode == _DELAYED:
         amax_out = torch.empty(programs, dtype=torch.float32, device=x_MK.device) if amax is None else None
@@ -390,7 +390,7 @@ def _dequantize_fp8(data_MK: torch.Tensor, scale_inv: torch.Tensor, out_MK: torc
     n = data_MK.numel()
     launch(
         _dequantize_fp8_kernel,
-        (triton.cdiv(n, DEQUANTIZE_BLOCK),),
+        (cdiv(n, DEQUANTIZE_BLOCK),),
         data_MK,
         scale_inv,
         out_MK,
@@ -420,7 +420,7 @@ def _transpose_bytes(data_MK: torch.Tensor, out_KM: torch.Tensor) -> None:
     tiles = TRANSPOSE_TILES
     launch(
         _transpose_bytes_kernel,
-        (triton.cdiv(M, tiles.tile_m) * triton.cdiv(K, tiles.tile_k),),
+        (cdiv(M, tiles.tile_m) * cdiv(K, tiles.tile_k),),
         data_MK,
         out_KM,
         M,

@@ -28,15 +28,24 @@ _compiled: dict[tuple[Any, ...], Any] = {}
 
 def _specialization(value: object) -> object:
     """What Triton's specialization (and so its compiled kernel) may depend on in an argument."""
+    kind = type(value)
+    if kind is int:
+        return value == 1, value & 15 == 0, -(2**31) <= value < 2**31
+    if kind is float or kind is bool or value is None:
+        return value if kind is not float else float
     if isinstance(value, torch.Tensor):
-        return value.dtype, value.data_ptr() % 16 == 0
-    if isinstance(value, bool) or value is None:
-        return value
-    if isinstance(value, int):
-        return value == 1, value % 16 == 0, -(2**31) <= value < 2**31
-    if isinstance(value, float):
-        return float
+        return value.dtype, value.data_ptr() & 15 == 0
     return value  # constexpr values: dtypes, strings, ...
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for the host (`triton.cdiv` is a constexpr function: slower off the GPU)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1), for the host."""
+    return 1 << (n - 1).bit_length()
 
 
 def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
@@ -46,16 +55,15 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any
     if _INTERPRETED:
         kernel[grid](*args, **kwargs)
         return
-    names = kernel.arg_names
-    values = list(args) + [kwargs[name] for name in names[len(args) :]]
-    options = tuple(sorted((name, value) for name, value in kwargs.items() if name not in names))
     device = driver.active.get_current_device()
-    key = (id(kernel), device, options, *map(_specialization, values))  # kernels are module globals
+    # kwargs (constexprs and options) are constants of each call site: keyed by value, in order.
+    key = (id(kernel), device, *kwargs.items(), *map(_specialization, args))  # kernels are module globals
     compiled = _compiled.get(key)
     if compiled is None:
         compiled = kernel[grid](*args, **kwargs)
         _compiled[key] = compiled
         return
+    values = [*args, *(kwargs[name] for name in kernel.arg_names[len(args) :])]
     stream = driver.active.get_current_stream(device)
     grid_1 = grid[1] if len(grid) > 1 else 1
     grid_2 = grid[2] if len(grid) > 2 else 1

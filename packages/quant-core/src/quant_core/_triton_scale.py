@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from quant_core._backend import register_kernel
-from quant_core._triton_launch import launch
+from quant_core._triton_launch import cdiv, launch, next_power_of_2
 
 # Elements of amax per program of `fp8_scale` (one program for the usual single amax).
 _SCALE_BLOCK = 128
@@ -46,7 +46,7 @@ def _fp8_scale(
     n = amax.numel()
     launch(
         _fp8_scale_kernel,
-        (triton.cdiv(n, _SCALE_BLOCK),),
+        (cdiv(n, _SCALE_BLOCK),),
         amax,
         scale,
         scale_inv,
@@ -138,4 +138,4 @@ def _delayed_fp8_scale(
 
 def history_block(length: int) -> int:
     """The BLOCK of `history_amax` / `push_amax` for a history of `length` entries."""
-    return max(triton.next_power_of_2(length), 16)
+    return max(next_power_of_2(length), 16)
