@@ -4,9 +4,10 @@
 the compiled kernel's cache key on every launch: tens of microseconds of Python per launch on an
 H100 VM's host, more than the GPU time of a quantize at the sizes of a training step's Linear
 layers (docs/benchmarks.md, issue #14). `launch` keys its own cache of compiled kernels on what
-Triton specializes on (per tensor: dtype and 16-byte alignment; per int: == 1, divisibility by
-16, 32-bit range; bools, None and constexpr values by value; the launch options; the current
-device), a superset of Triton's key, so a hit always finds the kernel Triton itself would run.
+Triton specializes on (per positional tensor: dtype and 16-byte alignment; per positional int:
+== 1, divisibility by 16, 32-bit range; bools and None by value; the constexprs, which must be
+passed by keyword, and the launch options by value; the current device), a superset of Triton's
+key, so a hit always finds the kernel Triton itself would run.
 A miss launches through Triton's normal path, which compiles if needed, and remembers the
 compiled kernel; a hit calls the compiled kernel's launcher directly (the call Triton 3.6-3.9
 make at the end of `JITFunction.run`). Under TRITON_INTERPRET=1 every launch takes the normal path.
@@ -60,6 +61,9 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any
     key = (id(kernel), device, *kwargs.items(), *map(_specialization, args))  # kernels are module globals
     compiled = _compiled.get(key)
     if compiled is None:
+        if any(param.is_constexpr for param in kernel.params[: len(args)]):
+            # Positional args are keyed by their specialization, which a constexpr's value exceeds.
+            raise TypeError(f"pass the constexpr parameters of {kernel.__name__} by keyword")
         compiled = kernel[grid](*args, **kwargs)
         _compiled[key] = compiled
         return
