@@ -24,6 +24,7 @@ from quant_core import _triton_blocks, _triton_fp8, _triton_nvfp4  # noqa: F401 
 from quant_core._adam import AdamScalars
 from quant_core._backend import register_kernel
 from quant_core._checks import FLOAT_DTYPES
+from quant_core._triton_launch import cdiv, launch
 from quant_core._triton_numerics import finite_abs
 
 _CHUNK = 16384  # elements per program: BLOCK-sized steps over one chunk of one tensor
@@ -37,7 +38,7 @@ def _chunk_table(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
     key = (numels, device)
     table = _chunk_tables.get(key)
     if table is None:
-        rows = [(t, c) for t, n in enumerate(numels) for c in range(triton.cdiv(n, _CHUNK))]
+        rows = [(t, c) for t, n in enumerate(numels) for c in range(cdiv(n, _CHUNK))]
         table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 2).to(device)
         if len(_chunk_tables) > 64:  # shapes of one model: a handful of keys; bound it anyway
             _chunk_tables.clear()
@@ -132,7 +133,9 @@ def _adam_step(
     if len(chunks) == 0:
         return amax
     decay = _DECOUPLED if scalars.decay != 1.0 else _L2 if scalars.weight_decay != 0.0 else _NO_DECAY
-    _adam_kernel[(len(chunks),)](
+    launch(
+        _adam_kernel,
+        (len(chunks),),
         _pointer_table(params, grads, exp_avgs, exp_avg_sqs),
         chunks,
         amax if amax is not None else chunks,  # never touched without AMAX
@@ -183,7 +186,9 @@ def _has_non_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     for same in by_dtype.values():
         numels = tuple(t.numel() for t in same)
         chunks = _chunk_table(numels, found.device)
-        _non_finite_kernel[(len(chunks),)](
+        launch(
+            _non_finite_kernel,
+            (len(chunks),),
             _pointer_table(same),
             chunks,
             found,
@@ -234,5 +239,7 @@ def _amax_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     rows = [[t.data_ptr(), t.numel(), FLOAT_DTYPES.index(t.dtype)] for t in flat]
     pointers = torch.tensor(rows, dtype=torch.int64).to(device)
     # Nothing to fuse (abs and max only); stated because Triton 3.9 warns when it is left unset.
-    _amax_many_kernel[(len(chunks),)](pointers, chunks, amax, CHUNK=_CHUNK, BLOCK=_BLOCK, enable_fp_fusion=False)
+    launch(
+        _amax_many_kernel, (len(chunks),), pointers, chunks, amax, CHUNK=_CHUNK, BLOCK=_BLOCK, enable_fp_fusion=False
+    )
     return amax
