@@ -1,10 +1,17 @@
-"""The Triton kernels of NVFP4 equal the reference bit for bit (CUDA only): quantize (1 x 16 and
-16 x 16, stochastic rounding), dequantize, the nibble transpose and the Hadamard transform.
+"""The Triton kernels of NVFP4 equal the reference bit for bit (CUDA): quantize (1 x 16 and
+16 x 16, stochastic rounding), dequantize, the nibble transpose and the Hadamard transform, every
+kernel variant of `_triton_nvfp4`. On machines without a GPU, Triton's CPU interpreter checks the
+indexing of the register-blocks quantize and the pairs dequantize kernels.
 
 References run on CPU copies of the inputs (see test_triton_fp8.py for why).
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -12,10 +19,10 @@ import torch
 import quant_core
 from quant_core.testing import FLOAT_DTYPES, adversarial
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu-suite.sh)"),
-]
+pytest.importorskip("triton")
+from quant_core import _triton_nvfp4  # after the skip: imports Triton
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu-suite.sh)")
 
 CUDA = torch.device("cuda")
 FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv", "amax")
@@ -44,11 +51,15 @@ def assert_bitwise(got: torch.Tensor | None, want: torch.Tensor | None, what: st
         assert torch.equal(got.cpu().view(width), want.cpu().view(width)), what
 
 
+@pytest.mark.cuda
+@needs_cuda
 @pytest.mark.parametrize("op", ["quantize_nvfp4", "dequantize_nvfp4", "transpose_nvfp4", "hadamard_transform_16"])
 def test_triton_runs_every_nvfp4_op(op):
     assert quant_core.selected_backend(op, CUDA) == "triton"
 
 
+@pytest.mark.cuda
+@needs_cuda
 @pytest.mark.parametrize("block_shape", [(1, 16), (16, 16)])
 @pytest.mark.parametrize("stochastic_rounding", [False, True])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
@@ -76,6 +87,8 @@ def test_quantize_and_dequantize_equal_reference(block_shape, stochastic_roundin
                 assert_bitwise(got, expected, f"{shape} {out_dtype}")
 
 
+@pytest.mark.cuda
+@needs_cuda
 def test_stochastic_rounding_takes_the_seed_as_int_or_tensor():
     x = torch.randn(64, 128, device=CUDA)
     by_int = quant_core.quantize_nvfp4(x, stochastic_rounding=True, seed=7)
@@ -85,6 +98,8 @@ def test_stochastic_rounding_takes_the_seed_as_int_or_tensor():
     assert not torch.equal(by_int.rowwise_data, other.rowwise_data)
 
 
+@pytest.mark.cuda
+@needs_cuda
 def test_given_global_amax_is_used():
     x = adversarial((64, 96), torch.bfloat16, seed=9)
     global_amax = torch.tensor(1.0e6)
@@ -94,6 +109,8 @@ def test_given_global_amax_is_used():
         assert_bitwise(getattr(got, field), getattr(want, field), field)
 
 
+@pytest.mark.cuda
+@needs_cuda
 @pytest.mark.parametrize("shape", [(2, 16), (34, 50), (130, 258), (256, 384)])
 def test_transpose_equals_columnwise(shape):
     x = adversarial(shape, torch.bfloat16, seed=sum(shape)).to(CUDA)
@@ -103,6 +120,8 @@ def test_transpose_equals_columnwise(shape):
     assert_bitwise(scale_t, q.columnwise_scale_inv, "scale_inv")
 
 
+@pytest.mark.cuda
+@needs_cuda
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_hadamard_equals_reference(dtype):
     inputs = [
@@ -115,3 +134,140 @@ def test_hadamard_equals_reference(dtype):
             got = quant_core.hadamard_transform_16(x, seed=seed)
             want = quant_core.hadamard_transform_16_reference(x.cpu(), seed=seed)
             assert_bitwise(got, want, f"{tuple(x.shape)} {x.stride()} seed {seed}")
+
+
+# ---- kernel variants ([Note: NVFP4 register blocks]) ------------------------------------------------
+
+SEED = 2**63 + 12345
+TIES = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.0, 0.0, -5.0, 4.0, 1e-30, -2.5, 3.0]
+
+
+def quantize_with(
+    variant: str, tiles: object, x_MK: torch.Tensor, block_rows: int, stochastic: bool, columnwise: bool
+) -> tuple[torch.Tensor | None, ...]:
+    """Runs one quantize kernel variant (rowwise, and columnwise if asked) on fresh buffers, with
+    global amax 2688 (tensor scale 1, so the E2M1 ties planted by `with_ties` stay ties)."""
+    M, K = x_MK.shape
+    Mb, Kb = -(-M // 16), -(-K // 16)
+    device = x_MK.device
+    out = (
+        torch.zeros(M, K // 2, dtype=torch.uint8, device=device),
+        torch.zeros(-(-M // block_rows), Kb, dtype=torch.uint8, device=device),
+        torch.zeros(K, M // 2, dtype=torch.uint8, device=device) if columnwise else None,
+        torch.zeros(Kb if block_rows > 1 else K, Mb, dtype=torch.uint8, device=device) if columnwise else None,
+    )
+    S = quant_core.nvfp4_tensor_scale(torch.tensor(2688.0, device=device))
+    _triton_nvfp4.launch_quantize(x_MK, block_rows, S, stochastic, SEED, out, variant, tiles)
+    return out
+
+
+def reference_of(
+    x_MK: torch.Tensor, block_rows: int, stochastic: bool, columnwise: bool
+) -> tuple[torch.Tensor | None, ...]:
+    """`quantize_with`'s bytes from the reference."""
+    want = quant_core.quantize_nvfp4_reference(
+        x_MK.cpu(),
+        (block_rows, 16),
+        global_amax=torch.tensor(2688.0),
+        columnwise=columnwise,
+        stochastic_rounding=stochastic,
+        seed=SEED,
+    )
+    fields = (want.rowwise_data, want.rowwise_scale_inv, want.columnwise_data, want.columnwise_scale_inv)
+    return tuple(None if f is None else f.view(torch.uint8) for f in fields)
+
+
+def with_ties(x: torch.Tensor) -> torch.Tensor:
+    """x with a 1 x 16 and a 16 x 1 block of exact E2M1 ties (block amax 6: s = 1, enc = 1)."""
+    x = x.clone()
+    x[1, 16:32] = torch.tensor(TIES, dtype=x.dtype)
+    x[:16, 40] = torch.tensor(TIES, dtype=x.dtype)
+    return x
+
+
+# Run in a fresh process: TRITON_INTERPRET is read when kernels are defined. The interpreter checks
+# indexing (fp32 inputs: it flushes bf16 subnormals), in 2 x 2 programs with partial tiles.
+_INTERPRETED = """
+import sys
+import torch
+sys.path.insert(0, {tests!r})
+from test_triton_nvfp4 import quantize_with, reference_of, with_ties
+import quant_core
+from quant_core import _triton_nvfp4 as kernels
+from quant_core.testing import adversarial
+
+x = with_ties(adversarial((34, 50), torch.float32, seed=1))
+views = [x, x.t()[:, :34], x[::2, 1::2][:, :24]]  # transposed (stride_k 50), strided with odd M
+cases = [(1, False), (1, True), (16, False), (16, True)]
+runs = [(view, case, kernels.BlockTiles(32, 32, 2, 8)) for view in views for case in cases]
+runs += [(x, case, kernels.BlockTiles(16, 16, 1, 2)) for case in cases[1:3]]  # T = 2: H = 8
+for view, (block_rows, stochastic), tiles in runs:
+    columnwise = view.shape[0] % 2 == 0
+    got = quantize_with("register_blocks", tiles, view, block_rows, stochastic, columnwise)
+    want = reference_of(view, block_rows, stochastic, columnwise)
+    for g, w in zip(got, want):
+        assert g is None or torch.equal(g, w.reshape(g.shape)), (tuple(view.shape), block_rows, stochastic, tiles)
+amax = torch.tensor(3.0e3)
+for block_rows, dtype in [(1, torch.float32), (16, torch.bfloat16), (1, torch.float16)]:
+    q = quant_core.quantize_nvfp4_reference(x, (block_rows, 16), global_amax=amax)
+    q.rowwise_scale_inv.view(torch.uint8)[0, 1] = 0x7F  # a NaN scale
+    want = quant_core.dequantize_nvfp4_reference(q.rowwise_data, q.rowwise_scale_inv, amax, (block_rows, 16), dtype)
+    got = torch.empty(want.shape, dtype=dtype)
+    S = quant_core.nvfp4_tensor_scale(amax)
+    kernels.launch_dequantize(q.rowwise_data, q.rowwise_scale_inv, block_rows, S, got, "pairs", kernels.Tiles(16, 32, 2))
+    width = {{4: torch.int32, 2: torch.int16}}[got.element_size()]
+    assert torch.equal(got.view(width), want.view(width)), (block_rows, dtype)
+"""
+
+
+def test_new_kernels_index_like_the_reference_in_the_triton_interpreter():
+    environment = {**os.environ, "TRITON_INTERPRET": "1"}
+    code = textwrap.dedent(_INTERPRETED).format(tests=os.path.dirname(__file__))
+    run = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize(
+    ("variant", "tiles"),
+    [
+        ("original", _triton_nvfp4.QUANTIZE_TILES),
+        ("register_blocks", _triton_nvfp4.BlockTiles(32, 32, 2, 8)),
+        ("register_blocks", _triton_nvfp4.BlockTiles(64, 64, 4, 4)),
+        ("register_blocks", _triton_nvfp4.BlockTiles(128, 128, 8, 8)),
+    ],
+)
+@pytest.mark.parametrize("block_rows", [1, 16])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_every_quantize_variant_equals_reference(variant, tiles, block_rows, stochastic):
+    for shape in [(34, 50), (130, 258)]:
+        for dtype in FLOAT_DTYPES:
+            x = with_ties(adversarial(shape, dtype, seed=sum(shape)))
+            for i, view in enumerate(views_of(x)):
+                columnwise = view.shape[0] % 2 == 0
+                got = quantize_with(variant, tiles, view, block_rows, stochastic, columnwise)
+                want = reference_of(view, block_rows, stochastic, columnwise)
+                for field, g, w in zip(FIELDS, got, want, strict=False):
+                    assert_bitwise(g, None if w is None else w.reshape(g.shape), f"{shape} {dtype} view {i} {field}")
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize(
+    ("variant", "tiles"), [("elementwise", _triton_nvfp4.DEQUANTIZE_TILES), ("pairs", _triton_nvfp4.Tiles(16, 32, 2))]
+)
+def test_every_dequantize_variant_equals_reference(variant, tiles):
+    amax = torch.tensor(3.0e3)
+    for shape, block_rows in [((34, 50), 1), ((130, 258), 16), ((1, 2), 1)]:
+        q = quant_core.quantize_nvfp4_reference(adversarial(shape, seed=2), (block_rows, 16), global_amax=amax)
+        q.rowwise_scale_inv.view(torch.uint8)[0, 0] = 0x7F  # a NaN scale
+        for dtype in FLOAT_DTYPES:
+            want = quant_core.dequantize_nvfp4_reference(
+                q.rowwise_data, q.rowwise_scale_inv, amax, (block_rows, 16), dtype
+            )
+            got = torch.empty(want.shape, dtype=dtype, device=CUDA)
+            data, scale = q.rowwise_data.to(CUDA), q.rowwise_scale_inv.to(CUDA)
+            S = quant_core.nvfp4_tensor_scale(amax.to(CUDA))
+            _triton_nvfp4.launch_dequantize(data, scale, block_rows, S, got, variant, tiles)
+            assert_bitwise(got, want, f"{shape} {dtype}")

@@ -6,12 +6,16 @@ quantizes one TILE_M x TILE_K tile (multiples of 16) and writes every usage from
 ([Note: block layouts] in `_blocks.py`). Codes are 4-bit E2M1 values held as int32 until packed
 two per byte along the last dim of their output (even element in the low nibble); `*_MB` holds
 one value per 1 x 16 run of a row, `*_BK` per 16 x 1 run of a column, `*_T` per 16 x 16 tile.
+The register-blocks kernel holds its tile as `*_TGHK` (T, G, H, TILE_K): element (t, g, h, k) is
+row 16 g + T h + t and column k of the tile ([Note: NVFP4 register blocks]).
 Stochastic rounding draws element i's bits from splitmix64(seed, i) with i = m * K + k for
 rowwise (and 16 x 16) codes and M * K + k * M + m for 1 x 16 columnwise codes
 ([Note: counter RNG]).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -34,8 +38,33 @@ from quant_core._triton_numerics import (
     store_values,
 )
 
-# Tuned on an H100 (docs/benchmarks.md, tile sweep at bf16 8192^2).
+
+@dataclass(frozen=True)
+class BlockTiles:
+    """Tile of `_quantize_nvfp4_register_blocks_kernel` ([Note: NVFP4 register blocks])."""
+
+    tile_m: int
+    """Rows of x per program (a multiple of 16)."""
+    tile_k: int
+    """Columns per program (a multiple of 16)."""
+    num_warps: int
+    """Warps per program."""
+    rows_per_thread: int
+    """T: the rows of each 16-row run that one thread holds (2, 4, 8 or 16)."""
+
+
+# Kernel choices, tuned on an H100: `python3 scripts/sweep_nvfp4.py` times every variant and tile
+# at bf16 8192^2 (docs/benchmarks.md). Quantize: "register_blocks" (the tiles below) or
+# "original" (`_quantize_nvfp4_kernel`, QUANTIZE_TILES); dequantize: "pairs"
+# (DEQUANTIZE_PAIRS_TILES) or "elementwise" (`_dequantize_nvfp4_kernel`, DEQUANTIZE_TILES).
+QUANTIZE_VARIANT = "register_blocks"
+QUANTIZE_1X16_TILES = BlockTiles(128, 64, 4, 8)  # 1 x 16 with columnwise
+QUANTIZE_ROWWISE_TILES = BlockTiles(128, 64, 4, 8)  # 1 x 16 rowwise only
+QUANTIZE_16X16_TILES = BlockTiles(128, 64, 4, 8)
+QUANTIZE_STOCHASTIC_TILES = BlockTiles(64, 64, 4, 4)
 QUANTIZE_TILES = Tiles(32, 64, 4)
+DEQUANTIZE_VARIANT = "pairs"
+DEQUANTIZE_PAIRS_TILES = Tiles(16, 256, 4)
 DEQUANTIZE_TILES = Tiles(8, 512, 4)
 TRANSPOSE_TILES = Tiles(128, 256, 8)
 HADAMARD_TILES = Tiles(16, 128, 4)
@@ -147,19 +176,229 @@ def _quantize_nvfp4_kernel(
             store_bytes(columnwise_scale_ptr, block_rows[:, None] + (cols * Mb)[None, :], s_BK, scale_mask_BK)
 
 
-@register_kernel("quantize_nvfp4", "triton")
-def _quantize_nvfp4(
+# [Note: NVFP4 register blocks] `_quantize_nvfp4_kernel` reshapes its tile into blocks and packs
+# pairs with reshape + split: the compiler moves much of the tile through shared memory, and each
+# 16 x 1 block, reduced across threads, is scaled and encoded again on every thread holding a copy.
+# This kernel loads its tile as 4-D (T, G, H, TILE_K), element (t, g, h, k) at row 16 g + T h + t:
+# Triton's default layout gives the contiguous k the 16-byte vectors and the first lanes, then H,
+# then G the other lanes and the warps, and leaves T in each thread's registers once
+# TILE_K / vector * H * G covers the program's threads. A thread then holds T rows of a 16-row
+# run (16 x 1 blocks reduce in registers plus log2(H) shuffles; the columnwise pairs are in its
+# registers) and half of each 1 x 16 block (one shuffle). E2M1 is encoded by a magic addition
+# ([Note: E2M1 by magic addition]), stochastic rounding by a floor and one integer compare.
+# Instructions per element in sm_90 SASS (Triton 3.9, division slow paths not counted), this
+# kernel at 128 x 64, T = 8 (stochastic: 64 x 64, T = 4) against the original at 32 x 64:
+# 1 x 16 both usages 45 / 127 (128 / 96 registers), 1 x 16 rowwise 25 / 50, 16 x 16 rowwise
+# 22 / 52, 16 x 16 both 24, stochastic 1 x 16 both 120 / 215. The original ran at 17% of copy
+# bandwidth on the H100 (1 x 16 both, 408 us at bf16 8192^2).
+
+
+@triton.jit
+def _sign_bits(v):
+    """The top four bits of fp32 v (the sign as bit 3), NaN read as +inf (IEEE minNum)."""
+    return tl.minimum(v, float("inf")).to(tl.int32, bitcast=True) >> 28
+
+
+@triton.jit
+def _encode_scaled(v, sign_mask):
+    """E2M1 codes (int32) of fp32 v = x * enc, exactly `encode_e2m1`'s, with the sign kept where
+    `sign_mask` is 8 (0 where the block's s is 0: its codes are all 0).
+
+    [Note: E2M1 by magic addition] a + 2^22 rounds a = |v| to a multiple of 0.5 (the spacing of
+    fp32 in [2^22, 2^23)), to nearest even, in one IEEE addition, so the low bits of the sum count
+    halves: codes 0-4 for a < 2. Likewise + 2^23 counts units for 2 <= a < 4 (codes 2 + count) and
+    + 2^24 counts twos above (codes 4 + count). a is clamped to 6 first (saturation), so the magic
+    number is 2^(22 + a's exponent), at least 2^22, and 2 * (its exponent field - 149) is the code
+    offset. Ties go to the even count, which is the even code, as `encode_e2m1`'s thresholds
+    (> 0.25, >= 0.75, ...) do. IEEE maxNum/minNum drop a NaN: max(|v|, 0) is 0 and min(v, inf) is
+    +inf, so NaN encodes as 0; -0 keeps its sign (code 0x8).
+    """
+    a = tl.minimum(tl.maximum(tl.abs(v), 0.0), 6.0)
+    magic = tl.maximum((a.to(tl.int32, bitcast=True) & 0x7F800000) + (22 << 23), 0x4A800000)
+    code = (a + magic.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - magic - 298 + (magic >> 22)
+    return code | (_sign_bits(v) & sign_mask)
+
+
+@triton.jit
+def _encode_stochastic(v, random24, sign_mask):
+    """`encode_e2m1_stochastic(v, random24)` with `_encode_scaled`'s sign mask, in fewer steps: with
+    the step 0.5, 1 or 2 of |v|'s range, |v| / step is exact, its floor counts the steps of the
+    lower neighbour (code = count + 0, 2 or 4) and the fraction above decides the rounding up."""
+    a = tl.minimum(tl.maximum(tl.abs(v), 0.0), 8.0)  # NaN -> 0; from 6 up every draw saturates
+    small = a < 2.0
+    middle = a < 4.0
+    steps = a * tl.where(small, 2.0, tl.where(middle, 1.0, 0.5))
+    lower = tl.floor(steps)
+    # random24 < fraction * 2^24, compared as integers (random24 < ceil(...)): no 64-bit conversion.
+    up = (random24 < tl.math.ceil((steps - lower) * 16777216.0).to(tl.int32)).to(tl.int32)
+    code = tl.minimum(lower.to(tl.int32) + tl.where(small, 0, tl.where(middle, 2, 4)) + up, 7)
+    return code | (_sign_bits(v) & sign_mask)
+
+
+@triton.jit
+def _rng_state(first_index, index_step, seed):
+    """splitmix64's first state (i + 1) * golden + seed of i = first_index + index_step, summed
+    from the broadcast operands' products (one per row, one per column)."""
+    golden: tl.constexpr = 0x9E3779B97F4A7C15
+    return ((first_index + 1).to(tl.uint64) * golden + seed) + index_step.to(tl.uint64) * golden
+
+
+@triton.jit
+def _random24(state):
+    """The top 24 bits of splitmix64 from its first state ([Note: counter RNG]); the final
+    xor-shift by 31 leaves bits 40-63 as they are, so it is skipped."""
+    z = (state ^ (state >> 30)) * 0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+    return (z >> 40).to(tl.int32)
+
+
+@triton.jit
+def _codes(x, enc, rng_state, STOCHASTIC: tl.constexpr):
+    """int32 E2M1 codes of x * enc, 0 where enc is 0 (the block's s is 0)."""
+    sign_mask = tl.where(enc > 0, 8, 0)
+    if STOCHASTIC:
+        codes = _encode_stochastic(x * enc, _random24(rng_state), sign_mask)
+    else:
+        codes = _encode_scaled(x * enc, sign_mask)
+    return codes
+
+
+@triton.jit
+def _store_rowwise(data_ptr, codes_TGHK, rows, tile_k, M, K):
+    """Stores one tile's codes, packed in pairs along K, into the rowwise (M, K/2) bytes."""
+    T: tl.constexpr = codes_TGHK.shape[0]
+    G: tl.constexpr = codes_TGHK.shape[1]
+    H: tl.constexpr = codes_TGHK.shape[2]
+    PAIRS: tl.constexpr = codes_TGHK.shape[3] // 2
+    even, odd = tl.split(tl.reshape(codes_TGHK, (T, G, H, PAIRS, 2)))
+    pair_cols = (tile_k * PAIRS + tl.arange(0, PAIRS))[None, None, None, :]
+    mask = (rows < M) & (pair_cols < K // 2)
+    tl.store(data_ptr + rows * (K // 2) + pair_cols, (even | (odd << 4)).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _store_columnwise(data_ptr, codes_TGHK, cols, tile_m, M, K):
+    """Stores one tile's codes, packed in pairs along M (rows t and t + 1 of a thread's T rows),
+    into the columnwise (K, M/2) bytes."""
+    T: tl.constexpr = codes_TGHK.shape[0]
+    G: tl.constexpr = codes_TGHK.shape[1]
+    H: tl.constexpr = codes_TGHK.shape[2]
+    TILE_K: tl.constexpr = codes_TGHK.shape[3]
+    even, odd = tl.split(tl.permute(tl.reshape(codes_TGHK, (T // 2, 2, G, H, TILE_K)), (0, 2, 3, 4, 1)))
+    pair_in_run = tl.arange(0, T // 2)[:, None, None, None] + (T // 2) * tl.arange(0, H)[None, None, :, None]
+    pair_rows = tile_m * (8 * G) + 8 * tl.arange(0, G)[None, :, None, None] + pair_in_run
+    mask = (pair_rows < M // 2) & (cols < K)
+    tl.store(data_ptr + cols * (M // 2) + pair_rows, (even | (odd << 4)).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _quantize_nvfp4_register_blocks_kernel(
+    x_ptr,
+    M,
+    K,
+    stride_m,
+    stride_k,
+    tensor_scale_ptr,
+    seed_ptr,
+    rowwise_ptr,
+    rowwise_scale_ptr,
+    columnwise_ptr,
+    columnwise_scale_ptr,
+    ROWWISE: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    TWO_D: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    TILE_M: tl.constexpr,
+    TILE_K: tl.constexpr,
+    ROWS_PER_THREAD: tl.constexpr,
+    HARDWARE: tl.constexpr,
+):
+    """`_quantize_nvfp4_kernel`'s contract, the tile held as (T, G, H, TILE_K) ([Note: NVFP4 register blocks])."""
+    T: tl.constexpr = ROWS_PER_THREAD
+    H: tl.constexpr = 16 // ROWS_PER_THREAD
+    G: tl.constexpr = TILE_M // 16
+    B: tl.constexpr = TILE_K // 16
+    col_tiles = tl.cdiv(K, TILE_K)
+    tile_m = tl.program_id(0) // col_tiles
+    tile_k = tl.program_id(0) % col_tiles
+    run_starts = 16 * tl.arange(0, G)[None, :, None, None] + T * tl.arange(0, H)[None, None, :, None]
+    rows = (tile_m * TILE_M + run_starts + tl.arange(0, T)[:, None, None, None]).to(tl.int64)  # (T, G, H, 1)
+    cols = (tile_k * TILE_K + tl.arange(0, TILE_K)).to(tl.int64)[None, None, None, :]  # (1, 1, 1, K)
+    x = tl.load(x_ptr + rows * stride_m + cols * stride_k, mask=(rows < M) & (cols < K), other=0.0)
+    x = x.to(tl.float32)
+    magnitude = finite_abs(x)
+    S = tl.load(tensor_scale_ptr)
+    seed = tl.load(seed_ptr).to(tl.uint64, bitcast=True) if STOCHASTIC else 0
+    Mb = tl.cdiv(M, 16)
+    Kb = tl.cdiv(K, 16)
+    block_rows = tile_m * G + tl.arange(0, G)[:, None]  # (G, 1)
+    block_cols = tile_k * B + tl.arange(0, B)[None, :]  # (1, B)
+    rowwise_state = tl.reshape(_rng_state(rows * K, cols, seed), (T, G, H, B, 16)) if STOCHASTIC else 0
+    if TWO_D:
+        amax_T = tl.max(tl.max(tl.max(tl.reshape(magnitude, (T, G, H, B, 16)), axis=4), axis=0), axis=1)  # (G, B)
+        enc_T, s_T = _nvfp4_scale(amax_T, S, HARDWARE)
+        enc = tl.broadcast_to(enc_T[None, :, None, :], (T, G, H, B))[:, :, :, :, None]
+        codes = tl.reshape(_codes(tl.reshape(x, (T, G, H, B, 16)), enc, rowwise_state, STOCHASTIC), (T, G, H, TILE_K))
+        scale_mask_T = (block_rows < Mb) & (block_cols < Kb)
+        if ROWWISE:
+            _store_rowwise(rowwise_ptr, codes, rows, tile_k, M, K)
+            store_bytes(rowwise_scale_ptr, block_rows * Kb + block_cols, s_T, scale_mask_T)
+        if COLUMNWISE:
+            # Columnwise 16 x 16 is the transpose of rowwise, codes and scales.
+            _store_columnwise(columnwise_ptr, codes, cols, tile_m, M, K)
+            store_bytes(columnwise_scale_ptr, block_rows + block_cols * Mb, s_T, scale_mask_T)
+    else:
+        # Both amaxes before any code, so the magnitudes die early (registers).
+        if ROWWISE:
+            amax_rows = tl.max(tl.reshape(magnitude, (T, G, H, B, 16)), axis=4)  # (T, G, H, B)
+        if COLUMNWISE:
+            amax_cols = tl.max(tl.max(magnitude, axis=0), axis=1)  # (G, K)
+        if ROWWISE:
+            enc_rows, s_rows = _nvfp4_scale(amax_rows, S, HARDWARE)
+            codes = _codes(tl.reshape(x, (T, G, H, B, 16)), enc_rows[:, :, :, :, None], rowwise_state, STOCHASTIC)
+            _store_rowwise(rowwise_ptr, tl.reshape(codes, (T, G, H, TILE_K)), rows, tile_k, M, K)
+            blocks_K = block_cols[None, :, :]
+            store_bytes(rowwise_scale_ptr, rows * Kb + blocks_K, s_rows, (rows < M) & (blocks_K < Kb))
+        if COLUMNWISE:
+            enc_cols, s_cols = _nvfp4_scale(amax_cols, S, HARDWARE)
+            # Columnwise counters continue after x's M * K elements, in x^T's row-major order.
+            state = _rng_state(tl.cast(M, tl.int64) * K + cols * M, rows, seed) if STOCHASTIC else 0
+            codes = _codes(x, enc_cols[None, :, None, :], state, STOCHASTIC)
+            _store_columnwise(columnwise_ptr, codes, cols, tile_m, M, K)
+            cols_K = tl.reshape(cols, (1, TILE_K))
+            store_bytes(columnwise_scale_ptr, cols_K * Mb + block_rows, s_cols, (block_rows < Mb) & (cols_K < K))
+
+
+def quantize_tiles(block_rows: int, stochastic_rounding: bool, columnwise: bool) -> BlockTiles:
+    """The register-blocks kernel's tile for one quantization (the module constants)."""
+    if stochastic_rounding:
+        return QUANTIZE_STOCHASTIC_TILES
+    if block_rows > 1:
+        return QUANTIZE_16X16_TILES
+    return QUANTIZE_1X16_TILES if columnwise else QUANTIZE_ROWWISE_TILES
+
+
+def launch_quantize(
     x_MK: torch.Tensor,
     block_rows: int,
     tensor_scale: torch.Tensor,
     stochastic_rounding: bool,
     seed: int | torch.Tensor,
-    *buffers: torch.Tensor | None,
+    buffers: tuple[torch.Tensor | None, ...],
+    variant: str,
+    tiles: BlockTiles | Tiles,
 ) -> None:
+    """Runs quantize kernel `variant`: "register_blocks" (BlockTiles) or "original" (Tiles)."""
     rowwise, rowwise_scale, columnwise, columnwise_scale = buffers
     M, K = x_MK.shape
-    tiles = QUANTIZE_TILES
-    _quantize_nvfp4_kernel[(triton.cdiv(M, tiles.tile_m) * triton.cdiv(K, tiles.tile_k),)](
+    if variant == "register_blocks":
+        assert isinstance(tiles, BlockTiles), tiles
+        kernel, extra = _quantize_nvfp4_register_blocks_kernel, {"ROWS_PER_THREAD": tiles.rows_per_thread}
+    else:
+        assert variant == "original", variant
+        assert isinstance(tiles, Tiles), tiles
+        kernel, extra = _quantize_nvfp4_kernel, {}
+    kernel[(triton.cdiv(M, tiles.tile_m) * triton.cdiv(K, tiles.tile_k),)](
         x_MK,
         M,
         K,
@@ -178,8 +417,25 @@ def _quantize_nvfp4(
         TILE_K=tiles.tile_k,
         HARDWARE=HARDWARE_FP8,
         num_warps=tiles.num_warps,
+        **extra,
         **EXACT,
     )
+
+
+@register_kernel("quantize_nvfp4", "triton")
+def _quantize_nvfp4(
+    x_MK: torch.Tensor,
+    block_rows: int,
+    tensor_scale: torch.Tensor,
+    stochastic_rounding: bool,
+    seed: int | torch.Tensor,
+    *buffers: torch.Tensor | None,
+) -> None:
+    if QUANTIZE_VARIANT == "original":
+        tiles: BlockTiles | Tiles = QUANTIZE_TILES
+    else:
+        tiles = quantize_tiles(block_rows, stochastic_rounding, buffers[2] is not None)
+    launch_quantize(x_MK, block_rows, tensor_scale, stochastic_rounding, seed, buffers, QUANTIZE_VARIANT, tiles)
 
 
 @triton.jit
@@ -222,13 +478,65 @@ def _dequantize_nvfp4_kernel(
     store_values(out_ptr, (rows * C)[:, None] + cols[None, :], _decode_e2m1(codes) * factor, mask)
 
 
-@register_kernel("dequantize_nvfp4", "triton")
-def _dequantize_nvfp4(
-    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, tensor_scale: torch.Tensor, out_2d: torch.Tensor
+@triton.jit
+def _decode_nibbles(codes):
+    """fp32 values of the E2M1 codes in the low nibbles of int32 `codes`: the magnitude bits m
+    shifted to bit 22 read as fp32 are the value times 2^-126 (m = 1: the subnormal 2^-127;
+    m >= 2: (1 + (m & 1) / 2) * 2^(m // 2 - 127)), so one exact product with 2^126 decodes them."""
+    bits = ((codes & 0x7) << 22) | ((codes & 0x8) << 28)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37
+
+
+@triton.jit
+def _dequantize_nvfp4_pairs_kernel(
+    data_ptr,
+    scale_ptr,
+    tensor_scale_ptr,
+    out_ptr,
+    R,
+    C,
+    BLOCK_ROWS: tl.constexpr,
+    TILE_R: tl.constexpr,
+    TILE_C: tl.constexpr,
+    HARDWARE: tl.constexpr,
+):
+    """`_dequantize_nvfp4_kernel`'s contract, each byte read once: the tile's bytes are loaded as
+    (TILE_R, TILE_C / 8, 4), so a thread's 4 bytes decode to 8 consecutive outputs (one 16-byte
+    bf16 store, no layout conversion), with the scale of their half block; the values of the low
+    and high nibbles are joined into the (TILE_R, TILE_C) output."""
+    G: tl.constexpr = TILE_C // 8
+    col_tiles = tl.cdiv(C, TILE_C)
+    tile_r = tl.program_id(0) // col_tiles
+    tile_c = tl.program_id(0) % col_tiles
+    rows = (tile_r * TILE_R + tl.arange(0, TILE_R)).to(tl.int64)[:, None, None]
+    groups = tile_c * G + tl.arange(0, G)[None, :, None]
+    byte_cols = 4 * groups + tl.arange(0, 4)[None, None, :]
+    packed = tl.load(data_ptr + rows * (C // 2) + byte_cols, mask=(rows < R) & (byte_cols < C // 2), other=0)
+    Cb = tl.cdiv(C, 16)
+    blocks = groups // 2
+    stored = as_bytes(tl.load(scale_ptr + (rows // BLOCK_ROWS) * Cb + blocks, mask=(rows < R) & (blocks < Cb)))
+    factor = tl.div_rn(decode_fp8(stored, True, HARDWARE), tl.load(tensor_scale_ptr))
+    codes = packed.to(tl.int32)
+    values = tl.join(_decode_nibbles(codes) * factor, _decode_nibbles(codes >> 4) * factor)
+    rows_R = tl.reshape(rows, (TILE_R, 1))
+    cols = tile_c * TILE_C + tl.arange(0, TILE_C)[None, :]
+    store_values(out_ptr, rows_R * C + cols, tl.reshape(values, (TILE_R, TILE_C)), (rows_R < R) & (cols < C))
+
+
+def launch_dequantize(
+    data_2d: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block_rows: int,
+    tensor_scale: torch.Tensor,
+    out_2d: torch.Tensor,
+    variant: str,
+    tiles: Tiles,
 ) -> None:
+    """Runs dequantize kernel `variant`: "pairs" or "elementwise"."""
+    assert variant in ("pairs", "elementwise"), variant
     R, C = out_2d.shape
-    tiles = DEQUANTIZE_TILES
-    _dequantize_nvfp4_kernel[(triton.cdiv(R, tiles.tile_m) * triton.cdiv(C, tiles.tile_k),)](
+    kernel = _dequantize_nvfp4_pairs_kernel if variant == "pairs" else _dequantize_nvfp4_kernel
+    kernel[(triton.cdiv(R, tiles.tile_m) * triton.cdiv(C, tiles.tile_k),)](
         data_2d,
         scale_inv,
         tensor_scale,
@@ -242,6 +550,14 @@ def _dequantize_nvfp4(
         num_warps=tiles.num_warps,
         **EXACT,
     )
+
+
+@register_kernel("dequantize_nvfp4", "triton")
+def _dequantize_nvfp4(
+    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, tensor_scale: torch.Tensor, out_2d: torch.Tensor
+) -> None:
+    tiles = DEQUANTIZE_PAIRS_TILES if DEQUANTIZE_VARIANT == "pairs" else DEQUANTIZE_TILES
+    launch_dequantize(data_2d, scale_inv, block_rows, tensor_scale, out_2d, DEQUANTIZE_VARIANT, tiles)
 
 
 @triton.jit

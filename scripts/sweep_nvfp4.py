@@ -1,0 +1,262 @@
+"""Times every NVFP4 quantize/dequantize kernel variant and tile of `quant_core._triton_nvfp4` on the
+GPU machine, checks their bytes, and names the fastest per case (issue #15; meant to take < 3 min on an H100).
+
+    python3 scripts/sweep_nvfp4.py [CASE ...]   # cases: 1x16-both 1x16-both-sr 1x16-rowwise
+                                                 #        16x16-rowwise 16x16-both dequantize
+
+bf16 8192 x 8192 input, global amax precomputed, buffers preallocated: each timing is the kernel
+launch alone (`triton.testing.do_bench`, median). GB/s counts the least traffic (input read once,
+packed codes and E4M3 scales written once; dequantize: codes and scales read, bf16 written) and
+% copy compares it with a device-to-device copy timed in the same run. Checks: every variant and
+tile equals the CPU reference bytewise on a 1008 x 1520 input (partial tiles) with ties, specials
+and subnormals (dequantize: fp32/bf16/fp16 outputs, 1 x 16 and 16 x 16 scales, a NaN scale), and
+equals the original kernel bytewise at full size. The winners go into the module constants.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.testing import do_bench
+
+import quant_core
+from quant_core import _triton_nvfp4 as kernels
+from quant_core._triton_numerics import Tiles
+from quant_core.testing import adversarial
+
+BlockTiles = kernels.BlockTiles
+CUDA = torch.device("cuda")
+SIZE = (8192, 8192)
+# Partial tiles both ways; multiples of 16 like SIZE, so no kernel compiles twice (partial blocks:
+# tests/test_triton_nvfp4.py).
+CHECK_SIZE = (1008, 1520)
+SEED = 2**63 + 12345
+CHECK_AMAX = 2688.0  # tensor scale 448 * 6 / 2688 = 1: tie rows stay ties
+# Tiles of the register-blocks kernel: TILE_K / 8 * (16 / T) * (TILE_M / 16) >= 32 * warps keeps
+# each thread's T rows in registers (bf16, 16-byte vectors); all compile without spills on sm_90.
+BLOCK_TILES = [
+    BlockTiles(128, 64, 4, 8),
+    BlockTiles(64, 128, 4, 8),
+    BlockTiles(128, 128, 8, 8),
+    BlockTiles(256, 64, 8, 8),
+    BlockTiles(64, 64, 2, 8),
+    BlockTiles(64, 64, 4, 4),
+    BlockTiles(128, 64, 8, 4),
+]
+STOCHASTIC_TILES = [BlockTiles(64, 64, 4, 4), BlockTiles(128, 64, 8, 4), BlockTiles(32, 64, 2, 4)]
+DEQUANTIZE_TILES = [Tiles(16, 256, 4), Tiles(8, 512, 4), Tiles(32, 256, 8), Tiles(16, 512, 8), Tiles(32, 128, 4)]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    block_rows: int
+    rowwise: bool
+    columnwise: bool
+    stochastic: bool
+    tiles: list[BlockTiles]
+
+
+CASES = [
+    Case("1x16-both", 1, True, True, False, BLOCK_TILES),
+    Case("1x16-both-sr", 1, True, True, True, STOCHASTIC_TILES),
+    Case("1x16-rowwise", 1, True, False, False, BLOCK_TILES),
+    Case("16x16-rowwise", 16, True, False, False, BLOCK_TILES),
+    Case("16x16-both", 16, True, True, False, BLOCK_TILES),
+]
+
+
+def check_input(dtype: torch.dtype) -> torch.Tensor:
+    """Adversarial values plus 1 x 16 blocks of exact E2M1 ties (with CHECK_AMAX, a block amax of 6
+    gives s = 1 and enc = 1) and of bf16 subnormals."""
+    x = adversarial(CHECK_SIZE, torch.float32, seed=7)
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.0, 0.0, -5.0, 4.0, 1e-30, -2.5, 3.0]
+    x[0, :32] = torch.tensor(ties + [-t for t in ties])
+    x[:16, 32] = torch.tensor(ties)  # a 16 x 1 block of ties
+    x[1, :16] = torch.tensor([6.0 * 2.0**-126] + [2.0**-133 * k for k in range(1, 16)])
+    return x.to(dtype)
+
+
+def buffers(shape: tuple[int, int], case: Case) -> tuple[torch.Tensor | None, ...]:
+    M, K = shape
+    Mb, Kb = -(-M // 16), -(-K // 16)
+    e4m3 = torch.float8_e4m3fn
+
+    def zeros(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(rows, cols, dtype=dtype, device=CUDA)
+
+    two_d = case.block_rows > 1
+    return (
+        zeros(M, K // 2, torch.uint8) if case.rowwise else None,
+        zeros(Mb if two_d else M, Kb, e4m3) if case.rowwise else None,
+        zeros(K, M // 2, torch.uint8) if case.columnwise else None,
+        zeros(Kb if two_d else K, Mb, e4m3) if case.columnwise else None,
+    )
+
+
+def run_quantize(case: Case, x: torch.Tensor, S: torch.Tensor, variant: str, tiles: object) -> tuple[object, ...]:
+    out = buffers(tuple(x.shape), case)
+    kernels.launch_quantize(x, case.block_rows, S, case.stochastic, SEED, out, variant, tiles)
+    return out
+
+
+def same_bytes(got: tuple[torch.Tensor | None, ...], want: tuple[torch.Tensor | None, ...]) -> bool:
+    """Whether every buffer holds the same bytes (compared on got's device)."""
+    return all(
+        g is None or torch.equal(g.view(torch.uint8), w.reshape(g.shape).view(torch.uint8).to(g.device))
+        for g, w in zip(got, want, strict=True)
+    )
+
+
+def bench(fn: Callable[[], object]) -> float:
+    """Median time of fn in us."""
+    return do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
+
+
+def sweep_quantize(case: Case, x: torch.Tensor, x_small: torch.Tensor) -> list[tuple]:
+    S = quant_core.nvfp4_tensor_scale(quant_core.amax(x))
+    check_amax = torch.tensor(CHECK_AMAX)
+    S_small = quant_core.nvfp4_tensor_scale(check_amax).to(CUDA)
+    want_small = quant_core.quantize_nvfp4_reference(
+        x_small,
+        (case.block_rows, 16),
+        global_amax=check_amax,
+        rowwise=case.rowwise,
+        columnwise=case.columnwise,
+        stochastic_rounding=case.stochastic,
+        seed=SEED,
+    )
+    want_small = (
+        want_small.rowwise_data,
+        want_small.rowwise_scale_inv,
+        want_small.columnwise_data,
+        want_small.columnwise_scale_inv,
+    )
+    original = run_quantize(case, x, S, "original", kernels.QUANTIZE_TILES)
+    N = x.numel()
+    usages = int(case.rowwise) + int(case.columnwise)
+    scale_bytes = N // (16 * case.block_rows) * usages
+    traffic = 2 * N + usages * N // 2 + scale_bytes
+    seed = torch.tensor(SEED - 2**64, dtype=torch.int64, device=CUDA)  # the uint64 bits: no copy per launch
+    rows = []
+    for variant, tiles in [("original", kernels.QUANTIZE_TILES)] + [("register_blocks", t) for t in case.tiles]:
+        small = run_quantize(case, x_small.to(CUDA), S_small, variant, tiles)
+        checks = "ok" if same_bytes(small, want_small) else "REFERENCE MISMATCH"
+        out = buffers(tuple(x.shape), case)
+
+        def launch(out: tuple = out, variant: str = variant, tiles: object = tiles) -> None:
+            kernels.launch_quantize(x, case.block_rows, S, case.stochastic, seed, out, variant, tiles)
+
+        us = bench(launch)
+        if variant != "original" and not same_bytes(out, original):
+            checks += ", ORIGINAL MISMATCH"
+        rows.append((case.name, variant, tiles, us, traffic / us / 1e3, checks))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_dequantize(x: torch.Tensor, x_small: torch.Tensor) -> list[tuple]:
+    """Dequantize of 1 x 16 rowwise data to bf16 (timed); checks over dtypes and block shapes."""
+    global_amax = quant_core.amax(x)
+    S = quant_core.nvfp4_tensor_scale(global_amax)
+    q = quant_core.quantize_nvfp4(x, global_amax=global_amax)
+    data, scale = q.rowwise_data, q.rowwise_scale_inv
+    small_cases = []
+    check_amax = torch.tensor(3.0e3)
+    S_small = quant_core.nvfp4_tensor_scale(check_amax).to(CUDA)
+    for block_rows in (1, 16):
+        ref = quant_core.quantize_nvfp4_reference(x_small, (block_rows, 16), global_amax=check_amax)
+        small_scale = ref.rowwise_scale_inv.clone()
+        small_scale.view(torch.uint8)[0, 0] = 0x7F  # a NaN scale: canonical NaN outputs
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            want = quant_core.dequantize_nvfp4_reference(
+                ref.rowwise_data, small_scale, check_amax, (block_rows, 16), dtype
+            )
+            small_cases.append((block_rows, ref.rowwise_data, small_scale, dtype, want))
+    reference_out = torch.empty(x.shape, dtype=torch.bfloat16, device=CUDA)
+    kernels.launch_dequantize(data, scale, 1, S, reference_out, "elementwise", kernels.DEQUANTIZE_TILES)
+    N = x.numel()
+    traffic = N // 2 + N // 16 + 2 * N
+    rows = []
+    candidates = [("elementwise", kernels.DEQUANTIZE_TILES)] + [("pairs", t) for t in DEQUANTIZE_TILES]
+    for variant, tiles in candidates:
+        checks = "ok"
+        for block_rows, small_data, small_scale, dtype, want in small_cases:
+            got = torch.empty(want.shape, dtype=dtype, device=CUDA)
+            kernels.launch_dequantize(
+                small_data.to(CUDA), small_scale.to(CUDA), block_rows, S_small, got, variant, tiles
+            )
+            width = {4: torch.int32, 2: torch.int16}[want.element_size()]
+            if not torch.equal(got.cpu().view(width), want.view(width)):
+                checks = f"REFERENCE MISMATCH ({dtype}, {block_rows} x 16)"
+        out = torch.empty(x.shape, dtype=torch.bfloat16, device=CUDA)
+
+        def launch(out: torch.Tensor = out, variant: str = variant, tiles: Tiles = tiles) -> None:
+            kernels.launch_dequantize(data, scale, 1, S, out, variant, tiles)
+
+        us = bench(launch)
+        if not torch.equal(out.view(torch.int16), reference_out.view(torch.int16)):
+            checks += ", ORIGINAL MISMATCH"
+        rows.append(("dequantize", variant, tiles, us, traffic / us / 1e3, checks))
+    return rows
+
+
+def describe(tiles: object) -> str:
+    if isinstance(tiles, BlockTiles):
+        return f"{tiles.tile_m}x{tiles.tile_k} w{tiles.num_warps} T{tiles.rows_per_thread}"
+    return f"{tiles.tile_m}x{tiles.tile_k} w{tiles.num_warps}"
+
+
+def main(names: list[str]) -> None:
+    known = [case.name for case in CASES] + ["dequantize"]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise SystemExit(f"unknown cases {unknown}; choose from {known}")
+    names = names or known
+    torch.manual_seed(0)
+    x = torch.randn(SIZE, device=CUDA, dtype=torch.bfloat16)
+    x_small = check_input(torch.bfloat16)
+    copy_out = torch.empty_like(x)
+    copy_us = bench(lambda: copy_out.copy_(x))
+    copy_gbs = 2 * x.numel() * x.element_size() / copy_us / 1e3
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}, "
+        f"{datetime.date.today()}; bf16 {SIZE[0]}x{SIZE[1]}; device-to-device copy {copy_us:.1f} us = "
+        f"{copy_gbs:.0f} GB/s"
+    )
+    rows = []
+    for case in CASES:
+        if case.name in names:
+            rows += sweep_quantize(case, x, x_small)
+    if "dequantize" in names:
+        rows += sweep_dequantize(x, x_small)
+    print(f"\n{'case':<14} {'variant':<16} {'tile':<18} {'us':>8} {'GB/s':>7} {'% copy':>7}  check")
+    for name, variant, tiles, us, gbs, checks in rows:
+        print(
+            f"{name:<14} {variant:<16} {describe(tiles):<18} {us:8.1f} {gbs:7.0f} {100 * gbs / copy_gbs:6.1f}%  {checks}"
+        )
+    print("\nwinner per case (fastest with every check ok):")
+    for name in dict.fromkeys(row[0] for row in rows):
+        ok = [row for row in rows if row[0] == name and row[5] == "ok"]
+        original = next(row for row in rows if row[0] == name and row[1] in ("original", "elementwise"))
+        if not ok:
+            print(f"  {name}: none passed")
+            continue
+        best = min(ok, key=lambda row: row[3])
+        print(
+            f"  {name}: {best[1]} {describe(best[2])}: {best[3]:.1f} us, {100 * best[4] / copy_gbs:.1f}% of copy "
+            f"({original[3] / best[3]:.2f}x the original's {original[3]:.1f} us)"
+        )
+    failed = [row for row in rows if row[5] != "ok"]
+    if failed:
+        print(f"\n{len(failed)} variant(s) failed a check")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
