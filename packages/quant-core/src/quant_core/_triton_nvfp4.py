@@ -58,13 +58,13 @@ class BlockTiles:
 # "original" (`_quantize_nvfp4_kernel`, QUANTIZE_TILES); dequantize: "pairs"
 # (DEQUANTIZE_PAIRS_TILES) or "elementwise" (`_dequantize_nvfp4_kernel`, DEQUANTIZE_TILES).
 QUANTIZE_VARIANT = "register_blocks"
-QUANTIZE_1X16_TILES = BlockTiles(128, 64, 4, 8)  # 1 x 16 with columnwise
-QUANTIZE_ROWWISE_TILES = BlockTiles(128, 64, 4, 8)  # 1 x 16 rowwise only
-QUANTIZE_16X16_TILES = BlockTiles(128, 64, 4, 8)
-QUANTIZE_STOCHASTIC_TILES = BlockTiles(64, 64, 4, 4)
+QUANTIZE_1X16_TILES = BlockTiles(64, 64, 4, 4)  # 1 x 16 with columnwise
+QUANTIZE_ROWWISE_TILES = BlockTiles(64, 128, 4, 8)  # 1 x 16 rowwise only
+QUANTIZE_16X16_TILES = BlockTiles(64, 64, 4, 4)
+QUANTIZE_STOCHASTIC_TILES = BlockTiles(32, 64, 2, 4)
 QUANTIZE_TILES = Tiles(32, 64, 4)
 DEQUANTIZE_VARIANT = "pairs"
-DEQUANTIZE_PAIRS_TILES = Tiles(16, 256, 4)
+DEQUANTIZE_PAIRS_TILES = Tiles(8, 512, 4)
 DEQUANTIZE_TILES = Tiles(8, 512, 4)
 TRANSPOSE_TILES = Tiles(128, 256, 8)
 HADAMARD_TILES = Tiles(16, 128, 4)
