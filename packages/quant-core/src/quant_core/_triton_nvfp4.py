@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from quant_core._backend import register_kernel
+from quant_core._triton_launch import cdiv, launch
 from quant_core._triton_numerics import (
     EXACT,
     HARDWARE_FP8,
@@ -398,7 +399,9 @@ def launch_quantize(
         assert variant == "original", variant
         assert isinstance(tiles, Tiles), tiles
         kernel, extra = _quantize_nvfp4_kernel, {}
-    kernel[(triton.cdiv(M, tiles.tile_m) * triton.cdiv(K, tiles.tile_k),)](
+    launch(
+        kernel,
+        (cdiv(M, tiles.tile_m) * cdiv(K, tiles.tile_k),),
         x_MK,
         M,
         K,
@@ -536,7 +539,9 @@ def launch_dequantize(
     assert variant in ("pairs", "elementwise"), variant
     R, C = out_2d.shape
     kernel = _dequantize_nvfp4_pairs_kernel if variant == "pairs" else _dequantize_nvfp4_kernel
-    kernel[(triton.cdiv(R, tiles.tile_m) * triton.cdiv(C, tiles.tile_k),)](
+    launch(
+        kernel,
+        (cdiv(R, tiles.tile_m) * cdiv(C, tiles.tile_k),),
         data_2d,
         scale_inv,
         tensor_scale,
@@ -585,7 +590,9 @@ def _transpose_nvfp4_kernel(packed_ptr, out_ptr, M, K, stride_m, stride_k, TILE_
 def _transpose_nvfp4(packed_MK: torch.Tensor, out_KM: torch.Tensor) -> None:
     M, K = packed_MK.shape[0], packed_MK.shape[1] * 2
     tiles = TRANSPOSE_TILES
-    _transpose_nvfp4_kernel[(triton.cdiv(M, tiles.tile_m) * triton.cdiv(K, tiles.tile_k),)](
+    launch(
+        _transpose_nvfp4_kernel,
+        (cdiv(M, tiles.tile_m) * cdiv(K, tiles.tile_k),),
         packed_MK,
         out_KM,
         M,
@@ -638,7 +645,9 @@ def _hadamard_kernel(
 def _hadamard_transform_16(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) -> None:
     M, K = x_MK.shape
     tiles = HADAMARD_TILES
-    _hadamard_kernel[(triton.cdiv(M, tiles.tile_m) * triton.cdiv(K, tiles.tile_k),)](
+    launch(
+        _hadamard_kernel,
+        (cdiv(M, tiles.tile_m) * cdiv(K, tiles.tile_k),),
         x_MK,
         out_MK,
         M,
