@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import quant_core
+from quant_core import _triton_blocks
+from quant_core._triton_blocks import TwoPassTiles
 from quant_core.testing import FLOAT_DTYPES, adversarial
 
 pytestmark = [
@@ -104,6 +106,28 @@ def test_quantize_and_dequantize_equal_reference(case, dtype):
             for out_dtype in FLOAT_DTYPES:
                 got = dequantize(data.to(CUDA), scale_inv.to(CUDA), out_dtype)
                 assert_bitwise(got, dequantize_reference(data, scale_inv, out_dtype), f"{shape} {out_dtype}")
+
+
+@pytest.mark.parametrize("case", [name for name in CASES if "128x128" not in name])
+@pytest.mark.parametrize("early_nan", [False, True])
+def test_two_pass_kernel_equals_reference(case, early_nan, monkeypatch):
+    # Whatever the module constants pick: [Note: two-pass block quantize] with partial tiles (masks),
+    # views, every usage and dtype; early_nan relies on the hardware's code for +NaN.
+    mxfp8 = case == "mxfp8"
+    tiles = TwoPassTiles(tile_k=64 if mxfp8 else 128, chunk_m=4, store_m=16, num_warps=4, early_nan=early_nan)
+    for name in ("MXFP8_TILES", "MXFP8_ROWWISE_TILES") if mxfp8 else ("BLOCKWISE_TILES", "BLOCKWISE_ROWWISE_TILES"):
+        monkeypatch.setattr(_triton_blocks, name, tiles)
+    quantize, reference, _, _ = CASES[case]
+    for dtype in FLOAT_DTYPES:
+        for shape in [*SHAPES, (256, 512)]:
+            x = adversarial(shape, dtype, seed=sum(shape) + len(case))
+            for i, view in enumerate(views_of(x)):
+                for usage in USAGES:
+                    got, want = quantize(view, **usage), reference(view.cpu(), **usage)
+                    for field in FIELDS:
+                        assert_bitwise(
+                            getattr(got, field), getattr(want, field), f"{dtype} {shape} view {i} {usage} {field}"
+                        )
 
 
 def test_mxfp8_dequantize_reads_every_scale_byte():

@@ -6,10 +6,32 @@ that one read ([Note: block layouts] in `_blocks.py`): rowwise codes `rowwise_MK
 scale per 1 x BLOCK run (`*_MB`: TILE_M x TILE_K/BLOCK), columnwise codes (x^T, `columnwise_KM`)
 with one scale per BLOCK x 1 run (`*_BK`: TILE_M/BLOCK x TILE_K), transposed through shared
 memory; a 128 x 128 tile has one scale for both. Scales are stored as the reference stores them:
-fp32 `scale_inv` (blockwise), E8M0 bytes (MXFP8).
+fp32 `scale_inv` (blockwise), E8M0 bytes (MXFP8). 1 x b blocks can also take the two-pass kernel
+([Note: two-pass block quantize]): `_CK` is a chunk of rows of one block of rows by the program's
+columns, `_SK` a step of the second pass, `_CB` a chunk's rowwise blocks, `_K` one per column.
+
+[Note: two-pass block quantize] A columnwise 1 x b code needs the amax of its column over b rows
+first. `_quantize_blocks_kernel` reduces a whole tile along both axes: it keeps the tile, two
+encodes and cross-thread reductions live (H100, bf16 8192^2, ncu: 1 x 128 at 254 registers and
+12.5% occupancy; MXFP8 bound on L1, its SASS has 5 shuffles and 3 shared-memory accesses per
+element for the column reduction and the transpose). The
+two-pass kernel walks each block of rows in chunks. Pass one loads `chunk_m` rows at a time,
+writes their rowwise codes and scales (complete within a row) and folds |x| into a running max
+shaped like a chunk, elementwise in registers; one reduction of that running max gives the
+column amaxes. Pass two reloads the rows `store_m` at a time (L1/L2 hits: DRAM still reads x
+once) and writes the columnwise codes through the transposed tile. Live registers are bounded by
+a chunk. Other savings, bit for bit the same results: power-of-two scales from amax's exponent
+field (`_power_of_two_scale`), no masks when the tiles divide x (`MASKED`), and with
+`early_nan` one select per element turns every NaN into +NaN before both E4M3 casts, whose
+hardware code for +NaN is 0x7F, instead of a fix-up of each code after its cast (E5M2 and the
+interpreter keep `encode_fp8`; scripts/sweep_blocks.py and the cuda tests check the GPU's codes).
+SASS for sm_90 (Triton 3.9, bf16): 55 -> 26-32 instructions per element for MXFP8 both usages,
+43 -> 22-31 and 249 -> 80-130 registers for 1 x 128 both usages.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -30,14 +52,36 @@ from quant_core._triton_numerics import (
     store_values,
 )
 
+
+@dataclass(frozen=True)
+class TwoPassTiles:
+    """Launch choice of `_quantize_two_pass_kernel` ([Note: two-pass block quantize])."""
+
+    tile_k: int
+    """Columns per program, a multiple of the block."""
+    chunk_m: int
+    """Rows per step of the first pass (rowwise codes, running column max); divides the block."""
+    store_m: int
+    """Rows per step of the second pass (columnwise codes); divides the block."""
+    num_warps: int
+    """Warps per program."""
+    blocks_m: int = 1
+    """Blocks of rows per program, one after the other."""
+    unroll: bool = True
+    """Unroll the loops over chunks (all of a pass's loads in flight) or keep them rolled (fewer registers)."""
+    early_nan: bool = False
+    """E4M3 on the GPU: NaN -> +NaN once per element before the casts instead of after each cast."""
+
+
 # Scale rules (constexpr SCALE_RULE): MXFP8's E8M0, blockwise power-of-two, blockwise fmax / amax.
 _MXFP8, _POWER_OF_TWO, _FMAX_OVER_AMAX = 0, 1, 2
 # Tuned on an H100 (docs/benchmarks.md, tile sweep at bf16 8192^2): 1 x b blocks with a columnwise
-# output (tile_m a multiple of the block), rowwise only, 128 x 128 tiles, dequantize.
-BLOCKWISE_TILES = Tiles(128, 128, 8)
-BLOCKWISE_ROWWISE_TILES = Tiles(16, 128, 4)
-MXFP8_TILES = Tiles(64, 64, 4)
-MXFP8_ROWWISE_TILES = Tiles(32, 256, 8)
+# output (tile_m a multiple of the block; or the two-pass kernel's choice), rowwise only, 128 x 128
+# tiles, dequantize. scripts/sweep_blocks.py times the candidates.
+BLOCKWISE_TILES: Tiles | TwoPassTiles = Tiles(128, 128, 8)
+BLOCKWISE_ROWWISE_TILES: Tiles | TwoPassTiles = Tiles(16, 128, 4)
+MXFP8_TILES: Tiles | TwoPassTiles = Tiles(64, 64, 4)
+MXFP8_ROWWISE_TILES: Tiles | TwoPassTiles = Tiles(32, 256, 8)
 TWO_D_TILES = Tiles(128, 128, 8)
 DEQUANTIZE_TILES = Tiles(16, 256, 4)
 
@@ -134,6 +178,195 @@ def _quantize_blocks_kernel(
             _store_scales(columnwise_scale_ptr, block_rows[:, None] + (cols * Mb)[None, :], stored_BK, scale_mask_BK)
 
 
+@triton.jit
+def _power_of_two_scale(amax, SCALE_RULE: tl.constexpr, E4M3: tl.constexpr):
+    """`_block_scale` of finite amax >= 0, the power-of-two rules read off amax's exponent field.
+
+    With amax = 1.m * 2^(f - 127) and fmax = 1.75 * 2^F, both rules step at m = 0.75 (0x600000).
+    MXFP8: e = f - 127 - 8 + (m > 0.75) clamped to >= -127, so the E8M0 byte is
+    max(f - 8 + (m > 0.75), 0) and the multiplier 2^-e = 2^(127 - byte). Blockwise:
+    s = 127 + F - f - (m > 0.75) limited to 127 (0 if amax is 0), scale_inv 2^-s exactly (what
+    1 / 2^s rounds to: 2^-127 is the subnormal 0x00400000). A subnormal amax (f = 0) gives
+    the clamped exponent either way, so no renormalisation is needed.
+    """
+    if SCALE_RULE == 2:
+        multiplier, stored = _block_scale(amax, SCALE_RULE, E4M3)
+    else:
+        bits = amax.to(tl.int32, bitcast=True)
+        field = bits >> 23
+        above = ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        if SCALE_RULE == 0:
+            biased = tl.maximum(field - 8 + above, 0)
+            multiplier = ((254 - biased) << 23).to(tl.float32, bitcast=True)
+            stored = biased.to(tl.uint8)
+        else:
+            fmax_exponent: tl.constexpr = 8 if E4M3 else 15
+            exponent = tl.where(amax > 0, tl.minimum(127 + fmax_exponent - field - above, 127), 0)
+            multiplier = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+            stored = tl.where(exponent < 127, (127 - exponent) << 23, 0x00400000).to(tl.float32, bitcast=True)
+    return multiplier, stored
+
+
+@triton.jit
+def _nan_to_positive(x, EARLY_NAN: tl.constexpr):
+    """x with every NaN replaced by +NaN when EARLY_NAN, else x ([Note: two-pass block quantize])."""
+    if EARLY_NAN:
+        x = tl.where(x == x, x, float("nan"))
+    return x
+
+
+@triton.jit
+def _encode(v, E4M3: tl.constexpr, HARDWARE: tl.constexpr, EARLY_NAN: tl.constexpr):
+    """encode_fp8(v); with EARLY_NAN (E4M3 on the GPU only) v's NaNs are +NaN, which the plain
+    hardware cast already encodes as 0x7F."""
+    return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True) if EARLY_NAN else encode_fp8(v, E4M3, HARDWARE)
+
+
+@triton.jit
+def _load_rows(x_ptr, rows, cols, M, K, stride_m, stride_k, MASKED: tl.constexpr):
+    """fp32 rows x cols of x (0 outside it when MASKED) and the mask of the elements inside."""
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    pointers = x_ptr + (rows * stride_m)[:, None] + (cols * stride_k)[None, :]
+    values = tl.load(pointers, mask=mask, other=0.0) if MASKED else tl.load(pointers)
+    return values.to(tl.float32), mask
+
+
+@triton.jit
+def _first_pass_chunk(
+    x_ptr,
+    rows,
+    cols,
+    block_cols,
+    M,
+    K,
+    stride_m,
+    stride_k,
+    rowwise_ptr,
+    rowwise_scale_ptr,
+    amax_CK,
+    ROWWISE: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SCALE_RULE: tl.constexpr,
+    E4M3: tl.constexpr,
+    CHUNK_M: tl.constexpr,
+    TILE_K: tl.constexpr,
+    HARDWARE: tl.constexpr,
+    MASKED: tl.constexpr,
+    EARLY_NAN: tl.constexpr,
+):
+    """Rowwise codes and scales of one chunk of rows; returns the running column max with the chunk's |x|."""
+    x_CK, mask_CK = _load_rows(x_ptr, rows, cols, M, K, stride_m, stride_k, MASKED)
+    magnitude_CK = finite_abs(x_CK)
+    if ROWWISE:
+        amax_CB = tl.max(tl.reshape(magnitude_CK, (CHUNK_M, TILE_K // BLOCK, BLOCK)), axis=2)
+        multiplier_CB, stored_CB = _power_of_two_scale(amax_CB, SCALE_RULE, E4M3)
+        blocks = tl.reshape(_nan_to_positive(x_CK, EARLY_NAN), (CHUNK_M, TILE_K // BLOCK, BLOCK))
+        codes_CK = tl.reshape(_encode(blocks * multiplier_CB[:, :, None], E4M3, HARDWARE, EARLY_NAN), (CHUNK_M, TILE_K))
+        store_bytes(rowwise_ptr, (rows * K)[:, None] + cols[None, :], codes_CK, mask_CK if MASKED else None)
+        Kb = tl.cdiv(K, BLOCK)
+        scale_mask_CB = (rows < M)[:, None] & (block_cols < Kb)[None, :] if MASKED else None
+        _store_scales(rowwise_scale_ptr, (rows * Kb)[:, None] + block_cols[None, :], stored_CB, scale_mask_CB)
+    if COLUMNWISE:
+        amax_CK = tl.maximum(amax_CK, magnitude_CK)
+    return amax_CK
+
+
+@triton.jit
+def _second_pass_step(
+    x_ptr,
+    rows,
+    cols,
+    M,
+    K,
+    stride_m,
+    stride_k,
+    columnwise_ptr,
+    multiplier_K,
+    E4M3: tl.constexpr,
+    HARDWARE: tl.constexpr,
+    MASKED: tl.constexpr,
+    EARLY_NAN: tl.constexpr,
+):
+    """Columnwise codes of one step of rows (x^T: each of the columns gets len(rows) contiguous bytes)."""
+    x_SK, mask_SK = _load_rows(x_ptr, rows, cols, M, K, stride_m, stride_k, MASKED)
+    codes_SK = _encode(_nan_to_positive(x_SK, EARLY_NAN) * multiplier_K[None, :], E4M3, HARDWARE, EARLY_NAN)
+    offsets_KS = (cols * M)[:, None] + rows[None, :]
+    store_bytes(columnwise_ptr, offsets_KS, tl.trans(codes_SK), tl.trans(mask_SK) if MASKED else None)
+
+
+@triton.jit
+def _quantize_two_pass_kernel(
+    x_ptr,
+    M,
+    K,
+    stride_m,
+    stride_k,
+    rowwise_ptr,
+    rowwise_scale_ptr,
+    columnwise_ptr,
+    columnwise_scale_ptr,
+    ROWWISE: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SCALE_RULE: tl.constexpr,
+    E4M3: tl.constexpr,
+    BLOCKS_M: tl.constexpr,
+    TILE_K: tl.constexpr,
+    CHUNK_M: tl.constexpr,
+    STORE_M: tl.constexpr,
+    UNROLL: tl.constexpr,
+    HARDWARE: tl.constexpr,
+    MASKED: tl.constexpr,
+    EARLY_NAN: tl.constexpr,
+):
+    """BLOCKS_M blocks of rows x TILE_K columns of x, 1 x BLOCK blocks, in two passes per block of
+    rows ([Note: two-pass block quantize])."""
+    col_tiles = tl.cdiv(K, TILE_K)
+    tile_m = tl.program_id(0) // col_tiles
+    tile_k = tl.program_id(0) % col_tiles
+    cols = (tile_k * TILE_K + tl.arange(0, TILE_K)).to(tl.int64)
+    block_cols = tile_k * (TILE_K // BLOCK) + tl.arange(0, TILE_K // BLOCK)
+    Mb = tl.cdiv(M, BLOCK)
+    for b in tl.static_range(BLOCKS_M):
+        block_row = tile_m * BLOCKS_M + b
+        first_row = block_row.to(tl.int64) * BLOCK
+        amax_CK = tl.zeros((CHUNK_M, TILE_K), dtype=tl.float32)
+        if UNROLL:
+            for c in tl.static_range(BLOCK // CHUNK_M):
+                rows = first_row + c * CHUNK_M + tl.arange(0, CHUNK_M)
+                amax_CK = _first_pass_chunk(
+                    x_ptr, rows, cols, block_cols, M, K, stride_m, stride_k, rowwise_ptr, rowwise_scale_ptr, amax_CK,
+                    ROWWISE, COLUMNWISE, BLOCK, SCALE_RULE, E4M3, CHUNK_M, TILE_K, HARDWARE, MASKED, EARLY_NAN,
+                )  # fmt: skip
+        else:
+            for c in range(BLOCK // CHUNK_M):
+                rows = first_row + c * CHUNK_M + tl.arange(0, CHUNK_M)
+                amax_CK = _first_pass_chunk(
+                    x_ptr, rows, cols, block_cols, M, K, stride_m, stride_k, rowwise_ptr, rowwise_scale_ptr, amax_CK,
+                    ROWWISE, COLUMNWISE, BLOCK, SCALE_RULE, E4M3, CHUNK_M, TILE_K, HARDWARE, MASKED, EARLY_NAN,
+                )  # fmt: skip
+        if COLUMNWISE:
+            multiplier_K, stored_K = _power_of_two_scale(tl.max(amax_CK, axis=0), SCALE_RULE, E4M3)
+            # Columnwise scales are (K, Mb): entry (k, block row).
+            scale_mask_K = cols < tl.where(block_row < Mb, K, 0) if MASKED else None
+            _store_scales(columnwise_scale_ptr, block_row + cols * Mb, stored_K, scale_mask_K)
+            if UNROLL:
+                for c in tl.static_range(BLOCK // STORE_M):
+                    rows = first_row + c * STORE_M + tl.arange(0, STORE_M)
+                    _second_pass_step(
+                        x_ptr, rows, cols, M, K, stride_m, stride_k, columnwise_ptr, multiplier_K,
+                        E4M3, HARDWARE, MASKED, EARLY_NAN,
+                    )  # fmt: skip
+            else:
+                for c in range(BLOCK // STORE_M):
+                    rows = first_row + c * STORE_M + tl.arange(0, STORE_M)
+                    _second_pass_step(
+                        x_ptr, rows, cols, M, K, stride_m, stride_k, columnwise_ptr, multiplier_K,
+                        E4M3, HARDWARE, MASKED, EARLY_NAN,
+                    )  # fmt: skip
+
+
 def _launch_quantize(
     x_MK: torch.Tensor,
     buffers: tuple[torch.Tensor | None, ...],
@@ -142,31 +375,42 @@ def _launch_quantize(
     two_d: bool,
     scale_rule: int,
     fp8_dtype: torch.dtype,
-    tiles: Tiles,
+    tiles: Tiles | TwoPassTiles,
 ) -> None:
     rowwise, rowwise_scale, columnwise, columnwise_scale = buffers
     M, K = x_MK.shape
+    e4m3 = fp8_dtype == torch.float8_e4m3fn
+    usage = dict(ROWWISE=rowwise is not None, COLUMNWISE=columnwise is not None)
+    common = dict(BLOCK=block, SCALE_RULE=scale_rule, E4M3=e4m3, HARDWARE=HARDWARE_FP8, **usage, **EXACT)
+    pointers = (x_MK, M, K, *x_MK.stride(), rowwise, rowwise_scale, columnwise, columnwise_scale)
+    if isinstance(tiles, TwoPassTiles):
+        assert not two_d, "128 x 128 tiles take _quantize_blocks_kernel"
+        assert tiles.tile_k % block == 0, tiles
+        assert block % tiles.chunk_m == 0, tiles
+        assert block % tiles.store_m == 0, tiles
+        tile_m = tiles.blocks_m * block
+        grid = (triton.cdiv(M, tile_m) * triton.cdiv(K, tiles.tile_k),)
+        _quantize_two_pass_kernel[grid](
+            *pointers,
+            BLOCKS_M=tiles.blocks_m,
+            TILE_K=tiles.tile_k,
+            CHUNK_M=tiles.chunk_m,
+            STORE_M=tiles.store_m,
+            UNROLL=tiles.unroll,
+            MASKED=M % tile_m != 0 or K % tiles.tile_k != 0,
+            EARLY_NAN=tiles.early_nan and e4m3 and HARDWARE_FP8,
+            num_warps=tiles.num_warps,
+            **common,
+        )
+        return
     grid = (triton.cdiv(M, tiles.tile_m) * triton.cdiv(K, tiles.tile_k),)
     _quantize_blocks_kernel[grid](
-        x_MK,
-        M,
-        K,
-        *x_MK.stride(),
-        rowwise,
-        rowwise_scale,
-        columnwise,
-        columnwise_scale,
-        ROWWISE=rowwise is not None,
-        COLUMNWISE=columnwise is not None,
-        BLOCK=block,
-        SCALE_RULE=scale_rule,
-        E4M3=fp8_dtype == torch.float8_e4m3fn,
+        *pointers,
+        TWO_D=two_d,
         TILE_M=tiles.tile_m,
         TILE_K=tiles.tile_k,
-        HARDWARE=HARDWARE_FP8,
         num_warps=tiles.num_warps,
-        TWO_D=two_d,
-        **EXACT,
+        **common,
     )
 
 
