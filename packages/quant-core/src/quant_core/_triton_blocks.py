@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from quant_core._backend import register_kernel
+from quant_core._triton_launch import cdiv, launch
 from quant_core._triton_numerics import (
     EXACT,
     HARDWARE_FP8,
@@ -78,9 +79,9 @@ _MXFP8, _POWER_OF_TWO, _FMAX_OVER_AMAX = 0, 1, 2
 # Tuned on an H100 (docs/benchmarks.md, tile sweep at bf16 8192^2): 1 x b blocks with a columnwise
 # output (tile_m a multiple of the block; or the two-pass kernel's choice), rowwise only, 128 x 128
 # tiles, dequantize. scripts/sweep_blocks.py times the candidates.
-BLOCKWISE_TILES: Tiles | TwoPassTiles = Tiles(128, 128, 8)
+BLOCKWISE_TILES: Tiles | TwoPassTiles = TwoPassTiles(tile_k=128, chunk_m=32, store_m=128, num_warps=8)
 BLOCKWISE_ROWWISE_TILES: Tiles | TwoPassTiles = Tiles(16, 128, 4)
-MXFP8_TILES: Tiles | TwoPassTiles = Tiles(64, 64, 4)
+MXFP8_TILES: Tiles | TwoPassTiles = TwoPassTiles(tile_k=128, chunk_m=4, store_m=32, num_warps=2)
 MXFP8_ROWWISE_TILES: Tiles | TwoPassTiles = Tiles(32, 256, 8)
 TWO_D_TILES = Tiles(128, 128, 8)
 DEQUANTIZE_TILES = Tiles(16, 256, 4)
@@ -389,8 +390,10 @@ def _launch_quantize(
         assert block % tiles.chunk_m == 0, tiles
         assert block % tiles.store_m == 0, tiles
         tile_m = tiles.blocks_m * block
-        grid = (triton.cdiv(M, tile_m) * triton.cdiv(K, tiles.tile_k),)
-        _quantize_two_pass_kernel[grid](
+        grid = (cdiv(M, tile_m) * cdiv(K, tiles.tile_k),)
+        launch(
+            _quantize_two_pass_kernel,
+            grid,
             *pointers,
             BLOCKS_M=tiles.blocks_m,
             TILE_K=tiles.tile_k,
@@ -403,8 +406,10 @@ def _launch_quantize(
             **common,
         )
         return
-    grid = (triton.cdiv(M, tiles.tile_m) * triton.cdiv(K, tiles.tile_k),)
-    _quantize_blocks_kernel[grid](
+    grid = (cdiv(M, tiles.tile_m) * cdiv(K, tiles.tile_k),)
+    launch(
+        _quantize_blocks_kernel,
+        grid,
         *pointers,
         TWO_D=two_d,
         TILE_M=tiles.tile_m,
@@ -468,7 +473,9 @@ def _launch_dequantize(
 ) -> None:
     R, C = data_2d.shape
     tiles = DEQUANTIZE_TILES
-    _dequantize_blocks_kernel[(triton.cdiv(R, tiles.tile_m) * triton.cdiv(C, tiles.tile_k),)](
+    launch(
+        _dequantize_blocks_kernel,
+        (cdiv(R, tiles.tile_m) * cdiv(C, tiles.tile_k),),
         data_2d,
         scale_inv,
         out_2d,
