@@ -18,6 +18,15 @@ so gathering along dim 0 rebuilds the unsharded buffers exactly:
   Formats with 1-D blocks (MXFP8) gather rowwise for the forward and columnwise for the backward
   when FSDP2 gathers again in the backward (reshard_after_forward), both at once otherwise.
 
+[Note: refilled unsharded buffers] From the second unshard on, every buffer of the unsharded
+tensor is refilled in place (FSDP2 frees and re-allocates the storage in between), and the backward
+reads the buffers the forward had: under torch.compile, AOTAutograd saves the forward's inner
+tensors of the unsharded weight for the compiled backward, which cannot see buffers swapped in by
+the backward's gather. So (1) the unsharded tensor of a split gather (MXFP8) holds its columnwise
+buffers from the forward on (stale until the backward's gather refills them; only the backward
+reads them; `usages` says which buffers a tensor holds), and (2) refills keep the buffers' version counters, as FSDP2 does for its own
+all-gather outputs: autograd checks them on saved tensors, and a refill writes the same weight.
+
 FSDP2 sizes its gather buffers on the first unshard, so every later gather of a parameter must
 send the same number of tensors with the same sizes: the forward and backward payloads of 1-D
 block formats do (rows * K codes and rows * K / block scales either way).
@@ -154,8 +163,10 @@ def post_all_gather(
             buffers[name] = gathered[name]  # already the unsharded buffer ([Note: quantized all-gather])
         elif name in gathered:
             buffers[name] = _join_columns(gathered[name], columnwise[name], world)
+        elif name in columnwise:  # split gathers: [Note: refilled unsharded buffers]
+            buffers[name] = columnwise[name]
         elif local is not None and local.dim() == 0:  # per-tensor: equal on every shard
-            buffers[name] = local.clone() if out is None else getattr(out, name).copy_(local)
+            buffers[name] = local.clone() if out is None else _refill(getattr(out, name), local)
         else:
             buffers[name] = None
     if out is not None:
@@ -165,6 +176,17 @@ def post_all_gather(
     shape = (world * shard.shape[0], *shard.shape[1:])
     unsharded = type(shard)(shape, param_dtype, **buffers, **shard.metadata())
     return unsharded, tuple(columnwise.values())
+
+
+def keeping_versions(*tensors: torch.Tensor) -> torch.autograd._unsafe_preserve_version_counter:
+    """A context that hides its in-place writes to `tensors` from autograd's version counters:
+    refills of an unsharded tensor's buffers ([Note: refilled unsharded buffers])."""
+    return torch.autograd._unsafe_preserve_version_counter(tensors)
+
+
+def _refill(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    with keeping_versions(target):
+        return target.copy_(value)
 
 
 def _columnwise_buffers(owner: Any, shard: QuantizedTensor, world: int) -> dict[str, torch.Tensor]:
@@ -183,7 +205,8 @@ def _columnwise_buffers(owner: Any, shard: QuantizedTensor, world: int) -> dict[
 def _join_columns(gathered: torch.Tensor, target: torch.Tensor, world: int) -> torch.Tensor:
     """Writes the world's (C, n) shards, gathered along dim 0, side by side into target (C, world * n)."""
     columns, n = target.shape[0], gathered.shape[-1]
-    target.view(columns, world, n).copy_(gathered.reshape(world, columns, n).transpose(0, 1))
+    with keeping_versions(target):
+        target.view(columns, world, n).copy_(gathered.reshape(world, columns, n).transpose(0, 1))
     return target
 
 

@@ -134,7 +134,8 @@ class QuantizeOnGatherTensor(torch.Tensor):
         full = gathered[: metadata[0]]  # metadata: the unsharded shape; FSDP2 pads after its last row
         self._restore_history_for_a_repeat()
         if out is not None:
-            self.quantizer.quantize_(full, out)
+            with _gather.keeping_versions(*(b for b in out.buffers().values() if b is not None)):
+                self.quantizer.quantize_(full, out)
             return None
         unsharded = self.quantizer.quantize(full)
         return unsharded, tuple(b for b in unsharded.buffers().values() if b is not None)

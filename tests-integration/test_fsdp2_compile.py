@@ -1,0 +1,85 @@
+"""Per-block torch.compile under FSDP2, as torchtitan applies it: every block, then the root, is
+sharded with quant_fsdp.fully_shard, and each block is compiled on its own. Every recipe, both
+weight modes (quantize-on-gather, quantized primary weights), gloo, world size 2.
+
+The compiled run must train exactly like the same sharded model run eagerly: losses, every local
+weight byte and every quantizer state, bitwise. The backend is `aot_eager`: Dynamo and AOTAutograd
+trace the quantized subclasses as for Inductor (FSDP2's hooks run eagerly around the graph), and
+the same kernels run, so bitwise is the bar; Inductor costs ~20 s per compile on the 2-core CI
+machine. The compiled backward reads the unsharded weights' buffers the forward had, refilled by
+the backward's gather ([Note: refilled unsharded buffers] in quant_fsdp._gather). Each recipe
+compiles one graph, without graph breaks, that both blocks, every step and both weight modes
+share, and that takes the block's four quantized Linear weights.
+
+World size 1 is left to the single-process compile tests (packages/quant-tensors/tests/test_compile.py)
+and the FSDP2 training tests (world size 1 equals no FSDP bitwise): world size 2 is the case with
+real collectives, MXFP8's split gathers (rowwise in the forward, columnwise in the backward) and
+the explicit fallback (blockwise FP8's 128-row blocks do not fit 64-row shards).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._dynamo.backends.debugging import aot_eager
+
+import quant_fsdp
+import quant_tensors as qt
+from quant_core.testing import run_ranks
+from quant_fsdp.testing import local_bytes, train_data_parallel
+from quant_tensors.testing import MarkovTask, TinyTransformer, TransformerConfig
+
+RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
+MODES = ("quantize-on-gather", "quantized-weights")
+CONFIG = TransformerConfig(vocab=128, hidden=128, layers=2, heads=2, sequence=32)
+STEPS = 3
+
+
+def sharded_transformer(recipe_name: str, mode: str) -> TinyTransformer:
+    """TinyTransformer (seed 0) converted to the recipe, fully_shard on each block, then on the root."""
+    torch.manual_seed(0)
+    model = qt.convert(TinyTransformer(CONFIG), qt.recipe_from_name(recipe_name), quantized_weights=mode == MODES[1])
+    for block in model.blocks:
+        quant_fsdp.fully_shard(block, quantize_on_gather=mode == MODES[0])
+    return quant_fsdp.fully_shard(model, quantize_on_gather=mode == MODES[0])
+
+
+def compile_blocks(model: TinyTransformer, backend) -> None:
+    """torchtitan's per-block compile: each block replaced by torch.compile of it."""
+    for name, block in model.blocks.named_children():
+        model.blocks.register_module(name, torch.compile(block, backend=backend))
+
+
+def state_bytes(model: torch.nn.Module) -> list[torch.Tensor]:
+    """This rank's bytes of every parameter and buffer (quantizer states), in module order."""
+    values = [b for p in model.parameters() for b in local_bytes(p)]
+    return values + [b.detach().reshape(-1).view(torch.uint8) for b in model.buffers()]
+
+
+def _compiled_blocks_train_like_eager(rank: int, world_size: int) -> None:
+    graphs: list[int] = []  # the quantized weights each compiled graph takes
+
+    def counting_aot_eager(graph: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(sum(isinstance(t, qt.QuantizedTensor) for t in example_inputs))
+        return aot_eager(graph, example_inputs)
+
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    task = MarkovTask(CONFIG.vocab)
+    for recipe_name in RECIPES:
+        graphs_before = len(graphs)
+        for mode in MODES:
+            eager = sharded_transformer(recipe_name, mode)
+            expected = train_data_parallel(eager, task, steps=STEPS)
+            compiled = sharded_transformer(recipe_name, mode)
+            compile_blocks(compiled, counting_aot_eager)
+            assert train_data_parallel(compiled, task, steps=STEPS) == expected, (recipe_name, mode)
+            for got, want in zip(state_bytes(compiled), state_bytes(eager), strict=True):
+                assert torch.equal(got, want), (recipe_name, mode)
+        # One graph per recipe (a recompile: the quantizers are graph constants), shared by both
+        # blocks, all steps and both modes, taking the 4 gathered quantized weights of the block's
+        # qt.nn.Linear layers; no graph break anywhere in a block.
+        assert graphs[graphs_before:] == [4], (recipe_name, graphs[graphs_before:])
+        assert not breaks, (recipe_name, dict(breaks))
+
+
+def test_per_block_compile_trains_bitwise_like_eager():
+    run_ranks(_compiled_blocks_train_like_eager, 2)
