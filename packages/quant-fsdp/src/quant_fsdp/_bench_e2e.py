@@ -50,11 +50,11 @@ from quant_fsdp._e2e_model import (
     CONFIGS,
     MODEL_SOURCES,
     DecoderConfig,
-    MarkovTask,
     build_decoder,
     describe_model,
     resolve_model_source,
 )
+from quant_tensors.demo import MarkovTask
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 TORCHAO_RECIPES = ("tensorwise", "rowwise")

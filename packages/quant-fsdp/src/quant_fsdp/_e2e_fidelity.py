@@ -38,7 +38,8 @@ from quant_fsdp._bench_e2e import (
     markov_batches,
     torchao_missing,
 )
-from quant_fsdp._e2e_model import MarkovTask, resolve_model_source
+from quant_fsdp._e2e_model import resolve_model_source
+from quant_tensors.demo import MarkovTask
 
 # Largest |final loss / bf16's - 1| of issue 16; runs without a bound (bf16, torchao) are reported only.
 TOLERANCE = {**dict.fromkeys(RECIPES, 0.005), "nvfp4": 0.02}

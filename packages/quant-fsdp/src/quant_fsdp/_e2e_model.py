@@ -1,4 +1,4 @@
-"""The model and data of `quant-fsdp bench --e2e`: a Llama-style decoder and a learnable Markov task.
+"""The model of `quant-fsdp bench --e2e`: a Llama-style decoder (its data: quant_tensors.demo.MarkovTask).
 
 The decoder is Hugging Face transformers' `LlamaForCausalLM` when transformers imports (a model
 nobody in this project wrote, built from `LlamaConfig` with random weights), else `Decoder`
@@ -220,44 +220,3 @@ def build_decoder(config: DecoderConfig, device: torch.device, source: str) -> t
         else:
             model = Decoder(config)
     return model.to(torch.bfloat16).train()
-
-
-class MarkovTask:
-    """Token sequences from a fixed random Markov chain with `successors` likely next tokens per token.
-
-    A model can learn it (a next-token table), and its loss has a known floor (`entropy`). The
-    batch of step `s` depends on `s` and `seed` only. The demo's task (quant_tensors.testing,
-    which product code does not import) in a form that scales to a 32000-token vocabulary:
-    successors are drawn with replacement, and every step's sequences are generated together.
-    """
-
-    def __init__(self, vocab_size: int, successors: int = 4, seed: int = 0) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        self.vocab_size = vocab_size
-        self.next_tokens = torch.randint(vocab_size, (vocab_size, successors), generator=generator)
-        self.probabilities = torch.softmax(torch.randn(vocab_size, successors, generator=generator), dim=-1)
-        self._cumulative = self.probabilities.cumsum(dim=-1)
-
-    def entropy(self) -> float:
-        """The loss floor in nats per token (the chain's mean conditional entropy; exact unless two
-        successors of a token coincide)."""
-        return float(-(self.probabilities * self.probabilities.log()).sum(-1).mean())
-
-    def batches(self, steps: range, batch_size: int, sequence_length: int) -> torch.Tensor:
-        """Token ids of shape (len(steps), batch_size, sequence_length + 1): step s's inputs are
-        `[s, :, :-1]`, its targets `[s, :, 1:]`."""
-        draws = torch.stack(
-            [
-                torch.rand(
-                    batch_size, sequence_length + 1, generator=torch.Generator().manual_seed(1_000_003 * (s + 1))
-                )
-                for s in steps
-            ]
-        ).flatten(0, 1)
-        tokens = torch.empty(draws.shape, dtype=torch.long)
-        tokens[:, 0] = (draws[:, 0] * self.vocab_size).long().clamp_(max=self.vocab_size - 1)
-        last = self.next_tokens.shape[1] - 1
-        for t in range(sequence_length):
-            choice = (draws[:, t + 1, None] > self._cumulative[tokens[:, t]]).sum(-1).clamp_(max=last)
-            tokens[:, t + 1] = self.next_tokens[tokens[:, t], choice]
-        return tokens.view(len(steps), batch_size, sequence_length + 1)

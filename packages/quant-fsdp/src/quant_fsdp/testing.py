@@ -1,6 +1,7 @@
-"""Helpers for FSDP2 tests and the demo: count the collective's bytes, train a sharded model.
+"""Helpers for FSDP2 tests: train a sharded model, read a rank's bytes (and count_all_gather_bytes,
+re-exported from the demo's product code).
 
-Training follows quant_tensors.testing.train (same task, batches and optimizer), with the global
+Training follows quant_tensors.demo.train (same task, batches and optimizer), with the global
 batch of each step split across the data-parallel ranks and the reported loss averaged over them.
 `train_replicas` is the single-process reference of data-parallel training: one model replica
 per rank slice of the same global batch, gradients averaged. With quantized activations it is the
@@ -11,8 +12,7 @@ rank does (a whole-batch single model quantizes the whole batch at once).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import quant_tensors as qt
+from quant_fsdp._all_gather_counter import AllGatherBytes, count_all_gather_bytes
 from quant_fsdp._fully_shard import fully_shard
 from quant_fsdp._weight import QuantizeOnGatherTensor
-from quant_tensors.testing import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig, train
+from quant_tensors.demo import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig, train
 
 __all__ = [
     "AllGatherBytes",
@@ -36,43 +37,6 @@ __all__ = [
 ]
 
 
-class AllGatherBytes:
-    """Bytes delivered by all-gather collectives (output sizes) while counting."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.calls = 0
-
-
-@contextlib.contextmanager
-def count_all_gather_bytes() -> Iterator[AllGatherBytes]:
-    """Counts what torch.distributed's all-gathers deliver, independently of quant-fsdp's hooks.
-
-    FSDP2 calls `dist.all_gather_single` (torch 2.13) or `dist.all_gather_into_tensor` (older);
-    both are wrapped for the duration of the block.
-    """
-    counter = AllGatherBytes()
-    originals = {
-        name: getattr(dist, name) for name in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, name)
-    }
-
-    def counting(original):
-        def wrapper(output_tensor, *args, **kwargs):
-            counter.bytes += output_tensor.numel() * output_tensor.element_size()
-            counter.calls += 1
-            return original(output_tensor, *args, **kwargs)
-
-        return wrapper
-
-    try:
-        for name, original in originals.items():
-            setattr(dist, name, counting(original))
-        yield counter
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
-
-
 def train_data_parallel(
     model: torch.nn.Module,
     task: MarkovTask,
@@ -82,7 +46,7 @@ def train_data_parallel(
     lr: float = 1e-3,
     group: dist.ProcessGroup | None = None,
 ) -> list[float]:
-    """quant_tensors.testing.train on this rank's slice of every global batch; returns the global
+    """quant_tensors.demo.train on this rank's slice of every global batch; returns the global
     batch's loss of every step (averaged over the ranks of `group`, default all ranks; without
     torch.distributed, the whole batch)."""
     world = dist.get_world_size(group) if dist.is_initialized() else 1

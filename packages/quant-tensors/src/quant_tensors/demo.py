@@ -1,0 +1,197 @@
+"""The demo's model, task and training loop: a small transformer, a Markov next-token task, fp32
+master weights for plain torch optimizers, and an AdamW loop.
+
+`quant-fsdp demo` trains TinyTransformer on MarkovTask; tests (through quant_tensors.testing)
+train it to compare recipes with bf16; `quant-fsdp bench --e2e` trains its decoder on MarkovTask.
+The task: token sequences from a fixed random Markov chain in which each token has 4 likely
+successors, so a model can learn it and its loss has a known floor (the chain's entropy). Every
+run with the same seeds sees the same initial weights and the same batches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from quant_tensors._tensor import local_quantized, shard_like
+from quant_tensors.nn import high_precision_init_value
+
+__all__ = ["MarkovTask", "MasterWeights", "TinyTransformer", "TransformerConfig", "train"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformerConfig:
+    """Sizes of TinyTransformer (every Linear dim a multiple of 128, so every recipe quantizes it)."""
+
+    vocab: int = 256
+    """Tokens in the vocabulary (also the LM head's out_features)."""
+    hidden: int = 256
+    """Model width."""
+    layers: int = 4
+    """Transformer blocks."""
+    heads: int = 4
+    """Attention heads."""
+    sequence: int = 64
+    """Tokens per sequence."""
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        h = config.hidden
+        self.heads = config.heads
+        self.attention_norm = torch.nn.LayerNorm(h)
+        self.qkv = torch.nn.Linear(h, 3 * h)
+        self.proj = torch.nn.Linear(h, h)
+        self.mlp_norm = torch.nn.LayerNorm(h)
+        self.fc1 = torch.nn.Linear(h, 4 * h)
+        self.fc2 = torch.nn.Linear(4 * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, sequence, hidden = x.shape
+        q, k, v = self.qkv(self.attention_norm(x)).split(hidden, dim=-1)
+        heads = lambda t: t.reshape(batch, sequence, self.heads, -1).transpose(1, 2)  # noqa: E731
+        attention = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+        x = x + self.proj(attention.transpose(1, 2).reshape(batch, sequence, hidden))
+        return x + self.fc2(F.gelu(self.fc1(self.mlp_norm(x))))
+
+
+class TinyTransformer(torch.nn.Module):
+    """A decoder-only transformer: embeddings, pre-norm blocks, an untied LM head."""
+
+    def __init__(self, config: TransformerConfig | None = None) -> None:
+        super().__init__()
+        self.config = config = config or TransformerConfig()
+        self.embedding = torch.nn.Embedding(config.vocab, config.hidden)
+        self.position = torch.nn.Embedding(config.sequence, config.hidden)
+        self.blocks = torch.nn.ModuleList(_Block(config) for _ in range(config.layers))
+        self.norm = torch.nn.LayerNorm(config.hidden)
+        self.head = torch.nn.Linear(config.hidden, config.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.embedding(tokens) + self.position(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class MarkovTask:
+    """Token sequences from a fixed random Markov chain with `successors` likely next tokens per token.
+
+    A model can learn it (a next-token table), and its loss has a known floor (`entropy`). The
+    batch of step `s` depends on `s` and `seed` only, so every run with the same seeds sees the same
+    batches. It scales to a 32000-token vocabulary (quant-fsdp's `bench --e2e`): successors are
+    drawn with replacement, and the sequences of many steps are generated together.
+    """
+
+    def __init__(self, vocab: int = 256, successors: int = 4, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.vocab = vocab
+        self.next_tokens = torch.randint(vocab, (vocab, successors), generator=generator)
+        self.probabilities = torch.softmax(torch.randn(vocab, successors, generator=generator), dim=-1)
+        self._cumulative = self.probabilities.cumsum(dim=-1)
+
+    def entropy(self) -> float:
+        """The loss floor: the chain's mean conditional entropy (nats per token)."""
+        # Successors drawn twice for a token add their probabilities: sum_j p_j log P(next_j) sums
+        # P log P over the distinct next tokens.
+        same = self.next_tokens[:, :, None] == self.next_tokens[:, None, :]
+        merged = (same * self.probabilities[:, None, :]).sum(-1)
+        return float(-(self.probabilities * merged.log()).sum(-1).mean())
+
+    def batches(self, steps: range, batch_size: int, sequence: int) -> torch.Tensor:
+        """Token ids of shape (len(steps), batch_size, sequence + 1), on the CPU: step s's inputs
+        are `[s, :, :-1]`, its targets `[s, :, 1:]`."""
+        draws = torch.stack(
+            [
+                torch.rand(batch_size, sequence + 1, generator=torch.Generator().manual_seed(1_000_003 * (s + 1)))
+                for s in steps
+            ]
+        ).flatten(0, 1)
+        tokens = torch.empty(draws.shape, dtype=torch.long)
+        tokens[:, 0] = (draws[:, 0] * self.vocab).long().clamp_(max=self.vocab - 1)
+        last = self.next_tokens.shape[1] - 1
+        for t in range(sequence):  # inverse-CDF sampling of each token's successor
+            choice = (draws[:, t + 1, None] > self._cumulative[tokens[:, t]]).sum(-1).clamp_(max=last)
+            tokens[:, t + 1] = self.next_tokens[tokens[:, t], choice]
+        return tokens.view(len(steps), batch_size, sequence + 1)
+
+    def batch(self, step: int, batch_size: int, sequence: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of step `step`: `batches(range(step, step + 1), ...)` split."""
+        tokens = self.batches(range(step, step + 1), batch_size, sequence)[0]
+        return tokens[:, :-1], tokens[:, 1:]
+
+
+class MasterWeights:
+    """fp32 master copies of a model's quantized parameters, for a plain torch optimizer.
+
+    `step` moves each quantized parameter's gradient to its master, steps the optimizer over the
+    masters, then requantizes each parameter with `p.copy_(master)`
+    (quant-optim's FusedAdam does this fused; this is the reference path). Parameters may be
+    QuantizedTensors or FSDP2's DTensors of QuantizedTensor shards (masters are then DTensors too).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self.parameters: list[torch.Tensor] = []
+        for p in model.parameters():
+            if local_quantized(p) is not None:
+                initial = high_precision_init_value(p)
+                master = (_dequantized(p) if initial is None else initial).float().clone().requires_grad_(True)
+                self.pairs.append((p, master))
+                self.parameters.append(master)
+            else:
+                self.parameters.append(p)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        for p, master in self.pairs:  # the gradient moves to the master
+            master.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+        optimizer.step()
+        with torch.no_grad():
+            for p, master in self.pairs:
+                p.copy_(master)
+
+
+def _dequantized(p: torch.Tensor) -> torch.Tensor:
+    return shard_like(p, local_quantized(p).dequantize())
+
+
+def train(
+    model: torch.nn.Module,
+    task: MarkovTask,
+    *,
+    steps: int,
+    batch_size: int = 8,
+    lr: float = 1e-3,
+    batch_slice: tuple[int, int] = (0, 1),
+    mean_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> list[float]:
+    """AdamW training on `task`; returns the loss of every step.
+
+    Data parallelism: `batch_slice=(i, n)` trains on slice i of n of every global batch, and
+    `mean_loss` turns the slice's loss into the global batch's (e.g. an all-reduce and a division).
+    """
+    index, slices = batch_slice
+    if batch_size % slices:
+        raise ValueError(f"batch_size {batch_size} does not split into {slices} slices")
+    masters = MasterWeights(model)
+    optimizer = torch.optim.AdamW(masters.parameters, lr=lr, weight_decay=0.0)
+    losses = []
+    sequence = model.config.sequence if hasattr(model, "config") else 64
+    for step in range(steps):
+        inputs, targets = task.batch(step, batch_size, sequence)
+        logits = model(inputs.chunk(slices)[index])
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.chunk(slices)[index].reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        masters.step(optimizer)
+        losses.append((loss.detach() if mean_loss is None else mean_loss(loss.detach())).item())
+        if not math.isfinite(losses[-1]):
+            raise FloatingPointError(f"loss became {losses[-1]} at step {step}")
+    return losses
