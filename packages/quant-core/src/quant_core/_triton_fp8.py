@@ -39,10 +39,9 @@ CAST_TILES = Tiles(64, 256, 8)
 CAST_ROWWISE_TILES = Tiles(1, 2048, 4)
 DEQUANTIZE_BLOCK = 2048
 TRANSPOSE_TILES = Tiles(128, 128, 8)
-# Programs of an amax launch, about: enough to fill the GPU, few enough that atomics stay rare;
-# fewer where each program of the following cast reads all their partial amaxes.
+# Programs of an amax launch, about: enough to fill the GPU, few enough that atomics (or partial
+# amaxes to reduce) stay few.
 _AMAX_PROGRAMS = 1024
-_FUSED_AMAX_PROGRAMS = 256
 
 
 @triton.jit
@@ -111,9 +110,31 @@ def _amax(x_MK: torch.Tensor) -> torch.Tensor:
     return _launch_amax(x_MK, torch.zeros((), dtype=torch.float32, device=x_MK.device), _AMAX_PROGRAMS)
 
 
-# How the cast kernel gets its scale (constexpr SCALE): loaded; current scaling, from the max of
-# `num_amax` (partial) amaxes; delayed scaling, from the amax history.
-_GIVEN, _CURRENT, _DELAYED = 0, 1, 2
+# How the cast kernel gets its scale (constexpr DELAYED): loaded, or from the amax history.
+
+
+@triton.jit
+def _max_of(values_ptr, n, BLOCK: tl.constexpr):
+    """The max of values_ptr[:n] (non-negative amaxes), read BLOCK at a time by one program."""
+    largest = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        offsets = start + tl.arange(0, BLOCK)
+        largest = tl.maximum(largest, tl.load(values_ptr + offsets, mask=offsets < n, other=0.0))
+    return tl.max(largest, axis=0)
+
+
+@triton.jit
+def _current_scale_kernel(
+    amax_ptr, num_amax, scale_ptr, scale_inv_ptr, amax_out_ptr, fmax, POWER_2: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Current scaling's scale, one program: amax = the max of amax_ptr[:num_amax] (partial
+    amaxes, or one given amax), stored at amax_out_ptr if given."""
+    amax = _max_of(amax_ptr, num_amax, BLOCK)
+    scale, scale_inv = scale_of(amax, fmax, 1.0, POWER_2)
+    tl.store(scale_ptr, scale)
+    tl.store(scale_inv_ptr, scale_inv)
+    if amax_out_ptr is not None:
+        tl.store(amax_out_ptr, amax)
 
 
 @triton.jit
@@ -127,19 +148,17 @@ def _cast_kernel(
     stride_k,
     scale_ptr,
     scale_inv_ptr,
-    amax_ptr,
-    num_amax,
-    amax_out_ptr,
+    partials_ptr,
     history_ptr,
     history_len,
     fmax,
     divisor,
-    SCALE: tl.constexpr,
+    DELAYED: tl.constexpr,
     STORE_SCALE: tl.constexpr,
-    STORE_AMAX: tl.constexpr,
+    STORE_PARTIALS: tl.constexpr,
     POWER_2: tl.constexpr,
     MOST_RECENT: tl.constexpr,
-    AMAX_BLOCK: tl.constexpr,
+    HISTORY_BLOCK: tl.constexpr,
     ROWWISE: tl.constexpr,
     COLUMNWISE: tl.constexpr,
     E4M3: tl.constexpr,
@@ -148,26 +167,19 @@ def _cast_kernel(
     HARDWARE: tl.constexpr,
 ):
     """codes = fp8(x * scale) of one tile, written rowwise and/or transposed ([Note: fused FP8
-    quantize on the GPU]). SCALE _GIVEN loads the scale; otherwise every program computes it
-    (current: from the max of amax_ptr[:num_amax]; delayed: from the history, read only) and
-    program 0 stores scale (STORE_SCALE), scale_inv and, current, the amax (STORE_AMAX).
-    Delayed (STORE_AMAX): each program stores its tile's amax at amax_out_ptr[program]."""
+    quantize on the GPU]). The scale is loaded, or (DELAYED) computed by every program from the
+    history (read only in this launch), program 0 storing scale_inv and (STORE_SCALE) the scale;
+    with STORE_PARTIALS each program stores its tile's amax at partials_ptr[program]."""
     pid = tl.program_id(0)
-    if SCALE == 0:
-        scale = tl.load(scale_ptr)
-    else:
-        if SCALE == 1:
-            offsets = tl.arange(0, AMAX_BLOCK)
-            used = tl.max(tl.load(amax_ptr + offsets, mask=offsets < num_amax, other=0.0), axis=0)
-        else:
-            _, used = history_amax(history_ptr, history_len, MOST_RECENT, AMAX_BLOCK)
+    if DELAYED:
+        _, used = history_amax(history_ptr, history_len, MOST_RECENT, HISTORY_BLOCK)
         scale, scale_inv = scale_of(used, fmax, divisor, POWER_2)
         if pid == 0:
             tl.store(scale_inv_ptr, scale_inv)
             if STORE_SCALE:
                 tl.store(scale_ptr, scale)
-            if SCALE == 1 and STORE_AMAX:
-                tl.store(amax_out_ptr, used)
+    else:
+        scale = tl.load(scale_ptr)
     col_tiles = tl.cdiv(K, TILE_K)
     rows = ((pid // col_tiles) * TILE_M + tl.arange(0, TILE_M)).to(tl.int64)
     cols = ((pid % col_tiles) * TILE_K + tl.arange(0, TILE_K)).to(tl.int64)
@@ -178,19 +190,15 @@ def _cast_kernel(
         store_bytes(rowwise_ptr, (rows * K)[:, None] + cols[None, :], codes_MK, mask_MK)
     if COLUMNWISE:
         store_bytes(columnwise_ptr, (cols * M)[:, None] + rows[None, :], tl.trans(codes_MK), tl.trans(mask_MK))
-    if SCALE == 2 and STORE_AMAX:
-        tl.store(amax_out_ptr + pid, tl.max(finite_abs(x_MK)))
+    if STORE_PARTIALS:
+        tl.store(partials_ptr + pid, tl.max(finite_abs(x_MK)))
 
 
 @triton.jit
 def _push_partial_amax_kernel(partials_ptr, num_partials, history_ptr, history_len, amax_out_ptr, BLOCK: tl.constexpr):
     """Delayed scaling's last step, one program: amax = the max of the partial amaxes, pushed into
     the history (after the cast kernel read it) and stored at amax_out_ptr if given."""
-    largest = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, num_partials, BLOCK):
-        offsets = start + tl.arange(0, BLOCK)
-        largest = tl.maximum(largest, tl.load(partials_ptr + offsets, mask=offsets < num_partials, other=0.0))
-    amax = tl.max(largest, axis=0)
+    amax = _max_of(partials_ptr, num_partials, BLOCK)
     history, _ = history_amax(history_ptr, history_len, True, BLOCK)
     tl.debug_barrier()
     push_amax(history_ptr, history, history_len, amax, BLOCK)
@@ -203,27 +211,23 @@ def _launch_cast(
     fp8_dtype: torch.dtype,
     rowwise_MK: torch.Tensor | None,
     columnwise_KM: torch.Tensor | None,
-    *,
     scale: torch.Tensor | None,
+    *,
     scale_inv: torch.Tensor | None = None,
-    amax: torch.Tensor | None = None,
-    amax_out: torch.Tensor | None = None,
     history: torch.Tensor | None = None,
+    partials: bool = False,
     power_2_scales: bool = False,
     most_recent: bool = False,
     margin: int = 0,
 ) -> torch.Tensor | None:
-    """Launches `_cast_kernel`; the scale mode follows from what is given: a history (delayed), an
-    amax (current) or else the scale. Delayed without an amax returns the tiles' partial amaxes."""
+    """Launches `_cast_kernel`: with the scale given, or with a history (delayed scaling, see the
+    kernel); with `partials`, returns the tiles' amaxes."""
     tiles = CAST_TILES
     if columnwise_KM is None and x_MK.is_contiguous():
         x_MK, rowwise_MK, tiles = x_MK.view(1, -1), rowwise_MK.view(1, -1), CAST_ROWWISE_TILES
     M, K = x_MK.shape
     programs = cdiv(M, tiles.tile_m) * cdiv(K, tiles.tile_k)
-    mode = _DELAYED if history is not None else _CURRENT if amax is not None else _GIVEN
-    if mode == _DELAYED:
-        amax_out = torch.empty(programs, dtype=torch.float32, device=x_MK.device) if amax is None else None
-    num_amax = 0 if amax is None else amax.numel()
+    tile_amaxes = torch.empty(programs, dtype=torch.float32, device=x_MK.device) if partials else None
     history_len = 0 if history is None else history.numel()
     launch(
         _cast_kernel,
@@ -236,19 +240,17 @@ def _launch_cast(
         *x_MK.stride(),
         scale,
         scale_inv,
-        amax,
-        num_amax,
-        amax_out,
+        tile_amaxes,
         history,
         history_len,
         FP8_MAX[fp8_dtype],
         2.0**margin,  # exact in fp32 for margin in [-126, 127]
-        SCALE=mode,
+        DELAYED=history is not None,
         STORE_SCALE=scale is not None,
-        STORE_AMAX=amax_out is not None,
+        STORE_PARTIALS=partials,
         POWER_2=power_2_scales,
         MOST_RECENT=most_recent,
-        AMAX_BLOCK=history_block(max(num_amax, history_len)),
+        HISTORY_BLOCK=history_block(history_len),
         ROWWISE=rowwise_MK is not None,
         COLUMNWISE=columnwise_KM is not None,
         E4M3=fp8_dtype == torch.float8_e4m3fn,
@@ -258,7 +260,7 @@ def _launch_cast(
         num_warps=tiles.num_warps,
         **EXACT,
     )
-    return amax_out if mode == _DELAYED else None
+    return tile_amaxes
 
 
 @register_kernel("cast_to_fp8", "triton")
@@ -269,7 +271,7 @@ def _cast_to_fp8(
     rowwise_MK: torch.Tensor | None,
     columnwise_KM: torch.Tensor | None,
 ) -> None:
-    _launch_cast(x_MK, fp8_dtype, rowwise_MK, columnwise_KM, scale=scale)
+    _launch_cast(x_MK, fp8_dtype, rowwise_MK, columnwise_KM, scale)
 
 
 @register_kernel("quantize_fp8", "triton")
@@ -284,30 +286,39 @@ def _quantize_fp8(
     scale: torch.Tensor | None,
     amax_out: torch.Tensor | None,
 ) -> None:
-    """[Note: fused FP8 quantize on the GPU] Current scaling in two launches: the partial amaxes
-    (one per program, no zeroed buffer, no atomics), then the cast, each of whose programs reduces
-    them and computes the scale itself (a few hundred floats from L2). Delayed scaling reads x
-    once: the cast computes the scale from the history (read only in that launch) and stores each
-    tile's amax; one small program then reduces those and pushes the amax into the history."""
+    """[Note: fused FP8 quantize on the GPU] Current scaling in three launches and one read of x
+    for the amax: the partial amaxes (one per program: no zeroed buffer, no atomics), one program
+    that reduces them into the scale, then the cast (a second read). Delayed scaling reads x once:
+    the cast computes the scale from the history (read only in that launch) and stores each tile's
+    amax; one small program then reduces those and pushes the amax into the history. (Computing
+    the current scale inside every cast program instead cost ~60 us at 8192^2 on the H100: the
+    amax pass, cut to a few hundred programs so each cast program could read them all, lost half
+    its bandwidth.)"""
     if x_MK.numel() == 0:
         return composed_quantize_fp8("triton")(
             x_MK, amax, fp8_dtype, power_2_scales, rowwise_MK, columnwise_KM, scale_inv, scale, amax_out
         )
     if amax is None:
-        amax = _launch_amax(x_MK, None, _FUSED_AMAX_PROGRAMS)
+        amax = _launch_amax(x_MK, None, _AMAX_PROGRAMS)
     else:
         amax_out = None  # the operator leaves it alone when an amax is given
-    _launch_cast(
-        x_MK,
-        fp8_dtype,
-        rowwise_MK,
-        columnwise_KM,
-        scale=scale,
-        scale_inv=scale_inv,
-        amax=amax,
-        amax_out=amax_out,
-        power_2_scales=power_2_scales,
+    if scale is None:
+        scale = torch.empty((), dtype=torch.float32, device=x_MK.device)
+    launch(
+        _current_scale_kernel,
+        (1,),
+        amax,
+        amax.numel(),
+        scale,
+        scale_inv,
+        amax_out,
+        FP8_MAX[fp8_dtype],
+        POWER_2=power_2_scales,
+        BLOCK=1024,
+        num_warps=4,
+        **EXACT,
     )
+    _launch_cast(x_MK, fp8_dtype, rowwise_MK, columnwise_KM, scale)
 
 
 @register_kernel("quantize_fp8_delayed", "triton")
@@ -346,10 +357,10 @@ def _quantize_fp8_delayed(
         fp8_dtype,
         rowwise_MK,
         columnwise_KM,
-        scale=scale,
+        scale,
         scale_inv=scale_inv,
-        amax=amax,
         history=amax_history,
+        partials=amax is None,
         power_2_scales=power_2_scales,
         most_recent=amax_compute_algo == "most_recent",
         margin=margin,
