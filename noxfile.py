@@ -16,7 +16,9 @@ ROOT = pathlib.Path(__file__).parent
 # Lowest layer first: installing in this order lets pip resolve each package's siblings locally.
 PACKAGES = ("quant-core", "quant-tensors", "quant-fsdp", "quant-optim")
 TORCH_SPEC = os.environ.get("QUANT_TORCH_SPEC", "torch==2.13.0")
-TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "numpy")
+# triton: its CPU interpreter checks the CUDA kernels' indexing and integer numerics on machines
+# without a GPU (the tests/test_triton_*.py that are not marked cuda).
+TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "numpy", "triton>=3.6")
 
 nox.options.sessions = ["lint", "tests"]
 nox.options.default_venv_backend = "venv"
