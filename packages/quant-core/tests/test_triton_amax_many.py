@@ -5,16 +5,11 @@ Triton's CPU interpreter checks the kernel's indexing (fp32 inputs are exact the
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
 import quant_core
-from quant_core.testing import FLOAT_DTYPES, adversarial
+from quant_core.testing import FLOAT_DTYPES, adversarial, run_in_triton_interpreter
 
 triton_module = pytest.importorskip("quant_core._triton")
 
@@ -69,11 +64,7 @@ assert got.view(torch.int32).tolist() == want.view(torch.int32).tolist(), (got, 
 
 
 def test_kernel_equals_the_reference_in_the_triton_interpreter():
-    environment = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_INTERPRETED)], env=environment, capture_output=True, text=True
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_in_triton_interpreter(_INTERPRETED)
 
 
 @pytest.mark.cuda

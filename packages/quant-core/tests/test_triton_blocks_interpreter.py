@@ -9,18 +9,13 @@ the interpreter never takes) is checked by test_triton_blocks.py and scripts/swe
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
+
+from quant_core.testing import run_in_triton_interpreter
 
 pytest.importorskip("triton")
 
-# A file, not `python -c`: Triton reads a kernel's source. TRITON_INTERPRET is read when kernels
-# are defined, hence the fresh process.
+# Run from a file in a fresh process (`run_in_triton_interpreter`): the script defines a kernel.
 _SCRIPT = """
 import torch
 import triton
@@ -97,10 +92,5 @@ check("blockwise", TwoPassTiles(tile_k=128, chunk_m=32, store_m=128, num_warps=4
 """
 
 
-def test_two_pass_kernel_equals_the_reference_in_the_triton_interpreter(tmp_path: Path):
-    script = tmp_path / "interpreted.py"
-    script.write_text(textwrap.dedent(_SCRIPT))
-    run = subprocess.run(
-        [sys.executable, str(script)], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+def test_two_pass_kernel_equals_the_reference_in_the_triton_interpreter():
+    run_in_triton_interpreter(_SCRIPT)

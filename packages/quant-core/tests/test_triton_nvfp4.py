@@ -9,15 +9,12 @@ References run on CPU copies of the inputs (see test_triton_fp8.py for why).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
 import quant_core
-from quant_core.testing import FLOAT_DTYPES, adversarial
+from quant_core.testing import FLOAT_DTYPES, adversarial, run_in_triton_interpreter
 
 pytest.importorskip("triton")
 from quant_core import _triton_nvfp4  # after the skip: imports Triton
@@ -221,10 +218,7 @@ for block_rows, dtype in [(1, torch.float32), (16, torch.bfloat16), (1, torch.fl
 
 
 def test_new_kernels_index_like_the_reference_in_the_triton_interpreter():
-    environment = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = textwrap.dedent(_INTERPRETED).format(tests=os.path.dirname(__file__))
-    run = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_in_triton_interpreter(_INTERPRETED.format(tests=os.path.dirname(__file__)))
 
 
 @pytest.mark.cuda

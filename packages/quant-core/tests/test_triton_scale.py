@@ -6,16 +6,12 @@ without a GPU, Triton's CPU interpreter checks the kernels' indexing and NaN log
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
 import quant_core
-from quant_core.testing import FP8_DTYPES, adversarial, adversarial_amaxes, raw_bits
+from quant_core.testing import FP8_DTYPES, adversarial, adversarial_amaxes, raw_bits, run_in_triton_interpreter
 
 pytest.importorskip("triton")
 
@@ -110,11 +106,7 @@ for shape, columnwise in [((100, 700), True), ((9, 2000), False)]:
 
 
 def test_kernels_equal_the_reference_in_the_triton_interpreter():
-    environment = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_INTERPRETED)], env=environment, capture_output=True, text=True
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_in_triton_interpreter(_INTERPRETED)
 
 
 @pytest.mark.cuda

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
 
 import torch
 
@@ -101,3 +106,16 @@ def splitmix64_int(seed: int, index: int) -> int:
 def kernel_backends() -> tuple[Backend, ...]:
     """Every available backend except the reference, which they are all compared against."""
     return tuple(b for b in available_backends() if b != "reference")
+
+
+def run_in_triton_interpreter(source: str) -> None:
+    """Runs `source` (dedented) in a fresh Python process under TRITON_INTERPRET=1, which Triton
+    reads when kernels are defined, from a file (Triton reads a kernel's source text); raises
+    AssertionError with the end of its stderr if the process fails."""
+    with tempfile.TemporaryDirectory() as folder:
+        script = os.path.join(folder, "interpreted.py")
+        with open(script, "w") as file:
+            file.write(textwrap.dedent(source))
+        environment = {**os.environ, "TRITON_INTERPRET": "1"}
+        run = subprocess.run([sys.executable, script], env=environment, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
