@@ -34,8 +34,10 @@ SAVE_STEP, LAST_STEP = 5, 10
 # Known gaps outside quant-optim, written as strict xfails so that fixing them shows up here.
 DELAYED_HISTORY = pytest.mark.xfail(
     strict=True,
-    reason="delayed scaling's amax histories (weight, input and grad_output quantizers of qt.nn.Linear) are in "
-    "no state dict: a resumed run scales with fresh histories (quant-tensors: e.g. Linear.get_extra_state)",
+    reason="delayed scaling: the amax histories are module buffers now (saved and loaded with the model), yet a "
+    "run resumed on 2 ranks still differs from the uninterrupted one (first difference: embedding.weight after "
+    "the resumed steps); suspect: the quantized weights' quantizers after a DCP load are not bound to the "
+    "loaded history buffers, so FusedAdam's requantize pushes into other tensors (issue #17)",
 )
 LAYOUT_CHANGES = pytest.mark.xfail(
     strict=True,
