@@ -1,6 +1,7 @@
 """Profiles for the GPU machine (run from scripts/gpu-suite.sh's environment).
 
     python3 scripts/profile_gpu.py host [RECIPE ...]   # cProfile of qt.nn.Linear fwd+bwd, bf16 256^3
+    python3 scripts/profile_gpu.py ops [RECIPE ...]    # torch.profiler: ops and launches per fwd+bwd
     python3 scripts/profile_gpu.py kernels             # each quantize once at bf16 8192^2 (under ncu)
 
 `host` prints where the host time of one forward + backward goes (the functions with the most own
@@ -20,14 +21,22 @@ import quant_core
 import quant_tensors as qt
 
 
+SIZE = 256
+
+
+def _layer(name: str) -> torch.nn.Module:
+    layer = torch.nn.Linear(SIZE, SIZE, device="cuda", dtype=torch.bfloat16)
+    if name == "nn.Linear":
+        return layer
+    return qt.convert(torch.nn.Sequential(layer), qt.recipe_from_name(name))[0]
+
+
 def host(recipes: list[str]) -> None:
-    size, steps = 256, 200
-    x = torch.randn(size, size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    steps = 200
+    x = torch.randn(SIZE, SIZE, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(SIZE, SIZE, device="cuda", dtype=torch.bfloat16)
     for name in recipes:
-        layer = torch.nn.Linear(size, size, device="cuda", dtype=torch.bfloat16)
-        if name != "nn.Linear":
-            layer = qt.convert(torch.nn.Sequential(layer), qt.recipe_from_name(name))[0]
+        layer = _layer(name)
         for _ in range(5):
             layer(x).backward(dy)
         torch.cuda.synchronize()
@@ -41,6 +50,29 @@ def host(recipes: list[str]) -> None:
         calls = sum(entry[1] for entry in stats.stats.values()) / steps  # type: ignore[attr-defined]
         print(f"\n=== {name}: {stats.total_tt / steps * 1e6:.0f} us/step under cProfile, {calls:.0f} calls/step")  # type: ignore[attr-defined]
         stats.sort_stats("tottime").print_stats(28)
+
+
+def ops(recipes: list[str]) -> None:
+    """Per fwd+bwd: each op's calls and host (self CPU) time, and the CUDA kernels launched."""
+    steps = 20
+    x = torch.randn(SIZE, SIZE, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(SIZE, SIZE, device="cuda", dtype=torch.bfloat16)
+    for name in recipes:
+        layer = _layer(name)
+        for _ in range(5):
+            layer(x).backward(dy)
+        torch.cuda.synchronize()
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as profile:
+            for _ in range(steps):
+                layer(x).backward(dy)
+            torch.cuda.synchronize()
+        events = profile.key_averages()
+        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+        print(f"\n=== {name}: {launches / steps:.0f} kernel launches per fwd+bwd")
+        rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:30]
+        for e in rows:
+            print(f"{e.key[:60]:60s} {e.count / steps:6.1f} calls {e.self_cpu_time_total / steps:8.1f} us self")
 
 
 def kernels() -> None:
@@ -64,7 +96,10 @@ def kernels() -> None:
 
 
 if __name__ == "__main__":
+    recipes = sys.argv[2:] or ["nn.Linear", "fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4"]
     if sys.argv[1] == "host":
-        host(sys.argv[2:] or ["nn.Linear", "fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4"])
+        host(recipes)
+    elif sys.argv[1] == "ops":
+        ops(recipes)
     else:
         kernels()
