@@ -2,6 +2,7 @@
 
     python3 scripts/profile_gpu.py host [RECIPE ...]   # cProfile of qt.nn.Linear fwd+bwd, bf16 256^3
     python3 scripts/profile_gpu.py ops [RECIPE ...]    # torch.profiler: ops and launches per fwd+bwd
+    python3 scripts/profile_gpu.py parts               # host us of each piece of an fp8 fwd+bwd, timed alone
     python3 scripts/profile_gpu.py kernels             # each quantize once at bf16 8192^2 (under ncu)
 
 `host` prints where the host time of one forward + backward goes (the functions with the most own
@@ -14,12 +15,12 @@ from __future__ import annotations
 import cProfile
 import pstats
 import sys
+import time
 
 import torch
 
 import quant_core
 import quant_tensors as qt
-
 
 SIZE = 256
 
@@ -75,6 +76,45 @@ def ops(recipes: list[str]) -> None:
             print(f"{e.key[:60]:60s} {e.count / steps:6.1f} calls {e.self_cpu_time_total / steps:8.1f} us self")
 
 
+def parts() -> None:
+    """Host time of each piece of a per-tensor FP8 forward + backward, each timed alone in a loop."""
+    x = torch.randn(SIZE, SIZE, device="cuda", dtype=torch.bfloat16)
+    q = quant_core.quantize_fp8(x, rowwise=True, columnwise=True)
+    quantizer = qt.recipe_from_name("fp8").quantizer("input")
+    qx = quantizer.quantize(x, rowwise=True, columnwise=True)
+    one = torch.ones((), device="cuda")
+    xg = x.clone().requires_grad_(True)
+    plain, fp8 = _layer("nn.Linear"), _layer("fp8")
+    pieces = {
+        "torch.empty(())": lambda: torch.empty((), device="cuda"),
+        "torch.empty(256, 256)": lambda: torch.empty(SIZE, SIZE, device="cuda", dtype=torch.float8_e4m3fn),
+        "x.abs() (one aten kernel)": lambda: x.abs(),
+        "torch._scaled_mm": lambda: torch._scaled_mm(
+            q.rowwise_data, q.columnwise_data.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16
+        ),
+        "quant_core.amax": lambda: quant_core.amax(x),
+        "quant_core.quantize_fp8 rowwise": lambda: quant_core.quantize_fp8(x),
+        "quant_core.quantize_fp8 both": lambda: quant_core.quantize_fp8(x, rowwise=True, columnwise=True),
+        "quantizer.quantize both": lambda: quantizer.quantize(x, rowwise=True, columnwise=True),
+        "qt.ops.scaled_mm": lambda: qt.ops.scaled_mm(qx, qx, torch.bfloat16),
+        "nn.Linear fwd+bwd": lambda: plain(xg).backward(x),
+        "qt.nn.Linear fp8 fwd": lambda: fp8(xg),
+        "qt.nn.Linear fp8 fwd+bwd": lambda: fp8(xg).backward(x),
+    }
+    for name, piece in pieces.items():
+        for _ in range(20):
+            piece()
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(200):
+                piece()
+            samples.append((time.perf_counter() - start) / 200 * 1e6)
+            torch.cuda.synchronize()
+        print(f"{name:40s} {sorted(samples)[2]:8.1f} us host")
+
+
 def kernels() -> None:
     x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     amax = quant_core.amax(x)
@@ -101,5 +141,7 @@ if __name__ == "__main__":
         host(recipes)
     elif sys.argv[1] == "ops":
         ops(recipes)
+    elif sys.argv[1] == "parts":
+        parts()
     else:
         kernels()

@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 from triton import knobs
-from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_compiled: dict[tuple[Any, ...], Any] = {}
+# key -> (compiled kernel, the values of its parameters after the positional ones)
+_compiled: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
 
 
 def _specialization(value: object) -> object:
@@ -56,32 +56,32 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any
     if _INTERPRETED:
         kernel[grid](*args, **kwargs)
         return
-    device = driver.active.get_current_device()
+    # torch's own calls behind Triton's driver.active.get_current_device / get_current_stream
+    device = torch._C._cuda_getDevice()
     # kwargs (constexprs and options) are constants of each call site: keyed by value, in order.
     key = (id(kernel), device, *kwargs.items(), *map(_specialization, args))  # kernels are module globals
-    compiled = _compiled.get(key)
-    if compiled is None:
+    entry = _compiled.get(key)
+    if entry is None:
         if any(param.is_constexpr for param in kernel.params[: len(args)]):
             # Positional args are keyed by their specialization, which a constexpr's value exceeds.
             raise TypeError(f"pass the constexpr parameters of {kernel.__name__} by keyword")
         compiled = kernel[grid](*args, **kwargs)
-        _compiled[key] = compiled
+        _compiled[key] = (compiled, tuple(kwargs[name] for name in kernel.arg_names[len(args) :]))
         return
-    values = [*args, *(kwargs[name] for name in kernel.arg_names[len(args) :])]
-    stream = driver.active.get_current_stream(device)
-    grid_1 = grid[1] if len(grid) > 1 else 1
-    grid_2 = grid[2] if len(grid) > 2 else 1
+    compiled, constexprs = entry
+    stream = torch._C._cuda_getCurrentRawStream(device)
     enter_hook = knobs.runtime.launch_enter_hook
-    metadata = compiled.launch_metadata(grid, stream, *values) if enter_hook is not None else None
+    metadata = compiled.launch_metadata(grid, stream, *args, *constexprs) if enter_hook is not None else None
     compiled.run(
         grid[0],
-        grid_1,
-        grid_2,
+        grid[1] if len(grid) > 1 else 1,
+        grid[2] if len(grid) > 2 else 1,
         stream,
         compiled.function,
         compiled.packed_metadata,
         metadata,
         enter_hook,
         knobs.runtime.launch_exit_hook,
-        *values,
+        *args,
+        *constexprs,
     )
