@@ -187,14 +187,14 @@ def _not_lm_head(module: torch.nn.Module, name: str) -> bool:
     return name != "lm_head"
 
 
-def _optimizer_step(
-    model: torch.nn.Module, spec: RunSpec, device: torch.device
-) -> tuple[torch.optim.Optimizer, Callable[[], None]]:
+def _optimizer_step(model: torch.nn.Module, spec: RunSpec, device: torch.device) -> tuple[torch.optim.Optimizer, Callable[[], None]]:
     """(optimizer, step): AdamW over the parameters, or over the fp32 masters of quantized weights."""
-    masters = MasterWeights(model) if spec.quantized_weights else None
-    parameters = model.parameters() if masters is None else masters.parameters
-    optimizer = torch.optim.AdamW(parameters, lr=LEARNING_RATE, weight_decay=0.0, fused=device.type == "cuda")
-    return optimizer, optimizer.step if masters is None else lambda: masters.step(optimizer)
+    if not spec.quantized_weights:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0, fused=device.type == "cuda")
+        return optimizer, optimizer.step
+    masters = MasterWeights(model)
+    optimizer = torch.optim.AdamW(masters.parameters, lr=LEARNING_RATE, weight_decay=0.0, fused=device.type == "cuda")
+    return optimizer, lambda: masters.step(optimizer)
 
 
 def build_run(
