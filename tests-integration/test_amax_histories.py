@@ -1,10 +1,15 @@
 """Delayed scaling under FSDP2 on 2 gloo ranks: every rank holds the same amax histories, the
-maximum over ranks of what each measured ([Note: shared amax histories] in quant_fsdp._amax)."""
+maximum over ranks of what each measured ([Note: shared amax histories] in quant_fsdp._amax), in
+training and in the state dict, so a run saved with torch.distributed.checkpoint resumes bitwise."""
 
 from __future__ import annotations
 
+import pathlib
+
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 import quant_core
 import quant_fsdp
@@ -50,3 +55,80 @@ def _histories_agree_and_hold_the_maximum(rank: int, world_size: int) -> None:
 
 def test_delayed_histories_are_reduced_over_the_data_parallel_group():
     run_ranks(_histories_agree_and_hold_the_maximum, 2)
+
+
+# ---- the state dict holds the synced histories -------------------------------------------------------
+
+
+def _sharded_delayed_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = qt.convert(
+        torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)),
+        qt.Float8DelayedScaling(amax_history_len=4),
+        quantized_weights=False,
+    )
+    quant_fsdp.fully_shard(model[0])
+    quant_fsdp.fully_shard(model)
+    return model
+
+
+def _train_step(model: torch.nn.Module, rank: int, world_size: int, step: int) -> torch.Tensor:
+    # Rank 1 measures the larger input amaxes, rank 0 the larger grad_output amaxes: whichever
+    # rank's copy of a history a checkpoint keeps, it lacks the other rank's newest amaxes unless
+    # the histories are synced before they are saved.
+    out = model(_inputs(rank, step))
+    (out.sum() * (world_size - rank)).backward()
+    return out.detach()
+
+
+def _histories(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: b for name, b in model.named_buffers() if name.endswith("_quantizer_state")}
+
+
+def _everyone(t: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+    gathered = [torch.empty_like(t) for _ in range(world_size)]
+    dist.all_gather(gathered, t.contiguous())
+    return gathered
+
+
+def _state_dict_holds_synced_histories(rank: int, world_size: int, directory: pathlib.Path) -> None:
+    model = _sharded_delayed_model()
+    for step in range(STEPS):
+        _train_step(model, rank, world_size, step)
+    # The newest input and grad_output amaxes are each rank's own until the next forward's sync.
+    local = torch.stack(list(_histories(model).values())).clone()
+    everyone = _everyone(local, world_size)
+    assert not all(torch.equal(e, everyone[0]) for e in everyone)
+    expected = torch.stack(everyone).amax(dim=0)
+
+    calls = []
+    original = dist.all_reduce
+    dist.all_reduce = lambda t, *a, **k: (calls.append(t.numel()), original(t, *a, **k))[1]  # type: ignore[assignment]
+    try:
+        state = get_model_state_dict(model)
+    finally:
+        dist.all_reduce = original
+    # One all-reduce per sharded module, of the histories it holds outside the inner sharded one:
+    # the root's of model[1], then model[0]'s (3 roles x amax_history_len values each).
+    assert calls == [3 * 4, 3 * 4], calls
+    saved = torch.stack([state[name] for name in _histories(model)])
+    assert torch.equal(saved, expected)
+    assert torch.equal(torch.stack(list(_histories(model).values())), expected)
+
+    # Saved with DCP, loaded into a fresh model, the next step equals the uninterrupted one bitwise.
+    dcp.save({"model": state}, checkpoint_id=directory)
+    want_out = _train_step(model, rank, world_size, STEPS)
+    want = torch.stack(list(_histories(model).values()))
+
+    resumed = _sharded_delayed_model()
+    loaded = {"model": get_model_state_dict(resumed)}
+    dcp.load(loaded, checkpoint_id=directory)
+    set_model_state_dict(resumed, loaded["model"])
+    assert torch.equal(torch.stack(list(_histories(resumed).values())), expected)
+    got_out = _train_step(resumed, rank, world_size, STEPS)
+    assert torch.equal(got_out, want_out)
+    assert torch.equal(torch.stack(list(_histories(resumed).values())), want)
+
+
+def test_state_dict_holds_the_histories_synced_over_ranks_and_resumes_bitwise(tmp_path):
+    run_ranks(_state_dict_holds_synced_histories, 2, tmp_path / "checkpoint")

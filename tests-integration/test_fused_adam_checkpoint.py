@@ -31,14 +31,7 @@ CONFIG = TransformerConfig(vocab=128, hidden=128, layers=2, heads=2, sequence=32
 BATCH = 8
 SAVE_STEP, LAST_STEP = 5, 10
 
-# Known gaps outside quant-optim, written as strict xfails so that fixing them shows up here.
-DELAYED_HISTORY = pytest.mark.xfail(
-    strict=True,
-    reason="delayed scaling: the amax histories are module buffers now (saved and loaded with the model), yet a "
-    "run resumed on 2 ranks still differs from the uninterrupted one (first difference: embedding.weight after "
-    "the resumed steps); suspect: the quantized weights' quantizers after a DCP load are not bound to the "
-    "loaded history buffers, so FusedAdam's requantize pushes into other tensors (issue #17)",
-)
+# A known gap outside quant-optim, written as a strict xfail so that fixing it shows up here.
 LAYOUT_CHANGES = pytest.mark.xfail(
     strict=True,
     reason="blockwise FP8 weights change form with the world size: a shard that splits 128-row blocks stays fp32 "
@@ -150,10 +143,7 @@ def _resume(rank: int, world_size: int, directory: pathlib.Path, recipe_name: st
     assert all(float(optimizer.state[p]["step"]) == LAST_STEP for p in model.parameters())
 
 
-@pytest.mark.parametrize(
-    "recipe_name",
-    [pytest.param(r, marks={"fp8-delayed": DELAYED_HISTORY}.get(r, ())) for r in RECIPES],
-)
+@pytest.mark.parametrize("recipe_name", RECIPES)
 def test_resume_on_two_ranks_continues_bitwise(checkpoints, recipe_name):
     run_ranks(_resume, 2, checkpoints / recipe_name, recipe_name)
 

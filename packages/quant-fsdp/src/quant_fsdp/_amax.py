@@ -3,7 +3,8 @@ histories (`sync_amax_histories_`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import weakref
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -52,17 +53,32 @@ def sync_amax_(params: Iterable[torch.Tensor], group: dist.ProcessGroup | None =
 # history of a module in one collective, so every rank holds the same histories (what
 # TransformerEngine does). quant_fsdp.fully_shard syncs before the forward of the outermost sharded
 # module (the root): the whole model in one all-reduce per step; inner sharded modules skip.
+# Between steps the newest entries (the input amaxes of the last forward, the grad_output amaxes
+# of the last backward) are still each rank's own until the next forward's sync. A state dict
+# treats buffers as replicated (torch.distributed.checkpoint saves one rank's copy and loads it
+# on every rank), so each sharded module's state_dict pre-hook syncs the histories first: the
+# saved history is the one the next forward would have used, and syncing again there changes
+# nothing (MAX is idempotent), so a resumed run continues bitwise.
 
 
-def amax_histories(module: torch.nn.Module) -> list[torch.Tensor]:
-    """The delayed-scaling amax histories of every qt.nn.Linear in `module` (its state buffers)."""
+def amax_histories(module: torch.nn.Module, *, skip: Collection[torch.nn.Module] = ()) -> list[torch.Tensor]:
+    """The delayed-scaling amax histories of every qt.nn.Linear in `module` (its state buffers),
+    leaving out the subtrees of the modules in `skip` (other than `module` itself)."""
     return [
         layer.get_buffer(f"{role}_quantizer_state")
-        for layer in module.modules()
+        for layer in _modules_outside(module, skip)
         if isinstance(layer, qt.nn.Linear)
         for role in qt.ROLES
         if isinstance(getattr(layer, f"{role}_quantizer"), qt.Float8DelayedQuantizer)
     ]
+
+
+def _modules_outside(module: torch.nn.Module, skip: Collection[torch.nn.Module]) -> Iterator[torch.nn.Module]:
+    """`module` and its submodules, leaving out the subtrees rooted at submodules in `skip`."""
+    yield module
+    for child in module.children():
+        if child not in skip:
+            yield from _modules_outside(child, skip)
 
 
 def sync_amax_histories_(
@@ -87,12 +103,21 @@ def _all_reduce_max(histories: list[torch.Tensor], groups: Any) -> int:
     return len(histories)
 
 
+_HOOKED_MODULES: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # the modules a HistorySyncHook serves
+
+
 class HistorySyncHook:
     """Forward pre- and post-hooks of a sharded module: the outermost sharded module whose forward
     starts syncs the histories of its whole subtree ([Note: shared amax histories]); sharded modules
     inside its forward skip. Every rank runs the same modules, so all ranks agree on whether to
     communicate. (Version counters cannot tell what changed: quant-core operators write histories
-    through pointers.)"""
+    through pointers.)
+
+    A state_dict pre-hook syncs the histories the module's state dict holds before they are read:
+    those of its subtree outside nested modules with a hook of their own (those sync theirs when
+    state_dict reaches them), so every history is synced once per state_dict call on a sharded
+    module or an ancestor of one, without state kept between calls. Every rank must call it (as
+    torch.distributed.checkpoint and get_state_dict do)."""
 
     _running = 0  # sharded modules whose forward is running, across all hooks
 
@@ -102,6 +127,11 @@ class HistorySyncHook:
     def register(self, module: torch.nn.Module) -> None:
         module.register_forward_pre_hook(self.before)
         module.register_forward_hook(self.after, always_call=True)
+        module.register_state_dict_pre_hook(self.before_state_dict)
+        _HOOKED_MODULES.add(module)
+
+    def before_state_dict(self, module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+        _all_reduce_max(amax_histories(module, skip=_HOOKED_MODULES), self.groups)
 
     @torch.compiler.disable  # communication between compiled blocks, as FSDP2's own hooks
     def before(self, module: torch.nn.Module, args: Any) -> None:
