@@ -98,7 +98,8 @@ def quantize_fp8(
         x: fp32/bf16/fp16 tensor with at least one dim.
         fp8_dtype: torch.float8_e4m3fn (max 448) or torch.float8_e5m2 (max 57344).
         power_2_scales: round the scale down to a power of two.
-        rowwise / columnwise: which layouts to write; both come from one pass over x.
+        rowwise: write the rowwise layout (x as it is).
+        columnwise: write the columnwise layout (x^T); both come from one pass over x.
         amax: one-element fp32 tensor on x's device to scale with instead of x's own amax.
     """
     if not (rowwise or columnwise):
@@ -236,7 +237,8 @@ def quantize_fp8_delayed(
         margin: int in [-126, 127]; the scale is divided by 2^margin.
         power_2_scales: round the scale down to a power of two.
         amax_compute_algo: "max" (of the history) or "most_recent" (its entry 0).
-        rowwise / columnwise: which layouts to write; both come from one pass over x.
+        rowwise: write the rowwise layout (x as it is).
+        columnwise: write the columnwise layout (x^T); both come from one pass over x.
         amax: one-element fp32 tensor on x's device to push instead of x's own amax.
     Returns:
         The codes, the scale used, and the amax pushed.

@@ -140,7 +140,8 @@ class Quantizer:
                 (e.g. the all-reduced amax of a sharded tensor).
             state: a stateful quantizer's state to read and update in place instead of the bound
                 one ([Note: quantizer configuration and bindings]).
-            rowwise, columnwise: the usages of this call (default: the configured ones).
+            rowwise: make rowwise data in this call (default: the configured usage).
+            columnwise: make columnwise data in this call (default: the configured usage).
         """
         self._check_input(x)
         rowwise, columnwise = self.usages_for(rowwise, columnwise)
