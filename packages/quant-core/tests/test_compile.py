@@ -203,3 +203,32 @@ def test_inductor_scale_arithmetic_equals_eager_and_the_seed_is_not_specialized(
         outputs.append(got[2].rowwise_data)
     assert counter.frame_count == 1
     assert not torch.equal(outputs[0], outputs[1])
+
+
+# [Note: traced Triton kernels]: on CUDA, Inductor launches the per-tensor FP8 Triton kernels
+# from its own generated code (no quant_core operator left in it), bit for bit like eager, and
+# delayed scaling's history advances in place step after step.
+@pytest.mark.cuda
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_inductor_launches_the_fp8_triton_kernels_itself_and_equals_eager():
+    from torch._inductor.utils import run_and_get_code
+
+    def quantize(x: torch.Tensor, history: torch.Tensor) -> object:
+        current = quant_core.quantize_fp8(x, E4M3, rowwise=True, columnwise=True)
+        delayed = quant_core.quantize_fp8_delayed(x, history, E5M2, margin=1, columnwise=True)
+        given = quant_core.quantize_fp8(x, E5M2, amax=quant_core.amax(x) * 2)
+        return current, delayed, given
+
+    compiled = torch.compile(quantize, fullgraph=True)
+    history, eager_history = torch.zeros(4, device="cuda"), torch.zeros(4, device="cuda")
+    for step in range(3):
+        # (200, 328): partial tiles in both dims; growing values move the delayed scale.
+        x = adversarial((200, 328), torch.bfloat16, seed=step).cuda() * 4.0**step
+        got, code = run_and_get_code(compiled, x, history)
+        assert_bitwise_equal(got, quantize(x, eager_history))
+        assert_bitwise_equal(history, eager_history)
+        if step == 0:
+            source = "\n".join(code)
+            assert "torch.ops.quant_core" not in source  # no opaque operator call left
+            assert "_cast_kernel" in source
+            assert "_amax_kernel" in source

@@ -48,13 +48,18 @@ _forced: contextvars.ContextVar[Backend | None] = contextvars.ContextVar("quant_
 # since, keyed by (op, device type, backend forced by use_backend).
 _environment: str | None = None
 _resolved: dict[tuple[str, str, Backend | None], Callable[..., Any]] = {}
+_traceable: set[tuple[str, Backend]] = set()  # (op, backend) of kernels registered traceable
 
 
-def register_kernel(op: str, backend: Backend) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def register_kernel(
+    op: str, backend: Backend, *, traceable: bool = False
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Registers the decorated function as `backend`'s kernel for `op`; registering twice raises.
 
     The function is returned unchanged. Reference kernels are registered to run under
     `torch.no_grad()`: every backend's outputs are plain, non-differentiable tensors.
+    `traceable`: torch.compile may trace the kernel's host code instead of keeping the operator
+    opaque ([Note: traced Triton kernels] in quant_core._ops).
     """
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -62,10 +67,17 @@ def register_kernel(op: str, backend: Backend) -> Callable[[Callable[..., Any]],
         if backend in impls:
             raise RuntimeError(f"op {op!r} already has a {backend} kernel ({impls[backend].__qualname__})")
         impls[backend] = torch.no_grad()(fn) if backend == "reference" else fn
+        if traceable:
+            _traceable.add((op, backend))
         _resolved.clear()
         return fn
 
     return decorate
+
+
+def is_traceable(op: str, device: torch.device) -> bool:
+    """Whether the kernel that runs `op` on `device` was registered `traceable`."""
+    return (op, selected_backend(op, device)) in _traceable
 
 
 def reload_backend_env() -> None:

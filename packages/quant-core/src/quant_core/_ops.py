@@ -29,6 +29,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+from quant_core import _backend
 
 NAMESPACE = "quant_core"
 _library = torch.library.Library(NAMESPACE, "DEF")
@@ -56,6 +59,9 @@ def define_op(
         )
         _library.impl(name, torch.library.fallthrough_kernel, "Autograd")
         torch.library.register_fake(f"{NAMESPACE}::{name}", fake or _no_outputs, lib=_library)
+        torch.library.register_torch_dispatch(
+            f"{NAMESPACE}::{name}", FunctionalTensorMode, _traced_where_traceable(name, impl), lib=_library
+        )
         OPERATORS.append(name)
         return impl
 
@@ -84,3 +90,21 @@ def _bumping_versions(impl: Callable[..., Any], mutates_args: Sequence[str]) -> 
 
 def _no_outputs(*args: object) -> None:
     return None
+
+
+# [Note: traced Triton kernels] Under torch.compile, AOTAutograd functionalizes the graph; an
+# operator whose kernel for the tensors' device was registered `traceable` (`register_kernel`)
+# is not kept as one opaque node there: its implementation runs under the FunctionalTensorMode,
+# so its allocations become graph ops and its Triton launches (`_triton_launch.launch`) become
+# `wrap_triton` calls, which Inductor compiles and launches from its generated code, without
+# quant_core's Python in between (what `torch.library.triton_op` does for an operator of its
+# own). Other kernels (C++, the references, Triton kernels not marked) stay opaque operators.
+def _traced_where_traceable(name: str, impl: Callable[..., Any]) -> Callable[..., Any]:
+    def rule(mode: FunctionalTensorMode, op: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        if device is None or not _backend.is_traceable(name, device):
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        with mode:
+            return impl(*args, **kwargs)
+
+    return rule

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from quant_core._backend import register_kernel
-from quant_core._fp8_quantize import composed_quantize_fp8, composed_quantize_fp8_delayed
+from quant_core._fp8_quantize import composed_quantize_fp8, composed_quantize_fp8_delayed, new_scalar
 from quant_core._fp8_scale import FP8_MAX
 from quant_core._triton_launch import cdiv, launch
 from quant_core._triton_numerics import (
@@ -105,7 +105,7 @@ def _launch_amax(x_MK: torch.Tensor, out: torch.Tensor | None, programs: int) ->
     return out
 
 
-@register_kernel("amax", "triton")
+@register_kernel("amax", "triton", traceable=True)
 def _amax(x_MK: torch.Tensor) -> torch.Tensor:
     return _launch_amax(x_MK, torch.zeros((), dtype=torch.float32, device=x_MK.device), _AMAX_PROGRAMS)
 
@@ -263,7 +263,7 @@ def _launch_cast(
     return tile_amaxes
 
 
-@register_kernel("cast_to_fp8", "triton")
+@register_kernel("cast_to_fp8", "triton", traceable=True)
 def _cast_to_fp8(
     x_MK: torch.Tensor,
     scale: torch.Tensor,
@@ -274,7 +274,7 @@ def _cast_to_fp8(
     _launch_cast(x_MK, fp8_dtype, rowwise_MK, columnwise_KM, scale)
 
 
-@register_kernel("quantize_fp8", "triton")
+@register_kernel("quantize_fp8", "triton", traceable=True)
 def _quantize_fp8(
     x_MK: torch.Tensor,
     amax: torch.Tensor | None,
@@ -303,7 +303,7 @@ def _quantize_fp8(
     else:
         amax_out = None  # the operator leaves it alone when an amax is given
     if scale is None:
-        scale = torch.empty((), dtype=torch.float32, device=x_MK.device)
+        scale = new_scalar(x_MK.device)
     launch(
         _current_scale_kernel,
         (1,),
@@ -321,7 +321,7 @@ def _quantize_fp8(
     _launch_cast(x_MK, fp8_dtype, rowwise_MK, columnwise_KM, scale)
 
 
-@register_kernel("quantize_fp8_delayed", "triton")
+@register_kernel("quantize_fp8_delayed", "triton", traceable=True)
 def _quantize_fp8_delayed(
     x_MK: torch.Tensor,
     amax: torch.Tensor | None,

@@ -19,6 +19,8 @@ import os
 from typing import Any
 
 import torch
+from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.library import wrap_triton
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
@@ -55,6 +57,9 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any
     (num_warps, enable_fp_fusion, ...)."""
     if _INTERPRETED:
         kernel[grid](*args, **kwargs)
+        return
+    if any(isinstance(a, FunctionalTensor) for a in args):  # [Note: traced Triton kernels] in quant_core._ops
+        wrap_triton(kernel)[grid](*args, **kwargs)
         return
     # torch's own calls behind Triton's driver.active.get_current_device / get_current_stream
     device = torch._C._cuda_getDevice()

@@ -20,8 +20,13 @@ _SCALE_BLOCK = 128
 
 @triton.jit
 def scale_of(amax, fmax, divisor, POWER_2: tl.constexpr):
-    """(scale, scale_inv) of fp32 amax, the mirror of csrc/scale.cpp `scale_of`."""
-    quotient = tl.div_rn(tl.div_rn(tl.zeros_like(amax) + fmax, amax), tl.zeros_like(amax) + divisor)
+    """(scale, scale_inv) of fp32 amax, the mirror of csrc/scale.cpp `scale_of`.
+
+    fmax and divisor (powers of two and FP8 maxima: exact in fp32) may arrive as fp64 scalars:
+    Inductor types a kernel's float arguments fp64 where Triton types them fp32."""
+    fmax_f32 = (tl.zeros_like(amax) + fmax).to(tl.float32)
+    divisor_f32 = (tl.zeros_like(amax) + divisor).to(tl.float32)
+    quotient = tl.div_rn(tl.div_rn(fmax_f32, amax), divisor_f32)
     scale = tl.where(amax > 0.0, quotient, 1.0)
     scale = tl.where(scale > 3.4028234663852886e38, 3.4028234663852886e38, scale)
     if POWER_2:
