@@ -26,24 +26,25 @@ def _per_tensor_cast(x: torch.Tensor, seed: torch.Tensor) -> object:
 
 
 def _delayed(x: torch.Tensor, seed: torch.Tensor) -> object:
-    history = torch.tensor([3.0, 700.0, 0.0])
+    history = torch.tensor([3.0, 700.0, 0.0], device=x.device)
     scale, _ = quant_core.fp8_scale(quant_core.amax_from_history(history), E5M2, margin=1, power_2_scales=True)
     codes = quant_core.cast_to_fp8(x, scale, E5M2)
     return codes, quant_core.push_amax_(history, quant_core.amax(x))
 
 
 def _delayed_in_one_operator(x: torch.Tensor, seed: torch.Tensor) -> object:
-    history = torch.tensor([3.0, 700.0, 0.0])
+    history = torch.tensor([3.0, 700.0, 0.0], device=x.device)
     scale, scale_inv = quant_core.delayed_fp8_scale_(history, quant_core.amax(x), E5M2, margin=-2)
     return quant_core.cast_to_fp8(x, scale, E5M2), scale_inv, history
 
 
 def _quantize_into(x: torch.Tensor, seed: torch.Tensor) -> object:
-    rowwise, scale_inv = torch.empty(x.shape, dtype=E4M3), torch.empty(())
-    quant_core.quantize_fp8_into(x, E4M3, rowwise_out=rowwise, scale_inv_out=scale_inv, amax=torch.tensor(100.0))
-    history = torch.zeros(4)
-    columnwise = torch.empty(x.shape[::-1], dtype=E5M2)
-    delayed_scale_inv = torch.empty(())
+    rowwise, scale_inv = torch.empty(x.shape, dtype=E4M3, device=x.device), torch.empty((), device=x.device)
+    amax = torch.tensor(100.0, device=x.device)
+    quant_core.quantize_fp8_into(x, E4M3, rowwise_out=rowwise, scale_inv_out=scale_inv, amax=amax)
+    history = torch.zeros(4, device=x.device)
+    columnwise = torch.empty(x.shape[::-1], dtype=E5M2, device=x.device)
+    delayed_scale_inv = torch.empty((), device=x.device)
     quant_core.quantize_fp8_delayed_into(
         x, history, E5M2, columnwise_out=columnwise, scale_inv_out=delayed_scale_inv, power_2_scales=True
     )
@@ -205,7 +206,20 @@ def test_inductor_scale_arithmetic_equals_eager_and_the_seed_is_not_specialized(
     assert not torch.equal(outputs[0], outputs[1])
 
 
-# [Note: traced Triton kernels]: on CUDA, Inductor launches the per-tensor FP8 Triton kernels
+# [Note: traced Triton kernels]: on CUDA, Inductor traces every quant-core Triton kernel marked
+# traceable into its own code; what it computes is eager's, bit for bit.
+@pytest.mark.cuda
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("name", CASES)
+def test_inductor_on_cuda_equals_eager(name):
+    x = adversarial((64, 160), torch.bfloat16, seed=len(name)).cuda()
+    seed = torch.tensor(2**62 + 1, device="cuda")
+    torch._dynamo.reset()
+    got = torch.compile(CASES[name], fullgraph=True)(x, seed)
+    assert_bitwise_equal(got, CASES[name](x, seed))
+
+
+# On CUDA, Inductor launches the per-tensor FP8 Triton kernels
 # from its own generated code (no quant_core operator left in it), bit for bit like eager, and
 # delayed scaling's history advances in place step after step.
 @pytest.mark.cuda

@@ -419,7 +419,7 @@ def _launch_quantize(
     )
 
 
-@register_kernel("quantize_fp8_blockwise", "triton")
+@register_kernel("quantize_fp8_blockwise", "triton", traceable=True)
 def _quantize_fp8_blockwise(
     x_MK: torch.Tensor, block_rows: int, fp8_dtype: torch.dtype, power_2_scales: bool, *buffers: torch.Tensor | None
 ) -> None:
@@ -429,7 +429,7 @@ def _quantize_fp8_blockwise(
     _launch_quantize(x_MK, buffers, block=128, two_d=two_d, scale_rule=rule, fp8_dtype=fp8_dtype, tiles=tiles)
 
 
-@register_kernel("quantize_mxfp8", "triton")
+@register_kernel("quantize_mxfp8", "triton", traceable=True)
 def _quantize_mxfp8(x_MK: torch.Tensor, *buffers: torch.Tensor | None) -> None:
     tiles = MXFP8_ROWWISE_TILES if buffers[2] is None else MXFP8_TILES
     _launch_quantize(
@@ -492,13 +492,13 @@ def _launch_dequantize(
     )
 
 
-@register_kernel("dequantize_fp8_blockwise", "triton")
+@register_kernel("dequantize_fp8_blockwise", "triton", traceable=True)
 def _dequantize_fp8_blockwise(
     data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, out_2d: torch.Tensor
 ) -> None:
     _launch_dequantize(data_2d, scale_inv, out_2d, block_rows=block_rows, block=128)
 
 
-@register_kernel("dequantize_mxfp8", "triton")
+@register_kernel("dequantize_mxfp8", "triton", traceable=True)
 def _dequantize_mxfp8(data_2d: torch.Tensor, scale_inv: torch.Tensor, out_2d: torch.Tensor) -> None:
     _launch_dequantize(data_2d, scale_inv, out_2d, block_rows=1, block=32)

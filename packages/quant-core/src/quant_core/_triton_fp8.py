@@ -396,7 +396,7 @@ def _dequantize_fp8_kernel(
     store_values(out_ptr, offsets, decode_fp8(codes, E4M3, HARDWARE) * tl.load(scale_inv_ptr), mask)
 
 
-@register_kernel("dequantize_fp8", "triton")
+@register_kernel("dequantize_fp8", "triton", traceable=True)
 def _dequantize_fp8(data_MK: torch.Tensor, scale_inv: torch.Tensor, out_MK: torch.Tensor) -> None:
     n = data_MK.numel()
     launch(
@@ -425,7 +425,7 @@ def _transpose_bytes_kernel(data_ptr, out_ptr, M, K, stride_m, stride_k, TILE_M:
     tl.store(out_ptr + (cols * M)[:, None] + rows[None, :], tl.trans(data_MK), mask=tl.trans(mask_MK))
 
 
-@register_kernel("transpose_bytes", "triton")
+@register_kernel("transpose_bytes", "triton", traceable=True)
 def _transpose_bytes(data_MK: torch.Tensor, out_KM: torch.Tensor) -> None:
     M, K = data_MK.shape
     tiles = TRANSPOSE_TILES

@@ -425,7 +425,7 @@ def launch_quantize(
     )
 
 
-@register_kernel("quantize_nvfp4", "triton")
+@register_kernel("quantize_nvfp4", "triton", traceable=True)
 def _quantize_nvfp4(
     x_MK: torch.Tensor,
     block_rows: int,
@@ -557,7 +557,7 @@ def launch_dequantize(
     )
 
 
-@register_kernel("dequantize_nvfp4", "triton")
+@register_kernel("dequantize_nvfp4", "triton", traceable=True)
 def _dequantize_nvfp4(
     data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, tensor_scale: torch.Tensor, out_2d: torch.Tensor
 ) -> None:
@@ -586,7 +586,7 @@ def _transpose_nvfp4_kernel(packed_ptr, out_ptr, M, K, stride_m, stride_k, TILE_
     tl.store(out_ptr + offsets_CR + M // 2, tl.trans(high_nibbles_RC), mask=tl.trans(mask_RC))
 
 
-@register_kernel("transpose_nvfp4", "triton")
+@register_kernel("transpose_nvfp4", "triton", traceable=True)
 def _transpose_nvfp4(packed_MK: torch.Tensor, out_KM: torch.Tensor) -> None:
     M, K = packed_MK.shape[0], packed_MK.shape[1] * 2
     tiles = TRANSPOSE_TILES
@@ -641,7 +641,7 @@ def _hadamard_kernel(
     store_values(out_ptr, (rows * K)[:, None] + cols[None, :], out_MK, mask_MK)
 
 
-@register_kernel("hadamard_transform_16", "triton")
+@register_kernel("hadamard_transform_16", "triton", traceable=True)
 def _hadamard_transform_16(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) -> None:
     M, K = x_MK.shape
     tiles = HADAMARD_TILES

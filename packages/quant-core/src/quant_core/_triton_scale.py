@@ -44,7 +44,7 @@ def _fp8_scale_kernel(amax_ptr, scale_ptr, scale_inv_ptr, n, fmax, divisor, POWE
     tl.store(scale_inv_ptr + offsets, scale_inv, mask=mask)
 
 
-@register_kernel("fp8_scale", "triton")
+@register_kernel("fp8_scale", "triton", traceable=True)
 def _fp8_scale(
     amax: torch.Tensor, fmax: float, margin: int, power_2_scales: bool, scale: torch.Tensor, scale_inv: torch.Tensor
 ) -> None:
@@ -111,7 +111,7 @@ def _delayed_fp8_scale_kernel(
     push_amax(history_ptr, history, length, tl.load(amax_ptr), BLOCK)
 
 
-@register_kernel("delayed_fp8_scale", "triton")
+@register_kernel("delayed_fp8_scale", "triton", traceable=True)
 def _delayed_fp8_scale(
     amax_history: torch.Tensor,
     amax: torch.Tensor,
