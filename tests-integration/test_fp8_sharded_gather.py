@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import quant_core
-from quant_core.testing import adversarial, run_ranks
+from quant_core.testing import SharedWorld, adversarial, run_shared_world
 
 
 def _gather_quantized_shards(rank: int, world_size: int, fp8_dtype: torch.dtype, power_2_scales: bool) -> None:
@@ -34,7 +34,15 @@ def _gather_quantized_shards(rank: int, world_size: int, fp8_dtype: torch.dtype,
     assert torch.equal(torch.cat(columnwise_parts, dim=1), expected.columnwise_data.view(torch.uint8))
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-@pytest.mark.parametrize(("fp8_dtype", "power_2_scales"), [(torch.float8_e4m3fn, False), (torch.float8_e5m2, True)])
-def test_sharded_quantize_then_gather_equals_unsharded(world_size, fp8_dtype, power_2_scales):
-    run_ranks(_gather_quantized_shards, world_size, fp8_dtype, power_2_scales)
+CASES = [(torch.float8_e4m3fn, False), (torch.float8_e5m2, True)]
+
+
+@pytest.fixture(scope="module", params=[1, 2, 4])
+def world(request: pytest.FixtureRequest) -> SharedWorld:
+    """One world per world size runs every case ([Note: shared worlds] in quant_core.testing)."""
+    return run_shared_world(request.param, {str(case): (_gather_quantized_shards, case) for case in CASES})
+
+
+@pytest.mark.parametrize(("fp8_dtype", "power_2_scales"), CASES)
+def test_sharded_quantize_then_gather_equals_unsharded(world, fp8_dtype, power_2_scales):
+    world.check(str((fp8_dtype, power_2_scales)))

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_core.testing import raw_bits, run_ranks
+from quant_core.testing import SharedWorld, raw_bits, run_ranks, run_shared_world
 from quant_fsdp.testing import count_all_gather_bytes, train_data_parallel
 from quant_tensors.testing import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig
 
@@ -121,8 +121,8 @@ def _gathered_equals_unsharded(rank: int, world_size: int, mode: str) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_gathered_weight_equals_the_unsharded_quantization(world_size, mode):
-    run_ranks(_gathered_equals_unsharded, world_size, mode)
+def test_gathered_weight_equals_the_unsharded_quantization(world_size, mode, request):
+    request.getfixturevalue(f"world_{world_size}").check(f"gathered {mode}")
 
 
 # ---- bytes on the wire ---------------------------------------------------------------------------
@@ -166,13 +166,12 @@ def _check_ratios(rank: int, world_size: int, mode: str, reshard: bool, bounds: 
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_all_gather_bytes_against_bf16(mode):
-    run_ranks(_check_ratios, 2, mode, True, BYTES_BOUNDS)
+def test_all_gather_bytes_against_bf16(mode, world_2):
+    world_2.check(f"bytes {mode}")
 
 
-def test_mxfp8_without_reshard_after_forward_gathers_both_usages_once():
-    # Both usages in the forward and no backward gather: (1 + 1/32) * 2 bytes per element vs bf16's 2.
-    run_ranks(_check_ratios, 2, "quantized-weights", False, {"mxfp8": 1.0 + 1 / 32 + 1e-9})
+def test_mxfp8_without_reshard_after_forward_gathers_both_usages_once(world_2):
+    world_2.check("mxfp8 bytes without reshard_after_forward")
 
 
 # ---- unaligned shards take the explicit fallback -------------------------------------------------
@@ -217,13 +216,17 @@ def unaligned_model(recipe_name: str, mode: str) -> TinyTransformer:
     return qt.convert(model, qt.recipe_from_name(recipe_name), quantized_weights=mode == "quantized-weights")
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_unaligned_shards_fall_back_and_train_like_single_process(mode):
-    expected = {
+def unaligned_expected(mode: str) -> dict[str, list[float]]:
+    """Single-process losses of every UNALIGNED recipe, 20 steps."""
+    return {
         name: train_data_parallel(unaligned_model(name, mode), MarkovTask(128), steps=20, batch_size=8)
         for name in UNALIGNED
     }
-    run_ranks(_unaligned_trains, 4, mode, expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_unaligned_shards_fall_back_and_train_like_single_process(mode, world_4):
+    world_4.check(f"unaligned {mode}")
 
 
 class Experts(torch.nn.Module):
@@ -255,8 +258,8 @@ def _small_dim0_one(recipe_name: str) -> None:
     assert_same_quantized(model.weight, want, recipe_name)
 
 
-def test_dim_0_smaller_than_the_mesh_falls_back_and_gathers_exactly():
-    run_ranks(_small_dim0, 4)
+def test_dim_0_smaller_than_the_mesh_falls_back_and_gathers_exactly(world_4):
+    world_4.check("small dim 0")
 
 
 # ---- no leaks: live tensors and bytes stay flat after step 2 -------------------------------------
@@ -308,8 +311,8 @@ def _no_growth(rank: int, world_size: int, mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_no_growth_in_live_tensors_after_step_2(mode):
-    run_ranks(_no_growth, 2, mode)
+def test_no_growth_in_live_tensors_after_step_2(mode, world_2):
+    world_2.check(f"no growth {mode}")
 
 
 # ---- meta-device initialisation: reset_parameters quantizes the local shard ----------------------
@@ -350,8 +353,8 @@ def _meta_init_one(world_size: int, recipe_name: str) -> None:
         layer.reshard()
 
 
-def test_meta_init_then_reset_parameters_quantizes_local_shards():
-    run_ranks(_meta_init, 2)
+def test_meta_init_then_reset_parameters_quantizes_local_shards(world_2):
+    world_2.check("meta init")
 
 
 def _refuses_int_reshard(rank: int, world_size: int) -> None:
@@ -365,3 +368,36 @@ def _refuses_int_reshard(rank: int, world_size: int) -> None:
 
 def test_resharding_to_a_smaller_mesh_is_refused_before_anything_changes():
     run_ranks(_refuses_int_reshard, 1)
+
+
+# ---- one world per world size runs every scenario above ([Note: shared worlds] in quant_core.testing)
+
+
+@pytest.fixture(scope="module")
+def world_2() -> SharedWorld:
+    return run_shared_world(
+        2,
+        {
+            **{f"no growth {mode}": (_no_growth, (mode,)) for mode in MODES},
+            **{f"gathered {mode}": (_gathered_equals_unsharded, (mode,)) for mode in MODES},
+            **{f"bytes {mode}": (_check_ratios, (mode, True, BYTES_BOUNDS)) for mode in MODES},
+            # Both usages in the forward and no backward gather: (1 + 1/32) * 2 bytes per element vs bf16's 2.
+            "mxfp8 bytes without reshard_after_forward": (
+                _check_ratios,
+                ("quantized-weights", False, {"mxfp8": 1.0 + 1 / 32 + 1e-9}),
+            ),
+            "meta init": (_meta_init, ()),
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def world_4() -> SharedWorld:
+    return run_shared_world(
+        4,
+        {
+            **{f"gathered {mode}": (_gathered_equals_unsharded, (mode,)) for mode in MODES},
+            **{f"unaligned {mode}": (_unaligned_trains, (mode, unaligned_expected(mode))) for mode in MODES},
+            "small dim 0": (_small_dim0, ()),
+        },
+    )

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_core.testing import raw_bits, run_ranks
+from quant_core.testing import SharedWorld, raw_bits, run_shared_world
 from quant_fsdp.testing import train_data_parallel, train_replicas
 from quant_tensors.testing import MarkovTask, TinyTransformer, TransformerConfig
 
@@ -47,16 +47,18 @@ def shard(model: TinyTransformer, mode: str, **kwargs) -> TinyTransformer:
 
 
 @functools.cache
-def single_process_losses(recipe_name: str, steps: int, world_size: int) -> tuple[float, ...]:
-    """Data-parallel training in one process (both modes compute the same thing without FSDP)."""
+def single_process_losses(recipe_name: str, world_size: int) -> tuple[float, ...]:
+    """Data-parallel training in one process (both modes compute the same thing without FSDP),
+    PARITY_STEPS steps. A shorter run's losses are a prefix of these: the lr is constant and step
+    s's batch depends on s only."""
     replicas = [build(recipe_name, "quantize-on-gather") for _ in range(world_size)]
-    return tuple(train_replicas(replicas, MarkovTask(CONFIG.vocab), steps=steps, batch_size=BATCH, lr=LR))
+    return tuple(train_replicas(replicas, MarkovTask(CONFIG.vocab), steps=PARITY_STEPS, batch_size=BATCH, lr=LR))
 
 
 @functools.cache
-def whole_batch_losses(recipe_name: str, steps: int) -> tuple[float, ...]:
+def whole_batch_losses(recipe_name: str) -> tuple[float, ...]:
     model = build(recipe_name, "quantize-on-gather")
-    return tuple(train_data_parallel(model, MarkovTask(CONFIG.vocab), steps=steps, batch_size=BATCH, lr=LR))
+    return tuple(train_data_parallel(model, MarkovTask(CONFIG.vocab), steps=PARITY_STEPS, batch_size=BATCH, lr=LR))
 
 
 def local_values(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
@@ -91,9 +93,14 @@ def _world_1_equals_no_fsdp(rank: int, world_size: int, mode: str) -> None:
                 assert torch.equal(a, b), (recipe_name, name)
 
 
+@pytest.fixture(scope="module")
+def world_1() -> SharedWorld:
+    return run_shared_world(1, {mode: (_world_1_equals_no_fsdp, (mode,)) for mode in MODES})
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_world_size_1_trains_bitwise_like_no_fsdp(mode):
-    run_ranks(_world_1_equals_no_fsdp, 1, mode)
+def test_world_size_1_trains_bitwise_like_no_fsdp(mode, world_1):
+    world_1.check(mode)
 
 
 # ---- world sizes 2 and 4: loss parity with single-process training ------------------------------
@@ -115,19 +122,39 @@ def _parity(rank: int, world_size: int, mode: str, expected: dict, whole_batch: 
         assert worst <= LOSS_TOLERANCE, (recipe_name, worst)
 
 
+def parity_scenarios(world_size: int, label: str, steps: int, kwargs: dict) -> dict:
+    """_parity for every mode, against the first `steps` single-process losses of every recipe."""
+    expected = {name: single_process_losses(name, world_size)[:steps] for name in RECIPES}
+    whole = {name: whole_batch_losses(name)[:steps] for name in RECIPES}
+    return {f"{label} {mode}": (_parity, (mode, expected, whole, dict(kwargs))) for mode in MODES}
+
+
+# One world per world size ([Note: shared worlds] in quant_core.testing) runs all its scenarios.
+@pytest.fixture(scope="module")
+def world_2() -> SharedWorld:
+    return run_shared_world(
+        2,
+        {
+            **parity_scenarios(2, "parity", PARITY_STEPS, {}),
+            **parity_scenarios(2, "no-reshard", 20, {"reshard_after_forward": False}),
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def world_4() -> SharedWorld:
+    return run_shared_world(
+        4, {**parity_scenarios(4, "parity", PARITY_STEPS, {}), **parity_scenarios(4, "hsdp", 20, {"hsdp": True})}
+    )
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_losses_match_single_process_training(world_size, mode):
-    expected = {name: single_process_losses(name, PARITY_STEPS, world_size) for name in RECIPES}
-    whole = {name: whole_batch_losses(name, PARITY_STEPS) for name in RECIPES}
-    run_ranks(_parity, world_size, mode, expected, whole, {})
+def test_losses_match_single_process_training(world_size, mode, request):
+    request.getfixturevalue(f"world_{world_size}").check(f"parity {mode}")
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_hsdp_and_no_reshard_after_forward_match_single_process_training(mode):
-    steps = 20
-    whole = {name: whole_batch_losses(name, steps) for name in RECIPES}
-    expected = {name: single_process_losses(name, steps, 4) for name in RECIPES}
-    run_ranks(_parity, 4, mode, expected, whole, {"hsdp": True})
-    expected = {name: single_process_losses(name, steps, 2) for name in RECIPES}
-    run_ranks(_parity, 2, mode, expected, whole, {"reshard_after_forward": False})
+def test_hsdp_and_no_reshard_after_forward_match_single_process_training(mode, world_2, world_4):
+    world_4.check(f"hsdp {mode}")
+    world_2.check(f"no-reshard {mode}")

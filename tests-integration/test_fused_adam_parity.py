@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from quant_core.testing import run_ranks
+from quant_core.testing import SharedWorld, run_shared_world
 from quant_fsdp.testing import local_state_bytes, quantized_transformer, train_with
 from quant_optim import FusedAdam
 from quant_tensors.testing import MarkovTask, TinyTransformer, TransformerConfig
@@ -52,7 +52,7 @@ def _parity(rank: int, world_size: int, expected: dict[str, tuple[float, ...]]) 
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_losses_match_single_process_training(world_size):
+def test_losses_match_single_process_training(world_size, request):
     """Every step's loss within 0.5% of one process on the same global batches. The ranks differ
     from one process only in the order gradients are summed and in quantizing activations per
     slice (per-tensor amaxes of the slice). Observed maxima over the 20 steps (lr 1e-3, CPU,
@@ -62,8 +62,7 @@ def test_losses_match_single_process_training(world_size):
         2      5.8e-4   1.2e-3       1.2e-7   2.8e-4     1.7e-3
         4      5.3e-4   1.1e-3       3.8e-4   4.4e-4     2.5e-3
     """
-    expected = {name: single_process_losses(name) for name in RECIPES}
-    run_ranks(_parity, world_size, expected)
+    request.getfixturevalue(f"world_{world_size}").check("parity")
 
 
 # ---- a non-finite gradient on one rank ---------------------------------------------------------------
@@ -101,5 +100,23 @@ def _nan_on_one_rank(rank: int, world_size: int) -> None:
         assert not torch.equal(stepped["blocks.1.fc1.weight/master"][0], before["blocks.1.fc1.weight/master"][0])
 
 
-def test_a_nan_gradient_on_one_rank_skips_the_step_on_every_rank():
-    run_ranks(_nan_on_one_rank, 2)
+def test_a_nan_gradient_on_one_rank_skips_the_step_on_every_rank(world_2):
+    world_2.check("nan on one rank")
+
+
+# ---- one world per world size runs every scenario above ([Note: shared worlds] in quant_core.testing)
+
+
+def parity() -> tuple:
+    """The _parity scenario with its single-process losses of every recipe."""
+    return _parity, ({name: single_process_losses(name) for name in RECIPES},)
+
+
+@pytest.fixture(scope="module")
+def world_2() -> SharedWorld:
+    return run_shared_world(2, {"parity": parity(), "nan on one rank": (_nan_on_one_rank, ())})
+
+
+@pytest.fixture(scope="module")
+def world_4() -> SharedWorld:
+    return run_shared_world(4, {"parity": parity()})

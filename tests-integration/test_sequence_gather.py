@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_core.testing import raw_bits, run_ranks
+from quant_core.testing import SharedWorld, raw_bits, run_ranks, run_shared_world
 from quant_fsdp.testing import count_all_gather_bytes
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
@@ -107,8 +107,8 @@ def _gathers(rank: int, world: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_gather_along_first_dim_equals_quantizing_the_concatenation(world_size):
-    run_ranks(_gathers, world_size)
+def test_gather_along_first_dim_equals_quantizing_the_concatenation(world_size, request):
+    request.getfixturevalue(f"world_{world_size}").check("gathers")
 
 
 def _mxfp8_unquantizable_sequence(rank: int, world: int) -> None:
@@ -117,8 +117,8 @@ def _mxfp8_unquantizable_sequence(rank: int, world: int) -> None:
     check(local_input(3992, 1024, rank), quantizer, world, "mxfp8 7984x1024", expect_fallback=True)
 
 
-def test_mxfp8_sequence_the_blocks_do_not_divide_falls_back():
-    run_ranks(_mxfp8_unquantizable_sequence, 2)
+def test_mxfp8_sequence_the_blocks_do_not_divide_falls_back(world_2):
+    world_2.check("mxfp8 sequence")
 
 
 def _reduce_scatter(rank: int, world: int) -> None:
@@ -139,8 +139,8 @@ def _reduce_scatter(rank: int, world: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_reduce_scatter_along_first_dim(world_size):
-    run_ranks(_reduce_scatter, world_size)
+def test_reduce_scatter_along_first_dim(world_size, request):
+    request.getfixturevalue(f"world_{world_size}").check("reduce-scatter")
 
 
 def _async_gathers_return_before_the_peers_send(rank: int, world: int) -> None:
@@ -162,6 +162,7 @@ def _async_gathers_return_before_the_peers_send(rank: int, world: int) -> None:
 
         return held_back
 
+    originals = _sequence._gather_quantized, _sequence._gather_high_precision
     if rank > 0:
         _sequence._gather_quantized = after_rank_0_returned(_sequence._gather_quantized)
         _sequence._gather_high_precision = after_rank_0_returned(_sequence._gather_high_precision)
@@ -173,13 +174,14 @@ def _async_gathers_return_before_the_peers_send(rank: int, world: int) -> None:
     for _, handle in reversed(pending):
         handle.wait()
         handle.wait()  # a second wait is a no-op
+    _sequence._gather_quantized, _sequence._gather_high_precision = originals  # for the world's next scenarios
     for (out, _), want in zip(pending, sync, strict=True):
         assert_same_quantization(out, want, f"rank {rank}")
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_async_gathers_read_nothing_before_wait(world_size):
-    run_ranks(_async_gathers_return_before_the_peers_send, world_size)
+def test_async_gathers_read_nothing_before_wait(world_size, request):
+    request.getfixturevalue(f"world_{world_size}").check("async gathers")
 
 
 def _coalesced_gathers(rank: int, world: int) -> None:
@@ -218,8 +220,8 @@ def _coalesced_gathers(rank: int, world: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_coalesced_gathers_equal_gathering_each_alone(world_size):
-    run_ranks(_coalesced_gathers, world_size)
+def test_coalesced_gathers_equal_gathering_each_alone(world_size, request):
+    request.getfixturevalue(f"world_{world_size}").check("coalesced gathers")
 
 
 def _world_size_1(rank: int, world: int) -> None:
@@ -242,3 +244,23 @@ def _world_size_1(rank: int, world: int) -> None:
 
 def test_world_size_1_only_quantizes():
     run_ranks(_world_size_1, 1)
+
+
+# ---- one world per world size runs every scenario above ([Note: shared worlds] in quant_core.testing)
+
+SCENARIOS = {
+    "gathers": (_gathers, ()),
+    "reduce-scatter": (_reduce_scatter, ()),
+    "async gathers": (_async_gathers_return_before_the_peers_send, ()),
+    "coalesced gathers": (_coalesced_gathers, ()),
+}
+
+
+@pytest.fixture(scope="module")
+def world_2() -> SharedWorld:
+    return run_shared_world(2, {**SCENARIOS, "mxfp8 sequence": (_mxfp8_unquantizable_sequence, ())})
+
+
+@pytest.fixture(scope="module")
+def world_4() -> SharedWorld:
+    return run_shared_world(4, SCENARIOS)

@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_core.testing import run_ranks
+from quant_core.testing import SharedWorld, run_shared_world
 from quant_fsdp.parallel import QuantColwiseParallel, QuantRowwiseParallel
 from quant_fsdp.testing import train_data_parallel, train_replicas
 from quant_optim import FusedAdam
@@ -129,12 +129,17 @@ def _train_tensor_parallel(rank: int, world: int, sequence_parallel: bool, dp: i
     [(2, 1, True), (4, 2, True)],  # TP without SP: the per-layer test below (CI time)
     ids=["tp2-sp", "tp2xfsdp2-sp"],
 )
-def test_tensor_parallel_training_matches_single_process(world, dp, sequence_parallel):
+def test_tensor_parallel_training_matches_single_process(world, dp, sequence_parallel, request):
+    request.getfixturevalue(f"world_{world}").check(f"training dp={dp} sp={sequence_parallel}")
+
+
+def tensor_parallel_training(dp: int, sequence_parallel: bool) -> tuple:
+    """The _train_tensor_parallel scenario with its single-process losses of every recipe."""
     expected = {}
     for recipe_name in RECIPES:
         replicas = [make_model(recipe_name) for _ in range(dp)]
         expected[recipe_name] = train_replicas(replicas, TASK, steps=STEPS, batch_size=BATCH, lr=LR)
-    run_ranks(_train_tensor_parallel, world, sequence_parallel, dp, expected)
+    return _train_tensor_parallel, (sequence_parallel, dp, expected)
 
 
 # ---- one layer: forward and backward equal the unsharded layer's slices -------------------------
@@ -215,8 +220,8 @@ def _layer_matches_unsharded(rank: int, world: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_parallel_linear_equals_the_unsharded_layer(world_size):
-    run_ranks(_layer_matches_unsharded, world_size)
+def test_parallel_linear_equals_the_unsharded_layer(world_size, request):
+    request.getfixturevalue(f"world_{world_size}").check("layer")
 
 
 def _qkv_share_one_gather(rank: int, world: int) -> None:
@@ -273,12 +278,12 @@ def _rowwise_data_freed_with_the_input(rank: int, world: int) -> None:
     assert layer.weight.grad is not None
 
 
-def test_gathered_rowwise_data_is_freed_with_the_input():
-    run_ranks(_rowwise_data_freed_with_the_input, 2)
+def test_gathered_rowwise_data_is_freed_with_the_input(world_2):
+    world_2.check("rowwise data freed")
 
 
-def test_layers_reading_one_input_share_its_gather():
-    run_ranks(_qkv_share_one_gather, 2)
+def test_layers_reading_one_input_share_its_gather(world_2):
+    world_2.check("qkv share one gather")
 
 
 def _bad_inputs(rank: int, world: int) -> None:
@@ -332,8 +337,8 @@ def _bad_inputs(rank: int, world: int) -> None:
     torch.testing.assert_close(narrow(x.chunk(world, dim=1)[rank]), want, rtol=1e-5, atol=1e-5)
 
 
-def test_bad_inputs_get_clear_errors():
-    run_ranks(_bad_inputs, 2)
+def test_bad_inputs_get_clear_errors(world_2):
+    world_2.check("bad inputs")
 
 
 def train_steps(model: Model, optimizer: torch.optim.Optimizer, steps: range) -> list[float]:
@@ -383,12 +388,17 @@ def _quantized_weights_train(rank: int, world: int, expected: dict) -> None:
         assert worst <= LOSS_TOLERANCE, (recipe_name, worst, got, want)
 
 
-def test_tensor_parallel_quantized_weights_with_fused_adam_match_single_process():
+def test_tensor_parallel_quantized_weights_with_fused_adam_match_single_process(world_2):
+    world_2.check("quantized weights")
+
+
+def quantized_weights_training() -> tuple:
+    """The _quantized_weights_train scenario with its single-process losses of every recipe."""
     expected = {}
     for recipe_name in RECIPES:
         model = quantized_weights_model(recipe_name)
         expected[recipe_name] = train_steps(model, FusedAdam(model.parameters(), lr=LR), range(STEPS))
-    run_ranks(_quantized_weights_train, 2, expected)
+    return _quantized_weights_train, (expected,)
 
 
 # ---- torch.distributed.checkpoint ----------------------------------------------------------------
@@ -422,5 +432,32 @@ def _checkpoint_resumes_bitwise(rank: int, world: int, path: str) -> None:
         ), name
 
 
-def test_checkpoint_of_a_tensor_parallel_model_resumes_bitwise(tmp_path):
-    run_ranks(_checkpoint_resumes_bitwise, 2, str(tmp_path / "checkpoint"))
+def test_checkpoint_of_a_tensor_parallel_model_resumes_bitwise(world_2):
+    world_2.check("checkpoint")
+
+
+# ---- one world per world size runs every scenario above ([Note: shared worlds] in quant_core.testing)
+
+
+@pytest.fixture(scope="module")
+def world_2(tmp_path_factory: pytest.TempPathFactory) -> SharedWorld:
+    checkpoint = str(tmp_path_factory.mktemp("tensor_parallel") / "checkpoint")
+    return run_shared_world(
+        2,
+        {
+            "training dp=1 sp=True": tensor_parallel_training(1, True),
+            "layer": (_layer_matches_unsharded, ()),
+            "qkv share one gather": (_qkv_share_one_gather, ()),
+            "rowwise data freed": (_rowwise_data_freed_with_the_input, ()),
+            "bad inputs": (_bad_inputs, ()),
+            "quantized weights": quantized_weights_training(),
+            "checkpoint": (_checkpoint_resumes_bitwise, (checkpoint,)),
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def world_4() -> SharedWorld:
+    return run_shared_world(
+        4, {"training dp=2 sp=True": tensor_parallel_training(2, True), "layer": (_layer_matches_unsharded, ())}
+    )
