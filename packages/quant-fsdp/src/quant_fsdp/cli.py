@@ -4,24 +4,42 @@
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import shlex
 import sys
+import tempfile
 from collections.abc import Sequence
+
+from quant_fsdp._version import __version__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `quant-fsdp` console script."""
+    """Entry point of the `quant-fsdp` console script. Every argument is checked before any work
+    starts: a bad value exits with code 2 and one line naming it (argparse's convention)."""
     parser = argparse.ArgumentParser(prog="quant-fsdp", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"quant-fsdp {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train a small transformer with every recipe and bf16; check the kernels")
-    demo.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="folder for demo.json")
-    demo.add_argument("--world-size", type=int, default=4, help="shards in the simulated FSDP gather")
-    demo.add_argument("--steps", type=int, default=100, help="training steps per run")
+    demo.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("results"),
+        help="folder for demo.json, demo_gather.json and demo_loss.png",
+    )
+    demo.add_argument(
+        "--world-size",
+        type=_world_size,
+        default=4,
+        help="shards in the simulated FSDP gather check (a power of two, 1-64; training always uses 2 ranks)",
+    )
+    demo.add_argument("--steps", type=_positive, default=100, help="training steps per run")
     bench = commands.add_parser("bench", help="run the benchmark suite and write JSON")
-    bench.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="folder for bench.json")
-    bench.add_argument("--size", type=int, default=4096, help="square input size of the kernel benchmarks")
-    bench.add_argument("--min-run-time", type=float, default=1.0, help="seconds measured per case")
+    bench.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="folder for the JSON results")
+    bench.add_argument(
+        "--size", type=_kernel_size, default=4096, help="square input size of the kernel benchmarks (a multiple of 128)"
+    )
+    bench.add_argument("--min-run-time", type=_positive_seconds, default=1.0, help="seconds measured per case")
     bench.add_argument(
         "--device",
         choices=("all", "cpu", "cuda"),
@@ -36,6 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     _add_e2e_arguments(bench)
     args = parser.parse_args(argv)
+    problem = _unwritable(args.out)
+    if problem:
+        parser.error(f"--out {args.out}: {problem}")
 
     if args.command == "demo":
         from quant_fsdp._demo import run_demo
@@ -63,6 +84,41 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _world_size(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 64 or value & (value - 1):
+        raise argparse.ArgumentTypeError(
+            f"must be a power of two from 1 to 64 (the demo's weights split into equal block-aligned shards), got {value}"
+        )
+    return value
+
+
+def _kernel_size(text: str) -> int:
+    value = int(text)
+    if value < 128 or value % 128:
+        raise argparse.ArgumentTypeError(f"must be a positive multiple of 128 (every block format's tile), got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
+def _unwritable(out: pathlib.Path) -> str:
+    """Why results cannot be written to folder `out` (created later, when work starts), or ''."""
+    if out.exists() and not out.is_dir():
+        return "exists and is not a folder; name a folder"
+    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    try:  # a probe folder, removed at once: permissions alone do not tell (root, /proc, read-only mounts)
+        os.rmdir(tempfile.mkdtemp(dir=existing))
+    except OSError as error:
+        return f"cannot create folders under {existing} ({error.strerror}); name a writable folder"
+    return ""
 
 
 def _add_e2e_arguments(bench: argparse.ArgumentParser) -> None:
