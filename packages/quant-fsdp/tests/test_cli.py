@@ -73,3 +73,33 @@ def test_a_good_out_is_not_created_before_work_starts(tmp_path):
         main(["bench", "--runs", "bf16", "--out", str(out)])
     assert not (tmp_path / "new").exists()
     assert list(tmp_path.iterdir()) == []
+
+
+def _fake_bench(fail: bool):
+    def run_bench(out: pathlib.Path, **options) -> int:
+        (out / "bench.json").write_text("{}")
+        if fail:
+            raise KeyboardInterrupt  # interrupted halfway
+        (out / "bench.md").write_text("done")
+        return 0
+
+    return run_bench
+
+
+def test_results_move_into_out_only_when_the_command_returns(tmp_path, monkeypatch, capsys):
+    import quant_fsdp._bench
+
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "bench.json").write_text("previous run")
+    monkeypatch.setattr(quant_fsdp._bench, "run_bench", _fake_bench(fail=True))
+    with pytest.raises(KeyboardInterrupt):
+        main(["bench", "--out", str(out)])
+    assert [p.name for p in out.iterdir()] == ["bench.json"]
+    assert (out / "bench.json").read_text() == "previous run"  # as it was
+
+    monkeypatch.setattr(quant_fsdp._bench, "run_bench", _fake_bench(fail=False))
+    assert main(["bench", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.md"]
+    assert (out / "bench.json").read_text() == "{}"
+    assert f"wrote bench.json, bench.md to {out}" in capsys.readouterr().out

@@ -509,7 +509,6 @@ def run_bench(out: pathlib.Path, *, size: int, min_run_time: float, device: str 
         "devices": records,
     }
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    console.print(f"wrote {out / 'bench.json'}")
     failed = [r.case for record in records for r in record["results"] if r["backend"] == "FAILED"]
     if failed:
         console.print(f"cases that failed: {', '.join(failed)}")

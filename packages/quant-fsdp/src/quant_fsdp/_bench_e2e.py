@@ -438,7 +438,6 @@ def run_e2e(out: pathlib.Path, runs: Sequence[RunSpec], options: E2EOptions, con
     out.mkdir(parents=True, exist_ok=True)
     (out / "e2e.json").write_text(json.dumps({**report, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
     (out / "e2e.md").write_text(markdown(report, rows))
-    console.print(f"wrote {out / 'e2e.json'} and {out / 'e2e.md'}")
     failed = [r.run for r in rows if r.error and not r.error.startswith("skipped")]
     if failed:
         console.print(f"runs that failed: {', '.join(failed)}")

@@ -231,7 +231,6 @@ def run_gather_checks(console: Console, out: pathlib.Path, *, world_size: int) -
         "fallback: weights whose shard rows miss the format's block boundaries (quant_fsdp.fully_shard gathers those in high precision and quantizes after)."
     )
     (out / "demo_gather.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
-    console.print(f"wrote {out / 'demo_gather.json'}")
     passed = all(r.equals_reference and not r.sharded_gathers_differ for r in rows)
     if not passed:
         console.print("[red]a check failed: see the table above[/red]")

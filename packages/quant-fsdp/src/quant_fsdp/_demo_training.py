@@ -174,7 +174,6 @@ def run_training(console: Console, out: pathlib.Path, *, steps: int, world_size:
         "travel quantized."
     )
     (out / "demo.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
-    console.print(f"wrote {out / 'demo.json'}")
     _plot(console, rows, out / "demo_loss.png")
     return passed
 
@@ -199,4 +198,3 @@ def _plot(console: Console, rows: list[TrainingRow], path: pathlib.Path) -> None
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
-    console.print(f"wrote {path}")

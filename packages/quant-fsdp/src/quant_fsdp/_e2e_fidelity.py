@@ -166,7 +166,6 @@ def _plot(console: Console, rows: list[FidelityRow], report: dict, path: pathlib
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
-    console.print(f"wrote {path}")
 
 
 def run_fidelity(
@@ -212,7 +211,6 @@ def run_fidelity(
     out.mkdir(parents=True, exist_ok=True)
     (out / "e2e_fidelity.json").write_text(json.dumps({**report, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
     (out / "e2e_fidelity.md").write_text(markdown(report, rows))
-    console.print(f"wrote {out / 'e2e_fidelity.json'} and {out / 'e2e_fidelity.md'}")
     _plot(console, rows, report, out / "e2e_fidelity.png")
     failed = [r.run for r in rows if r.error and not r.error.startswith("skipped")]
     if failed:

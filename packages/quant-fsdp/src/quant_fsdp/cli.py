@@ -4,14 +4,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pathlib
 import shlex
+import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from quant_fsdp._version import __version__
+
+Runner = Callable[[pathlib.Path], int]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -57,23 +61,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = _unwritable(args.out)
     if problem:
         parser.error(f"--out {args.out}: {problem}")
+    run = _command(parser, args, argv)
+    with _staged(args.out) as folder:
+        return run(folder)
 
+
+def _command(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None) -> Runner:
+    """The checked command, as a function of the folder it writes into."""
     if args.command == "demo":
         from quant_fsdp._demo import run_demo
 
-        return run_demo(args.out, world_size=args.world_size, steps=args.steps)
+        return lambda out: run_demo(out, world_size=args.world_size, steps=args.steps)
     if args.e2e:
-        return _run_e2e(parser, args, argv)
+        return _e2e_command(parser, args, argv)
     if args.linear:
         from quant_fsdp._bench_linear import run_linear_host_bench
 
-        return run_linear_host_bench(args.out, args.device)
+        return lambda out: run_linear_host_bench(out, args.device)
     given = [f"--{name.replace('_', '-')}" for name in _E2E_OPTIONS if getattr(args, name) is not None]
     if given:
         parser.error(f"{', '.join(given)} configure the end-to-end benchmark: add --e2e")
     from quant_fsdp._bench import run_bench
 
-    return run_bench(args.out, size=args.size, min_run_time=args.min_run_time, device=args.device)
+    return lambda out: run_bench(out, size=args.size, min_run_time=args.min_run_time, device=args.device)
+
+
+@contextlib.contextmanager
+def _staged(out: pathlib.Path) -> Iterator[pathlib.Path]:
+    """A temporary folder the command writes into; its files move into `out` once the command
+    has returned (whatever its exit code), so a run that raises or is interrupted leaves `out` as
+    it was."""
+    staging = pathlib.Path(tempfile.mkdtemp(prefix="quant-fsdp-"))
+    try:
+        yield staging
+        written = sorted(staging.iterdir())
+        out.mkdir(parents=True, exist_ok=True)
+        for path in written:
+            shutil.move(path, out / path.name)
+        print(f"wrote {', '.join(p.name for p in written)} to {out}")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 _E2E_OPTIONS = ("runs", "config", "steps", "warmup", "model", "compile_backend", "fidelity")
@@ -153,7 +180,7 @@ def _add_e2e_arguments(bench: argparse.ArgumentParser) -> None:
     )
 
 
-def _run_e2e(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+def _e2e_command(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None) -> Runner:
     from quant_fsdp._bench_e2e import DEFAULT_FIDELITY_RUNS, DEFAULT_RUNS, E2EOptions, run_e2e, select_runs
 
     try:
@@ -175,8 +202,8 @@ def _run_e2e(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Se
     if args.fidelity:
         from quant_fsdp._e2e_fidelity import run_fidelity
 
-        return run_fidelity(args.out, runs, options, num_steps=args.fidelity)
-    return run_e2e(args.out, runs, options)
+        return lambda out: run_fidelity(out, runs, options, num_steps=args.fidelity)
+    return lambda out: run_e2e(out, runs, options)
 
 
 if __name__ == "__main__":
