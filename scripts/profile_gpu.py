@@ -16,6 +16,7 @@ import cProfile
 import pstats
 import sys
 import time
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -32,19 +33,29 @@ def _layer(name: str) -> torch.nn.Module:
     return qt.convert(torch.nn.Sequential(layer), qt.recipe_from_name(name))[0]
 
 
-def host(recipes: list[str]) -> None:
-    steps = 200
+def _warm_layers(recipes: list[str]) -> Iterator[tuple[str, Callable[[], None]]]:
+    """(name, step) per recipe, each layer warmed up: step() runs one fwd+bwd at SIZE^3."""
     x = torch.randn(SIZE, SIZE, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(SIZE, SIZE, device="cuda", dtype=torch.bfloat16)
     for name in recipes:
         layer = _layer(name)
-        for _ in range(5):
+
+        def step(layer=layer) -> None:
             layer(x).backward(dy)
+
+        for _ in range(5):
+            step()
         torch.cuda.synchronize()
+        yield name, step
+
+
+def host(recipes: list[str]) -> None:
+    steps = 200
+    for name, step in _warm_layers(recipes):
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(steps):
-            layer(x).backward(dy)
+            step()
         profiler.disable()
         torch.cuda.synchronize()
         stats = pstats.Stats(profiler)
@@ -56,17 +67,11 @@ def host(recipes: list[str]) -> None:
 def ops(recipes: list[str]) -> None:
     """Per fwd+bwd: each op's calls and host (self CPU) time, and the CUDA kernels launched."""
     steps = 20
-    x = torch.randn(SIZE, SIZE, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(SIZE, SIZE, device="cuda", dtype=torch.bfloat16)
-    for name in recipes:
-        layer = _layer(name)
-        for _ in range(5):
-            layer(x).backward(dy)
-        torch.cuda.synchronize()
+    for name, step in _warm_layers(recipes):
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as profile:
             for _ in range(steps):
-                layer(x).backward(dy)
+                step()
             torch.cuda.synchronize()
         events = profile.key_averages()
         launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))

@@ -24,7 +24,7 @@ def _inputs(rank: int, step: int) -> torch.Tensor:
     return torch.randn(8, 64, generator=torch.Generator().manual_seed(100 * rank + step)) * (rank + 1) * (step + 1)
 
 
-def _histories_agree_and_hold_the_maximum(rank: int, world_size: int) -> None:
+def _sharded_delayed_model() -> torch.nn.Module:
     torch.manual_seed(0)
     model = qt.convert(
         torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)),
@@ -33,6 +33,11 @@ def _histories_agree_and_hold_the_maximum(rank: int, world_size: int) -> None:
     )
     quant_fsdp.fully_shard(model[0])
     quant_fsdp.fully_shard(model)
+    return model
+
+
+def _histories_agree_and_hold_the_maximum(rank: int, world_size: int) -> None:
+    model = _sharded_delayed_model()
     calls = []
     original = dist.all_reduce
     for step in range(STEPS):
@@ -58,18 +63,6 @@ def test_delayed_histories_are_reduced_over_the_data_parallel_group():
 
 
 # ---- the state dict holds the synced histories -------------------------------------------------------
-
-
-def _sharded_delayed_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = qt.convert(
-        torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)),
-        qt.Float8DelayedScaling(amax_history_len=4),
-        quantized_weights=False,
-    )
-    quant_fsdp.fully_shard(model[0])
-    quant_fsdp.fully_shard(model)
-    return model
 
 
 def _train_step(model: torch.nn.Module, rank: int, world_size: int, step: int) -> torch.Tensor:
