@@ -6,7 +6,9 @@ same batches of the Markov task. Runs are named `<base>[:<weights>]:<mode>`:
   `convert_to_float8_training`), or a recipe of ours (`qt.convert`);
 - weights (recipes only): `hp` keeps high-precision weights, quantized every forward, stepped by
   torch.optim.AdamW (fused on CUDA); `qw` makes them quantized primary weights
-  (`quantized_weights=True`) stepped by quant_optim.FusedAdam with fp32 masters;
+  (`quantized_weights=True`) whose fp32 masters torch.optim.AdamW steps, requantizing each weight
+  afterwards (`quant_tensors.demo.MasterWeights`; quant-optim's fused equivalent is measured by
+  `python -m quant_optim.bench`: quant_fsdp does not import quant_optim, DESIGN section 1);
 - mode: `eager`, or `compiled` (`torch.compile(model)`).
 bf16 and torchao runs use torch.optim.AdamW too. The lm_head is never converted.
 
@@ -15,7 +17,7 @@ steps (on CUDA, CUDA events between steps, one synchronize at the end: a host-bo
 its wall time, a device-bound one as its GPU time), ratios to bf16 eager and to torchao
 tensorwise compiled of the same invocation, peak memory (torch.cuda.max_memory_allocated, reset
 after the model is built), host CPU time per step (time.process_time over the timed steps; a
-blocking synchronize inside a step, e.g. FusedAdam's non-finite check, spins and counts), and the
+blocking synchronize inside a step spins and counts), and the
 last step's loss. A run that raises becomes a row with its error; the others go on.
 
 `--fidelity STEPS` trains each run for STEPS steps instead and compares final losses with bf16
@@ -54,7 +56,7 @@ from quant_fsdp._e2e_model import (
     describe_model,
     resolve_model_source,
 )
-from quant_tensors.demo import MarkovTask
+from quant_tensors.demo import MarkovTask, MasterWeights
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
@@ -74,7 +76,7 @@ class RunSpec:
     base: str
     """"bf16", "torchao-<recipe>" or one of RECIPES."""
     quantized_weights: bool = False
-    """Recipes only: quantized primary weights stepped by FusedAdam."""
+    """Recipes only: quantized primary weights, stepped through fp32 masters."""
     compiled: bool = False
     """torch.compile(model)."""
 
@@ -185,16 +187,14 @@ def _not_lm_head(module: torch.nn.Module, name: str) -> bool:
     return name != "lm_head"
 
 
-def _optimizer(model: torch.nn.Module, spec: RunSpec, device: torch.device) -> torch.optim.Optimizer:
-    if not spec.quantized_weights:
-        return torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0, fused=device.type == "cuda")
-    try:
-        from quant_optim import FusedAdam
-    except ImportError as error:
-        raise ImportError(
-            "the ':qw' runs step quantized weights with quant-optim's FusedAdam: pip install 'quant-fsdp[optim]'"
-        ) from error
-    return FusedAdam(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
+def _optimizer_step(
+    model: torch.nn.Module, spec: RunSpec, device: torch.device
+) -> tuple[torch.optim.Optimizer, Callable[[], None]]:
+    """(optimizer, step): AdamW over the parameters, or over the fp32 masters of quantized weights."""
+    masters = MasterWeights(model) if spec.quantized_weights else None
+    parameters = model.parameters() if masters is None else masters.parameters
+    optimizer = torch.optim.AdamW(parameters, lr=LEARNING_RATE, weight_decay=0.0, fused=device.type == "cuda")
+    return optimizer, optimizer.step if masters is None else lambda: masters.step(optimizer)
 
 
 def build_run(
@@ -211,7 +211,7 @@ def build_run(
     elif spec.base != "bf16":
         recipe = qt.recipe_from_name(spec.base)
         qt.convert(model, recipe, quantized_weights=spec.quantized_weights, module_filter_fn=_not_lm_head)
-    optimizer = _optimizer(model, spec, device)
+    optimizer, optimizer_step = _optimizer_step(model, spec, device)
     forward = torch.compile(model, backend=options.compile_backend) if spec.compiled else model
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -219,7 +219,7 @@ def build_run(
         logits = getattr(output, "logits", output)  # transformers returns an output object
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         loss.backward()
-        optimizer.step()
+        optimizer_step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
