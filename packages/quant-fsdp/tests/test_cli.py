@@ -8,15 +8,24 @@ import pathlib
 import pytest
 
 from quant_fsdp import __version__
-from quant_fsdp.cli import main
+from quant_fsdp.cli import DEMO_STEPS, main
 
 BAD = {
-    "demo --steps 0": (["demo", "--steps", "0"], "--steps: must be >= 1"),
-    "demo --steps -1": (["demo", "--steps", "-1"], "--steps: must be >= 1"),
-    "demo --world-size 0": (["demo", "--world-size", "0"], "--world-size: must be a power of two"),
-    "demo --world-size -1": (["demo", "--world-size", "-1"], "--world-size: must be a power of two"),
-    "demo --world-size 99": (["demo", "--world-size", "99"], "--world-size: must be a power of two"),
-    "demo --world-size 128": (["demo", "--world-size", "128"], "--world-size: must be a power of two"),
+    "demo --steps 0": (["demo", "--steps", "0"], "argument --steps: must be >= 1"),
+    "demo --steps -1": (["demo", "--steps", "-1"], "argument --steps: must be >= 1"),
+    "demo --steps ten": (["demo", "--steps", "ten"], "argument --steps: must be a whole number, got 'ten'"),
+    "demo --recipes fp9": (["demo", "--recipes", "fp8,fp9"], "argument --recipes: unknown recipe 'fp9'; give 'all' or"),
+    "demo --recipes empty": (["demo", "--recipes", "fp8,"], "argument --recipes: unknown recipe ''"),
+    "demo --recipes bf16": (["demo", "--recipes", "bf16"], "(bf16 always runs, as the baseline)"),
+    "demo --nproc 0": (["demo", "--nproc", "0"], "argument --nproc: must split the global batch of 8 sequences"),
+    "demo --nproc -1": (["demo", "--nproc", "-1"], "argument --nproc: must split the global batch of 8 sequences"),
+    "demo --nproc 3": (["demo", "--nproc", "3"], "evenly over the ranks: one of 1, 2, 4, 8; got 3"),
+    "demo --nproc 16": (["demo", "--nproc", "16"], "evenly over the ranks: one of 1, 2, 4, 8; got 16"),
+    "demo --seed -1": (["demo", "--seed", "-1"], "argument --seed: must be a whole number from 0 to 2**63 - 1, got -1"),
+    "demo --seed 1.5": (["demo", "--seed", "1.5"], "argument --seed: must be a whole number, got '1.5'"),
+    "demo --device tpu": (["demo", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    "demo --device cuda, no GPU": (["demo", "--device", "cuda"], "argument --device: torch 2"),
+    "demo --device cuda, 1 GPU": (["demo", "--device", "cuda", "--nproc", "2"], "need 2 GPUs, torch sees 1"),
     "bench --size 0": (["bench", "--size", "0"], "--size: must be a positive multiple of 128"),
     "bench --size -5": (["bench", "--size", "-5"], "--size: must be a positive multiple of 128"),
     "bench --size 100": (["bench", "--size", "100"], "--size: must be a positive multiple of 128"),
@@ -26,16 +35,85 @@ BAD = {
 }
 
 
+@pytest.fixture
+def num_gpus(monkeypatch):
+    """How many GPUs torch reports to the command line (none unless a test says otherwise)."""
+    import torch
+
+    count = {"value": 0}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count["value"])
+    return count
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new out", "existing out"])
 @pytest.mark.parametrize("case", BAD)
-def test_bad_values_exit_2_with_one_line_and_write_nothing(case, tmp_path, capsys):
+def test_bad_values_exit_2_with_one_line_and_write_nothing(case, existing, tmp_path, capsys, num_gpus):
     argv, message = BAD[case]
+    num_gpus["value"] = 1 if case.endswith("1 GPU") else 0
     out = tmp_path / "results"
+    if existing:
+        out.mkdir()
+        (out / "demo.json").write_text("previous run")
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "--out", str(out)])
     assert exit_info.value.code == 2
-    last_line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert message in last_line
-    assert not out.exists()
+    error = capsys.readouterr().err
+    assert len(error.splitlines()) == 1, error
+    assert message in error
+    if existing:
+        assert [p.name for p in out.iterdir()] == ["demo.json"]
+        assert (out / "demo.json").read_text() == "previous run"
+    else:
+        assert not out.exists()
+
+
+def _fake_demo(seen: dict):
+    def run_demo(out: pathlib.Path, options) -> int:
+        seen["options"] = options
+        (out / "demo.json").write_text("{}")
+        return 0
+
+    return run_demo
+
+
+def test_demo_options_reach_the_run_as_arguments(tmp_path, monkeypatch, num_gpus):
+    import quant_fsdp._demo
+    from quant_fsdp._demo_training import RECIPES, DemoOptions
+
+    seen: dict = {}
+    monkeypatch.setattr(quant_fsdp._demo, "run_demo", _fake_demo(seen))
+    argv = [
+        "demo",
+        "--recipes",
+        " nvfp4,fp8,nvfp4",
+        "--nproc",
+        "4",
+        "--steps",
+        "3",
+        "--seed",
+        "7",
+        "--out",
+        str(tmp_path),
+    ]
+    assert main(argv) == 0
+    command = "quant-fsdp demo --recipes ' nvfp4,fp8,nvfp4' --nproc 4 --steps 3 --seed 7 --out " + str(tmp_path)
+    expected = DemoOptions(recipes=("nvfp4", "fp8"), num_ranks=4, num_steps=3, device="cpu", seed=7, command=command)
+    assert seen["options"] == expected
+
+    assert main(["demo", "--recipes", "all", "--out", str(tmp_path)]) == 0
+    assert seen["options"].recipes == RECIPES
+    assert (seen["options"].num_ranks, seen["options"].seed, seen["options"].num_steps) == (2, 0, DEMO_STEPS)
+
+
+@pytest.mark.parametrize(("gpus", "nproc", "device"), [(0, 1, "cpu"), (1, 2, "cpu"), (2, 2, "cuda"), (8, 4, "cuda")])
+def test_auto_device_is_cuda_when_every_rank_has_a_gpu(gpus, nproc, device, tmp_path, monkeypatch, num_gpus):
+    import quant_fsdp._demo
+
+    seen: dict = {}
+    monkeypatch.setattr(quant_fsdp._demo, "run_demo", _fake_demo(seen))
+    num_gpus["value"] = gpus
+    assert main(["demo", "--nproc", str(nproc), "--out", str(tmp_path)]) == 0
+    assert seen["options"].device == device
 
 
 def test_an_out_that_is_a_file_is_refused_and_left_as_it_was(tmp_path, capsys):

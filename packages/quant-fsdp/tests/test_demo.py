@@ -1,23 +1,69 @@
-"""The demo's FSDP2 training part runs end to end (2 gloo ranks, a few steps)."""
+"""`quant-fsdp demo` end to end, as a user runs it: FSDP2 training on 2 gloo ranks (bf16, fp8 and
+nvfp4, 20 steps), the table, demo.json with its metadata, demo_gather.json and the plot."""
 
 from __future__ import annotations
 
-import io
+import datetime
 import json
+import statistics
 
-from rich.console import Console
+import pytest
+import torch
 
-from quant_fsdp._demo_training import RECIPES, run_training
+from quant_fsdp._demo_training import FINAL_WINDOW, LOSS_BOUND
+from quant_fsdp.cli import main
 
 
-def test_demo_training_runs_fsdp2_and_reports_bytes(tmp_path):
-    output = io.StringIO()
-    assert run_training(Console(file=output, width=200), tmp_path, steps=2)
-    rows = {row["run"]: row for row in json.loads((tmp_path / "demo.json").read_text())}
-    assert list(rows) == ["bf16", *RECIPES]
-    for recipe in RECIPES:
-        assert len(rows[recipe]["losses"]) == 2
+def test_demo_learns_and_writes_the_table_json_and_plot(tmp_path, capsys):
+    out = tmp_path / "results"
+    argv = ["demo", "--recipes", "fp8,nvfp4", "--nproc", "2", "--steps", "20", "--seed", "3", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "demo.json").read_text())
+
+    metadata = report["metadata"]
+    assert metadata["command"] == "quant-fsdp " + " ".join(argv)
+    assert (metadata["nproc"], metadata["steps"], metadata["seed"]) == (2, 20, 3)
+    assert (metadata["device"], metadata["recipes"]) == ("cpu", ["fp8", "nvfp4"])
+    assert set(metadata["versions"]) == {"torch", "quant-core", "quant-tensors", "quant-fsdp", "quant-optim"}
+    assert metadata["versions"]["torch"] == torch.__version__
+    age = datetime.datetime.now(datetime.timezone.utc) - datetime.datetime.fromisoformat(metadata["date"])
+    assert datetime.timedelta(0) <= age < datetime.timedelta(hours=1)
+
+    runs = {run["run"]: run for run in report["runs"]}
+    assert list(runs) == ["bf16", "fp8", "nvfp4"]
+    for run in runs.values():
+        assert len(run["losses"]) == 20
+        assert run["final_loss"] == pytest.approx(statistics.fmean(run["losses"][-FINAL_WINDOW:]))
+        # It learns: from ln(256) = 5.5 to about 3.0 after 20 steps; the floor (the chain's entropy) is 1.1.
+        assert run["final_loss"] < 0.75 * run["losses"][0]
+        assert run["final_loss"] > report["loss_floor"] > 0.5
+    bf16_final = runs["bf16"]["final_loss"]
+    for recipe in ("fp8", "nvfp4"):
+        run = runs[recipe]
+        assert run["vs_bf16"] == pytest.approx(run["final_loss"] / bf16_final - 1)
+        assert run["passed"] is (abs(run["vs_bf16"]) <= LOSS_BOUND[recipe]) is True
+        assert run["gemms"] == "emulated"
         # Linear weights travel quantized; norms, embeddings and biases stay bf16.
-        assert rows[recipe]["gathered_mib_per_step"] < 0.6 * rows["bf16"]["gathered_mib_per_step"]
-        assert rows[recipe]["fallbacks"] == 0
-    assert "all-gathered MiB/step" in output.getvalue()
+        assert run["gathered_vs_bf16"] < 0.6
+        assert run["fallbacks"] == 0
+        assert run["weight_mib"] < 0.55 * runs["bf16"]["weight_mib"]
+        assert run["peak_memory_gib"] is None  # CPU
+    assert runs["nvfp4"]["gathered_vs_bf16"] < 0.3
+    assert report["passed"] is True
+
+    gathers = json.loads((out / "demo_gather.json").read_text())
+    assert {row["recipe"] for row in gathers} == {"fp8 per-tensor", "nvfp4 16x16"}  # only the chosen formats
+    assert (out / "demo_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    lines = printed.splitlines()
+    assert "2 CPU ranks (gloo), 20 steps of 8x64 tokens, seed 3" in printed
+    assert "final loss: mean of the last 10 steps' training losses" in printed
+    assert "loss floor" in printed
+    assert "entropy" in printed
+    for recipe in ("fp8", "nvfp4"):
+        row = next(line for line in lines if line.startswith(f"│ {recipe} "))
+        assert "PASS" in row
+        assert "(emulated GEMMs)" in row
+        assert f"{runs[recipe]['vs_bf16']:+.2%}" in row
+    assert any(line.startswith("PASS: after 20 steps every recipe (fp8, nvfp4)") for line in lines)

@@ -1,9 +1,10 @@
-"""Part 1 of `quant-fsdp demo`: FSDP2 training of the test transformer, bf16 and every recipe.
+"""Part 1 of `quant-fsdp demo`: FSDP2 training of the test transformer, bf16 and the chosen recipes.
 
-`world_size` CPU processes joined over gloo shard the model with FSDP2 (each block, then the
-root); bf16 uses torch's fully_shard, the recipes quant_fsdp.fully_shard with quantized primary
-weights (fp32 masters through MasterWeights). Each step's all-gathered bytes are counted on the
-collective itself.
+`num_ranks` processes (gloo on the CPU; NCCL on CUDA, one GPU each) shard the model with FSDP2
+(each block, then the root); bf16 uses torch's fully_shard, the recipes quant_fsdp.fully_shard
+with quantized primary weights (fp32 masters through MasterWeights). Each step's all-gathered
+bytes are counted on the collective itself. Every run starts from the same seeded weights and
+sees the same batches.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ import pathlib
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from rich.console import Console
-from rich.progress import Progress
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -28,24 +29,73 @@ import quant_fsdp
 import quant_tensors as qt
 from quant_core.launch import run_ranks
 from quant_fsdp._all_gather_counter import count_all_gather_bytes
-from quant_tensors.demo import MarkovTask, MasterWeights, TinyTransformer
+from quant_tensors.demo import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
-BATCH = 8  # sequences per global batch, split over the ranks
-# Final-loss tolerance against bf16 (issue #5's parity bounds).
-TOLERANCE = {"fp8": 0.03, "fp8-delayed": 0.03, "mxfp8": 0.03, "fp8-block": 0.03, "nvfp4": 0.06}
+BATCH = 8  # sequences per global batch, split evenly over the ranks
+# Bound on |final loss / bf16's final loss - 1| (issue #5's parity bounds).
+LOSS_BOUND = {"fp8": 0.03, "fp8-delayed": 0.03, "mxfp8": 0.03, "fp8-block": 0.03, "nvfp4": 0.06}
+FINAL_WINDOW = 10  # the final loss is the mean of the last FINAL_WINDOW steps' losses
+LEARNING_RATE = 1e-3
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoOptions:
+    """What `quant-fsdp demo` runs; quant_fsdp.cli checks each value before work starts."""
+
+    recipes: tuple[str, ...] = RECIPES
+    """Recipes trained after bf16 (names from RECIPES)."""
+    num_ranks: int = 2
+    """Training processes; each trains on BATCH // num_ranks sequences of every batch."""
+    num_steps: int = 100
+    """Training steps per run."""
+    device: str = "cpu"
+    """"cpu" (gloo) or "cuda" (NCCL, rank r on GPU r)."""
+    seed: int = 0
+    """Seeds the initial weights and the task's Markov chain."""
+    command: str = ""
+    """The command line, recorded in demo.json."""
+
+
+def ranks_phrase(options: DemoOptions) -> str:
+    """Where the demo trains, e.g. "2 CPU ranks (gloo)"."""
+    kind, backend = ("GPU", "NCCL") if options.device == "cuda" else ("CPU", "gloo")
+    return f"{options.num_ranks} {kind} rank{'s' if options.num_ranks > 1 else ''} ({backend})"
+
+
+def final_loss_definition(num_steps: int) -> str:
+    """What the table's "final loss" is, in words."""
+    window = min(FINAL_WINDOW, num_steps)
+    return f"mean of the last {window} steps' training losses" if window > 1 else "the one step's training loss"
 
 
 @dataclass(frozen=True)
 class TrainingRow:
     run: str
-    final_loss: float  # mean of the last 10 steps
-    vs_bf16: float  # relative difference of the final loss
+    final_loss: float  # mean of the last FINAL_WINDOW steps' losses
+    vs_bf16: float  # final_loss / bf16's final loss - 1
+    bound: float | None  # |vs_bf16| <= bound passes; None for bf16
+    passed: bool | None  # None for bf16
+    gemms: str  # "bf16", "emulated" or "torch._scaled_mm" (quant_tensors.ops.scaled_mm_path)
     step_ms: float  # median step time
-    gathered_mib_per_step: float  # bytes the all-gathers delivered to one rank per step
+    tokens_per_s: float  # tokens of the global batch / median step time
+    gathered_mib_per_step: float  # bytes the all-gathers delivered to one rank per step (median)
+    gathered_vs_bf16: float
     weight_mib: float  # bytes of the Linear weight shards one rank stores
+    peak_memory_gib: float | None  # rank 0's torch.cuda.max_memory_allocated; None on the CPU
     fallbacks: int  # weights gathered in high precision (quant_fsdp's alignment policy)
     losses: list[float]
+
+
+@dataclass(frozen=True)
+class TrainingResult:
+    rows: list[TrainingRow]
+    loss_floor: float  # the Markov chain's entropy: the lowest mean loss any model can reach
+    num_parameters: int
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed is not False for r in self.rows)
 
 
 def _linear_shard_bytes(model: torch.nn.Module) -> int:
@@ -58,9 +108,12 @@ def _linear_shard_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def _train_one(recipe: str | None, steps: int, rank: int, world: int, progress: Progress | None) -> dict:
-    torch.manual_seed(0)
-    model = TinyTransformer().to(torch.bfloat16)
+def _train_one(
+    recipe: str | None, options: DemoOptions, rank: int, world: int, batches: torch.Tensor, progress: Progress | None
+) -> dict:
+    device = torch.device("cuda", rank) if options.device == "cuda" else torch.device("cpu")
+    torch.manual_seed(options.seed)  # every rank and every run starts from the same weights
+    model = TinyTransformer().to(torch.bfloat16).to(device)
     shard = torch_fully_shard
     if recipe is not None:
         qt.convert(model, qt.recipe_from_name(recipe), quantized_weights=True)
@@ -70,43 +123,61 @@ def _train_one(recipe: str | None, steps: int, rank: int, world: int, progress: 
     shard(model)
     plans = [] if recipe is None else [p for m in (*model.blocks, model) for p in quant_fsdp.gather_plan(m)]
     masters = MasterWeights(model)
-    optimizer = torch.optim.AdamW(masters.parameters, lr=1e-3, weight_decay=0.0)
-    task = MarkovTask()
-    task_id = None if progress is None else progress.add_task(recipe or "bf16", total=steps)
+    optimizer = torch.optim.AdamW(masters.parameters, lr=LEARNING_RATE, weight_decay=0.0)
+    name = recipe or "bf16"
+    task_id = None if progress is None else progress.add_task(name, total=options.num_steps, loss="")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     losses, times, gathered = [], [], []
-    for step in range(steps):
+    for step in range(options.num_steps):
         start = time.perf_counter()
-        inputs, targets = task.batch(step, BATCH, model.config.sequence)
+        tokens = batches[step].chunk(world)[rank].to(device)
         with count_all_gather_bytes() as counted:
-            logits = model(inputs.chunk(world)[rank])
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.chunk(world)[rank].reshape(-1))
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
         masters.step(optimizer)
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
+        losses.append(global_loss.item() / world)  # .item() waits for the GPU: the time is the step's
         times.append(time.perf_counter() - start)
-        losses.append(global_loss.item() / world)
         gathered.append(counted.bytes)
         if progress is not None:
-            progress.update(task_id, advance=1, description=f"{recipe or 'bf16':12} loss {losses[-1]:.3f}")
+            window = statistics.fmean(losses[-FINAL_WINDOW:])
+            progress.update(task_id, advance=1, loss=f"{window:.3f}")
     return {
         "losses": losses,
-        "step_ms": statistics.median(times) * 1e3,
-        "gathered_mib_per_step": statistics.median(gathered) / 2**20,
-        "weight_mib": _linear_shard_bytes(model) / 2**20,
+        "step_s": statistics.median(times),
+        "gathered_bytes_per_step": statistics.median(gathered),
+        "weight_bytes": _linear_shard_bytes(model),
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "fallbacks": sum(not p.quantized_gather for p in plans),
     }
 
 
-def _train_all(rank: int, world: int, steps: int, result_path: str) -> None:
-    progress = Progress(console=Console()) if rank == 0 else None
-    results = {}
-    if progress is not None:
+def _train_all(rank: int, world: int, options: DemoOptions, result_path: str) -> None:
+    # 2-D-scaled weights (per-tensor FP8, 128x128, 16x16) keep rowwise data only and derive
+    # columnwise for each dgrad GEMM ([Note: on-demand columnwise]): half the weight memory. Set
+    # in the rank processes only, which recipes' quantizers read it in.
+    os.environ.setdefault(qt.COLUMNWISE_ON_DEMAND_ENV_VAR, "1")
+    sequence = TransformerConfig().sequence
+    batches = MarkovTask(seed=options.seed).batches(range(options.num_steps), BATCH, sequence)
+    progress = None
+    if rank == 0:
+        progress = Progress(
+            TextColumn("{task.description:12}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn(f"loss (mean of the last {FINAL_WINDOW} steps) {{task.fields[loss]}}"),
+            TimeElapsedColumn(),
+            console=Console(),
+        )
         progress.start()
+    results = {}
     try:
-        for recipe in (None, *RECIPES):
-            results[recipe or "bf16"] = _train_one(recipe, steps, rank, world, progress)
+        for recipe in (None, *options.recipes):
+            results[recipe or "bf16"] = _train_one(recipe, options, rank, world, batches, progress)
     finally:
         if progress is not None:
             progress.stop()
@@ -114,87 +185,181 @@ def _train_all(rank: int, world: int, steps: int, result_path: str) -> None:
         pathlib.Path(result_path).write_text(json.dumps(results))
 
 
-def run_training(console: Console, out: pathlib.Path, *, steps: int, world_size: int = 2) -> bool:
-    """FSDP2-trains bf16 and every recipe on `world_size` gloo ranks; prints a table, writes
-    demo.json and demo_loss.png. Returns whether every recipe's final loss is within tolerance."""
-    # 2-D-scaled weights (per-tensor FP8, 128x128, 16x16) keep rowwise data only and derive
-    # columnwise for each dgrad GEMM ([Note: on-demand columnwise]): half the weight memory.
-    os.environ.setdefault(qt.COLUMNWISE_ON_DEMAND_ENV_VAR, "1")
+def _gemm_path(recipe: str, device: str) -> str:
+    """The forward GEMM's implementation for `recipe` on `device` (a 64x256 input, a 256x256 weight)."""
+    quantizers = qt.recipe_from_name(recipe)
+    x = torch.randn(64, 256, dtype=torch.bfloat16, device=device)
+    w = torch.randn(256, 256, dtype=torch.bfloat16, device=device)
+    return qt.ops.scaled_mm_path(quantizers.quantizer("input").quantize(x), quantizers.quantizer("weight").quantize(w))
+
+
+def run_training(options: DemoOptions) -> TrainingResult:
+    """FSDP2-trains bf16 and `options.recipes` on `options.num_ranks` ranks; rank 0 shows progress."""
     with tempfile.TemporaryDirectory() as tmp:
         result_path = pathlib.Path(tmp) / "results.json"
-        run_ranks(_train_all, world_size, steps, str(result_path))
+        backend = "nccl" if options.device == "cuda" else "gloo"
+        run_ranks(_train_all, options.num_ranks, options, str(result_path), backend=backend)
         results = json.loads(result_path.read_text())
-    bf16_final = statistics.fmean(results["bf16"]["losses"][-10:])
+    tokens_per_step = BATCH * TransformerConfig().sequence
+    bf16 = results["bf16"]
+    bf16_final = statistics.fmean(bf16["losses"][-FINAL_WINDOW:])
     rows = []
     for run, r in results.items():
-        final = statistics.fmean(r["losses"][-10:])
+        final = statistics.fmean(r["losses"][-FINAL_WINDOW:])
+        vs_bf16 = final / bf16_final - 1
+        bound = LOSS_BOUND.get(run)
         rows.append(
             TrainingRow(
                 run,
-                final,
-                (final - bf16_final) / bf16_final,
-                r["step_ms"],
-                r["gathered_mib_per_step"],
-                r["weight_mib"],
-                r["fallbacks"],
-                r["losses"],
+                final_loss=final,
+                vs_bf16=vs_bf16,
+                bound=bound,
+                passed=None if bound is None else abs(vs_bf16) <= bound,
+                gemms="bf16" if run == "bf16" else _gemm_path(run, options.device),
+                step_ms=r["step_s"] * 1e3,
+                tokens_per_s=tokens_per_step / r["step_s"],
+                gathered_mib_per_step=r["gathered_bytes_per_step"] / 2**20,
+                gathered_vs_bf16=r["gathered_bytes_per_step"] / bf16["gathered_bytes_per_step"],
+                weight_mib=r["weight_bytes"] / 2**20,
+                peak_memory_gib=None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / 2**30,
+                fallbacks=r["fallbacks"],
+                losses=r["losses"],
             )
         )
+    num_parameters = sum(p.numel() for p in TinyTransformer().parameters())
+    return TrainingResult(rows, MarkovTask(seed=options.seed).entropy(), num_parameters)
+
+
+def print_training_table(console: Console, result: TrainingResult, options: DemoOptions) -> None:
+    """The table of part 1 and the lines that define its columns."""
     table = Table(
-        title=f"TinyTransformer, FSDP2 on {world_size} CPU ranks (gloo), {steps} steps of {BATCH}x64 tokens "
-        f"(loss floor {MarkovTask().entropy():.3f})"
+        title=f"TinyTransformer ({result.num_parameters / 1e6:.1f}M parameters) on the Markov task, "
+        f"FSDP2 on {ranks_phrase(options)}, "
+        f"{options.num_steps} steps of {BATCH}x{TransformerConfig().sequence} tokens, seed {options.seed}"
     )
-    for column in (
-        "run",
-        "final loss",
-        "vs bf16",
-        "step ms",
-        "all-gathered MiB/step",
-        "Linear weights MiB/rank",
-        "fallbacks",
-    ):
-        table.add_column(column, justify="left" if column == "run" else "right")
-    passed = True
-    for r in rows:
-        ok = r.run == "bf16" or abs(r.vs_bf16) <= TOLERANCE[r.run]
-        passed &= ok
-        change = "" if r.run == "bf16" else f"{r.vs_bf16:+.2%}"
-        table.add_row(
+    on_gpu = options.device == "cuda"
+    columns = ["run", "final loss", "vs bf16", "bound", "verdict", "tokens/s", "step ms", "gathered MiB/step"]
+    columns += ["weights MiB/rank", *(["peak GiB"] if on_gpu else []), "fallbacks"]
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("run", "verdict") else "right")
+    for r in result.rows:
+        verdict = {None: "-", True: "[green]PASS[/green]", False: "[red]FAIL[/red]"}[r.passed]
+        step = f"{r.step_ms:.1f}" + (" (emulated GEMMs)" if r.gemms == "emulated" else "")
+        cells = [
             r.run,
             f"{r.final_loss:.4f}",
-            change if ok else f"[red]{change}[/red]",
-            f"{r.step_ms:.1f}",
-            f"{r.gathered_mib_per_step:.2f}",
+            "-" if r.run == "bf16" else f"{r.vs_bf16:+.2%}",
+            "-" if r.bound is None else f"±{r.bound:.0%}",
+            verdict,
+            f"{r.tokens_per_s:,.0f}",
+            step,
+            f"{r.gathered_mib_per_step:.2f} ({r.gathered_vs_bf16:.2f}x)",
             f"{r.weight_mib:.2f}",
+            *([f"{r.peak_memory_gib:.2f}"] if on_gpu else []),
             str(r.fallbacks),
-        )
+        ]
+        table.add_row(*cells)
     console.print(table)
-    console.print(
-        "All-gathered bytes include the norms, embeddings and biases, which stay bf16; the Linear weights "
-        "travel quantized."
-    )
-    (out / "demo.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
-    _plot(console, rows, out / "demo_loss.png")
-    return passed
+    bf16_final = result.rows[0].final_loss
+    emulated = any(r.gemms == "emulated" for r in result.rows)
+    for line in (
+        f"final loss: {final_loss_definition(options.num_steps)} (cross-entropy, nats per token, global batch); "
+        "the progress bars show the same mean.",
+        "vs bf16: final loss / bf16's final loss - 1. verdict: PASS when within ± bound (issue #5's parity bounds).",
+        f"The task's loss floor is {result.loss_floor:.3f}: the entropy of its Markov chain, the lowest loss any "
+        f"model can reach (bf16 is {bf16_final - result.loss_floor:.3f} above it after {options.num_steps} steps).",
+        "tokens/s: the global batch's tokens / the median step time (step ms), all ranks together.",
+        *(
+            [
+                "emulated GEMMs: no FP8/FP4 matmul on this device; operands are dequantized and multiplied in high "
+                "precision, so these steps are slower than bf16's and say nothing of GPU speed."
+            ]
+            if emulated
+            else []
+        ),
+        "gathered: bytes FSDP2's all-gathers deliver to one rank per step (x bf16's); the Linear weights travel "
+        "quantized, norms, embeddings and biases in bf16.",
+        "weights: bytes of the Linear weight shards one rank stores. fallbacks: weights gathered in high precision "
+        "(shard rows off the format's block boundaries)." + (" peak GiB: rank 0's max allocated." if on_gpu else ""),
+    ):
+        console.print(line, highlight=False)
 
 
-def _plot(console: Console, rows: list[TrainingRow], path: pathlib.Path) -> None:
+def plot_losses(console: Console, result: TrainingResult, options: DemoOptions, path: pathlib.Path) -> bool:
+    """demo_loss.png: the loss curves above, each recipe's loss relative to bf16's below, with its
+    bound. Returns False (and says why) when matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator, PercentFormatter
     except ImportError:
         console.print("[yellow]no loss plot: matplotlib is not installed (pip install 'quant-fsdp\\[demo]')[/yellow]")
-        return
-    figure, axis = plt.subplots(figsize=(8, 5))
-    for r in rows:
-        axis.plot(r.losses, label=r.run, linewidth=1.2)
-    axis.set_xlabel("step")
-    axis.set_ylabel("training loss")
-    axis.set_yscale("log")
-    axis.set_title("TinyTransformer under FSDP2 on the Markov task: bf16 vs quantized recipes")
-    axis.legend()
+        return False
+    figure, (losses, gaps) = plt.subplots(2, 1, figsize=(10, 9), sharex=True, height_ratios=(1, 1))
+    steps = range(1, options.num_steps + 1)
+    bf16 = result.rows[0].losses
+    window = min(FINAL_WINDOW, options.num_steps)
+    line_styles = ("-", "--", "-.", ":", (0, (5, 1, 1, 1)))
+    smoothed_extremes = [0.0]
+    for index, r in enumerate(result.rows):
+        if r.run == "bf16":  # wide and pale under the recipes, which mostly lie on it
+            losses.plot(steps, r.losses, label="bf16 (baseline)", color="black", linewidth=4, alpha=0.3)
+            continue
+        color, style = f"C{index - 1}", line_styles[(index - 1) % len(line_styles)]
+        losses.plot(steps, r.losses, label=r.run, color=color, linestyle=style, linewidth=1.3)
+        per_step = [100 * (loss / reference - 1) for loss, reference in zip(r.losses, bf16, strict=True)]
+        gaps.plot(steps, per_step, color=color, linewidth=0.7, alpha=0.3)
+        smoothed = [100 * (_trailing_mean(r.losses, s, window) / _trailing_mean(bf16, s, window) - 1) for s in steps]
+        smoothed_extremes += [abs(v) for v in smoothed]
+        gaps.plot(steps, smoothed, color=color, linestyle=style, linewidth=1.8, label=f"{r.run}: {r.vs_bf16:+.2%}")
+    losses.axhline(result.loss_floor, color="grey", linestyle=":", linewidth=1.0)
+    losses.annotate(
+        f"loss floor {result.loss_floor:.2f} (the task's entropy)",
+        (options.num_steps, result.loss_floor),
+        xytext=(0, 4),
+        textcoords="offset points",
+        horizontalalignment="right",
+        color="grey",
+        fontsize=9,
+    )
+    losses.set(ylabel="training loss (nats/token)", title="training loss per step (every run sees the same batches)")
+    losses.set_ylim(bottom=min(result.loss_floor, *(min(r.losses) for r in result.rows)) - 0.1)
+    losses.legend(title="run", fontsize=9)
+    bounds = sorted({r.bound for r in result.rows if r.bound is not None})
+    for number, bound in enumerate(bounds):
+        dash = ("--", "-.", ":")[number % 3]
+        names = ", ".join(r.run for r in result.rows if r.bound == bound)
+        for sign in (1, -1):
+            gaps.axhline(
+                sign * 100 * bound,
+                color="dimgrey",
+                linestyle=dash,
+                linewidth=1.0,
+                label=f"bound ±{bound:.0%} ({names})" if sign > 0 else None,
+            )
+    gaps.axhline(0, color="black", linewidth=0.8)
+    limit = max(1.25 * 100 * max(bounds, default=0.03), 1.1 * max(smoothed_extremes))
+    gaps.set_ylim(-limit, limit)
+    gaps.yaxis.set_major_formatter(PercentFormatter(decimals=0 if limit >= 5 else 1))
+    gaps.set(
+        xlabel="step",
+        ylabel="loss / bf16's loss - 1",
+        title=f"loss relative to bf16: bold = mean of the last {window} steps (ends at the table's value), "
+        "faint = each step",
+    )
+    gaps.legend(fontsize=9, ncol=2, loc="lower left")
+    gaps.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for axis in (losses, gaps):
+        axis.grid(alpha=0.3)
+    figure.suptitle(f"quant-fsdp demo: TinyTransformer, FSDP2 on {ranks_phrase(options)}, seed {options.seed}")
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=110)
     plt.close(figure)
+    return True
+
+
+def _trailing_mean(values: list[float], step: int, window: int) -> float:
+    """Mean of values[step - window : step] (fewer at the start): the final loss at `step`."""
+    return statistics.fmean(values[max(0, step - window) : step])

@@ -12,32 +12,29 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
+from typing import NoReturn
 
 from quant_fsdp._version import __version__
 
 Runner = Callable[[pathlib.Path], int]
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a refused value reported in one line (no usage block above it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `quant-fsdp` console script. Every argument is checked before any work
-    starts: a bad value exits with code 2 and one line naming it (argparse's convention)."""
-    parser = argparse.ArgumentParser(prog="quant-fsdp", description=__doc__)
+    starts: a bad value exits with code 2 and one line naming it and what to do."""
+    parser = _Parser(prog="quant-fsdp", description=__doc__)
     parser.add_argument("--version", action="version", version=f"quant-fsdp {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="train a small transformer with every recipe and bf16; check the kernels")
-    demo.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("results"),
-        help="folder for demo.json, demo_gather.json and demo_loss.png",
-    )
-    demo.add_argument(
-        "--world-size",
-        type=_world_size,
-        default=4,
-        help="shards in the simulated FSDP gather check (a power of two, 1-64; training always uses 2 ranks)",
-    )
-    demo.add_argument("--steps", type=_positive, default=100, help="training steps per run")
+    demo = commands.add_parser("demo", help="FSDP2-train a small transformer with bf16 and each recipe")
+    _add_demo_arguments(demo)
+    demo.set_defaults(subparser=demo)  # reports the demo's option errors as `quant-fsdp demo: error: ...`
     bench = commands.add_parser("bench", help="run the benchmark suite and write JSON")
     bench.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="folder for the JSON results")
     bench.add_argument(
@@ -69,9 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _command(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None) -> Runner:
     """The checked command, as a function of the folder it writes into."""
     if args.command == "demo":
-        from quant_fsdp._demo import run_demo
-
-        return lambda out: run_demo(out, world_size=args.world_size, steps=args.steps)
+        return _demo_command(args.subparser, args, argv)
     if args.e2e:
         return _e2e_command(parser, args, argv)
     if args.linear:
@@ -106,24 +101,56 @@ def _staged(out: pathlib.Path) -> Iterator[pathlib.Path]:
 _E2E_OPTIONS = ("runs", "config", "steps", "warmup", "model", "compile_backend", "fidelity")
 
 
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+
+
 def _positive(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
-def _world_size(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 64 or value & (value - 1):
+def _seed(text: str) -> int:
+    value = _integer(text)
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 0 to 2**63 - 1, got {value}")
+    return value
+
+
+def _num_ranks(text: str) -> int:
+    from quant_fsdp._demo_training import BATCH
+
+    value = _integer(text)
+    if not 1 <= value <= BATCH or BATCH % value:
+        divisors = ", ".join(str(n) for n in range(1, BATCH + 1) if BATCH % n == 0)
         raise argparse.ArgumentTypeError(
-            f"must be a power of two from 1 to 64 (the demo's weights split into equal block-aligned shards), got {value}"
+            f"must split the global batch of {BATCH} sequences evenly over the ranks: one of {divisors}; got {value}"
         )
     return value
 
 
+def _recipe_names(text: str) -> tuple[str, ...]:
+    from quant_fsdp._demo_training import RECIPES
+
+    if text.strip() == "all":
+        return RECIPES
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in RECIPES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown recipe {', '.join(map(repr, unknown))}; give 'all' or a comma-separated list of "
+            f"{', '.join(RECIPES)} (bf16 always runs, as the baseline)"
+        )
+    return tuple(dict.fromkeys(names))
+
+
 def _kernel_size(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 128 or value % 128:
         raise argparse.ArgumentTypeError(f"must be a positive multiple of 128 (every block format's tile), got {value}")
     return value
@@ -146,6 +173,76 @@ def _unwritable(out: pathlib.Path) -> str:
     except OSError as error:
         return f"cannot create folders under {existing} ({error.strerror}); name a writable folder"
     return ""
+
+
+def _add_demo_arguments(demo: argparse.ArgumentParser) -> None:
+    demo.add_argument(
+        "--recipes",
+        type=_recipe_names,
+        metavar="NAMES",
+        default="all",
+        help="comma-separated recipes trained after bf16: fp8, fp8-delayed, mxfp8, fp8-block, nvfp4 (default: all)",
+    )
+    demo.add_argument(
+        "--nproc",
+        type=_num_ranks,
+        metavar="N",
+        default=2,
+        help="training ranks, each a process with 8/N sequences of each batch: 1, 2, 4 or 8 (default 2); the "
+        "simulated gather check shards over as many",
+    )
+    demo.add_argument(
+        "--steps", type=_positive, default=DEMO_STEPS, help=f"training steps per run (default {DEMO_STEPS})"
+    )
+    demo.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="cpu: gloo ranks; cuda: NCCL, one GPU per rank; auto (default): cuda when torch sees --nproc GPUs, "
+        "else cpu",
+    )
+    demo.add_argument(
+        "--seed", type=_seed, default=0, help="seed of the initial weights and of the task's Markov chain (default 0)"
+    )
+    demo.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("results"),
+        help="folder for demo.json, demo_gather.json and demo_loss.png (default results)",
+    )
+
+
+DEMO_STEPS = 100
+
+
+def _demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None) -> Runner:
+    import torch
+
+    from quant_fsdp._demo import run_demo
+    from quant_fsdp._demo_training import DemoOptions
+
+    num_gpus = torch.cuda.device_count()
+    if args.device == "cuda" and num_gpus == 0:
+        parser.error(f"argument --device: torch {torch.__version__} sees no GPU; use --device cpu (or auto)")
+    if args.device == "cuda" and num_gpus < args.nproc:
+        parser.error(
+            f"argument --nproc: {args.nproc} ranks on --device cuda need {args.nproc} GPUs, torch sees {num_gpus}; "
+            f"use --nproc {num_gpus} or --device cpu"
+        )
+    device = "cuda" if args.device == "cuda" or (args.device == "auto" and num_gpus >= args.nproc) else "cpu"
+    options = DemoOptions(
+        recipes=args.recipes,
+        num_ranks=args.nproc,
+        num_steps=args.steps,
+        device=device,
+        seed=args.seed,
+        command=_command_line(argv),
+    )
+    return lambda out: run_demo(out, options)
+
+
+def _command_line(argv: Sequence[str] | None) -> str:
+    return shlex.join(["quant-fsdp", *(sys.argv[1:] if argv is None else argv)])
 
 
 def _add_e2e_arguments(bench: argparse.ArgumentParser) -> None:
@@ -195,7 +292,7 @@ def _e2e_command(parser: argparse.ArgumentParser, args: argparse.Namespace, argv
         options = E2EOptions(
             **{k: v for k, v in settings.items() if v is not None},
             device=args.device,
-            command=shlex.join(["quant-fsdp", *(sys.argv[1:] if argv is None else argv)]),
+            command=_command_line(argv),
         )
     except ValueError as error:
         parser.error(str(error))
