@@ -125,6 +125,67 @@ def test_prequantized_input_equals_quantizing_inside_the_layer(name):
     assert qx.usages == usages
 
 
+def _counting_input_quantizes(monkeypatch, layer: qt.nn.Linear, rows: int) -> list[int]:
+    """A list that grows by one for each quantize of a (rows, K) tensor by the layer's quantizer class."""
+    calls: list[int] = []
+    cls = type(layer.input_quantizer)
+    original = cls.quantize
+
+    def quantize(self, x, **kwargs):
+        if x.shape[0] == rows:
+            calls.append(rows)
+        return original(self, x, **kwargs)
+
+    monkeypatch.setattr(cls, "quantize", quantize)
+    return calls
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_sibling_layers_share_one_quantized_input(name, monkeypatch):
+    """Three layers fed one tensor (q/k/v projections) quantize it once and save one copy of its
+    columnwise data, with the outputs and gradients of quantizing it per layer; delayed scaling
+    (every layer's own history) quantizes per layer ([Note: sibling layers share one quantized input])."""
+    torch.manual_seed(0)
+    layers = [qt.nn.Linear(256, 384, recipe=qt.recipe_from_name(name)) for _ in range(3)]
+    twins = copy.deepcopy(layers)
+    x = torch.randn(2, 32, 256, generator=gen(6)).requires_grad_(True)
+    dys = [torch.randn(2, 32, 384, generator=gen(7 + i)) for i in range(3)]
+    calls = _counting_input_quantizes(monkeypatch, layers[0], rows=64)
+    ys = [layer(x) for layer in layers]
+    assert len(calls) == (3 if name == "fp8-delayed" else 1)
+    saved = [y.grad_fn.saved_tensors[0] for y in ys]
+    assert all(s.rowwise_data is None for s in saved)  # the wgrad GEMM's columnwise data only
+    pointers = {s.columnwise_data.untyped_storage().data_ptr() for s in saved}
+    assert len(pointers) == (3 if name == "fp8-delayed" else 1)
+    for y, dy, layer, twin in zip(ys, dys, layers, twins, strict=True):
+        alone = x.detach().clone().requires_grad_(True)  # another tensor: quantized for this layer only
+        want = twin(alone)
+        got_grads = torch.autograd.grad(y, (x, layer.weight, layer.bias), dy)
+        want_grads = torch.autograd.grad(want, (alone, twin.weight, twin.bias), dy)
+        assert torch.equal(y, want)
+        assert all(torch.equal(a, b) for a, b in zip(got_grads, want_grads, strict=True))
+
+
+def test_an_input_modified_in_place_is_quantized_again(monkeypatch):
+    layers = [qt.nn.Linear(256, 384, recipe=qt.Float8CurrentScaling()) for _ in range(2)]
+    x = torch.randn(64, 256, generator=gen(8))
+    calls = _counting_input_quantizes(monkeypatch, layers[0], rows=64)
+    layers[0](x)
+    x.mul_(3)
+    y = layers[1](x)
+    assert len(calls) == 2
+    assert torch.equal(y, layers[1](x.clone()))
+
+
+def test_the_saved_weight_holds_its_columnwise_data_only():
+    """A high-precision weight's quantized copy is saved for the dgrad GEMM without the rowwise
+    data the forward used (one byte per weight element instead of two)."""
+    layer = qt.nn.Linear(256, 128, recipe=qt.Float8CurrentScaling())
+    y = layer(torch.randn(64, 256, requires_grad=True))
+    saved_weight = y.grad_fn.saved_tensors[1]
+    assert saved_weight.usages == (False, True)
+
+
 def test_prequantized_input_without_what_the_gemms_need_is_refused():
     layer = qt.nn.Linear(256, 128, recipe=qt.MXFP8BlockScaling())
     rowwise_only = layer.input_quantizer.with_usage(rowwise=True, columnwise=False).quantize(torch.randn(64, 256))

@@ -20,6 +20,7 @@ import warnings
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from quant_tensors._tensor import QuantizedTensor, local_quantized, local_shard, shard_like
 from quant_tensors.ops import scaled_mm
@@ -80,17 +81,18 @@ class _QuantizedLinearFunction(torch.autograd.Function):
         if isinstance(x, QuantizedTensor):
             qx = _prequantized(x, "input", rowwise=True, columnwise=needs_wgrad)
         else:
-            qx = input_quantizer.quantize(
-                x.reshape(-1, x.shape[-1]), state=input_state, rowwise=True, columnwise=needs_wgrad
-            )
+            qx = _quantize_input(x, input_quantizer, input_state, columnwise=needs_wgrad)
         if isinstance(weight, QuantizedTensor):
             qw = weight
         else:
             qw = weight_quantizer.quantize(weight, state=weight_state, rowwise=True, columnwise=needs_dgrad)
         y = scaled_mm(qx, qw, x.dtype, bias=bias)
-        if needs_wgrad and qx is not x:
-            qx.update_usage(rowwise=False)  # the wgrad GEMM needs the columnwise data only
-        ctx.save_for_backward(qx if needs_wgrad else None, qw if needs_dgrad else None)
+        # Saved for backward: the columnwise data only (wgrad's input, dgrad's weight), as new
+        # wrappers: a shared input ([Note: sibling layers share one quantized input]) and a
+        # quantized parameter keep their usages.
+        saved_x = _columnwise_only(qx) if needs_wgrad else None
+        saved_w = (_columnwise_only(qw) if qw is not weight else qw) if needs_dgrad else None
+        ctx.save_for_backward(saved_x, saved_w)
         # Not saved for backward: the state is meant to change in place (other layers sharing a
         # quantizer's state, e.g. tensor-parallel gathers, advance it before this backward runs).
         ctx.grad_output_state = grad_output_state
@@ -248,6 +250,47 @@ class Linear(torch.nn.Linear):
     def extra_repr(self) -> str:
         mode = f", high precision: {self.high_precision_reason}" if self.high_precision_reason else ""
         return f"{super().extra_repr()}, recipe={type(self.recipe).__name__}{mode}"
+
+
+# [Note: sibling layers share one quantized input] A transformer block feeds one tensor to
+# several Linears (the q/k/v projections, gate/up). Each layer quantizing it again would cost a
+# quantize (kernels, host time) and a saved copy of its columnwise data (peak memory) per extra
+# layer. So the first layer's quantized input is remembered, keyed weakly by the tensor, and a
+# later layer reuses it while the tensor is alive and unmodified (same version counter) if its
+# quantizer quantizes like the first one (same configuration, stateless) and all-reduces over the
+# same group, and it holds the usages needed. Stateful quantizers (delayed scaling records every
+# layer's amax in its own history) never share; neither do inference-mode tensors (no version
+# counter). The entry (rowwise data included) lives as long as the tensor does.
+_quantized_inputs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _quantize_input(x: torch.Tensor, quantizer: Quantizer, state: torch.Tensor | None, *, columnwise: bool) -> QuantizedTensor:
+    """x quantized with rowwise (and, if asked, columnwise) data, shared between sibling layers."""
+    shareable = state is None and quantizer.stateless and not x.is_inference()
+    if shareable:
+        entry = _quantized_inputs.get(x)
+        if entry is not None:
+            version, maker, qx = entry
+            if (
+                version == x._version
+                and maker.quantizes_like(quantizer)
+                and maker.amax_group is quantizer.amax_group
+                and qx.usages[1] >= columnwise
+            ):
+                return qx
+    qx = quantizer.quantize(x.reshape(-1, x.shape[-1]), state=state, rowwise=True, columnwise=columnwise)
+    if shareable:
+        _quantized_inputs[x] = (x._version, quantizer, qx)
+    return qx
+
+
+def _columnwise_only(t: QuantizedTensor) -> QuantizedTensor:
+    """A new wrapper of t's columnwise data (t itself keeps its rowwise data), or t if it has no columnwise data."""
+    if not t.usages[1]:
+        return t
+    alias = t._rebuilt()
+    alias.update_usage(rowwise=False)
+    return alias
 
 
 def _prequantized(t: QuantizedTensor, what: str, *, rowwise: bool, columnwise: bool) -> QuantizedTensor:
