@@ -4,9 +4,13 @@
     python3 scripts/profile_gpu.py ops [RECIPE ...]    # torch.profiler: ops and launches per fwd+bwd
     python3 scripts/profile_gpu.py parts               # host us of each piece of an fp8 fwd+bwd, timed alone
     python3 scripts/profile_gpu.py kernels             # each quantize once at bf16 8192^2 (under ncu)
+    python3 scripts/profile_gpu.py e2e [RUN ...]       # GPU time per e2e training step, by kernel
 
 `host` prints where the host time of one forward + backward goes (the functions with the most own
-time, and the count of calls per step); `kernels` launches each quantize kernel twice (a warm-up,
+time, and the count of calls per step); `e2e` trains `quant-fsdp bench --e2e`'s default model with each run (default: bf16:eager,
+fp8:hp:compiled, torchao-tensorwise:compiled) and prints, per step, the GPU time of the kernels
+grouped (GEMMs, attention, quantize/cast, optimizer, other elementwise) and the top kernels;
+`kernels` launches each quantize kernel twice (a warm-up,
 then the one ncu should profile: `ncu --launch-skip` per kernel name, see gpu-suite.sh).
 """
 
@@ -140,6 +144,53 @@ def kernels() -> None:
         print("ran", name)
 
 
+def _kernel_group(name: str) -> str:
+    lowered = name.lower()
+    if any(k in lowered for k in ("gemm", "sm90_xmma", "cutlass", "nvjet", "matmul", "_scaled_mm")):
+        return "GEMM"
+    if "flash" in lowered or "fmha" in lowered or "attention" in lowered:
+        return "attention"
+    if "adam" in lowered or "multi_tensor" in lowered:
+        return "optimizer"
+    if any(k in lowered for k in ("fp8", "float8", "quantize", "amax", "cast", "scale", "transpose")):
+        return "quantize/cast"
+    return "other"
+
+
+def e2e(runs: list[str]) -> None:
+    """GPU time of one training step of the e2e model, by kernel group and top kernels, per run."""
+    from quant_fsdp._bench_e2e import E2EOptions, build_run, free_memory, markov_batches, select_runs
+    from quant_fsdp._e2e_model import resolve_model_source
+
+    options = E2EOptions(device="cuda")
+    batches = markov_batches(options.decoder, 8).cuda()
+    for spec in select_runs(",".join(runs)):
+        _, _, step = build_run(spec, options, torch.device("cuda"), resolve_model_source("auto"))
+        for i in range(4):
+            step(batches[i, :, :-1], batches[i, :, 1:])
+        torch.cuda.synchronize()
+        steps = 3
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            for i in range(4, 4 + steps):
+                step(batches[i, :, :-1], batches[i, :, 1:])
+            torch.cuda.synchronize()
+        kernels = [e for e in profile.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        groups: dict[str, float] = {}
+        for e in kernels:
+            groups[_kernel_group(e.key)] = groups.get(_kernel_group(e.key), 0.0) + e.self_device_time_total / steps
+        total = sum(groups.values())
+        print(
+            f"\n=== {spec.name}: {total / 1e3:.1f} ms of kernels per step, "
+            f"{sum(e.count for e in kernels) / steps:.0f} kernels"
+        )
+        for group, us in sorted(groups.items(), key=lambda kv: -kv[1]):
+            print(f"  {group:14s} {us / 1e3:8.2f} ms {us / total:6.1%}")
+        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]:
+            print(f"  {e.count / steps:5.0f}x {e.self_device_time_total / steps / 1e3:7.2f} ms  {e.key[:110]}")
+        del step
+        free_memory(torch.device("cuda"))
+
+
 if __name__ == "__main__":
     recipes = sys.argv[2:] or ["nn.Linear", "fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4"]
     if sys.argv[1] == "host":
@@ -148,5 +199,7 @@ if __name__ == "__main__":
         ops(recipes)
     elif sys.argv[1] == "parts":
         parts()
+    elif sys.argv[1] == "e2e":
+        e2e(sys.argv[2:] or ["bf16:eager", "fp8:hp:compiled", "torchao-tensorwise:compiled"])
     else:
         kernels()
