@@ -43,15 +43,15 @@ LEARNING_RATE = 1e-3
 class DemoOptions:
     """What `quant-fsdp demo` runs; quant_fsdp.cli checks each value before work starts."""
 
-    recipes: tuple[str, ...] = RECIPES
+    recipes: tuple[str, ...]
     """Recipes trained after bf16 (names from RECIPES)."""
-    num_ranks: int = 2
+    num_ranks: int
     """Training processes; each trains on BATCH // num_ranks sequences of every batch."""
-    num_steps: int = 100
+    num_steps: int
     """Training steps per run."""
-    device: str = "cpu"
+    device: str
     """"cpu" (gloo) or "cuda" (NCCL, rank r on GPU r)."""
-    seed: int = 0
+    seed: int
     """Seeds the initial weights and the task's Markov chain."""
     command: str = ""
     """The command line, recorded in demo.json."""
@@ -293,11 +293,11 @@ def plot_losses(console: Console, result: TrainingResult, options: DemoOptions, 
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator, PercentFormatter
+        from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
     except ImportError:
         console.print("[yellow]no loss plot: matplotlib is not installed (pip install 'quant-fsdp\\[demo]')[/yellow]")
         return False
-    figure, (losses, gaps) = plt.subplots(2, 1, figsize=(10, 9), sharex=True, height_ratios=(1, 1))
+    figure, (losses, gaps) = plt.subplots(2, 1, figsize=(10, 10), sharex=True, height_ratios=(1, 1.2))
     steps = range(1, options.num_steps + 1)
     bf16 = result.rows[0].losses
     window = min(FINAL_WINDOW, options.num_steps)
@@ -313,14 +313,16 @@ def plot_losses(console: Console, result: TrainingResult, options: DemoOptions, 
         gaps.plot(steps, per_step, color=color, linewidth=0.7, alpha=0.3)
         smoothed = [100 * (_trailing_mean(r.losses, s, window) / _trailing_mean(bf16, s, window) - 1) for s in steps]
         smoothed_extremes += [abs(v) for v in smoothed]
-        gaps.plot(steps, smoothed, color=color, linestyle=style, linewidth=1.8, label=f"{r.run}: {r.vs_bf16:+.2%}")
+        gaps.plot(
+            steps, smoothed, color=color, linestyle=style, linewidth=1.8, label=f"{r.run} (final {r.vs_bf16:+.2%})"
+        )
     losses.axhline(result.loss_floor, color="grey", linestyle=":", linewidth=1.0)
     losses.annotate(
         f"loss floor {result.loss_floor:.2f} (the task's entropy)",
-        (options.num_steps, result.loss_floor),
+        (1, result.loss_floor),
         xytext=(0, 4),
         textcoords="offset points",
-        horizontalalignment="right",
+        horizontalalignment="left",
         color="grey",
         fontsize=9,
     )
@@ -340,17 +342,23 @@ def plot_losses(console: Console, result: TrainingResult, options: DemoOptions, 
                 label=f"bound ±{bound:.0%} ({names})" if sign > 0 else None,
             )
     gaps.axhline(0, color="black", linewidth=0.8)
+    # Symmetric log scale, linear within ±0.5%: recipes a few 0.1% apart stay apart while the
+    # bounds (3%, 6%) stay on the panel.
     limit = max(1.25 * 100 * max(bounds, default=0.03), 1.1 * max(smoothed_extremes))
     gaps.set_ylim(-limit, limit)
-    gaps.yaxis.set_major_formatter(PercentFormatter(decimals=0 if limit >= 5 else 1))
+    gaps.set_yscale("symlog", linthresh=0.5, linscale=1.0)
+    marks = {0.0, 0.25, 0.5, 1.0, *(100 * b for b in bounds)}
+    gaps.yaxis.set_major_locator(FixedLocator(sorted({sign * m for m in marks for sign in (1, -1)})))
+    gaps.yaxis.set_minor_locator(NullLocator())
+    gaps.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:+g}%" if value else "0%"))
     gaps.set(
         xlabel="step",
-        ylabel="loss / bf16's loss - 1",
+        ylabel="loss / bf16's loss - 1\n(symmetric log scale, linear within ±0.5%)",
         title=f"loss relative to bf16: bold = mean of the last {window} steps (ends at the table's value), "
         "faint = each step",
     )
-    gaps.legend(fontsize=9, ncol=2, loc="lower left")
-    gaps.xaxis.set_major_locator(MaxNLocator(integer=True))
+    gaps.legend(fontsize=9, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    gaps.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
     for axis in (losses, gaps):
         axis.grid(alpha=0.3)
     figure.suptitle(f"quant-fsdp demo: TinyTransformer, FSDP2 on {ranks_phrase(options)}, seed {options.seed}")
