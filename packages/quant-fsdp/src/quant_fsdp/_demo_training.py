@@ -271,8 +271,8 @@ def print_training_table(console: Console, result: TrainingResult, options: Demo
         "tokens/s: the global batch's tokens / the median step time (step ms), all ranks together.",
         *(
             [
-                "emulated GEMMs: no FP8/FP4 matmul on this device; operands are dequantized and multiplied in high "
-                "precision, so these steps are slower than bf16's and say nothing of GPU speed."
+                "emulated GEMMs: no FP8/FP4 matmul on this device; the operands are dequantized and multiplied in "
+                "high precision (slower than bf16, not a GPU speed)."
             ]
             if emulated
             else []

@@ -175,7 +175,7 @@ def _unwritable(out: pathlib.Path) -> str:
     return ""
 
 
-DEMO_STEPS = 60  # the default demo (every recipe, 2 CPU ranks) finishes in about 2.5 minutes on 2 cores
+DEMO_STEPS = 60  # the default demo (every recipe, 2 CPU ranks) takes about 2 minutes on 2 cores (100: 3-3.5)
 
 
 def _add_demo_arguments(demo: argparse.ArgumentParser) -> None:
