@@ -102,12 +102,16 @@ class E2EOptions:
     """"transformers", "builtin", or "auto": transformers' LlamaForCausalLM when it imports."""
     compile_backend: str = "inductor"
     """torch.compile backend of the compiled runs ("aot_eager" traces without generating code)."""
+    learning_rate: float = LEARNING_RATE
+    """AdamW's learning rate (the fidelity runs reach it after a linear warm-up)."""
     command: str = ""
     """The command line, for the report."""
 
     def __post_init__(self) -> None:
         if self.config not in CONFIGS:
             raise ValueError(f"config must be one of {', '.join(CONFIGS)}, got {self.config!r}")
+        if not 0 < self.learning_rate < 1:
+            raise ValueError(f"learning rate must be in (0, 1), got {self.learning_rate}")
         if self.num_steps < 1 or self.num_warmup < 0:
             raise ValueError(f"need steps >= 1 and warmup >= 0, got {self.num_steps} and {self.num_warmup}")
         if self.model_source not in MODEL_SOURCES:
@@ -188,12 +192,12 @@ def _not_lm_head(module: torch.nn.Module, name: str) -> bool:
 
 
 def _optimizer_step(
-    model: torch.nn.Module, spec: RunSpec, device: torch.device
+    model: torch.nn.Module, spec: RunSpec, options: E2EOptions, device: torch.device
 ) -> tuple[torch.optim.Optimizer, Callable[[], None]]:
     """(optimizer, step): AdamW over the parameters, or over the fp32 masters of quantized weights."""
     masters = MasterWeights(model) if spec.quantized_weights else None
     parameters = model.parameters() if masters is None else masters.parameters
-    optimizer = torch.optim.AdamW(parameters, lr=LEARNING_RATE, weight_decay=0.0, fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(parameters, lr=options.learning_rate, weight_decay=0.0, fused=device.type == "cuda")
     return optimizer, optimizer.step if masters is None else lambda: masters.step(optimizer)
 
 
@@ -211,7 +215,7 @@ def build_run(
     elif spec.base != "bf16":
         recipe = qt.recipe_from_name(spec.base)
         qt.convert(model, recipe, quantized_weights=spec.quantized_weights, module_filter_fn=_not_lm_head)
-    optimizer, optimizer_step = _optimizer_step(model, spec, device)
+    optimizer, optimizer_step = _optimizer_step(model, spec, options, device)
     forward = torch.compile(model, backend=options.compile_backend) if spec.compiled else model
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -339,7 +343,7 @@ def environment(options: E2EOptions, device: torch.device, source: str) -> dict[
         "num_warmup": options.num_warmup,
         "num_steps": options.num_steps,
         "compile_backend": options.compile_backend,
-        "learning_rate": LEARNING_RATE,
+        "learning_rate": options.learning_rate,
     }
 
 

@@ -98,7 +98,7 @@ def _staged(out: pathlib.Path) -> Iterator[pathlib.Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-_E2E_OPTIONS = ("runs", "config", "steps", "warmup", "model", "compile_backend", "fidelity")
+_E2E_OPTIONS = ("runs", "config", "steps", "warmup", "model", "compile_backend", "fidelity", "lr")
 
 
 def _integer(text: str) -> int:
@@ -268,6 +268,7 @@ def _add_e2e_arguments(bench: argparse.ArgumentParser) -> None:
         help="transformers' LlamaForCausalLM or the built-in equivalent (default auto: transformers when it imports)",
     )
     e2e.add_argument("--compile-backend", help="torch.compile backend of the compiled runs (default inductor)")
+    e2e.add_argument("--lr", type=float, help="AdamW learning rate, in (0, 1) (default 3e-4)")
     e2e.add_argument(
         "--fidelity",
         type=_positive,
@@ -288,6 +289,7 @@ def _e2e_command(parser: argparse.ArgumentParser, args: argparse.Namespace, argv
             "num_warmup": args.warmup,
             "model_source": args.model,
             "compile_backend": args.compile_backend,
+            "learning_rate": args.lr,
         }
         options = E2EOptions(
             **{k: v for k, v in settings.items() if v is not None},
