@@ -70,3 +70,14 @@ def test_demo_learns_and_writes_the_table_json_and_plot(tmp_path, capsys):
         line.startswith("PASS: every recipe (fp8, nvfp4) within its loss bound of bf16 after 20 steps")
         for line in lines
     )
+
+
+def test_demo_on_one_rank_gathers_nothing(tmp_path):
+    # FSDP2 on one rank skips the collectives: no bytes gathered, no ratio to bf16's.
+    out = tmp_path / "results"
+    assert main(["demo", "--recipes", "fp8", "--nproc", "1", "--steps", "2", "--out", str(out)]) == 0
+    runs = {run["run"]: run for run in json.loads((out / "demo.json").read_text())["runs"]}
+    assert runs["bf16"]["gathered_mib_per_step"] == runs["fp8"]["gathered_mib_per_step"] == 0
+    assert runs["fp8"]["gathered_vs_bf16"] is None
+    # The one rank holds every Linear weight: one FP8 byte per bf16 pair, plus one fp32 scale per weight.
+    assert runs["fp8"]["weight_mib"] == pytest.approx(runs["bf16"]["weight_mib"] / 2, rel=1e-4)

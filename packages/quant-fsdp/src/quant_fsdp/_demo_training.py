@@ -80,7 +80,7 @@ class TrainingRow:
     step_ms: float  # median step time
     tokens_per_s: float  # tokens of the global batch / median step time
     gathered_mib_per_step: float  # bytes the all-gathers delivered to one rank per step (median)
-    gathered_vs_bf16: float
+    gathered_vs_bf16: float | None  # None on one rank: FSDP2 gathers nothing there
     weight_mib: float  # bytes of the Linear weight shards one rank stores
     peak_memory_gib: float | None  # rank 0's torch.cuda.max_memory_allocated; None on the CPU
     fallbacks: int  # weights gathered in high precision (quant_fsdp's alignment policy)
@@ -159,7 +159,7 @@ def _train_one(
 def _train_all(rank: int, world: int, options: DemoOptions, result_path: str) -> None:
     # 2-D-scaled weights (per-tensor FP8, 128x128, 16x16) keep rowwise data only and derive
     # columnwise for each dgrad GEMM ([Note: on-demand columnwise]): half the weight memory. Set
-    # in the rank processes only, which recipes' quantizers read it in.
+    # here, in the rank processes that make the quantizers; the caller's environment stays as it was.
     os.environ.setdefault(qt.COLUMNWISE_ON_DEMAND_ENV_VAR, "1")
     sequence = TransformerConfig().sequence
     batches = MarkovTask(seed=options.seed).batches(range(options.num_steps), BATCH, sequence)
@@ -183,6 +183,10 @@ def _train_all(rank: int, world: int, options: DemoOptions, result_path: str) ->
             progress.stop()
     if rank == 0:
         pathlib.Path(result_path).write_text(json.dumps(results))
+
+
+def _ratio(value: float, reference: float) -> float | None:
+    return value / reference if reference else None
 
 
 def _gemm_path(recipe: str, device: str) -> str:
@@ -219,7 +223,7 @@ def run_training(options: DemoOptions) -> TrainingResult:
                 step_ms=r["step_s"] * 1e3,
                 tokens_per_s=tokens_per_step / r["step_s"],
                 gathered_mib_per_step=r["gathered_bytes_per_step"] / 2**20,
-                gathered_vs_bf16=r["gathered_bytes_per_step"] / bf16["gathered_bytes_per_step"],
+                gathered_vs_bf16=_ratio(r["gathered_bytes_per_step"], bf16["gathered_bytes_per_step"]),
                 weight_mib=r["weight_bytes"] / 2**20,
                 peak_memory_gib=None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / 2**30,
                 fallbacks=r["fallbacks"],
@@ -253,7 +257,7 @@ def print_training_table(console: Console, result: TrainingResult, options: Demo
             verdict,
             f"{r.tokens_per_s:,.0f}",
             step,
-            f"{r.gathered_mib_per_step:.2f} ({r.gathered_vs_bf16:.2f}x)",
+            f"{r.gathered_mib_per_step:.2f}" + ("" if r.gathered_vs_bf16 is None else f" ({r.gathered_vs_bf16:.2f}x)"),
             f"{r.weight_mib:.2f}",
             *([f"{r.peak_memory_gib:.2f}"] if on_gpu else []),
             str(r.fallbacks),
