@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from quant_tensors.demo import MarkovTask
@@ -45,3 +46,20 @@ def test_entropy_counts_a_successor_drawn_twice_once():
             merged[token] = merged.get(token, 0.0) + p
         want -= sum(p * math.log(p) for p in merged.values())
     assert math.isclose(task.entropy(), want / 256, rel_tol=1e-6)
+
+
+def test_a_chain_over_fewer_states_visits_only_them():
+    task = MarkovTask(1000, seed=3, states=50)
+    tokens = task.batches(range(2), 4, 128)
+    visited = set(tokens.unique().tolist())
+    assert visited <= set(task.state_ids.tolist())
+    assert len(task.state_ids) == 50
+    assert len(visited) > 40  # the start tokens and successors spread over the states
+    follows = (task.next_tokens[tokens[:, :, :-1]] == tokens[:, :, 1:, None]).any(-1)
+    assert follows.all()
+    assert 0 < task.entropy() < math.log(4)
+
+
+def test_states_out_of_range_are_refused():
+    with pytest.raises(ValueError, match="states must be between 1 and vocab=10"):
+        MarkovTask(10, states=11)

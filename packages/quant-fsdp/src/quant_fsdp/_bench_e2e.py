@@ -414,9 +414,14 @@ def console_for_logs() -> Console:
     return Console(width=None if sys.stdout.isatty() else 160)  # logs: no wrapped tables
 
 
-def markov_batches(config: DecoderConfig, num_steps: int) -> torch.Tensor:
+def markov_task(config: DecoderConfig, states: int | None = None) -> MarkovTask:
+    """The Markov task over the configuration's vocabulary (visiting `states` ids of it, default all)."""
+    return MarkovTask(config.vocab_size, seed=SEED, states=states)
+
+
+def markov_batches(config: DecoderConfig, num_steps: int, states: int | None = None) -> torch.Tensor:
     """The token ids of steps 0 .. num_steps - 1 (the same for every run and invocation), on the CPU."""
-    return MarkovTask(config.vocab_size, seed=SEED).batches(range(num_steps), config.batch_size, config.sequence_length)
+    return markov_task(config, states).batches(range(num_steps), config.batch_size, config.sequence_length)
 
 
 def run_e2e(out: pathlib.Path, runs: Sequence[RunSpec], options: E2EOptions, console: Console | None = None) -> int:

@@ -89,20 +89,29 @@ class MarkovTask:
     drawn with replacement, and the sequences of many steps are generated together.
     """
 
-    def __init__(self, vocab: int = 256, successors: int = 4, seed: int = 0) -> None:
+    def __init__(self, vocab: int = 256, successors: int = 4, seed: int = 0, states: int | None = None) -> None:
+        """`states`: how many token ids the chain visits (default: all `vocab`), chosen at random.
+        Fewer states make a task a model learns in fewer steps, with logits over the whole vocabulary."""
+        if states is not None and not 1 <= states <= vocab:
+            raise ValueError(f"states must be between 1 and vocab={vocab}, got {states}")
         generator = torch.Generator().manual_seed(seed)
         self.vocab = vocab
-        self.next_tokens = torch.randint(vocab, (vocab, successors), generator=generator)
+        self.next_tokens = torch.randint(vocab if states is None else states, (vocab, successors), generator=generator)
         self.probabilities = torch.softmax(torch.randn(vocab, successors, generator=generator), dim=-1)
+        # The ids the chain visits; next_tokens indexes into them.
+        self.state_ids = torch.arange(vocab) if states is None else torch.randperm(vocab, generator=generator)[:states]
+        if states is not None:
+            self.next_tokens = self.state_ids[self.next_tokens]
         self._cumulative = self.probabilities.cumsum(dim=-1)
 
     def entropy(self) -> float:
-        """The loss floor: the chain's mean conditional entropy (nats per token)."""
+        """The loss floor: the chain's mean conditional entropy over its states (nats per token)."""
         # Successors drawn twice for a token add their probabilities: sum_j p_j log P(next_j) sums
         # P log P over the distinct next tokens.
-        same = self.next_tokens[:, :, None] == self.next_tokens[:, None, :]
-        merged = (same * self.probabilities[:, None, :]).sum(-1)
-        return float(-(self.probabilities * merged.log()).sum(-1).mean())
+        next_tokens, probabilities = self.next_tokens[self.state_ids], self.probabilities[self.state_ids]
+        same = next_tokens[:, :, None] == next_tokens[:, None, :]
+        merged = (same * probabilities[:, None, :]).sum(-1)
+        return float(-(probabilities * merged.log()).sum(-1).mean())
 
     def batches(self, steps: range, batch_size: int, sequence: int) -> torch.Tensor:
         """Token ids of shape (len(steps), batch_size, sequence + 1), on the CPU: step s's inputs
@@ -114,7 +123,8 @@ class MarkovTask:
             ]
         ).flatten(0, 1)
         tokens = torch.empty(draws.shape, dtype=torch.long)
-        tokens[:, 0] = (draws[:, 0] * self.vocab).long().clamp_(max=self.vocab - 1)
+        num_states = len(self.state_ids)
+        tokens[:, 0] = self.state_ids[(draws[:, 0] * num_states).long().clamp_(max=num_states - 1)]
         last = self.next_tokens.shape[1] - 1
         for t in range(sequence):  # inverse-CDF sampling of each token's successor
             choice = (draws[:, t + 1, None] > self._cumulative[tokens[:, t]]).sum(-1).clamp_(max=last)
