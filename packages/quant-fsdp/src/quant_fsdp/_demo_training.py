@@ -275,8 +275,8 @@ def print_training_table(console: Console, result: TrainingResult, options: Demo
         "tokens/s: the global batch's tokens / the median step time (step ms), all ranks together.",
         *(
             [
-                "emulated GEMMs: no FP8/FP4 matmul on this device; the operands are dequantized and multiplied in "
-                "high precision (slower than bf16, not a GPU speed)."
+                "emulated GEMMs: no FP8/FP4 matmul for this format on this device, so the operands are dequantized "
+                "and multiplied in high precision: slower than bf16."
             ]
             if emulated
             else []
@@ -284,7 +284,8 @@ def print_training_table(console: Console, result: TrainingResult, options: Demo
         "gathered: bytes FSDP2's all-gathers deliver to one rank per step (x bf16's); the Linear weights travel "
         "quantized, norms, embeddings and biases in bf16.",
         "weights: bytes of the Linear weight shards one rank stores. fallbacks: weights gathered in high precision "
-        "(shard rows off the format's block boundaries)." + (" peak GiB: rank 0's max allocated." if on_gpu else ""),
+        "(shard rows off the format's block boundaries).",
+        *(["peak GiB: rank 0's torch.cuda.max_memory_allocated over the run."] if on_gpu else []),
     ):
         console.print(line, highlight=False)
 
