@@ -175,7 +175,7 @@ def _unwritable(out: pathlib.Path) -> str:
     return ""
 
 
-DEMO_STEPS = 60  # the default demo (every recipe, 2 CPU ranks) takes about 2 minutes on 2 cores (100: 3-3.5)
+DEMO_STEPS = 60  # every recipe on 2 CPU ranks: 1m23s on 2 idle cores, ~2 min shared (100 steps: 3m38s shared)
 
 
 def _add_demo_arguments(demo: argparse.ArgumentParser) -> None:
