@@ -18,7 +18,12 @@ PACKAGES = ("quant-core", "quant-tensors", "quant-fsdp", "quant-optim")
 TORCH_SPEC = os.environ.get("QUANT_TORCH_SPEC", "torch==2.13.0")
 # triton: its CPU interpreter checks the CUDA kernels' indexing and integer numerics on machines
 # without a GPU (the tests/test_triton_*.py that are not marked cuda).
-TEST_DEPS = ("pytest>=8", "hypothesis>=6.100", "numpy", "triton>=3.6")
+# build and the two backends (as in the packages' build-system.requires; pybind11 is needed only to
+# compile): tests-integration/test_packaging.py builds each sdist without isolation.
+TEST_DEPS = (
+    "pytest>=8", "hypothesis>=6.100", "numpy", "triton>=3.6",
+    "build>=1.2", "hatchling>=1.24", "scikit-build-core>=0.10",
+)  # fmt: skip
 
 nox.options.sessions = ["lint", "tests"]
 nox.options.default_venv_backend = "venv"
