@@ -264,7 +264,9 @@ class Linear(torch.nn.Linear):
 _quantized_inputs: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _quantize_input(x: torch.Tensor, quantizer: Quantizer, state: torch.Tensor | None, *, columnwise: bool) -> QuantizedTensor:
+def _quantize_input(
+    x: torch.Tensor, quantizer: Quantizer, state: torch.Tensor | None, *, columnwise: bool
+) -> QuantizedTensor:
     """x quantized with rowwise (and, if asked, columnwise) data, shared between sibling layers."""
     shareable = state is None and quantizer.stateless and not x.is_inference()
     if shareable:
