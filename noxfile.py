@@ -20,9 +20,10 @@ TORCH_SPEC = os.environ.get("QUANT_TORCH_SPEC", "torch==2.13.0")
 # without a GPU (the tests/test_triton_*.py that are not marked cuda).
 # build and the two backends (as in the packages' build-system.requires; pybind11 is needed only to
 # compile): tests-integration/test_packaging.py builds each sdist without isolation.
+# matplotlib (the demo's extra): the demo test checks the loss plot it draws.
 TEST_DEPS = (
     "pytest>=8", "hypothesis>=6.100", "numpy", "triton>=3.6",
-    "build>=1.2", "hatchling>=1.24", "scikit-build-core>=0.10",
+    "build>=1.2", "hatchling>=1.24", "scikit-build-core>=0.10", "matplotlib>=3.8",
 )  # fmt: skip
 
 nox.options.sessions = ["lint", "tests"]

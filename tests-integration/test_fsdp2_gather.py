@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import gc
+import io
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -128,11 +132,19 @@ def test_gathered_weight_equals_the_unsharded_quantization(world_size, mode, req
 # ---- bytes on the wire ---------------------------------------------------------------------------
 
 
-def _gather_bytes(rank: int, world_size: int, recipe_name: str, mode: str, reshard: bool) -> float:
+def _gather_bytes(
+    rank: int, world_size: int, recipe_name: str, mode: str, reshard: bool, sharded_by: str = "quant_fsdp"
+) -> float:
     model = stack(recipe_name, mode)
+    if sharded_by == "torch":  # quantized weights under torch's own fully_shard: the same hooks run
+        shard = functools.partial(torch_fully_shard, reshard_after_forward=reshard)
+    else:
+        shard = functools.partial(
+            quant_fsdp.fully_shard, quantize_on_gather=mode == "quantize-on-gather", reshard_after_forward=reshard
+        )
     for layer in model.layers:
-        quant_fsdp.fully_shard(layer, quantize_on_gather=mode == "quantize-on-gather", reshard_after_forward=reshard)
-    quant_fsdp.fully_shard(model, quantize_on_gather=mode == "quantize-on-gather", reshard_after_forward=reshard)
+        shard(layer)
+    shard(model)
     one_step(model, rank)  # the first step sizes FSDP2's buffers; count the second
     quant_fsdp.reset_comm_stats()
     with count_all_gather_bytes() as counted:
@@ -157,17 +169,27 @@ def _gather_bytes(rank: int, world_size: int, recipe_name: str, mode: str, resha
 BYTES_BOUNDS = {"fp8": 0.52, "fp8-delayed": 0.52, "mxfp8": 0.52, "fp8-block": 0.52, "nvfp4": 0.30}
 
 
-def _check_ratios(rank: int, world_size: int, mode: str, reshard: bool, bounds: dict[str, float]) -> None:
+def _check_ratios(
+    rank: int, world_size: int, mode: str, reshard: bool, bounds: dict[str, float], sharded_by: str = "quant_fsdp"
+) -> None:
     for recipe_name, bound in bounds.items():
-        ratio = _gather_bytes(rank, world_size, recipe_name, mode, reshard)
+        ratio = _gather_bytes(rank, world_size, recipe_name, mode, reshard, sharded_by)
         if rank == 0:
-            print(f"{recipe_name} {mode} world={world_size} reshard_after_forward={reshard}: {ratio:.4f}x bf16")
+            print(
+                f"{recipe_name} {mode} world={world_size} reshard_after_forward={reshard} {sharded_by}'s fully_shard: "
+                f"{ratio:.4f}x bf16"
+            )
         assert ratio <= bound, (recipe_name, ratio)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_all_gather_bytes_against_bf16(mode, world_2):
     world_2.check(f"bytes {mode}")
+
+
+def test_torchs_own_fully_shard_gathers_quantized_weights_like_quant_fsdps(world_2):
+    """MXFP8 (two usages, different blocks) gathers one usage per gather under torch's fully_shard too."""
+    world_2.check("bytes under torch's fully_shard")
 
 
 def test_mxfp8_without_reshard_after_forward_gathers_both_usages_once(world_2):
@@ -188,10 +210,19 @@ def _unaligned_trains(rank: int, world_size: int, mode: str, expected: dict[str,
         model = unaligned_model(recipe_name, mode)
         for block in model.blocks:
             quant_fsdp.fully_shard(block, quantize_on_gather=mode == "quantize-on-gather")
-        quant_fsdp.fully_shard(model, quantize_on_gather=mode == "quantize-on-gather")
-        fallbacks = [
-            plan for block in model.blocks for plan in quant_fsdp.gather_plan(block) if not plan.quantized_gather
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            quant_fsdp.fully_shard(model, quantize_on_gather=mode == "quantize-on-gather", print_plan=True)
+        # The root's plan holds every block's plan (names relative to the root), printed on rank 0 only.
+        plans = quant_fsdp.gather_plan(model)
+        in_blocks = [
+            replace(plan, name=f"blocks.{i}.{plan.name}")
+            for i, block in enumerate(model.blocks)
+            for plan in quant_fsdp.gather_plan(block)
         ]
+        assert [plan for plan in plans if plan.name.startswith("blocks.")] == in_blocks
+        assert ("quant_fsdp gather plan: FSDPTinyTransformer" in printed.getvalue()) == (rank == 0), printed.getvalue()
+        fallbacks = [plan for plan in plans if not plan.quantized_gather]
         assert fallbacks, f"{recipe_name}: the misaligned weights must be planned as fallbacks"
         assert all("split" in plan.fallback_reason for plan in fallbacks), fallbacks
         quant_fsdp.reset_comm_stats()
@@ -387,6 +418,10 @@ def world_2() -> SharedWorld:
                 ("quantized-weights", False, {"mxfp8": 1.0 + 1 / 32 + 1e-9}),
             ),
             "meta init": (_meta_init, ()),
+            "bytes under torch's fully_shard": (
+                _check_ratios,
+                ("quantized-weights", True, {"mxfp8": 0.52, "fp8": 0.52}, "torch"),
+            ),
         },
     )
 

@@ -121,7 +121,7 @@ def _train_one(
     for block in model.blocks:
         shard(block)
     shard(model)
-    plans = [] if recipe is None else [p for m in (*model.blocks, model) for p in quant_fsdp.gather_plan(m)]
+    plans = [] if recipe is None else quant_fsdp.gather_plan(model)
     masters = MasterWeights(model)
     optimizer = torch.optim.AdamW(masters.parameters, lr=LEARNING_RATE, weight_decay=0.0)
     name = recipe or "bf16"

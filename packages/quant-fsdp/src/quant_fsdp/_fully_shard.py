@@ -37,6 +37,8 @@ logger = logging.getLogger("quant_fsdp")
 def _pre_all_gather(self: QuantizedTensor, mesh, outer_size=None, outer_stride=None, module=None, mp_policy=None):
     if self.quantizer.per_tensor_amax and self.quantizer.amax_group is None:
         self.quantizer.bind(amax_group=mesh.get_group())  # sharded by torch's fully_shard directly
+    if module is not None:
+        _plan.find_fsdp_module(self.quantizer, module)  # the same, for the backward-gather decision
     return _gather.pre_all_gather(self, mesh.size())
 
 
@@ -63,8 +65,9 @@ def fully_shard(
     optimizer steps them) and quantizes each shard when FSDP2 gathers it. Quantized primary
     weights (qt.convert(..., quantized_weights=True)) gather their bytes either way. Weights whose
     shards cannot be quantized on their own take the explicit fallback; see `gather_plan(module)`,
-    the "quant_fsdp" logger and `comm_stats()`. `print_plan=True` prints the plan. Other keyword
-    arguments go to torch's fully_shard (mesh, reshard_after_forward, mp_policy, ...).
+    the "quant_fsdp" logger and `comm_stats()`. `print_plan=True` prints, on rank 0, the plan of
+    `module` and of the submodules sharded before it. Other keyword arguments go to torch's
+    fully_shard (mesh, reshard_after_forward, mp_policy, ...).
     """
     reshard = kwargs.get("reshard_after_forward", True)
     mesh = kwargs.get("mesh") or _default_mesh(module)
@@ -115,10 +118,9 @@ def fully_shard(
     if amax_histories(module):  # [Note: shared amax histories]
         HistorySyncHook(tuple(mesh.get_group(d) for d in range(mesh.ndim))).register(module)
     _attach_init_value_shards(module, init_values, mesh)
-    plans = tuple(entry[0] for entry in entries)
-    _plan.record(module, plans)
+    _plan.record(module, tuple(entry[0] for entry in entries))
     if print_plan:
-        _plan.print_plan(module, plans)
+        _plan.print_plan(module)
     return module
 
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 QUANTIZED_WEIGHTS = "quantized weights"
@@ -73,6 +74,29 @@ def register_fsdp_module(quantizer: Any, module: torch.nn.Module) -> None:
     _FSDP_MODULE_OF[quantizer] = weakref.ref(module)
 
 
+def find_fsdp_module(quantizer: Any, owner: torch.nn.Module) -> None:
+    """Registers the FSDP2 module that manages `owner`'s parameters, for a weight that torch's own
+    fully_shard sharded (quant_fsdp.fully_shard registers its module up front). FSDP2 hands the
+    hooks the owner (e.g. the Linear), not the FSDP module, and keeps no link back; so this
+    searches the FSDP modules' parameter groups, once per quantizer. Private FSDP2 state (see
+    `_reshards_after_forward`); if it moves, nothing is registered and 1-D block formats gather
+    both usages at once (correct, more bytes)."""
+    if quantizer in _FSDP_MODULE_OF:
+        return
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in list(_module_state_mapping):
+            if isinstance(module, FSDPModule):
+                group = module._get_fsdp_state()._fsdp_param_group
+                if group is not None and any(p._module_info.module is owner for p in group.fsdp_params):
+                    register_fsdp_module(quantizer, module)
+                    return
+    except (ImportError, AttributeError):
+        return
+
+
 def mode_of_backward_gathers(quantizer: Any, payloads_match: bool) -> Literal["split", "both"]:
     """ "split": forward gathers rowwise and the backward gathers columnwise again; "both": every
     gather sends both usages. Decided at the first gather and kept (FSDP2 sizes its buffers then).
@@ -111,21 +135,34 @@ def record(module: torch.nn.Module, plans: tuple[GatherPlan, ...]) -> None:
 
 
 def gather_plan(module: torch.nn.Module) -> tuple[GatherPlan, ...]:
-    """The gather plan `quant_fsdp.fully_shard` made for the parameters `module` manages."""
-    plans = getattr(module, _PLAN_ATTRIBUTE, None)
-    if plans is None:
-        raise ValueError(f"{type(module).__name__} was not sharded by quant_fsdp.fully_shard; it has no gather plan")
-    return plans
+    """The gather plan `quant_fsdp.fully_shard` made for `module` and every submodule it sharded
+    (blocks first sharded on their own, then the root), parameter names relative to `module`."""
+    plans: list[GatherPlan] = []
+    sharded = False
+    for prefix, submodule in module.named_modules():
+        recorded = getattr(submodule, _PLAN_ATTRIBUTE, None)
+        if recorded is not None:
+            sharded = True
+            plans += [replace(plan, name=f"{prefix}.{plan.name}" if prefix else plan.name) for plan in recorded]
+    if not sharded:
+        raise ValueError(
+            f"neither {type(module).__name__} nor any of its submodules was sharded by quant_fsdp.fully_shard; "
+            "it has no gather plan"
+        )
+    return tuple(plans)
 
 
-def print_plan(module: torch.nn.Module, plans: tuple[GatherPlan, ...]) -> None:
+def print_plan(module: torch.nn.Module) -> None:
+    """Prints `gather_plan(module)` as a table, on rank 0 only."""
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"quant_fsdp gather plan: {type(module).__name__}")
     for column in ("parameter", "format", "shape", "mode", "all-gather"):
         table.add_column(column)
-    for plan in plans:
+    for plan in gather_plan(module):
         gather = (
             "quantized bytes" if plan.quantized_gather else f"high precision, then quantize: {plan.fallback_reason}"
         )
