@@ -102,7 +102,7 @@ def _linear_shard_bytes(model: torch.nn.Module) -> int:
     total = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            local = module.weight._local_tensor
+            local = qt.local_shard(module.weight)
             buffers = local.buffers().values() if isinstance(local, qt.QuantizedTensor) else [local]
             total += sum(b.numel() * b.element_size() for b in buffers if b is not None)
     return total

@@ -203,7 +203,7 @@ def _attach_init_value_shards(module: torch.nn.Module, init_values: dict[str, to
     """Gives each sharded quantized weight the matching shard of its high-precision initial value."""
     for name, value in init_values.items():
         param = module.get_parameter(name)
-        local = param._local_tensor
+        local = qt.local_shard(param)
         start = mesh.get_local_rank(mesh.ndim - 1) * local.shape[0]
         shard = value.narrow(0, start, local.shape[0])
         qt.nn.attach_high_precision_init_value(param, qt.shard_like(param, shard.contiguous()))

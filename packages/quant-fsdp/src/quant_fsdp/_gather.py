@@ -157,8 +157,7 @@ def post_all_gather(
     }
     columnwise = _columnwise_buffers(owner, shard, world)
     buffers: dict[str, torch.Tensor | None] = {}
-    for name in shard._buffer_names:
-        local = getattr(shard, name)
+    for name, local in shard.buffers().items():
         if name in gathered and name.startswith("rowwise"):
             buffers[name] = gathered[name]  # already the unsharded buffer ([Note: quantized all-gather])
         elif name in gathered:

@@ -170,7 +170,7 @@ def _high_precision(x: torch.Tensor) -> torch.Tensor:
 
 def _per_tensor_values(x: QuantizedTensor) -> list[torch.Tensor]:
     """The 0-d buffers of a quantized tensor (its per-tensor scale or amax)."""
-    return [b for name in x._buffer_names if (b := getattr(x, name)) is not None and b.dim() == 0]
+    return [b for b in x.buffers().values() if b is not None and b.dim() == 0]
 
 
 def _exchange(

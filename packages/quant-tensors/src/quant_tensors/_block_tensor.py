@@ -8,14 +8,13 @@ buffers are the exact transpose of the rowwise ones, so either follows from the 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 import quant_core
-from quant_tensors._tensor import QuantizedTensor
+from quant_tensors._tensor import QuantizedTensor, matrix_shape
 from quant_tensors.quantizer import Quantizer
 
 
@@ -99,7 +98,7 @@ class BlockScaledTensor(QuantizedTensor):
 
     @classmethod
     def _allocate_buffers(cls, shape, device, rowwise, columnwise, *, block_shape, **layout):
-        M, K = (math.prod(shape[:-1]), shape[-1]) if shape else (1, 1)
+        M, K = matrix_shape(shape)
         b, cpb, tiled = cls.block, cls.codes_per_byte, block_shape[0] > 1
         data_dtype = cls._data_dtype(layout)
         rowwise_scales = (_ceil_div(M, block_shape[0]), _ceil_div(K, b))

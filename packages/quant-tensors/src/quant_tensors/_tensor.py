@@ -16,6 +16,7 @@ tensor with a one-time warning per (class, op): no silent slow paths.
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -319,6 +320,11 @@ def _flat_view_op(func: Any, args: tuple[Any, ...]) -> QuantizedTensor:
         return unflat
     t._check_not_flat(str(func))
     raise AssertionError("unreachable")
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
+    """(M, K) of the 2-D view every format quantizes: the leading dims flattened, the last kept (0-d: (1, 1))."""
+    return (math.prod(shape[:-1]), shape[-1]) if shape else (1, 1)
 
 
 def local_shard(t: Any) -> Any:

@@ -6,21 +6,16 @@ one scale_inv (fp32 0-d) shared by both. Columnwise follows from rowwise lossles
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
 
 import quant_core
-from quant_tensors._tensor import QuantizedTensor
+from quant_tensors._tensor import QuantizedTensor, matrix_shape
 from quant_tensors.quantizer import Quantizer
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def _m_k(shape: tuple[int, ...]) -> tuple[int, int]:
-    return (math.prod(shape[:-1]), shape[-1]) if shape else (1, 1)
 
 
 class Float8Tensor(QuantizedTensor):
@@ -63,7 +58,7 @@ class Float8Tensor(QuantizedTensor):
 
     @classmethod
     def _allocate_buffers(cls, shape, device, rowwise, columnwise, *, fp8_dtype=torch.float8_e4m3fn, scale_inv=None):
-        M, K = _m_k(shape)
+        M, K = matrix_shape(shape)
         return {
             "rowwise_data": torch.zeros(shape, dtype=fp8_dtype, device=device) if rowwise else None,
             "columnwise_data": torch.zeros((K, M), dtype=fp8_dtype, device=device) if columnwise else None,
