@@ -12,6 +12,7 @@ from quant_fsdp import parallel
 from quant_fsdp._amax import sync_amax_, sync_amax_histories_
 from quant_fsdp._fully_shard import fully_shard, install_hooks
 from quant_fsdp._plan import GatherPlan, gather_plan
+from quant_fsdp._quantize_on_gather import QuantizeOnGatherTensor
 from quant_fsdp._sequence import (
     GatherHandle,
     gather_along_first_dim,
@@ -20,23 +21,25 @@ from quant_fsdp._sequence import (
 )
 from quant_fsdp._stats import comm_stats, reset_comm_stats
 from quant_fsdp._version import __version__
-from quant_fsdp._weight import QuantizeOnGatherTensor
 
 install_hooks()
 
 __all__ = [
-    "GatherHandle",
-    "GatherPlan",
-    "QuantizeOnGatherTensor",
-    "__version__",
-    "comm_stats",
+    # FSDP2 with quantized weights
     "fully_shard",
-    "gather_along_first_dim",
-    "gather_many_along_first_dim",
+    "QuantizeOnGatherTensor",
     "gather_plan",
-    "parallel",
-    "reduce_scatter_along_first_dim",
+    "GatherPlan",
+    "comm_stats",
     "reset_comm_stats",
+    # per-tensor amax agreement across ranks
     "sync_amax_",
     "sync_amax_histories_",
+    # sequence-parallel collectives and tensor-parallel styles
+    "gather_along_first_dim",
+    "gather_many_along_first_dim",
+    "reduce_scatter_along_first_dim",
+    "GatherHandle",
+    "parallel",
+    "__version__",
 ]

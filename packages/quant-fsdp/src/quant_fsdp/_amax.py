@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import quant_core
 import quant_tensors as qt
-from quant_fsdp._weight import QuantizeOnGatherTensor
+from quant_fsdp._quantize_on_gather import QuantizeOnGatherTensor
 
 
 def sync_amax_(params: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None) -> int:

@@ -26,9 +26,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 import quant_tensors as qt
-from quant_fsdp import _gather, _plan
+from quant_fsdp import _plan, _quantized_all_gather
 from quant_fsdp._amax import HistorySyncHook, amax_histories
-from quant_fsdp._weight import QuantizeOnGatherTensor
+from quant_fsdp._quantize_on_gather import QuantizeOnGatherTensor
 from quant_tensors import QuantizedTensor
 
 logger = logging.getLogger("quant_fsdp")
@@ -39,11 +39,11 @@ def _pre_all_gather(self: QuantizedTensor, mesh, outer_size=None, outer_stride=N
         self.quantizer.bind(amax_group=mesh.get_group())  # sharded by torch's fully_shard directly
     if module is not None:
         _plan.find_fsdp_module(self.quantizer, module)  # the same, for the backward-gather decision
-    return _gather.pre_all_gather(self, mesh.size())
+    return _quantized_all_gather.pre_all_gather(self, mesh.size())
 
 
 def _post_all_gather(self: QuantizedTensor, all_gather_outputs, metadata, param_dtype, *, out=None):
-    return _gather.post_all_gather(self, all_gather_outputs, metadata, param_dtype, out)
+    return _quantized_all_gather.post_all_gather(self, all_gather_outputs, metadata, param_dtype, out)
 
 
 def install_hooks() -> None:

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 import quant_tensors as qt
 from quant_fsdp._all_gather_counter import AllGatherBytes, count_all_gather_bytes
 from quant_fsdp._fully_shard import fully_shard
-from quant_fsdp._weight import QuantizeOnGatherTensor
+from quant_fsdp._quantize_on_gather import QuantizeOnGatherTensor
 from quant_tensors.demo import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig, train
 
 __all__ = [

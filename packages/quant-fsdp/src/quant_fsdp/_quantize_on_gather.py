@@ -6,7 +6,7 @@ the all-gather hooks on it:
 
 - quantized gather: the pre-all-gather hook quantizes the shard (with the shard group's amax for
   per-tensor formats) and sends its bytes like a quantized primary weight ([Note: quantized
-  all-gather] in quant_fsdp._gather). The quantized shard is kept and refilled in place, once per
+  all-gather] in quant_fsdp._quantized_all_gather). The quantized shard is kept and refilled in place, once per
   change of the shard (its version counter): the backward re-gather sends the same bytes, and
   delayed scaling records one amax per step, as without FSDP;
 - fallback ([Note: alignment policy] in quant_fsdp._plan): the shard is gathered in high precision
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map, tree_map_only
 
-from quant_fsdp import _gather
+from quant_fsdp import _quantized_all_gather
 from quant_fsdp._stats import count_gather
 from quant_tensors import QuantizedTensor, Quantizer
 
@@ -51,7 +51,7 @@ _WRAPPER_PRESERVING_OPS = frozenset(
 
 
 class QuantizeOnGatherTensor(torch.Tensor):
-    """A high-precision weight (shard) that FSDP2 all-gathers quantized; see quant_fsdp._weight."""
+    """A high-precision weight (shard) that FSDP2 all-gathers quantized; see quant_fsdp._quantize_on_gather."""
 
     _data: torch.Tensor
     quantizer: Quantizer
@@ -119,22 +119,22 @@ class QuantizeOnGatherTensor(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size=None, outer_stride=None, module=None, mp_policy=None):
         world = mesh.size()
         if not self.fallback:
-            return _gather.pre_all_gather(self._quantize_shard(), world)
+            return _quantized_all_gather.pre_all_gather(self._quantize_shard(), world)
         param_dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
         full_shape = tuple(outer_size) if outer_size is not None else (world * self.shape[0], *self.shape[1:])
-        padded = (_gather.padded_rows(full_shape, world), *full_shape[1:])
+        padded = (_quantized_all_gather.padded_rows(full_shape, world), *full_shape[1:])
         shard = _padded_shard(self._data, padded).to(param_dtype)
         count_gather(self.quantizer.format_name, (shard,), world, quantized=False)
         return (shard,), full_shape
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         if not self.fallback:
-            return _gather.post_all_gather(self, all_gather_outputs, metadata, param_dtype, out)
+            return _quantized_all_gather.post_all_gather(self, all_gather_outputs, metadata, param_dtype, out)
         (gathered,) = all_gather_outputs
         full = gathered[: metadata[0]]  # metadata: the unsharded shape; FSDP2 pads after its last row
         self._restore_history_for_a_repeat()
         if out is not None:
-            with _gather.keeping_versions(*(b for b in out.buffers().values() if b is not None)):
+            with _quantized_all_gather.keeping_versions(*(b for b in out.buffers().values() if b is not None)):
                 self.quantizer.quantize_(full, out)
             return None
         unsharded = self.quantizer.quantize(full)
