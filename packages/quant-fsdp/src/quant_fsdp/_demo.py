@@ -72,7 +72,7 @@ class WeightRecipe:
     quantize: Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
     dequantize: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
     reference: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-    shard_rows_multiple: int  # shard rows must be a multiple of this for its blocks to be its own
+    row_alignment: int  # shard rows must be a multiple of this (Quantizer.row_alignment) for its blocks to be its own
     per_tensor_amax: bool  # shards must agree on one amax first (the all-reduce)
     per_tensor_scale: bool  # one scale for the tensor: metadata, not gathered
 
@@ -98,7 +98,7 @@ _RECIPES = (
         _fp8,
         lambda d, s, amax: quant_core.dequantize_fp8(d, s.reshape(())),
         _fp8_reference,
-        shard_rows_multiple=1,
+        row_alignment=1,
         per_tensor_amax=True,
         per_tensor_scale=True,
     ),
@@ -108,7 +108,7 @@ _RECIPES = (
         lambda x, amax: _block(quant_core.quantize_mxfp8(x)),
         lambda d, s, amax: quant_core.dequantize_mxfp8(d, s),
         lambda x: _block(quant_core.quantize_mxfp8_reference(x)),
-        shard_rows_multiple=1,
+        row_alignment=1,
         per_tensor_amax=False,
         per_tensor_scale=False,
     ),
@@ -118,7 +118,7 @@ _RECIPES = (
         lambda x, amax: _block(quant_core.quantize_fp8_blockwise(x, (128, 128))),
         lambda d, s, amax: quant_core.dequantize_fp8_blockwise(d, s, (128, 128)),
         lambda x: _block(quant_core.quantize_fp8_blockwise_reference(x, (128, 128))),
-        shard_rows_multiple=128,
+        row_alignment=128,
         per_tensor_amax=False,
         per_tensor_scale=False,
     ),
@@ -128,7 +128,7 @@ _RECIPES = (
         lambda x, amax: _block(quant_core.quantize_nvfp4(x, (16, 16), global_amax=amax)),
         lambda d, s, amax: quant_core.dequantize_nvfp4(d, s, amax, (16, 16)),
         lambda x: _block(quant_core.quantize_nvfp4_reference(x, (16, 16))),
-        shard_rows_multiple=16,
+        row_alignment=16,
         per_tensor_amax=True,
         per_tensor_scale=False,
     ),
@@ -179,7 +179,7 @@ def _evaluate(weights: dict[str, torch.Tensor], recipe: WeightRecipe, backend: s
         seconds = time.perf_counter() - start
         matches = fallbacks = mismatches = 0
         for k, w in weights.items():
-            if (w.shape[0] // world_size) % recipe.shard_rows_multiple or w.shape[0] % world_size:
+            if (w.shape[0] // world_size) % recipe.row_alignment or w.shape[0] % world_size:
                 fallbacks += 1
                 continue
             data, scales = _sharded_gather(recipe, w, world_size)
