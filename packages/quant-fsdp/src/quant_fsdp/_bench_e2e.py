@@ -104,6 +104,8 @@ class E2EOptions:
     """torch.compile backend of the compiled runs ("aot_eager" traces without generating code)."""
     learning_rate: float = LEARNING_RATE
     """AdamW's learning rate (the fidelity runs reach it after a linear warm-up)."""
+    init_seed: int = SEED
+    """Seed of the initial weights (the batches stay the same): run-to-run spread of a recipe."""
     command: str = ""
     """The command line, for the report."""
 
@@ -205,7 +207,7 @@ def build_run(
     spec: RunSpec, options: E2EOptions, device: torch.device, source: str
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """(model, optimizer, step) of one run; `step(inputs, targets)` trains one step and returns the loss."""
-    torch.manual_seed(SEED)
+    torch.manual_seed(options.init_seed)
     model = build_decoder(options.decoder, device, source)
     if spec.base.startswith("torchao-"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -344,6 +346,7 @@ def environment(options: E2EOptions, device: torch.device, source: str) -> dict[
         "num_steps": options.num_steps,
         "compile_backend": options.compile_backend,
         "learning_rate": options.learning_rate,
+        "init_seed": options.init_seed,
     }
 
 
@@ -356,7 +359,7 @@ def header_lines(report: dict) -> list[str]:
         f"- Model: {report['model']}, {format_count(report['num_parameters'])} parameters (vocab {c['vocab_size']}, "
         f"hidden {c['hidden_size']}, intermediate {c['intermediate_size']}, {c['num_layers']} layers, "
         f"{c['num_heads']} heads), bf16 parameters, lm_head never quantized; batch {c['batch_size']} x "
-        f"{c['sequence_length']} tokens.",
+        f"{c['sequence_length']} tokens; initial weights from seed {report['init_seed']}.",
     ]
 
 

@@ -98,7 +98,7 @@ def _staged(out: pathlib.Path) -> Iterator[pathlib.Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-_E2E_OPTIONS = ("runs", "config", "steps", "warmup", "model", "compile_backend", "fidelity", "lr")
+_E2E_OPTIONS = ("runs", "config", "steps", "warmup", "model", "compile_backend", "fidelity", "lr", "init_seed")
 
 
 def _integer(text: str) -> int:
@@ -270,6 +270,9 @@ def _add_e2e_arguments(bench: argparse.ArgumentParser) -> None:
     e2e.add_argument("--compile-backend", help="torch.compile backend of the compiled runs (default inductor)")
     e2e.add_argument("--lr", type=float, help="AdamW learning rate, in (0, 1) (default 3e-4)")
     e2e.add_argument(
+        "--init-seed", type=_seed, help="seed of the initial weights; the batches stay the same (default 0)"
+    )
+    e2e.add_argument(
         "--fidelity",
         type=_positive,
         metavar="STEPS",
@@ -290,6 +293,7 @@ def _e2e_command(parser: argparse.ArgumentParser, args: argparse.Namespace, argv
             "model_source": args.model,
             "compile_backend": args.compile_backend,
             "learning_rate": args.lr,
+            "init_seed": args.init_seed,
         }
         options = E2EOptions(
             **{k: v for k, v in settings.items() if v is not None},
