@@ -422,9 +422,9 @@ def markov_task(config: DecoderConfig, states: int | None = None) -> MarkovTask:
     return MarkovTask(config.vocab_size, seed=SEED, states=states)
 
 
-def markov_batches(config: DecoderConfig, num_steps: int, states: int | None = None) -> torch.Tensor:
+def markov_batches(config: DecoderConfig, num_steps: int) -> torch.Tensor:
     """The token ids of steps 0 .. num_steps - 1 (the same for every run and invocation), on the CPU."""
-    return markov_task(config, states).batches(range(num_steps), config.batch_size, config.sequence_length)
+    return markov_task(config).batches(range(num_steps), config.batch_size, config.sequence_length)
 
 
 def run_e2e(out: pathlib.Path, runs: Sequence[RunSpec], options: E2EOptions, console: Console | None = None) -> int:

@@ -37,7 +37,6 @@ from quant_fsdp._bench_e2e import (
     format_value,
     free_memory,
     header_lines,
-    markov_batches,
     markov_task,
     torchao_missing,
 )
@@ -186,19 +185,18 @@ def run_fidelity(
     source = resolve_model_source(options.model_source)
     config = options.decoder
     console.print(f"generating {num_steps} batches of the Markov task ({config.vocab_size} tokens)", highlight=False)
-    data = (
-        markov_batches(config, num_steps, _states(config)).pin_memory()
-        if device.type == "cuda"
-        else markov_batches(config, num_steps, _states(config))
-    )
+    task = markov_task(config, _states(config))
+    data = task.batches(range(num_steps), config.batch_size, config.sequence_length)
+    if device.type == "cuda":
+        data = data.pin_memory()
     report = {
         **environment(options, device, source),
         "num_warmup": 0,
         "num_steps": num_steps,
         "lr_warmup_steps": max(1, min(100, num_steps // 10)),
         "final_window": _window(num_steps),
-        "markov_states": _states(config) or config.vocab_size,
-        "loss_floor": markov_task(config, _states(config)).entropy(),
+        "markov_states": len(task.state_ids),
+        "loss_floor": task.entropy(),
     }
     skipped = torchao_missing() if any(r.base.startswith("torchao-") for r in runs) else ""
     rows = []

@@ -96,12 +96,11 @@ class MarkovTask:
             raise ValueError(f"states must be between 1 and vocab={vocab}, got {states}")
         generator = torch.Generator().manual_seed(seed)
         self.vocab = vocab
-        self.next_tokens = torch.randint(vocab if states is None else states, (vocab, successors), generator=generator)
+        # Drawn in this order (successors, probabilities, visited ids): the same seed, the same chain.
+        successors_of = torch.randint(vocab if states is None else states, (vocab, successors), generator=generator)
         self.probabilities = torch.softmax(torch.randn(vocab, successors, generator=generator), dim=-1)
-        # The ids the chain visits; next_tokens indexes into them.
         self.state_ids = torch.arange(vocab) if states is None else torch.randperm(vocab, generator=generator)[:states]
-        if states is not None:
-            self.next_tokens = self.state_ids[self.next_tokens]
+        self.next_tokens = self.state_ids[successors_of]  # token id -> its successors' token ids
         self._cumulative = self.probabilities.cumsum(dim=-1)
 
     def entropy(self) -> float:
