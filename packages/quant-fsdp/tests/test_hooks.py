@@ -133,6 +133,19 @@ def test_quantize_on_gather_wrapper_ops():
         quant_fsdp.QuantizeOnGatherTensor(quantizer.quantize(torch.randn(16, 16)), quantizer)
 
 
+def test_writes_through_views_requantize_the_shard():
+    # [Note: versions through views]: FusedAdam's reference update writes through param.view(-1).
+    quantizer = qt.recipe_from_name("mxfp8").quantizer("weight")
+    w = quant_fsdp.QuantizeOnGatherTensor(torch.randn(64, 32), quantizer)
+    before = w._quantize_shard().dequantize()
+    with torch.no_grad():
+        w.detach()[32:].view(-1).mul_(2.0)
+    after = w._quantize_shard().dequantize()
+    assert torch.equal(after, quantizer.quantize(w._data.clone()).dequantize())
+    assert torch.equal(after[32:], 2 * before[32:])
+    assert torch.equal(after[:32], before[:32])
+
+
 # Not "fp8-delayed" here: in one process the shards share one quantizer, whose amax history each
 # shard's quantization advances (each rank has its own; tests-integration covers it).
 @pytest.mark.parametrize("recipe_name", ["fp8", "mxfp8", "fp8-block", "nvfp4"])

@@ -43,7 +43,7 @@ def sync_amax_(params: Iterable[torch.Tensor], group: dist.ProcessGroup | None =
     amaxes = quant_core.amax_many([s._data for s in shards])  # one kernel call for all shards
     dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
     for shard, amax in zip(shards, amaxes, strict=True):
-        shard._synced_amax = (shard._data._version, amax)
+        shard._synced_amax = (shard.shard_version(), amax)
     return len(shards)
 
 

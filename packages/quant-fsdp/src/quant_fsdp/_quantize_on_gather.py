@@ -48,6 +48,25 @@ _WRAPPER_PRESERVING_OPS = frozenset(
         aten._pin_memory.default,
     }
 )
+# [Note: versions through views] A view made inside __torch_dispatch__ (below autograd's
+# ADInplaceOrView key) gets a version counter of its own, not its base's. So a write through a
+# view of the wrapper (quant_core's Adam reference, which FusedAdam runs on this subclass, writes
+# through `param.view(-1)`) would leave the shard's version as it was, and the quantized shard
+# cached for that version stale: the gather would send the weight of before the step. Wrappers
+# made by these ops remember the tensor whose version counter stands for the shard's value
+# (`_version_source`), and every in-place write bumps it.
+_VIEW_OPS = frozenset(
+    {
+        aten.detach.default,
+        aten.alias.default,
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten.as_strided.default,
+        aten.slice.Tensor,
+        aten.split.Tensor,
+        aten.split_with_sizes.default,
+    }
+)
 
 
 class QuantizeOnGatherTensor(torch.Tensor):
@@ -75,6 +94,7 @@ class QuantizeOnGatherTensor(torch.Tensor):
         if isinstance(data, (QuantizedTensor, QuantizeOnGatherTensor)):
             raise TypeError(f"QuantizeOnGatherTensor wraps a high-precision tensor, got {type(data).__name__}")
         self._data = data
+        self._version_source = data  # [Note: versions through views]
         self.quantizer = quantizer
         self.fallback = fallback
         self._quantized_shard: QuantizedTensor | None = None
@@ -95,8 +115,19 @@ class QuantizeOnGatherTensor(torch.Tensor):
             if isinstance(first, cls):
                 return first  # in place on the wrapped tensor: the wrapper is the result
         if func in _WRAPPER_PRESERVING_OPS and isinstance(first, cls):
-            return tree_map_only(torch.Tensor, lambda t: cls(t, first.quantizer, fallback=first.fallback), result)
+            return tree_map_only(torch.Tensor, lambda t: first._wrap(t, view=func in _VIEW_OPS), result)
         return result
+
+    def _wrap(self, t: torch.Tensor, *, view: bool) -> QuantizeOnGatherTensor:
+        wrapped = QuantizeOnGatherTensor(t, self.quantizer, fallback=self.fallback)
+        if view:
+            wrapped._version_source = self._version_source  # [Note: versions through views]
+        return wrapped
+
+    def shard_version(self) -> int:
+        """The version of the shard's value: advanced by every in-place write to this wrapper or
+        to a view of it ([Note: versions through views])."""
+        return self._version_source._version
 
     def __tensor_flatten__(self) -> tuple[list[str], dict[str, Any]]:
         return ["_data"], {"quantizer": self.quantizer, "fallback": self.fallback}
@@ -144,7 +175,7 @@ class QuantizeOnGatherTensor(torch.Tensor):
 
     def _quantize_shard(self) -> QuantizedTensor:
         """The quantized shard for the current value of the high-precision shard (refilled on change)."""
-        version = self._data._version
+        version = self.shard_version()
         if self._quantized_shard is not None and version == self._quantized_version:
             return self._quantized_shard
         synced = self._synced_amax
@@ -162,7 +193,7 @@ class QuantizeOnGatherTensor(torch.Tensor):
         history = getattr(self.quantizer, "amax_history", None)
         if history is None:
             return
-        version = self._data._version
+        version = self.shard_version()
         if self._history_before is not None and self._history_before[0] == version:
             history.copy_(self._history_before[1])
         else:
@@ -170,9 +201,9 @@ class QuantizeOnGatherTensor(torch.Tensor):
 
 
 def _count_writes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Bumps the version counter of each wrapped tensor `func` writes to. Inside __torch_dispatch__
-    autograd's version bump has already happened, on the wrapper only; the quantized-shard cache
-    keys on the wrapped tensor's version."""
+    """Bumps the version counter of each wrapped tensor `func` writes to, and of the tensor it is a
+    view of ([Note: versions through views]). Inside __torch_dispatch__ autograd's version bump
+    has already happened, on the wrapper only; the quantized-shard cache keys on the shard's version."""
     for position, argument in enumerate(func._schema.arguments):
         value = args[position] if position < len(args) else kwargs.get(argument.name)
         if (
@@ -181,6 +212,8 @@ def _count_writes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> N
             and isinstance(value, QuantizeOnGatherTensor)
         ):
             torch.autograd.graph.increment_version(value._data)
+            if value._version_source is not value._data:
+                torch.autograd.graph.increment_version(value._version_source)
 
 
 def _padded_shard(shard: torch.Tensor, padded_shape: tuple[int, ...]) -> torch.Tensor:
