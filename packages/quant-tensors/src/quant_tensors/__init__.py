@@ -8,6 +8,7 @@ blockwise FP8 and NVFP4, as wrapper subclasses whose `.dtype` is the nominal hig
 import torch
 
 from quant_tensors import (
+    _collectives,  # noqa: F401  (registers the torch.distributed ops)
     _op_table,  # noqa: F401  (registers the shared op table)
     nn,
     ops,
