@@ -5,11 +5,13 @@ Importing quant_fsdp gives every QuantizedTensor FSDP2's all-gather hooks, so qu
 weights (`qt.convert(..., quantized_weights=True)`) gather their low-precision bytes under torch's
 own `fully_shard`. `quant_fsdp.fully_shard` is the drop-in that also plans each weight's gather
 (explicit high-precision fallback for shards that cannot be quantized on their own) and offers
-quantize-on-gather for high-precision weights. See docs/fsdp.md.
+quantize-on-gather for high-precision weights. `export_state_dict` gives a trained model's weights
+as plain tensors for the model class before qt.convert. See docs/fsdp.md.
 """
 
 from quant_fsdp import parallel
 from quant_fsdp._amax import sync_amax_, sync_amax_histories_
+from quant_fsdp._export import export_state_dict
 from quant_fsdp._fully_shard import fully_shard, install_hooks
 from quant_fsdp._plan import GatherPlan, gather_plan
 from quant_fsdp._quantize_on_gather import QuantizeOnGatherTensor
@@ -32,6 +34,8 @@ __all__ = [
     "GatherPlan",
     "comm_stats",
     "reset_comm_stats",
+    # export: plain high-precision weights for the unconverted model
+    "export_state_dict",
     # per-tensor amax agreement across ranks
     "sync_amax_",
     "sync_amax_histories_",
