@@ -30,7 +30,14 @@ set +e
 tests_rc=5  # pytest's "no tests collected" when the step is skipped
 bench_rc=0
 if want tests; then
-  python3 -m pytest -m cuda -q -p no:cacheprovider --junitxml="$out/cuda-tests.xml" 2>&1 | tee "$out/cuda-tests.log"
+  # The tests compare with CPU references on large inputs: spread them over processes with one
+  # torch thread each (one process with 16 threads took > 10 min).
+  parallel=()
+  if python3 -c 'import xdist' 2> /dev/null; then parallel=(-n "${GPU_SUITE_WORKERS:-8}"); fi
+  # A test that hangs (e.g. a collective that never completes) fails after this many seconds.
+  if python3 -c 'import pytest_timeout' 2> /dev/null; then parallel+=(--timeout "${GPU_SUITE_TEST_TIMEOUT:-300}"); fi
+  OMP_NUM_THREADS=1 python3 -m pytest -m cuda -rfE -v --durations=25 -p no:cacheprovider -p no:benchmark \
+    "${parallel[@]}" --junitxml="$out/cuda-tests.xml" 2>&1 | tee "$out/cuda-tests.log"
   tests_rc=${PIPESTATUS[0]}
 fi
 if want bench; then
