@@ -22,9 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor, Shard
 
 import quant_fsdp
 import quant_tensors as qt
@@ -163,15 +161,6 @@ def _full_state_dict_and_export(rank: int, world_size: int, recipe_name: str, va
     assert abs(exported_loss / quantized_loss - 1) <= LOSS_TOLERANCE, (label, exported_loss, quantized_loss)
 
 
-def _different_per_tensor_scales_refuse_to_gather(rank: int, world_size: int) -> None:
-    """Shards quantized each with its own amax (no amax_group) are no slices of one tensor."""
-    torch.manual_seed(rank)
-    shard = qt.recipe_from_name("fp8").quantizer("weight").quantize(torch.randn(32, 64) * (rank + 1))
-    weight = DTensor.from_local(shard, init_device_mesh("cpu", (world_size,)), [Shard(0)], run_check=False)
-    with pytest.raises(ValueError, match="different per-tensor scale_inv"):
-        weight.full_tensor()
-
-
 def scenarios() -> dict:
     return {
         f"{recipe_name}, {variant}": (_full_state_dict_and_export, (recipe_name, variant))
@@ -187,7 +176,7 @@ def world_1() -> SharedWorld:
 
 @pytest.fixture(scope="module")
 def world_2() -> SharedWorld:
-    return run_shared_world(2, {**scenarios(), "different scales": (_different_per_tensor_scales_refuse_to_gather, ())})
+    return run_shared_world(2, scenarios())
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -195,10 +184,6 @@ def world_2() -> SharedWorld:
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_full_state_dict_round_trips_and_exports_to_the_original_model(world_size, recipe_name, variant, request):
     request.getfixturevalue(f"world_{world_size}").check(f"{recipe_name}, {variant}")
-
-
-def test_shards_with_different_per_tensor_scales_refuse_to_gather(world_2):
-    world_2.check("different scales")
 
 
 # ---- one process ------------------------------------------------------------------------------------

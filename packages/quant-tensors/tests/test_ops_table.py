@@ -43,6 +43,10 @@ COVERED_OPS = {
     aten.record_stream.default: "test_record_stream_holds_every_buffer_for_the_stream",
     aten.is_pinned.default: "test_is_pinned_is_false_on_plain_cpu_buffers, test_pin_memory_pins_every_buffer",
     aten._pin_memory.default: "test_pin_memory_pins_every_buffer",
+    torch.ops._c10d_functional.all_gather_into_tensor.default: "test_full_tensor_and_distribute_tensor_move_every_buffer_exactly, test_shards_with_different_per_tensor_values_refuse_to_gather",
+    torch.ops._c10d_functional.wait_tensor.default: "test_full_tensor_and_distribute_tensor_move_every_buffer_exactly",
+    torch.ops._c10d_functional._wrap_tensor_autograd.default: "test_full_tensor_and_distribute_tensor_move_every_buffer_exactly",
+    torch.ops.c10d.scatter_.default: "test_full_tensor_and_distribute_tensor_move_every_buffer_exactly",
 }
 
 

@@ -66,9 +66,9 @@ def _gathered_buffer(t: QuantizedTensor, name: str, buffer: torch.Tensor, group_
     raw = values.view(torch.uint8).reshape(group_size, -1)
     if not bool((raw == raw[0]).all()):
         raise ValueError(
-            f"cannot gather a {type(t).__name__}{tuple(t.shape)} whose shards hold different per-tensor {name} "
-            f"({values.tolist()}): no single quantized tensor has them all. Quantize the shards with the shard "
-            "group as the quantizer's amax_group (quant_fsdp.fully_shard binds it), or dequantize the shards first."
+            f"cannot gather {type(t).__name__} shards of shape {tuple(t.shape)} whose per-tensor {name} differs "
+            f"between ranks ({values.tolist()}): no single quantized tensor holds them all. Quantize the shards with "
+            "the shard group as the quantizer's amax_group (quant_fsdp.fully_shard binds it), or dequantize them first."
         )
     return buffer.clone()
 
