@@ -307,6 +307,16 @@ def test_quantized_weights_keep_their_high_precision_value_once(name):
     assert torch.equal(weight.dequantize(), expected.dequantize())
 
 
+def test_quantized_weight_in_either_form_is_recognised():
+    quantized = qt.convert(small_model(), qt.recipe_from_name("fp8-block"), quantized_weights=True)[0].weight
+    high_precision = torch.nn.Parameter(torch.randn(128, 128))
+    assert qt.nn.is_quantized_weight(quantized)
+    assert not qt.nn.is_quantized_weight(high_precision)
+    qt.nn.mark_quantized_weight(high_precision)  # e.g. quant-fsdp's alignment fallback
+    assert qt.nn.is_quantized_weight(high_precision)
+    assert not qt.nn.is_quantized_weight(torch.nn.Parameter(torch.randn(128, 128)))
+
+
 @pytest.mark.parametrize("name", RECIPES)
 def test_meta_device_model_materialises_with_to_empty_and_reset_parameters(name):
     with torch.device("meta"):

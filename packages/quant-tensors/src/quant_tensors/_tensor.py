@@ -349,11 +349,12 @@ def register_tensor_method(name: str, fn: Callable[..., Any]) -> None:
     """Adds the method `name` to every QuantizedTensor: the extension point for higher layers.
 
     Protocols that torch looks up by attribute name (FSDP2's `fsdp_pre_all_gather` and
-    `fsdp_post_all_gather`) belong to the layer that implements them; quant-fsdp installs them
-    here when it is imported, so quant-tensors never imports it. Registering a name again
-    replaces the earlier method; names that torch.Tensor or quant-tensors itself define are refused.
+    `fsdp_post_all_gather`, torch.distributed.checkpoint's `__get_tensor_shard__`) belong to the
+    layer that implements them; quant-fsdp installs them here when it is imported, so
+    quant-tensors never imports it. Registering a name again replaces the earlier method; names
+    that torch.Tensor or quant-tensors itself define are refused, and so are other dunder names.
     """
-    if not name.isidentifier() or name.startswith("__"):
+    if not name.isidentifier() or (name.startswith("__") and name not in _TORCH_PROTOCOL_DUNDERS):
         raise ValueError(f"{name!r} is not a method name that can be registered")
     defined = QuantizedTensor.__dict__.get(name)
     if hasattr(torch.Tensor, name) or (defined is not None and name not in _EXTENSION_METHODS):
@@ -363,6 +364,8 @@ def register_tensor_method(name: str, fn: Callable[..., Any]) -> None:
 
 
 _EXTENSION_METHODS: dict[str, Callable[..., Any]] = {}
+# torch.distributed.checkpoint's _Checkpointable protocol: DTensor hands these to its local tensor.
+_TORCH_PROTOCOL_DUNDERS = frozenset({"__create_chunk_list__", "__create_write_items__", "__get_tensor_shard__"})
 
 
 def _rebuild_quantized_tensor(

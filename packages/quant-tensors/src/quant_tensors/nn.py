@@ -47,6 +47,25 @@ def attach_high_precision_init_value(param: torch.Tensor, value: torch.Tensor) -
     setattr(param, _HIGH_PRECISION_INIT, value)
 
 
+_HIGH_PRECISION_FORM = "_quant_tensors_quantized_weight_in_high_precision"
+
+
+def mark_quantized_weight(param: torch.Tensor) -> None:
+    """Marks a high-precision parameter as a quantized weight held in high precision on this
+    layout (quant-fsdp's alignment fallback: its shards would split blocks), quantized on another.
+
+    Its value is then its master: FusedAdam checkpoints it as one, so that a layout holding the
+    weight quantized can load it ([Note: checkpoints across weight forms] in quant_optim._adam).
+    """
+    setattr(param, _HIGH_PRECISION_FORM, True)
+
+
+def is_quantized_weight(param: torch.Tensor) -> bool:
+    """Whether `param` is a quantized weight in either form: a QuantizedTensor (or a DTensor of
+    one), or a high-precision parameter marked by `mark_quantized_weight`."""
+    return local_quantized(param) is not None or getattr(param, _HIGH_PRECISION_FORM, False)
+
+
 def quantized_parameter(value: torch.Tensor, quantizer: Any, *, requires_grad: bool = True) -> torch.nn.Parameter:
     """A Parameter holding `quantizer.quantize(value)`, remembering `value` for the master copy."""
     param = torch.nn.Parameter(quantizer.quantize(value.detach()), requires_grad=requires_grad)
