@@ -125,23 +125,81 @@ def test_fp8_moments_round_trip_and_refuse_a_cast():
     assert all(torch.equal(fp32_moments.state[p][k], v) for k, v in before.items())  # nothing changed
 
 
-def test_a_weight_saved_without_master_loads_its_master_from_the_loaded_weight():
-    # As when a blockwise FP8 weight was an fp32 alignment fallback on the saving world size.
-    generator = torch.Generator().manual_seed(0)
-    fp32 = torch.nn.Parameter(torch.randn(128, 128, generator=generator))
-    saving = FusedAdam([fp32], lr=1e-2)
-    fp32.grad = torch.randn(128, 128, generator=generator)
-    saving.step()
-    checkpoint = saved(saving.state_dict())
+# ---- a quantized weight in its other form ([Note: checkpoints across weight forms]) ----------------
 
-    quantizer = qt.recipe_from_name("fp8-block").quantizer("weight")
-    quantized = qt.nn.quantized_parameter(torch.zeros(128, 128), quantizer)  # built from another init
+
+def forms(recipe_name: str) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+    """One weight in its two forms: high precision (quant-fsdp's alignment fallback marks it) and
+    quantized, both from the same (unrelated) initial value."""
+    generator = torch.Generator().manual_seed(0)
+    high_precision = torch.nn.Parameter(torch.randn(128, 128, generator=generator))
+    qt.nn.mark_quantized_weight(high_precision)
+    quantizer = qt.recipe_from_name(recipe_name).quantizer("weight")
+    quantized = qt.nn.quantized_parameter(torch.randn(128, 128, generator=generator), quantizer)
+    return high_precision, quantized
+
+
+def stepped(p: torch.nn.Parameter, steps: int) -> FusedAdam:
+    optimizer = FusedAdam([p], lr=1e-2)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        p.grad = torch.randn(p.shape, generator=generator)
+        optimizer.step()
+    return optimizer
+
+
+def everything(p: torch.nn.Parameter, optimizer: FusedAdam) -> list[torch.Tensor]:
+    """Copies of every bit the parameter and its state hold."""
+    return [b.clone() for b in param_bits(p)] + [raw_bits(v.reshape(-1)).clone() for v in optimizer.state[p].values()]
+
+
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_a_weight_saved_in_high_precision_loads_quantized_from_its_master(recipe_name):
+    high_precision, quantized = forms(recipe_name)
+    saving = stepped(high_precision, 3)
+    assert "master" not in saving.state[high_precision]  # its fp32 shard is the master ...
+    checkpoint = saved(saving.state_dict())
+    assert torch.equal(checkpoint["state"][0]["master"], high_precision.detach())  # ... and is saved as one
+
     loading = FusedAdam([quantized], lr=1e-2)
-    with torch.no_grad():
-        quantizer.quantize_(fp32.detach(), quantized)  # the model's load_state_dict
+    loading.load_state_dict(checkpoint)  # the model entry (other form) is not needed: the master is the value
+    assert torch.equal(raw_bits(loading.state[quantized]["master"]), raw_bits(high_precision.detach()))
+    expected = quantized.quantizer.quantize(high_precision.detach())
+    assert all(torch.equal(a, b) for a, b in zip(param_bits(quantized), param_bits(expected), strict=True))
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(loading.state[quantized][key], saving.state[high_precision][key]), key
+
+
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_a_weight_saved_quantized_loads_in_high_precision_as_its_master(recipe_name):
+    high_precision, quantized = forms(recipe_name)
+    saving = stepped(quantized, 3)
+    checkpoint = saved(saving.state_dict())
+    loading = FusedAdam([high_precision], lr=1e-2)
     loading.load_state_dict(checkpoint)
-    assert torch.equal(loading.state[quantized]["master"], quantized.dequantize(torch.float32))
-    assert torch.equal(loading.state[quantized]["exp_avg"], saving.state[fp32]["exp_avg"])
-    quantized.grad = torch.zeros(128, 128)
-    loading.step()  # a zero gradient barely moves the master: the weight stays the loaded one
-    torch.testing.assert_close(quantized.dequantize(torch.float32), fp32.detach(), atol=0.02, rtol=0.1)
+    assert torch.equal(raw_bits(high_precision.detach()), raw_bits(saving.state[quantized]["master"]))
+    assert "master" not in loading.state[high_precision]  # the weight is its own master again
+    assert loading.state_dict()["state"][0]["master"] is not high_precision  # saved as a copy
+
+
+def test_a_checkpoint_without_the_master_of_a_quantized_weight_is_refused_and_changes_nothing():
+    for p in forms("fp8-block"):
+        optimizer = stepped(p, 2)
+        checkpoint = saved(optimizer.state_dict())
+        del checkpoint["state"][0]["master"]  # e.g. saved by an optimizer without masters
+        before = everything(p, optimizer)
+        with pytest.raises(ValueError, match="no fp32 master .* load the model alone and build a new FusedAdam"):
+            optimizer.load_state_dict(checkpoint)
+        assert all(torch.equal(a, b) for a, b in zip(everything(p, optimizer), before, strict=True))
+
+
+@pytest.mark.parametrize("key", ["master", "exp_avg"])
+def test_a_checkpoint_state_of_another_shape_is_refused_and_changes_nothing(key):
+    _, quantized = forms("fp8-block")
+    optimizer = stepped(quantized, 2)
+    checkpoint = saved(optimizer.state_dict())
+    checkpoint["state"][0][key] = checkpoint["state"][0][key][:64]  # another model's, or another shard's
+    before = everything(quantized, optimizer)
+    with pytest.raises(ValueError, match=rf"{key} for parameter 0 .* has shape \(64, 128\).*reshards"):
+        optimizer.load_state_dict(checkpoint)
+    assert all(torch.equal(a, b) for a, b in zip(everything(quantized, optimizer), before, strict=True))

@@ -19,6 +19,31 @@ DTensors like it (mesh, placements, shape, stride), so torch.distributed.checkpo
 and reloads them onto another world size. fp8 moments keep one fp32 scale per (unsharded)
 tensor, equal on every shard, so they reshard too.
 
+[Note: checkpoints across weight forms] A quantized weight's value is its fp32 master (DESIGN
+section 6); its bytes are the master's quantization. Its form depends on the layout: where
+quant-fsdp's alignment fallback keeps it in high precision (its shards would split blocks, so
+blockwise FP8 at one world size and not at another, or any format with uneven shards), that
+fp32 shard is the master itself and FusedAdam keeps no copy. So:
+- `state_dict()` holds the "master" of every quantized weight in either form
+  (`qt.nn.is_quantized_weight`): for a high-precision one, a copy of its shard. The keys are then
+  the same on every layout and DCP plans a load from any world size, in every direction.
+- `load_state_dict()` needs that master (a ValueError naming the fix otherwise; shapes are
+  checked too, before anything changes), and derives the weight from it: held in high
+  precision here, the weight takes the master's value (no copy kept); held quantized here, the
+  master is kept and the weight requantized from it: bit for bit what the saving run held on its
+  own layout (DCP loaded those same bytes) and what an uninterrupted run holds on this one
+  (a stateless quantizer's quantization of the master, per-tensor amaxes agreed in one
+  all-reduce as in a step). Delayed scaling is the exception: its bytes were scaled with the
+  amax history before the last step pushed its amax, and requantizing would push it again, so
+  the bytes DCP loaded stay. When they come from the high-precision form, quant-fsdp quantizes
+  the loaded value (the master) with the loaded history, which is what a run holding the weight
+  quantized holds after that step.
+- the model entry (the quantized bytes, or the fallback's shard) is read across forms by
+  quant_fsdp._checkpoint (DCP's load protocol on the local tensors), so a model-only load works
+  too: a quantized weight quantized from the loaded high-precision value, a fallback weight
+  holding the dequantized one until this load writes its master in. The order of the two loads
+  does not matter (torch's set_state_dict loads the optimizer first).
+
 `capturable=True` (CUDA graphs) is refused: the step decides on the host whether to skip
 (non-finite gradients), reads a tensor `lr` with .item() and buckets parameters by their step
 count in Python, all of which a captured graph cannot replay.
@@ -132,8 +157,22 @@ class FusedAdam(torch.optim.Optimizer):
             if p.requires_grad:
                 self._state_of(p, group)
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state_dict, with the master of every quantized weight that this layout holds in
+        high precision: a copy of its shard ([Note: checkpoints across weight forms])."""
+        state_dict = super().state_dict()
+        params = [p for group in self.param_groups for p in group["params"]]  # torch's numbering
+        for index, p in enumerate(params):
+            saved = state_dict["state"].get(index)
+            if saved is not None and "master" not in saved and qt.nn.is_quantized_weight(p):
+                local = qt.local_shard(p)
+                master = torch.empty(local.shape, dtype=torch.float32, device=local.device).copy_(local)
+                state_dict["state"][index] = {**saved, "master": qt.shard_like(p, master)}
+        return state_dict
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's load_state_dict, with masters and moments in the dtypes this optimizer keeps them in.
+        """torch's load_state_dict, with masters and moments in the dtypes this optimizer keeps them in,
+        and quantized weights derived from their masters ([Note: checkpoints across weight forms]).
 
         torch casts every floating state tensor to its parameter's dtype
         (`Optimizer._process_value_according_to_param_policy`, called through the class name, so
@@ -143,11 +182,15 @@ class FusedAdam(torch.optim.Optimizer):
         the group's dtypes (fp32, `exp_avg_dtype`, `exp_avg_sq_dtype`: a no-op when the checkpoint
         was made with the same settings, so the round trip is bitwise), every other tensor but
         `step` (which torch leaves as saved) in its saved dtype.
+
+        Raises ValueError, with nothing changed, when a quantized weight has no master in
+        `state_dict` or a saved state is shaped otherwise than its parameter.
         """
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [(p, group) for group in self.param_groups for p in group["params"]]
         targets = []  # (parameter, key, saved tensor, dtype to keep it in), checked before any change
         for saved_id, (p, group) in zip(saved_ids, params, strict=False):
+            _check_saved_state(saved_id, p, state_dict["state"].get(saved_id, {}))
             dtypes = {
                 "master": torch.float32,
                 "exp_avg": group["exp_avg_dtype"],
@@ -166,17 +209,27 @@ class FusedAdam(torch.optim.Optimizer):
         super().load_state_dict(state_dict)  # checks the groups' sizes
         for p, key, value, dtype in targets:
             self.state[p][key] = value.to(dtype=dtype, device=p.device)
-        for p, group in params:
-            if not p.requires_grad:
-                continue
-            state, fresh = self.state[p], not self.state[p]
-            if fresh:  # not in the checkpoint
-                self._state_of(p, group)
-            if (fresh or "master" not in state) and self._needs_master(qt.local_shard(p), group):
-                # Saved where this weight needed no master (e.g. an fp32 alignment fallback on
-                # another world size), or not saved: start from the loaded weight, not from the
-                # construction-time value, which the next step would write back over it.
-                state["master"] = qt.shard_like(p, self._weight_value(qt.local_shard(p)))
+        with torch.no_grad():  # the weights take values derived from the loaded masters
+            requantize = []
+            for p, group in params:
+                if not p.requires_grad:
+                    continue
+                state, fresh = self.state[p], not self.state[p]
+                if fresh:  # not in the checkpoint
+                    self._state_of(p, group)
+                local = qt.local_shard(p)
+                if isinstance(local, qt.QuantizedTensor):
+                    if local.quantizer.stateless:  # delayed scaling keeps its loaded bytes (see the Note)
+                        requantize.append(_requantize_from(local, qt.local_shard(state["master"])))
+                elif qt.nn.is_quantized_weight(p):  # held in high precision here: the master is its value
+                    master = state["master"] if self._needs_master(local, group) else state.pop("master")
+                    local.copy_(qt.local_shard(master))
+                elif (fresh or "master" not in state) and self._needs_master(local, group):
+                    # A bf16 parameter saved without a master (master_weights=False), or not saved:
+                    # start from the loaded weight, not from the construction-time value, which the
+                    # next step would write back over it.
+                    state["master"] = qt.shard_like(p, self._weight_value(local))
+            _agree_amaxes_and_apply(requantize)
 
     @staticmethod
     def _needs_master(local: torch.Tensor, group: dict[str, Any]) -> bool:
@@ -323,15 +376,7 @@ class FusedAdam(torch.optim.Optimizer):
                 _PendingAmax(groups, amax, moment.store)
                 for (groups, moment), amax in zip(moments, moment_amaxes, strict=True)
             ]
-        by_groups: dict[tuple[int, ...], list[_PendingAmax]] = {}
-        for item in pending:
-            by_groups.setdefault(tuple(id(g) for g in item.groups), []).append(item)
-        for items in by_groups.values():
-            amaxes = torch.stack([item.amax for item in items])
-            for group in items[0].groups:  # one group for FSDP; shard dims in turn on a 2-D mesh
-                dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
-            for item, amax in zip(items, amaxes, strict=True):
-                item.apply(amax)
+        _agree_amaxes_and_apply(pending)
 
     @staticmethod
     def _grads_finite(grads: list[torch.Tensor], found_inf: torch.Tensor | None) -> bool:
@@ -342,6 +387,60 @@ class FusedAdam(torch.optim.Optimizer):
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return not bool(bad)
+
+
+def _agree_amaxes_and_apply(pending: list[_PendingAmax]) -> None:
+    """Agrees every local amax over its groups, one stacked all-reduce (MAX) per set of groups,
+    then applies each; items without an amax are applied as they are."""
+    by_groups: dict[tuple[int, ...], list[_PendingAmax]] = {}
+    for item in pending:
+        if item.amax is None:
+            item.apply(None)
+        else:
+            by_groups.setdefault(tuple(id(g) for g in item.groups), []).append(item)
+    for items in by_groups.values():
+        amaxes = torch.stack([item.amax for item in items])
+        for group in items[0].groups:  # one group for FSDP; shard dims in turn on a 2-D mesh
+            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
+        for item, amax in zip(items, amaxes, strict=True):
+            item.apply(amax)
+
+
+def _requantize_from(local: qt.QuantizedTensor, master: torch.Tensor) -> _PendingAmax:
+    """The requantization of a loaded quantized weight from its master (an amax to agree on for
+    per-tensor formats, over the group the weight's shards share it in)."""
+    quantizer = local.quantizer
+    if not quantizer.per_tensor_amax:
+        return _PendingAmax((), None, lambda amax: quantizer.quantize_(master, local))
+    groups = () if quantizer.amax_group is None else (quantizer.amax_group,)
+    return _PendingAmax(
+        groups, quant_core.amax_many([master])[0], functools.partial(_requantize, quantizer, master, local)
+    )
+
+
+def _check_saved_state(saved_id: int, p: torch.Tensor, saved: dict[str, Any]) -> None:
+    """Refuses, before anything changes, a saved state that cannot be this parameter's."""
+    what = f"parameter {saved_id} of the state dict (shape {tuple(p.shape)}, local {tuple(qt.local_shard(p).shape)})"
+    if p.requires_grad and qt.nn.is_quantized_weight(p) and "master" not in saved:
+        raise ValueError(
+            f"the checkpoint holds no fp32 master for {what}, a quantized weight: its master is its value "
+            "(DESIGN section 6), without it the weight could only be restored from its lossy quantization. Load a "
+            "checkpoint saved from FusedAdam.state_dict (torch's get_state_dict), which holds the master of every "
+            "quantized weight in either form, or load the model alone and build a new FusedAdam, whose masters start "
+            "from the loaded weights (nothing was changed)"
+        )
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        value = saved.get(key)
+        if isinstance(value, torch.Tensor) and (
+            value.shape != p.shape or qt.local_shard(value).shape != qt.local_shard(p).shape
+        ):
+            raise ValueError(
+                f"the checkpoint's {key} for {what} has shape {tuple(value.shape)} (local "
+                f"{tuple(qt.local_shard(value).shape)}): it belongs to another model, or to another layout loaded "
+                "without resharding. Load this model's checkpoint; onto another world size load it through "
+                "torch.distributed.checkpoint (get_state_dict, dcp.load, set_state_dict), which reshards "
+                "(nothing was changed)"
+            )
 
 
 def _local_grad(p: torch.Tensor) -> torch.Tensor:
@@ -402,8 +501,9 @@ class _PendingAmax:
     """A local amax to be agreed over `groups` (MAX), then handed to `apply`."""
 
     groups: tuple[dist.ProcessGroup, ...]
-    amax: torch.Tensor
-    apply: Callable[[torch.Tensor], None]
+    amax: torch.Tensor | None
+    """None where nothing is agreed on (applied with None)."""
+    apply: Callable[[torch.Tensor | None], None]
 
 
 def _requantize(quantizer: qt.Quantizer, master: torch.Tensor, local: qt.QuantizedTensor, amax: torch.Tensor) -> None:
