@@ -109,3 +109,42 @@ def test_tiny_fidelity_compares_final_losses_with_bf16(tmp_path):
     assert math.isfinite(rows["fp8:qw:eager"]["vs_bf16"])
     assert rows["fp8:qw:eager"]["tolerance"] == 0.005
     assert "| fp8:qw:eager |" in (tmp_path / "e2e_fidelity.md").read_text()
+
+
+def test_fidelity_takes_bf16_from_a_baseline_of_the_same_training(tmp_path):
+    from quant_fsdp._e2e_fidelity import run_fidelity
+
+    options = E2EOptions(config="tiny", device="cpu", model_source="builtin")
+    console = Console(file=io.StringIO(), width=200)
+    assert run_fidelity(tmp_path / "first", select_runs("bf16:eager"), options, num_steps=3, console=console) == 0
+    baseline = tmp_path / "first" / "e2e_fidelity.json"
+    runs = select_runs("bf16:eager,fp8:hp:eager")
+    assert run_fidelity(tmp_path / "second", runs, options, num_steps=3, baseline=baseline, console=console) == 0
+    first = json.loads(baseline.read_text())["rows"][0]
+    report = json.loads((tmp_path / "second" / "e2e_fidelity.json").read_text())
+    rows = {row["run"]: row for row in report["rows"]}
+    assert list(rows) == ["bf16:eager", "fp8:hp:eager"]  # bf16 read, not trained again
+    assert rows["bf16:eager"]["losses"] == first["losses"]
+    assert rows["fp8:hp:eager"]["vs_bf16"] == rows["fp8:hp:eager"]["final_loss"] / first["final_loss"] - 1
+    assert "e2e_fidelity.json" in report["baseline"]
+    # Another number of steps is another training: refused before any run, nothing written.
+    output = io.StringIO()
+    code = run_fidelity(tmp_path / "third", runs, options, num_steps=4, baseline=baseline, console=Console(file=output))
+    assert code == 2
+    assert "trained differently (num_steps" in output.getvalue()
+    assert not (tmp_path / "third").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv_tail", "message"),
+    [
+        (["--baseline", "x.json"], "add --fidelity STEPS"),
+        (["--fidelity", "3", "--baseline", "missing.json"], "not a readable e2e_fidelity.json"),
+    ],
+)
+def test_bad_baseline_exits_2_with_one_line(tmp_path, capsys, argv_tail, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--e2e", "--out", str(tmp_path / "out"), *argv_tail])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

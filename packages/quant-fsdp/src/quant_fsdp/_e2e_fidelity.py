@@ -10,6 +10,10 @@ a few hundred steps measured that moment, not the recipe's numerics. The final l
 mean of the last tenth of the steps; its relative difference to bf16 eager's is compared with
 issue 16's bounds (every FP8 recipe within 0.5%, NVFP4 within 2%; published anchors: DeepSeek-V3
 blockwise FP8 within 0.25% of bf16, the NVFP4 paper within ~1% of FP8).
+
+`--baseline FILE` takes bf16 eager's row from an earlier e2e_fidelity.json of the same training
+(model, steps, task, learning rate, initial weights) instead of training it again, so the runs of
+one comparison can be split over calls of limited length; the report names the file.
 """
 
 from __future__ import annotations
@@ -70,6 +74,33 @@ class FidelityRow:
         return abs(self.vs_bf16) <= self.tolerance
 
 
+# What must agree between a baseline file and this call for its bf16 curve to be comparable.
+_SAME_TRAINING = ("model", "config", "num_steps", "markov_states", "learning_rate", "lr_warmup_steps", "init_seed")
+
+
+def load_baseline(path: pathlib.Path) -> tuple[dict, FidelityRow]:
+    """(the report, bf16 eager's row) of an earlier e2e_fidelity.json; ValueError naming the problem."""
+    try:
+        report = json.loads(path.read_text())
+        row = next(r for r in report["rows"] if r["run"] == BF16_BASELINE and r["losses"])
+        return report, FidelityRow(**row)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"--baseline {path}: not a readable e2e_fidelity.json ({type(error).__name__}: {error})"
+        ) from None
+    except StopIteration:
+        raise ValueError(f"--baseline {path}: has no {BF16_BASELINE} row with a loss curve; train it once") from None
+
+
+def _check_baseline(report: dict, baseline: dict, path: pathlib.Path) -> None:
+    differ = [key for key in _SAME_TRAINING if report.get(key) != baseline.get(key)]
+    if differ:
+        raise ValueError(
+            f"--baseline {path} was trained differently ({', '.join(differ)}): run bf16 in this call or pass a "
+            "baseline of the same model, steps, task, learning rate and initial weights"
+        )
+
+
 def _states(config: DecoderConfig) -> int | None:
     return FIDELITY_STATES if config.vocab_size > FIDELITY_STATES else None
 
@@ -99,9 +130,12 @@ def _train(
     except Exception as error:  # a benchmark row, not a test: report it and go on
         return FidelityRow(spec.name, error=f"{type(error).__name__}: {first_line(error)}")
     del model, optimizer, step
+    final_loss = statistics.fmean(curve[-_window(num_steps) :])
+    # in the log as soon as known: a call cut short by its time limit keeps the runs that finished
+    console.print(f"    final loss {final_loss:.4f} (mean of the last {_window(num_steps)} steps)", highlight=False)
     return FidelityRow(
         spec.name,
-        final_loss=statistics.fmean(curve[-_window(num_steps) :]),
+        final_loss=final_loss,
         tolerance=TOLERANCE.get(spec.base),
         tokens_per_s=num_steps * data[0, :, 1:].numel() / seconds,
         losses=curve,
@@ -141,6 +175,8 @@ def markdown(report: dict, rows: list[FidelityRow]) -> str:
         f"learning rate {report['learning_rate']} after {report['lr_warmup_steps']} warm-up steps; final loss = "
         f"mean of the last {report['final_window']} steps; plot: e2e_fidelity.png."
     )
+    if "baseline" in report:
+        lines.append(f"- {report['baseline']}")
     lines += ["", "| " + " | ".join(COLUMNS) + " |", "| --- |" + " ---: |" * (len(COLUMNS) - 2) + " --- |"]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in _cells(r)) + " |" for r in rows]
     return "\n".join(lines) + "\n"
@@ -170,16 +206,25 @@ def _plot(console: Console, rows: list[FidelityRow], report: dict, path: pathlib
     gaps.axhline(0, color="gray", linewidth=0.8)
     gaps.set(xlabel="step", ylabel="% vs bf16 eager", title=f"loss vs bf16 eager (moving mean of {window} steps)")
     for axis in (losses, gaps):
-        axis.legend(fontsize=7)
+        if axis.get_legend_handles_labels()[0]:  # no gap curves when bf16 trained alone
+            axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
 
 
 def run_fidelity(
-    out: pathlib.Path, runs: Sequence[RunSpec], options: E2EOptions, *, num_steps: int, console: Console | None = None
+    out: pathlib.Path,
+    runs: Sequence[RunSpec],
+    options: E2EOptions,
+    *,
+    num_steps: int,
+    baseline: pathlib.Path | None = None,
+    console: Console | None = None,
 ) -> int:
-    """Trains `runs` for `num_steps` steps each; prints the table, writes e2e_fidelity.json/.md/.png; 1 if a run failed."""
+    """Trains `runs` for `num_steps` steps each; prints the table, writes e2e_fidelity.json/.md/.png; 1 if a run
+    failed, 2 if `baseline` (an earlier e2e_fidelity.json giving bf16 eager's row) was trained differently."""
+    baseline_report, baseline_row = load_baseline(baseline) if baseline is not None else (None, None)
     console = console or console_for_logs()
     device = options.torch_device()
     source = resolve_model_source(options.model_source)
@@ -198,8 +243,19 @@ def run_fidelity(
         "markov_states": len(task.state_ids),
         "loss_floor": task.entropy(),
     }
+    if baseline_report is not None:
+        try:
+            _check_baseline(report, baseline_report, baseline)
+        except ValueError as error:
+            console.print(str(error), highlight=False)
+            return 2
+        runs = [spec for spec in runs if spec.name != BF16_BASELINE]
+        report["baseline"] = (
+            f"{BF16_BASELINE} from {baseline.name} ({baseline_report['date']}, {baseline_report['command']})"
+        )
+        console.print(f"{report['baseline']}", highlight=False)
     skipped = torchao_missing() if any(r.base.startswith("torchao-") for r in runs) else ""
-    rows = []
+    rows = [baseline_row] if baseline_row is not None else []
     for index, spec in enumerate(runs, 1):
         console.print(f"[{index}/{len(runs)}] {spec.name} ...", highlight=False)
         if spec.base.startswith("torchao-") and skipped:

@@ -98,7 +98,18 @@ def _staged(out: pathlib.Path) -> Iterator[pathlib.Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-_E2E_OPTIONS = ("runs", "config", "steps", "warmup", "model", "compile_backend", "fidelity", "lr", "init_seed")
+_E2E_OPTIONS = (
+    "runs",
+    "config",
+    "steps",
+    "warmup",
+    "model",
+    "compile_backend",
+    "fidelity",
+    "lr",
+    "init_seed",
+    "baseline",
+)
 
 
 def _integer(text: str) -> int:
@@ -279,6 +290,13 @@ def _add_e2e_arguments(bench: argparse.ArgumentParser) -> None:
         help="train each run STEPS steps on the Markov task and compare final losses with bf16 (writes "
         "e2e_fidelity.json/.md/.png)",
     )
+    e2e.add_argument(
+        "--baseline",
+        type=pathlib.Path,
+        metavar="JSON",
+        help="with --fidelity: bf16 eager's curve from an earlier e2e_fidelity.json of the same training instead of "
+        "training it again",
+    )
 
 
 def _e2e_command(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None) -> Runner:
@@ -302,10 +320,17 @@ def _e2e_command(parser: argparse.ArgumentParser, args: argparse.Namespace, argv
         )
     except ValueError as error:
         parser.error(str(error))
+    if args.baseline is not None and not args.fidelity:
+        parser.error("--baseline is the bf16 curve of a fidelity comparison: add --fidelity STEPS")
     if args.fidelity:
-        from quant_fsdp._e2e_fidelity import run_fidelity
+        from quant_fsdp._e2e_fidelity import load_baseline, run_fidelity
 
-        return lambda out: run_fidelity(out, runs, options, num_steps=args.fidelity)
+        if args.baseline is not None:
+            try:
+                load_baseline(args.baseline)
+            except ValueError as error:
+                parser.error(str(error))
+        return lambda out: run_fidelity(out, runs, options, num_steps=args.fidelity, baseline=args.baseline)
     return lambda out: run_e2e(out, runs, options)
 
 
