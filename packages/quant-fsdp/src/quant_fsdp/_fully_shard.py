@@ -9,7 +9,11 @@ weights, mode 1). `fully_shard` then, for the parameters the call manages:
    initial value where qt.convert kept one;
 3. mode 2 (`quantize_on_gather=True`): the high-precision weights of qt.nn.Linear layers become
    QuantizeOnGatherTensor weights that gather quantized (or take the fallback);
-4. calls torch's fully_shard, and shards the kept high-precision initial values alongside.
+4. calls torch's fully_shard, and shards the kept high-precision initial values alongside;
+5. lets checkpoints load each quantized weight from either of its forms ([Note: checkpoints
+   across weight forms] in quant_optim._adam, quant_fsdp._checkpoint): the fallback weights of
+   mode 1 are marked as quantized weights (`qt.nn.mark_quantized_weight`), and staged loads that
+   need a collective are requantized by a load_state_dict post-hook.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 import quant_tensors as qt
-from quant_fsdp import _plan, _quantized_all_gather
+from quant_fsdp import _checkpoint, _plan, _quantized_all_gather
 from quant_fsdp._amax import HistorySyncHook, amax_histories
 from quant_fsdp._quantize_on_gather import QuantizeOnGatherTensor
 from quant_tensors import QuantizedTensor
@@ -35,6 +39,8 @@ logger = logging.getLogger("quant_fsdp")
 
 
 def _pre_all_gather(self: QuantizedTensor, mesh, outer_size=None, outer_stride=None, module=None, mp_policy=None):
+    if _checkpoint.pending():  # a checkpoint loaded without load_state_dict after dcp.load
+        _checkpoint.requantize_pending()
     if self.quantizer.per_tensor_amax and self.quantizer.amax_group is None:
         self.quantizer.bind(amax_group=mesh.get_group())  # sharded by torch's fully_shard directly
     if module is not None:
@@ -50,6 +56,7 @@ def install_hooks() -> None:
     """Gives every QuantizedTensor FSDP2's all-gather hooks (run when quant_fsdp is imported)."""
     qt.register_tensor_method("fsdp_pre_all_gather", _pre_all_gather)
     qt.register_tensor_method("fsdp_post_all_gather", _post_all_gather)
+    qt.register_tensor_method("__get_tensor_shard__", _checkpoint.quantized_local_for_checkpoint)
 
 
 def fully_shard(
@@ -118,6 +125,13 @@ def fully_shard(
     if amax_histories(module):  # [Note: shared amax histories]
         HistorySyncHook(tuple(mesh.get_group(d) for d in range(mesh.ndim))).register(module)
     _attach_init_value_shards(module, init_values, mesh)
+    for plan, _, _, _, quantizer in entries:
+        param = module.get_parameter(plan.name)
+        _checkpoint.register(param, quantizer)
+        if plan.mode == _plan.QUANTIZED_WEIGHTS and not plan.quantized_gather:
+            qt.nn.mark_quantized_weight(param)
+    if entries:
+        module.register_load_state_dict_post_hook(_checkpoint.requantize_pending_hook)
     _plan.record(module, tuple(entry[0] for entry in entries))
     if print_plan:
         _plan.print_plan(module)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map, tree_map_only
 
-from quant_fsdp import _quantized_all_gather
+from quant_fsdp import _checkpoint, _quantized_all_gather
 from quant_fsdp._stats import count_gather
 from quant_tensors import QuantizedTensor, Quantizer
 
@@ -141,6 +141,16 @@ class QuantizeOnGatherTensor(torch.Tensor):
         checkpoint needs no quant_fsdp to load, and a destination of any kind takes it by copy_."""
         return self._data.detach().__reduce_ex__(protocol)
 
+    # torch.distributed.checkpoint's load protocol (DTensor hands it to its local tensor): a
+    # fallback shard that starts or ends inside a block reads the whole blocks around it, so a
+    # checkpoint holding the weight quantized loads ([Note: checkpoints across weight forms]).
+
+    def __create_chunk_list__(self):
+        return _checkpoint.high_precision_chunks_for_loading(self)
+
+    def __get_tensor_shard__(self, index):
+        return _checkpoint.high_precision_local_for_checkpoint(self, index)
+
     def __repr__(self) -> str:  # type: ignore[override]
         path = "high precision, then quantize" if self.fallback else "quantized"
         return f"QuantizeOnGatherTensor({self._data}, format={self.quantizer.format_name}, gather={path})"
@@ -148,6 +158,8 @@ class QuantizeOnGatherTensor(torch.Tensor):
     # ---- FSDP2 all-gather hooks (both signatures: (mesh) and the 5-argument one) -----------------
 
     def fsdp_pre_all_gather(self, mesh, outer_size=None, outer_stride=None, module=None, mp_policy=None):
+        if _checkpoint.pending():  # a checkpoint loaded without load_state_dict after dcp.load
+            _checkpoint.requantize_pending()
         world = mesh.size()
         if not self.fallback:
             return _quantized_all_gather.pre_all_gather(self._quantize_shard(), world)

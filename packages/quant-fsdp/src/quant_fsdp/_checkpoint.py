@@ -1,0 +1,240 @@
+"""Loading a quantized weight's model entry from a checkpoint saved in its other form (DCP).
+
+A quantized primary weight has two forms ([Note: checkpoints across weight forms] in
+quant_optim._adam): quantized (its shards hold whole blocks) or, where its shards would split
+blocks, the fallback's high-precision shard. The model state dict holds each weight in the form
+of the layout that saved it, so torch.distributed.checkpoint (DCP) reads chunks of one form into
+a weight of the other. DCP narrows both to their overlap, and a quantized tensor cannot be cut
+inside a block; so the local tensors of the weights `quant_fsdp.fully_shard` shards take part in
+DCP's load protocol (DTensor hands `__create_chunk_list__` and `__get_tensor_shard__` to them):
+
+- quantized weight (QuantizedTensor local): DCP reads into a `_LoadWindow` over it. A quantized
+  chunk (whole blocks: it was quantized on its layout) is copied as bytes, bit for bit; chunks of
+  the high-precision form are staged in a high-precision tensor of the shard's shape and, once
+  every row has arrived, quantized into the weight. Formats with a per-tensor amax need the
+  shard group's amax for that, a collective that cannot run inside DCP's reads (ranks read
+  different chunks): those wait in `_PENDING` for `requantize_pending()`, which
+  `quant_fsdp.fully_shard`'s load_state_dict post-hook calls (set_state_dict, or
+  model.load_state_dict after dcp.load), and else the first all-gather. A write to the weight
+  in between (FusedAdam requantizing it from its master) cancels the staged value.
+- fallback weight (QuantizeOnGatherTensor local): its shard starts or ends inside a block, so
+  DCP would cut a quantized chunk there. It asks DCP for the rows of the whole blocks around its
+  shard instead (`__create_chunk_list__`), reads them into a high-precision staging tensor
+  (quantized chunks dequantized, whole blocks), and copies its own rows into the shard once
+  they have all arrived. Its value is then the dequantized weight; FusedAdam's load then writes
+  the master in.
+
+The weights' local tensors reach their parameter through their quantizer (DCP hands over the
+detached local of a state dict entry, a new object each time, never the parameter).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.utils.weak import WeakIdKeyDictionary
+
+from quant_tensors import QuantizedTensor, Quantizer
+
+aten = torch.ops.aten
+
+# The sharded parameter each quantizer quantizes (by identity: quantizers compare by value).
+_PARAMETER_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# The load target of a state dict entry's local tensor while DCP reads into it.
+_TARGETS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A quantized weight's high-precision value, staged from a checkpoint, waiting for a collective."""
+
+    local: QuantizedTensor
+    values: torch.Tensor
+    versions: tuple[int, ...]
+    """The weight's buffer versions when staged: a later write (a requantize from the master) wins."""
+
+
+# By the entry's fully qualified name: every rank requantizes in the same order.
+_PENDING: dict[str, _Pending] = {}
+
+
+def register(param: torch.Tensor, quantizer: Quantizer) -> None:
+    """Lets the local tensors of a weight `fully_shard` sharded find the parameter (mesh, offset)."""
+    _PARAMETER_OF[quantizer] = weakref.ref(param)
+
+
+def _versions(t: QuantizedTensor) -> tuple[int, ...]:
+    return tuple(b._version for b in t.buffers().values() if b is not None)
+
+
+def pending() -> bool:
+    """Whether staged weights wait for `requantize_pending`."""
+    return bool(_PENDING)
+
+
+def requantize_pending() -> None:
+    """Quantizes the weights staged from a high-precision checkpoint entry whose format needs the
+    shard group's amax (a collective: every rank calls this, and has the same entries)."""
+    for fqn in sorted(_PENDING):
+        pending = _PENDING.pop(fqn)
+        if _versions(pending.local) == pending.versions:
+            pending.local.quantizer.quantize_(pending.values, pending.local)
+
+
+def requantize_pending_hook(module: torch.nn.Module, incompatible_keys: Any) -> None:
+    """load_state_dict post-hook of the modules fully_shard shards: see `requantize_pending`."""
+    requantize_pending()
+
+
+# ---- the protocol methods ---------------------------------------------------------------------
+
+
+def quantized_local_for_checkpoint(self: QuantizedTensor, index: MetadataIndex) -> torch.Tensor:
+    """`__get_tensor_shard__` of every QuantizedTensor: a load window over the shard of a weight
+    fully_shard shards; the tensor itself otherwise (DCP's default)."""
+    if self.quantizer is None or self.quantizer not in _PARAMETER_OF:
+        return self
+    target = _TARGETS.get(self)
+    if target is None:
+        target = _TARGETS[self] = _QuantizedTarget(self, index.fqn)
+    return _LoadWindow(target, 0, self.shape[0])
+
+
+def high_precision_chunks_for_loading(local: torch.Tensor) -> list[ChunkStorageMetadata]:
+    """`__create_chunk_list__` of a QuantizeOnGatherTensor (called when DCP plans a load): its
+    chunk, widened to whole blocks when it starts or ends inside one."""
+    reference = _PARAMETER_OF.get(local.quantizer)
+    param = None if reference is None else reference()
+    if param is None:
+        raise RuntimeError(
+            f"a QuantizeOnGatherTensor of shape {tuple(local.shape)} is not a parameter sharded by "
+            "quant_fsdp.fully_shard; torch.distributed.checkpoint cannot place it"
+        )
+    sizes, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    start, stop = _block_cover(local.quantizer, tuple(param.shape), offsets[0], offsets[0] + sizes[0])
+    if (start, stop) != (offsets[0], offsets[0] + sizes[0]):
+        _TARGETS[local] = _HighPrecisionTarget(local, start, stop - start, offsets[0] - start)
+    return [ChunkStorageMetadata(torch.Size((start, *offsets[1:])), torch.Size((stop - start, *sizes[1:])))]
+
+
+def high_precision_local_for_checkpoint(local: torch.Tensor, index: MetadataIndex) -> torch.Tensor:
+    """`__get_tensor_shard__` of a QuantizeOnGatherTensor: the staging window of a load that reads
+    whole blocks around the shard, else the shard itself."""
+    target = _TARGETS.get(local)
+    return local if target is None else _LoadWindow(target, 0, target.values.shape[0])
+
+
+def _block_cover(quantizer: Quantizer, shape: tuple[int, ...], start: int, stop: int) -> tuple[int, int]:
+    """Dim-0 indices [start, stop) widened to the format's block rows ([Note: alignment policy])."""
+    if stop == start:
+        return start, stop
+    rows_per_index = math.prod(shape[1:-1]) if len(shape) > 1 else 1
+    step = quantizer.row_alignment // math.gcd(quantizer.row_alignment, rows_per_index)
+    return start // step * step, min(-(-stop // step) * step, shape[0])
+
+
+# ---- load targets -----------------------------------------------------------------------------
+
+
+class _QuantizedTarget:
+    """A quantized weight's shard as DCP loads it: quantized chunks as bytes, others staged."""
+
+    def __init__(self, local: QuantizedTensor, fqn: str) -> None:
+        self.local, self.fqn = local, fqn
+        self.values: torch.Tensor | None = None
+        self.rows_missing = local.shape[0]
+
+    def write(self, start: int, source: torch.Tensor) -> None:
+        rows = source.shape[0]
+        if isinstance(source, QuantizedTensor):  # whole blocks, quantized on the layout that saved them
+            self.local[start : start + rows].copy_(source)
+            return
+        if self.values is None:
+            self.values = torch.empty(self.local.shape, dtype=self.local.dtype, device=self.local.device)
+        self.values[start : start + rows].copy_(source)
+        self.rows_missing -= rows
+        if self.rows_missing == 0:
+            del _TARGETS[self.local]
+            if self.local.quantizer.amax_group is None:  # no per-tensor amax to agree on: now
+                self.local.quantizer.quantize_(self.values, self.local)
+            else:
+                _PENDING[self.fqn] = _Pending(self.local, self.values, _versions(self.local))
+
+
+class _HighPrecisionTarget:
+    """Whole blocks around a fallback weight's shard, staged in high precision while DCP loads them."""
+
+    def __init__(self, local: torch.Tensor, start: int, rows: int, shard_start: int) -> None:
+        self.local = local
+        self.values = torch.empty((rows, *local.shape[1:]), dtype=local.dtype, device=local.device)
+        self.shard = (shard_start, shard_start + local.shape[0])
+        self.rows_missing = rows  # DCP reads every row it was asked for, in any order
+
+    def write(self, start: int, source: torch.Tensor) -> None:
+        self.values[start : start + source.shape[0]].copy_(source)  # a quantized chunk is dequantized
+        self.rows_missing -= source.shape[0]
+        if self.rows_missing == 0:
+            del _TARGETS[self.local]
+            self.local.copy_(self.values[self.shard[0] : self.shard[1]])
+
+
+class _LoadWindow(torch.Tensor):
+    """Rows [start, start + rows) of a load target: what DCP narrows and copies a saved chunk into.
+
+    DCP asks for the same object when it saves (`__get_tensor_shard__` serves both): its writer
+    copies the tensor (`clone`, or `_to_copy` to the CPU) before `torch.save`, and gets the
+    weight's own local tensor then.
+    """
+
+    target: _QuantizedTarget | _HighPrecisionTarget
+    start: int
+
+    @staticmethod
+    def __new__(cls, target: _QuantizedTarget | _HighPrecisionTarget, start: int, rows: int):
+        like = target.local
+        return torch.Tensor._make_wrapper_subclass(cls, (rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
+
+    def __init__(self, target: _QuantizedTarget | _HighPrecisionTarget, start: int, rows: int) -> None:
+        self.target, self.start = target, start
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        window: _LoadWindow = args[0]
+        if func in (aten.detach.default, aten.alias.default):
+            return cls(window.target, window.start, window.shape[0])
+        if func is aten.slice.Tensor:
+            return window._rows(*args[1:], **kwargs)
+        if func is aten.copy_.default:
+            window.target.write(window.start, args[1])
+            return window
+        if func in (aten.clone.default, aten._to_copy.default) and window.shape == window.target.local.shape:
+            return func(window.target.local, *args[1:], **kwargs)  # DCP's writer saving the weight
+        raise NotImplementedError(f"{func} is not supported on a checkpoint load window (DCP narrows and copies)")
+
+    def _rows(self, dim: int = 0, start: int | None = None, end: int | None = None, step: int = 1) -> _LoadWindow:
+        size = self.shape[dim]
+        start, end, _ = slice(start, end, step).indices(size)
+        if (start, end) == (0, size):
+            return self
+        if dim != 0 or step != 1:
+            raise NotImplementedError(
+                f"a checkpoint chunk split along dim {dim} (step {step}) cannot be read into a quantized weight's "
+                "shard: quant-fsdp loads chunks split along dim 0 (FSDP2's shards)"
+            )
+        return _LoadWindow(self.target, self.start + start, end - start)
+
+    def untyped_storage(self) -> torch.UntypedStorage:  # type: ignore[override]
+        """None of its own (DCP's writer then copies the tensor: see the class docstring)."""
+        return torch.UntypedStorage(0, device=self.device)
+
+    def __reduce_ex__(self, protocol: int):
+        return self.target.local.__reduce_ex__(protocol)
