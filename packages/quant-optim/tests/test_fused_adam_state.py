@@ -203,3 +203,17 @@ def test_a_checkpoint_state_of_another_shape_is_refused_and_changes_nothing(key)
     with pytest.raises(ValueError, match=rf"{key} for parameter 0 .* has shape \(64, 128\).*reshards"):
         optimizer.load_state_dict(checkpoint)
     assert all(torch.equal(a, b) for a, b in zip(everything(quantized, optimizer), before, strict=True))
+
+
+def test_a_master_the_load_left_untouched_leaves_the_weight_as_loaded():
+    # DCP's partial loads (allow_partial_load=True) leave what the checkpoint lacks as it was in the
+    # state dict that FusedAdam.state_dict gave; the weight then keeps what the model's load wrote.
+    for p in forms("fp8-block"):
+        optimizer = stepped(p, 2)
+        state_dict = optimizer.state_dict()  # filled in place by a load, or not
+        loaded_weight = torch.randn(128, 128)
+        with torch.no_grad():
+            p.copy_(loaded_weight)  # the model's load
+        before = [b.clone() for b in param_bits(p)]
+        optimizer.load_state_dict(state_dict)
+        assert all(torch.equal(a, b) for a, b in zip(param_bits(p), before, strict=True)), type(p)

@@ -42,7 +42,9 @@ fp32 shard is the master itself and FusedAdam keeps no copy. So:
   quant_fsdp._checkpoint (DCP's load protocol on the local tensors), so a model-only load works
   too: a quantized weight quantized from the loaded high-precision value, a fallback weight
   holding the dequantized one until this load writes its master in. The order of the two loads
-  does not matter (torch's set_state_dict loads the optimizer first).
+  does not matter (torch's set_state_dict loads the optimizer first). A master that the load did
+  not fill (DCP's partial loads leave the state dict's tensors as `state_dict` gave them: their
+  version counters tell) derives nothing: the weight keeps what the model's load gave it.
 
 `capturable=True` (CUDA graphs) is refused: the step decides on the host whether to skip
 (non-finite gradients), reads a tensor `lr` with .item() and buckets parameters by their step
@@ -59,6 +61,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 import quant_core
 import quant_tensors as qt
@@ -120,6 +123,8 @@ class FusedAdam(torch.optim.Optimizer):
         self.skipped_steps = 0
         """Steps skipped because some gradient was not finite."""
         self.last_step_skipped = False
+        self._masters_given: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        """Local masters that `state_dict` handed out -> their version then (see `_loaded`)."""
 
     # ---- state -------------------------------------------------------------------------------
 
@@ -168,6 +173,9 @@ class FusedAdam(torch.optim.Optimizer):
                 local = qt.local_shard(p)
                 master = torch.empty(local.shape, dtype=torch.float32, device=local.device).copy_(local)
                 state_dict["state"][index] = {**saved, "master": qt.shard_like(p, master)}
+            if saved is not None and qt.nn.is_quantized_weight(p):
+                master = qt.local_shard(state_dict["state"][index]["master"])
+                self._masters_given[master] = master._version
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -219,17 +227,26 @@ class FusedAdam(torch.optim.Optimizer):
                     self._state_of(p, group)
                 local = qt.local_shard(p)
                 if isinstance(local, qt.QuantizedTensor):
-                    if local.quantizer.stateless:  # delayed scaling keeps its loaded bytes (see the Note)
+                    # Delayed scaling keeps its loaded bytes (see the Note).
+                    if local.quantizer.stateless and self._loaded(state["master"]):
                         requantize.append(_requantize_from(local, qt.local_shard(state["master"])))
                 elif qt.nn.is_quantized_weight(p):  # held in high precision here: the master is its value
                     master = state["master"] if self._needs_master(local, group) else state.pop("master")
-                    local.copy_(qt.local_shard(master))
+                    if self._loaded(master):
+                        local.copy_(qt.local_shard(master))
                 elif (fresh or "master" not in state) and self._needs_master(local, group):
                     # A bf16 parameter saved without a master (master_weights=False), or not saved:
                     # start from the loaded weight, not from the construction-time value, which the
                     # next step would write back over it.
                     state["master"] = qt.shard_like(p, self._weight_value(local))
             _agree_amaxes_and_apply(requantize)
+
+    def _loaded(self, master: torch.Tensor) -> bool:
+        """Whether `master` holds a loaded value: not a tensor of this optimizer's `state_dict`
+        left as it was (DCP's partial loads leave the entries the checkpoint lacks untouched, and
+        then the weight keeps what the model's load gave it)."""
+        local = qt.local_shard(master)
+        return self._masters_given.get(local) != local._version
 
     @staticmethod
     def _needs_master(local: torch.Tensor, group: dict[str, Any]) -> bool:
