@@ -118,15 +118,21 @@ class BlockQuantizer(Quantizer):
 
     @property
     def block_shape(self) -> tuple[int, int]:
+        """(rows, columns) of one scale's block: (b, b) when tiled, else (1, b)."""
         raise NotImplementedError
 
     @property
-    def can_derive_columnwise(self) -> bool:
+    def tiled(self) -> bool:
+        """b x b tiles (weights) rather than 1 x b blocks, as the made tensors' `tiled` says."""
         return self.block_shape[0] > 1
 
     @property
+    def can_derive_columnwise(self) -> bool:
+        return self.tiled
+
+    @property
     def row_alignment(self) -> int:
-        return self.tensor_class.block if self.block_shape[0] > 1 or self.columnwise else 1
+        return self.tensor_class.block if self.tiled or self.columnwise else 1
 
     @property
     def dim_multiple(self) -> tuple[int, int]:

@@ -40,7 +40,7 @@ class Float8BlockwiseTensor(BlockScaledTensor):
 class Float8BlockQuantizer(BlockQuantizer):
     """Blockwise FP8 quantizer: power-of-two scales by default, both usages in one pass."""
 
-    tile: bool = False
+    tiled: bool = False
     """128 x 128 tiles (weights) instead of 1 x 128 blocks (activations and gradients)."""
     fp8_dtype: torch.dtype = torch.float8_e4m3fn
     """torch.float8_e4m3fn or torch.float8_e5m2."""
@@ -52,7 +52,7 @@ class Float8BlockQuantizer(BlockQuantizer):
 
     @property
     def block_shape(self) -> tuple[int, int]:
-        return (quant_core.BLOCKWISE_BLOCK if self.tile else 1, quant_core.BLOCKWISE_BLOCK)
+        return (quant_core.BLOCKWISE_BLOCK if self.tiled else 1, quant_core.BLOCKWISE_BLOCK)
 
     def _allocation(self):
         return {"block_shape": self.block_shape, "fp8_dtype": self.fp8_dtype}

@@ -51,7 +51,7 @@ class NVFP4Quantizer(BlockQuantizer):
     ([Note: quantizer configuration and bindings]).
     """
 
-    tile: bool = False
+    tiled: bool = False
     """16 x 16 tiles (weights) instead of 1 x 16 blocks (activations and gradients)."""
     stochastic_rounding: bool = False
     """Round E2M1 stochastically (gradients); each call draws from a new counter stream."""
@@ -68,7 +68,7 @@ class NVFP4Quantizer(BlockQuantizer):
 
     @property
     def block_shape(self) -> tuple[int, int]:
-        return (quant_core.NVFP4_BLOCK if self.tile else 1, quant_core.NVFP4_BLOCK)
+        return (quant_core.NVFP4_BLOCK if self.tiled else 1, quant_core.NVFP4_BLOCK)
 
     @property
     def calls(self) -> int:

@@ -137,7 +137,7 @@ class Float8BlockScaling(Recipe):
     def quantizer(self, role: Role) -> Quantizer:
         _check_role(role)
         return Float8BlockQuantizer(
-            tile=role == "weight",
+            tiled=role == "weight",
             fp8_dtype=_fp8_dtype(self.fp8_format, role),
             power_2_scales=self.power_2_scales,
             columnwise_on_demand=role == "weight" and columnwise_on_demand_default(),
@@ -156,7 +156,7 @@ class NVFP4BlockScaling(Recipe):
     def quantizer(self, role: Role) -> Quantizer:
         _check_role(role)
         return NVFP4Quantizer(
-            tile=role == "weight",
+            tiled=role == "weight",
             stochastic_rounding=self.stochastic_rounding and role == "grad_output",
             columnwise_on_demand=role == "weight" and columnwise_on_demand_default(),
         )
