@@ -12,7 +12,8 @@ rank does (a whole-batch single model quantizes the whole batch at once).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -67,14 +68,23 @@ def train_replicas(
     steps: int,
     batch_size: int = 8,
     lr: float = 1e-3,
+    optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
 ) -> list[float]:
     """Data-parallel training in one process: replica i takes slice i of every global batch; the
-    gradients are averaged and every replica takes the same AdamW step. Returns the mean losses."""
+    gradients are averaged and every replica takes the same optimizer step. Returns the mean losses.
+
+    The optimizer is AdamW (weight decay 0, `lr`) over quant_tensors.demo.MasterWeights, or
+    `optimizer(replica)` where given (e.g. quant_optim.FusedAdam, which keeps the masters itself)."""
     world = len(replicas)
     if batch_size % world:
         raise ValueError(f"batch_size {batch_size} does not split over {world} replicas")
-    masters = [MasterWeights(model) for model in replicas]
-    optimizers = [torch.optim.AdamW(m.parameters, lr=lr, weight_decay=0.0) for m in masters]
+    if optimizer is None:
+        masters = [MasterWeights(model) for model in replicas]
+        optimizers = [torch.optim.AdamW(m.parameters, lr=lr, weight_decay=0.0) for m in masters]
+        steppers = [functools.partial(m.step, o) for m, o in zip(masters, optimizers, strict=True)]
+    else:
+        optimizers = [optimizer(model) for model in replicas]
+        steppers = [o.step for o in optimizers]
     sequence = replicas[0].config.sequence
     losses = []
     for step in range(steps):
@@ -89,9 +99,9 @@ def train_replicas(
             mean = torch.stack([p.grad for p in params]).sum(0) / world
             for p in params:
                 p.grad = mean.clone()
-        for master, optimizer in zip(masters, optimizers, strict=True):
-            master.step(optimizer)
-            optimizer.zero_grad(set_to_none=True)
+        for step_replica, replica_optimizer in zip(steppers, optimizers, strict=True):
+            step_replica()
+            replica_optimizer.zero_grad(set_to_none=True)
         for model in replicas:
             model.zero_grad(set_to_none=True)
         losses.append((torch.stack(step_losses).sum() / world).item())
@@ -119,9 +129,11 @@ def train_with(
     batch_size: int,
     rank: int = 0,
     world: int = 1,
+    group: dist.ProcessGroup | None = None,
 ) -> list[float]:
     """Steps `optimizer` on slice `rank` of `world` of the global batch of every step in `steps`;
-    returns the global batch's losses (the slices' losses averaged over all ranks)."""
+    returns the global batch's losses (the slices' losses averaged over the `world` ranks of
+    `group`, default all ranks: pass the data-parallel group when other ranks hold the same slice)."""
     losses = []
     for step in steps:
         inputs, targets = task.batch(step, batch_size, model.config.sequence)
@@ -132,7 +144,7 @@ def train_with(
         optimizer.step()
         mean = loss.detach().clone()
         if world > 1:
-            dist.all_reduce(mean)
+            dist.all_reduce(mean, group=group)
         losses.append((mean / world).item())
     return losses
 
