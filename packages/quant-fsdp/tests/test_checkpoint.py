@@ -17,7 +17,7 @@ def weight(recipe_name: str, seed: int = 0) -> qt.QuantizedTensor:
     """A fresh 256x128 quantized weight, registered as one fully_shard manages."""
     quantizer = qt.recipe_from_name(recipe_name).quantizer("weight")
     local = quantizer.quantize(torch.randn(256, 128, generator=torch.Generator().manual_seed(seed)))
-    _checkpoint.register(torch.nn.Parameter(torch.empty(0)), quantizer)  # the registry holds it weakly
+    _checkpoint.register_placement(quantizer, (256, 128), None, ())  # placement unused by these loads
     return local
 
 

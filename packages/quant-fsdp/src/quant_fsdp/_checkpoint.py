@@ -24,14 +24,16 @@ DCP's load protocol (DTensor hands `__create_chunk_list__` and `__get_tensor_sha
   they have all arrived. Its value is then the dequantized weight; FusedAdam's load then writes
   the master in.
 
-The weights' local tensors reach their parameter through their quantizer (DCP hands over the
-detached local of a state dict entry, a new object each time, never the parameter).
+The weights' local tensors find their parameter's placement (global shape, mesh, placements)
+through their quantizer (DCP hands over the detached local of a state dict entry, a new object
+each time, never the parameter). The placement is kept, not a weak reference to the parameter:
+`module.to_empty()` after meta-device init swaps parameters with `torch.utils.swap_tensors`,
+which refuses a tensor that has a weak reference.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,8 +46,18 @@ from quant_tensors import QuantizedTensor, Quantizer
 
 aten = torch.ops.aten
 
-# The sharded parameter each quantizer quantizes (by identity: quantizers compare by value).
-_PARAMETER_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where a sharded parameter's local tensor lies in the whole tensor."""
+
+    shape: tuple[int, ...]
+    mesh: Any
+    placements: tuple[Any, ...]
+
+
+# The placement of the sharded parameter each quantizer quantizes (by identity: quantizers compare by value).
+_PLACEMENT_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # The load target of a state dict entry's local tensor while DCP reads into it.
 _TARGETS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -65,8 +77,13 @@ _PENDING: dict[str, _Pending] = {}
 
 
 def register(param: torch.Tensor, quantizer: Quantizer) -> None:
-    """Lets the local tensors of a weight `fully_shard` sharded find the parameter (mesh, offset)."""
-    _PARAMETER_OF[quantizer] = weakref.ref(param)
+    """Lets the local tensors of a weight `fully_shard` sharded (a DTensor) find its placement."""
+    register_placement(quantizer, tuple(param.shape), param.device_mesh, tuple(param.placements))
+
+
+def register_placement(quantizer: Quantizer, shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]) -> None:
+    """`register` given the whole shape, the mesh and the placements of the quantizer's parameter."""
+    _PLACEMENT_OF[quantizer] = _Placement(shape, mesh, placements)
 
 
 def _versions(t: QuantizedTensor) -> tuple[int, ...]:
@@ -98,7 +115,7 @@ def requantize_pending_hook(module: torch.nn.Module, incompatible_keys: Any) -> 
 def quantized_local_for_checkpoint(self: QuantizedTensor, index: MetadataIndex) -> torch.Tensor:
     """`__get_tensor_shard__` of every QuantizedTensor: a load window over the shard of a weight
     fully_shard shards; the tensor itself otherwise (DCP's default)."""
-    if self.quantizer is None or self.quantizer not in _PARAMETER_OF:
+    if self.quantizer is None or self.quantizer not in _PLACEMENT_OF:
         return self
     target = _TARGETS.get(self)
     if target is None:
@@ -109,15 +126,14 @@ def quantized_local_for_checkpoint(self: QuantizedTensor, index: MetadataIndex) 
 def high_precision_chunks_for_loading(local: torch.Tensor) -> list[ChunkStorageMetadata]:
     """`__create_chunk_list__` of a QuantizeOnGatherTensor (called when DCP plans a load): its
     chunk, widened to whole blocks when it starts or ends inside one."""
-    reference = _PARAMETER_OF.get(local.quantizer)
-    param = None if reference is None else reference()
-    if param is None:
+    placement = _PLACEMENT_OF.get(local.quantizer)
+    if placement is None:
         raise RuntimeError(
             f"a QuantizeOnGatherTensor of shape {tuple(local.shape)} is not a parameter sharded by "
             "quant_fsdp.fully_shard; torch.distributed.checkpoint cannot place it"
         )
-    sizes, offsets = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    start, stop = _block_cover(local.quantizer, tuple(param.shape), offsets[0], offsets[0] + sizes[0])
+    sizes, offsets = compute_local_shape_and_global_offset(placement.shape, placement.mesh, placement.placements)
+    start, stop = _block_cover(local.quantizer, placement.shape, offsets[0], offsets[0] + sizes[0])
     if (start, stop) != (offsets[0], offsets[0] + sizes[0]):
         _TARGETS[local] = _HighPrecisionTarget(local, start, stop - start, offsets[0] - start)
     return [ChunkStorageMetadata(torch.Size((start, *offsets[1:])), torch.Size((stop - start, *sizes[1:])))]
