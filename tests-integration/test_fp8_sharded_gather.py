@@ -38,11 +38,11 @@ CASES = [(torch.float8_e4m3fn, False), (torch.float8_e5m2, True)]
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4])
-def world(request: pytest.FixtureRequest) -> SharedWorld:
+def world_size(request: pytest.FixtureRequest) -> SharedWorld:
     """One world per world size runs every case ([Note: shared worlds] in quant_core.testing)."""
     return run_shared_world(request.param, {str(case): (_gather_quantized_shards, case) for case in CASES})
 
 
 @pytest.mark.parametrize(("fp8_dtype", "power_2_scales"), CASES)
-def test_sharded_quantize_then_gather_equals_unsharded(world, fp8_dtype, power_2_scales):
-    world.check(str((fp8_dtype, power_2_scales)))
+def test_sharded_quantize_then_gather_equals_unsharded(world_size, fp8_dtype, power_2_scales):
+    world_size.check(str((fp8_dtype, power_2_scales)))

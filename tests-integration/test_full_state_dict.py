@@ -120,7 +120,13 @@ def _full_state_dict_and_export(rank: int, world_size: int, recipe_name: str, va
 
     optimizer = FusedAdam(model.parameters(), lr=1e-3)
     train_with(
-        model, optimizer, MarkovTask(model.config.vocab), range(STEPS), batch_size=BATCH, rank=rank, world=world_size
+        model,
+        optimizer,
+        MarkovTask(model.config.vocab),
+        range(STEPS),
+        batch_size=BATCH,
+        rank=rank,
+        world_size=world_size,
     )
     full = get_model_state_dict(model, options=FULL)
     offloaded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -73,8 +73,10 @@ def build(recipe_name: str) -> tuple[TinyTransformer, FusedAdam]:
     return model, FusedAdam(model.parameters(), lr=1e-3, weight_decay=0.01)
 
 
-def train(model: TinyTransformer, optimizer: FusedAdam, steps: range, rank: int, world: int) -> list[float]:
-    return train_with(model, optimizer, MarkovTask(CONFIG.vocab), steps, batch_size=BATCH, rank=rank, world=world)
+def train(model: TinyTransformer, optimizer: FusedAdam, steps: range, rank: int, world_size: int) -> list[float]:
+    return train_with(
+        model, optimizer, MarkovTask(CONFIG.vocab), steps, batch_size=BATCH, rank=rank, world_size=world_size
+    )
 
 
 def save(model: TinyTransformer, optimizer: FusedAdam, path: pathlib.Path) -> None:

@@ -19,13 +19,13 @@ CONFIG = TransformerConfig(vocab=128, hidden=128, layers=2, heads=2, sequence=32
 
 
 def train(
-    model: TinyTransformer, steps: int, rank: int = 0, world: int = 1, moment_dtype: torch.dtype = torch.float32
+    model: TinyTransformer, steps: int, rank: int = 0, world_size: int = 1, moment_dtype: torch.dtype = torch.float32
 ) -> tuple[list[float], FusedAdam]:
     optimizer = FusedAdam(
         model.parameters(), lr=1e-3, weight_decay=0.01, exp_avg_dtype=moment_dtype, exp_avg_sq_dtype=moment_dtype
     )
     task = MarkovTask(CONFIG.vocab)
-    return train_with(model, optimizer, task, range(steps), batch_size=8, rank=rank, world=world), optimizer
+    return train_with(model, optimizer, task, range(steps), batch_size=8, rank=rank, world_size=world_size), optimizer
 
 
 def _world_1(rank: int, world_size: int) -> None:

@@ -27,8 +27,12 @@ def build(recipe_name: str, *, sharded: bool) -> TinyTransformer:
     return quantized_transformer(recipe_name, CONFIG, sharded=sharded)
 
 
-def train(model: TinyTransformer, optimizer: FusedAdam, steps: range, rank: int = 0, world: int = 1) -> list[float]:
-    return train_with(model, optimizer, MarkovTask(CONFIG.vocab), steps, batch_size=BATCH, rank=rank, world=world)
+def train(
+    model: TinyTransformer, optimizer: FusedAdam, steps: range, rank: int = 0, world_size: int = 1
+) -> list[float]:
+    return train_with(
+        model, optimizer, MarkovTask(CONFIG.vocab), steps, batch_size=BATCH, rank=rank, world_size=world_size
+    )
 
 
 # ---- loss parity with single-process training ------------------------------------------------------

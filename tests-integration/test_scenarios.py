@@ -273,7 +273,14 @@ class Run:
         elif self.scenario.layout == "FSDP+TP":
             dp_rank, group = self.mesh["dp"].get_local_rank(), self.mesh["dp"].get_group()
         return train_with(
-            self.model, self.optimizer, TASK, steps, batch_size=BATCH, rank=dp_rank, world=self.scenario.dp, group=group
+            self.model,
+            self.optimizer,
+            TASK,
+            steps,
+            batch_size=BATCH,
+            rank=dp_rank,
+            world_size=self.scenario.dp,
+            group=group,
         )
 
 
@@ -446,7 +453,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return tmp_path_factory.mktemp("scenarios")
 
 
-def world(world_size: int, directory: pathlib.Path) -> SharedWorld:
+def world_size(world_size: int, directory: pathlib.Path) -> SharedWorld:
     rows = [s for s in SCENARIOS if s.world_size == world_size]
     return run_shared_world(
         world_size, {s.name: (_train_scenario, (dataclasses.asdict(s), str(directory))) for s in rows}
@@ -455,17 +462,17 @@ def world(world_size: int, directory: pathlib.Path) -> SharedWorld:
 
 @pytest.fixture(scope="module")
 def world_1(results: pathlib.Path) -> SharedWorld:
-    return world(1, results)
+    return world_size(1, results)
 
 
 @pytest.fixture(scope="module")
 def world_2(results: pathlib.Path) -> SharedWorld:
-    return world(2, results)
+    return world_size(2, results)
 
 
 @pytest.fixture(scope="module")
 def world_4(results: pathlib.Path) -> SharedWorld:
-    return world(4, results)
+    return world_size(4, results)
 
 
 def outcome(scenario: Scenario, request: pytest.FixtureRequest) -> dict[str, Any]:

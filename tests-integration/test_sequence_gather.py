@@ -25,9 +25,9 @@ def local_input(rows: int, cols: int, rank: int, *, dtype=torch.bfloat16) -> tor
     return (torch.randn(rows, cols, generator=generator) * (1 + rank)).to(dtype)
 
 
-def everyone(x: torch.Tensor, world: int) -> list[torch.Tensor]:
+def everyone(x: torch.Tensor, world_size: int) -> list[torch.Tensor]:
     """Every rank's x (sizes may differ), by a plain object gather (independent of the code under test)."""
-    gathered: list[torch.Tensor | None] = [None] * world
+    gathered: list[torch.Tensor | None] = [None] * world_size
     dist.all_gather_object(gathered, x)
     return gathered
 
@@ -42,10 +42,10 @@ def assert_same_quantization(got: qt.QuantizedTensor, want: qt.QuantizedTensor, 
             assert torch.equal(raw_bits(other.reshape(-1)), raw_bits(buffer.reshape(-1))), (label, name)
 
 
-def check(x: torch.Tensor, quantizer, world: int, label: str, *, expect_fallback: bool) -> None:
+def check(x: torch.Tensor, quantizer, world_size: int, label: str, *, expect_fallback: bool) -> None:
     expected_quantizer = copy.deepcopy(quantizer)  # the same history (delayed scaling)
     high_precision = x.dequantize() if isinstance(x, qt.QuantizedTensor) else x
-    full = torch.cat(everyone(high_precision.contiguous(), world))
+    full = torch.cat(everyone(high_precision.contiguous(), world_size))
     want = expected_quantizer.quantize(full)
     quant_fsdp.reset_comm_stats()
     for async_op in (False, True):
@@ -70,27 +70,41 @@ def check(x: torch.Tensor, quantizer, world: int, label: str, *, expect_fallback
         names = [n for n, b in quantized.buffers().items() if b is not None and b.dim() > 0]
         if quantizer.can_derive_columnwise:
             names = [n for n in names if n.startswith("rowwise")]
-        per_call = world * sum(quantized.buffers()[n].numel() * quantized.buffers()[n].element_size() for n in names)
+        per_call = world_size * sum(
+            quantized.buffers()[n].numel() * quantized.buffers()[n].element_size() for n in names
+        )
         assert stats["quantized"] == 2 * per_call, (label, stats, per_call)
 
 
-def _gathers(rank: int, world: int) -> None:
+def _gathers(rank: int, world_size: int) -> None:
     for recipe_name in RECIPES:
         quantizer = qt.recipe_from_name(recipe_name).quantizer("input")
         x = local_input(128, 256, rank)
-        check(x, quantizer, world, f"{recipe_name} aligned", expect_fallback=False)
-        check(local_input(256, 128, rank).t(), quantizer, world, f"{recipe_name} non-contiguous", expect_fallback=False)
+        check(x, quantizer, world_size, f"{recipe_name} aligned", expect_fallback=False)
+        check(
+            local_input(256, 128, rank).t(),
+            quantizer,
+            world_size,
+            f"{recipe_name} non-contiguous",
+            expect_fallback=False,
+        )
         # 100 rows: not a multiple of the blocks (or of FP8's GEMM multiple of 16) in any format
-        check(local_input(100, 256, rank), quantizer, world, f"{recipe_name} 100 rows", expect_fallback=True)
-        rows = 0 if rank == world - 1 else 64
-        check(local_input(rows, 256, rank), quantizer, world, f"{recipe_name} empty on one rank", expect_fallback=True)
+        check(local_input(100, 256, rank), quantizer, world_size, f"{recipe_name} 100 rows", expect_fallback=True)
+        rows = 0 if rank == world_size - 1 else 64
+        check(
+            local_input(rows, 256, rank),
+            quantizer,
+            world_size,
+            f"{recipe_name} empty on one rank",
+            expect_fallback=True,
+        )
         # Already quantized: the codes travel when the ranks' per-tensor values agree (block formats,
         # delayed scaling's shared history); current-scaling FP8 and NVFP4 scale by the local amax.
         already = copy.deepcopy(quantizer).quantize(x)
         check(
             already,
             quantizer,
-            world,
+            world_size,
             f"{recipe_name} already quantized",
             expect_fallback=recipe_name in ("fp8", "nvfp4"),
         )
@@ -98,12 +112,12 @@ def _gathers(rank: int, world: int) -> None:
         other_role = {"fp8": "grad_output", "fp8-delayed": "grad_output", "fp8-block": "weight", "nvfp4": "weight"}
         if recipe_name in other_role:
             other = qt.recipe_from_name(recipe_name).quantizer(other_role[recipe_name]).quantize(x)
-            check(other, quantizer, world, f"{recipe_name} other encoding", expect_fallback=True)
+            check(other, quantizer, world_size, f"{recipe_name} other encoding", expect_fallback=True)
     # Without a quantizer: a plain gather, for equal and unequal shards.
     for rows in (8, 3 + rank):
         x = local_input(rows, 5, rank, dtype=torch.float32)
         got, _ = quant_fsdp.gather_along_first_dim(x, dist.group.WORLD)
-        assert torch.equal(got, torch.cat(everyone(x, world)))
+        assert torch.equal(got, torch.cat(everyone(x, world_size)))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -111,29 +125,29 @@ def test_gather_along_first_dim_equals_quantizing_the_concatenation(world_size, 
     request.getfixturevalue(f"world_{world_size}").check("gathers")
 
 
-def _mxfp8_unquantizable_sequence(rank: int, world: int) -> None:
+def _mxfp8_unquantizable_sequence(rank: int, world_size: int) -> None:
     # 7984 x 1024 on 2 ranks: 3992 rows per rank, not a multiple of MXFP8's 32-row columnwise blocks.
     quantizer = qt.MXFP8BlockScaling().quantizer("input")
-    check(local_input(3992, 1024, rank), quantizer, world, "mxfp8 7984x1024", expect_fallback=True)
+    check(local_input(3992, 1024, rank), quantizer, world_size, "mxfp8 7984x1024", expect_fallback=True)
 
 
 def test_mxfp8_sequence_the_blocks_do_not_divide_falls_back(world_2):
     world_2.check("mxfp8 sequence")
 
 
-def _reduce_scatter(rank: int, world: int) -> None:
-    x = local_input(4 * world, 6, rank, dtype=torch.float32)
-    total = torch.stack(everyone(x, world)).sum(0)  # same order of addition for 2 ranks; see below
+def _reduce_scatter(rank: int, world_size: int) -> None:
+    x = local_input(4 * world_size, 6, rank, dtype=torch.float32)
+    total = torch.stack(everyone(x, world_size)).sum(0)  # same order of addition for 2 ranks; see below
     for async_op in (False, True):
         out, handle = quant_fsdp.reduce_scatter_along_first_dim(x, dist.group.WORLD, async_op=async_op)
         if handle is not None:
             handle.wait()
         # Summation order is the collective's: exact on 2 ranks, within fp32 rounding on more.
         torch.testing.assert_close(out, total[4 * rank : 4 * (rank + 1)], rtol=1e-6, atol=1e-6)
-        if world == 2:
+        if world_size == 2:
             assert torch.equal(out, total[4 * rank : 4 * (rank + 1)])
-    with pytest.raises(ValueError, match=f"splits dim 0 evenly over {world} ranks.*pad dim 0"):
-        quant_fsdp.reduce_scatter_along_first_dim(torch.zeros(4 * world + 1, 2), dist.group.WORLD)
+    with pytest.raises(ValueError, match=f"splits dim 0 evenly over {world_size} ranks.*pad dim 0"):
+        quant_fsdp.reduce_scatter_along_first_dim(torch.zeros(4 * world_size + 1, 2), dist.group.WORLD)
     with pytest.raises(TypeError, match="sums in high precision"):
         quant_fsdp.reduce_scatter_along_first_dim(qt.Float8CurrentScaling().quantizer("input").quantize(x), None)
 
@@ -143,7 +157,7 @@ def test_reduce_scatter_along_first_dim(world_size, request):
     request.getfixturevalue(f"world_{world_size}").check("reduce-scatter")
 
 
-def _async_gathers_return_before_the_peers_send(rank: int, world: int) -> None:
+def _async_gathers_return_before_the_peers_send(rank: int, world_size: int) -> None:
     """Rank 0 issues two async gathers (a quantized one and a fallback) and only then lets the
     other ranks send their shards (over a side group): its calls must have returned without any
     peer data, i.e. nothing is read before wait(). Both are in flight at once; waited in reverse
@@ -184,7 +198,7 @@ def test_async_gathers_read_nothing_before_wait(world_size, request):
     request.getfixturevalue(f"world_{world_size}").check("async gathers")
 
 
-def _coalesced_gathers(rank: int, world: int) -> None:
+def _coalesced_gathers(rank: int, world_size: int) -> None:
     """gather_many_along_first_dim: each result equals gathering that tensor alone, with one
     exchange for all of them instead of one each (collectives counted)."""
     fp8, mxfp8, block = (qt.recipe_from_name(n).quantizer("input") for n in ("fp8", "mxfp8", "fp8-block"))
@@ -224,7 +238,7 @@ def test_coalesced_gathers_equal_gathering_each_alone(world_size, request):
     request.getfixturevalue(f"world_{world_size}").check("coalesced gathers")
 
 
-def _world_size_1(rank: int, world: int) -> None:
+def _world_size_1(rank: int, world_size: int) -> None:
     """One rank: no collective; a plain input is quantized, an input already quantized alike is
     returned as it is, one in another encoding is requantized."""
     quantizer = qt.MXFP8BlockScaling().quantizer("input")

@@ -106,8 +106,8 @@ def tensor_parallel_plan(model: Model, sequence_parallel: bool) -> dict:
     return plan
 
 
-def _train_tensor_parallel(rank: int, world: int, sequence_parallel: bool, dp: int, expected: dict) -> None:
-    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
+def _train_tensor_parallel(rank: int, world_size: int, sequence_parallel: bool, dp: int, expected: dict) -> None:
+    mesh = init_device_mesh("cpu", (dp, world_size // dp), mesh_dim_names=("dp", "tp"))
     for recipe_name, want in expected.items():
         model = make_model(recipe_name)
         parallelize_module(model, mesh["tp"], tensor_parallel_plan(model, sequence_parallel))
@@ -119,18 +119,18 @@ def _train_tensor_parallel(rank: int, world: int, sequence_parallel: bool, dp: i
         worst = max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
         if rank == 0:
             print(
-                f"{recipe_name} tp={world // dp} dp={dp} sp={sequence_parallel}: max relative loss difference {worst:.2e}"
+                f"{recipe_name} tp={world_size // dp} dp={dp} sp={sequence_parallel}: max relative loss difference {worst:.2e}"
             )
         assert worst <= LOSS_TOLERANCE, (recipe_name, worst, got, want)
 
 
 @pytest.mark.parametrize(
-    ("world", "dp", "sequence_parallel"),
+    ("world_size", "dp", "sequence_parallel"),
     [(2, 1, True), (4, 2, True)],  # TP without SP: the per-layer test below (CI time)
     ids=["tp2-sp", "tp2xfsdp2-sp"],
 )
-def test_tensor_parallel_training_matches_single_process(world, dp, sequence_parallel, request):
-    request.getfixturevalue(f"world_{world}").check(f"training dp={dp} sp={sequence_parallel}")
+def test_tensor_parallel_training_matches_single_process(world_size, dp, sequence_parallel, request):
+    request.getfixturevalue(f"world_{world_size}").check(f"training dp={dp} sp={sequence_parallel}")
 
 
 def tensor_parallel_training(dp: int, sequence_parallel: bool) -> tuple:
@@ -159,20 +159,20 @@ LAYER_CASES = [  # (style, sequence_parallel, sequence_dim)
 ]
 
 
-def in_layout(t: torch.Tensor, dim: int | None, *, sequence_dim: int, world: int, rank: int) -> torch.Tensor:
+def in_layout(t: torch.Tensor, dim: int | None, *, sequence_dim: int, world_size: int, rank: int) -> torch.Tensor:
     """A sequence-first [s, b, h] tensor in the TP layer's layout, this rank's slice along dim
     (None: all of it)."""
     t = t if sequence_dim == 0 else t.transpose(0, 1)
-    return t if dim is None else t.chunk(world, dim=dim)[rank]
+    return t if dim is None else t.chunk(world_size, dim=dim)[rank]
 
 
-def _layer_matches_unsharded(rank: int, world: int) -> None:
+def _layer_matches_unsharded(rank: int, world_size: int) -> None:
     """The reference runs the whole layer on sequence-first tensors [s, b, h]; the TP layer gets
     them as [s, b, h] (sequence_dim=0) or [b, s, h] (sequence_dim=1), sliced as its style wants.
     Its gather orders tokens (sequence, batch) either way, so the wgrad's token blocks match.
     512 features and 128 x 4 tokens: 128 features and 128 token rows per rank on 4 ranks, so every
     format quantizes the local weights and gathers quantized."""
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (world_size,))
     generator = torch.Generator().manual_seed(7)
     x, dy = (torch.randn(128, 4, 512, generator=generator) for _ in range(2))  # the same on every rank
     for recipe_name in RECIPES:
@@ -187,7 +187,7 @@ def _layer_matches_unsharded(rank: int, world: int) -> None:
             want_y.backward(dy)
             want_y = want_y.detach()
 
-            mine = functools.partial(in_layout, sequence_dim=sequence_dim, world=world, rank=rank)
+            mine = functools.partial(in_layout, sequence_dim=sequence_dim, world_size=world_size, rank=rank)
             sequence = sequence_dim if sequence_parallel else None
             input_dim, output_dim = (sequence, -1) if style_type is QuantColwiseParallel else (-1, sequence)
             local_x = mine(x, input_dim).clone().requires_grad_(True)
@@ -205,10 +205,10 @@ def _layer_matches_unsharded(rank: int, world: int) -> None:
             pairs = {
                 "y": (got.detach(), mine(want_y, output_dim)),
                 "dx": (local_x.grad, mine(want_x.grad, input_dim)),
-                "dw": (layer.weight.grad.to_local(), reference.weight.grad.chunk(world, dim=weight_dim)[rank]),
+                "dw": (layer.weight.grad.to_local(), reference.weight.grad.chunk(world_size, dim=weight_dim)[rank]),
                 "db": (
                     layer.bias.grad.to_local(),
-                    reference.bias.grad if bias_dim is None else reference.bias.grad.chunk(world)[rank],
+                    reference.bias.grad if bias_dim is None else reference.bias.grad.chunk(world_size)[rank],
                 ),
             }
             for name, (a, b) in pairs.items():
@@ -224,14 +224,14 @@ def test_parallel_linear_equals_the_unsharded_layer(world_size, request):
     request.getfixturevalue(f"world_{world_size}").check("layer")
 
 
-def _qkv_share_one_gather(rank: int, world: int) -> None:
+def _qkv_share_one_gather(rank: int, world_size: int) -> None:
     """Three column-parallel SP layers reading one input object (q, k, v) gather it once when
     their quantizers quantize alike (not delayed scaling: each layer's amax history is its own),
     with the same outputs and gradients as three separate gathers."""
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (world_size,))
     generator = torch.Generator().manual_seed(11)
-    x = torch.randn(128, 4, 512, generator=generator).chunk(world)[rank]  # sequence first
-    dys = [torch.randn(128, 4, 512 // world, generator=generator) for _ in range(3)]
+    x = torch.randn(128, 4, 512, generator=generator).chunk(world_size)[rank]  # sequence first
+    dys = [torch.randn(128, 4, 512 // world_size, generator=generator) for _ in range(3)]
     for recipe_name in RECIPES:
         torch.manual_seed(2)
         shared = [qt.nn.Linear(512, 512, recipe=deterministic(recipe_name)) for _ in range(3)]
@@ -258,15 +258,19 @@ def _qkv_share_one_gather(rank: int, world: int) -> None:
             assert torch.equal(dw, dw_alone), recipe_name
 
 
-def _rowwise_data_freed_with_the_input(rank: int, world: int) -> None:
+def _rowwise_data_freed_with_the_input(rank: int, world_size: int) -> None:
     """The gathered input keeps its rowwise data (the forward GEMMs) while the input lives, and
     only the columnwise data (the wgrad GEMM) once it is gone; the backward still runs."""
     from quant_fsdp.parallel import _shared_gathers
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (world_size,))
     layer = qt.nn.Linear(512, 512, recipe=qt.MXFP8BlockScaling())
     parallelize_module(layer, mesh, QuantColwiseParallel(sequence_parallel=True, sequence_dim=0))
-    leaf = torch.randn(128, 4, 512, generator=torch.Generator().manual_seed(5)).chunk(world)[rank].requires_grad_(True)
+    leaf = (
+        torch.randn(128, 4, 512, generator=torch.Generator().manual_seed(5))
+        .chunk(world_size)[rank]
+        .requires_grad_(True)
+    )
     x = leaf * 1  # not a leaf: nothing else keeps it alive
     y = layer(x)
     gathered = _shared_gathers.get(x).gathered
@@ -286,8 +290,8 @@ def test_layers_reading_one_input_share_its_gather(world_2):
     world_2.check("qkv share one gather")
 
 
-def _bad_inputs(rank: int, world: int) -> None:
-    mesh = init_device_mesh("cpu", (world,))
+def _bad_inputs(rank: int, world_size: int) -> None:
+    mesh = init_device_mesh("cpu", (world_size,))
     recipe = qt.Float8BlockScaling()
     with pytest.raises(TypeError, match="parallelizes qt.nn.Linear layers.*qt.convert"):
         parallelize_module(torch.nn.Linear(256, 256), mesh, QuantColwiseParallel())
@@ -296,7 +300,7 @@ def _bad_inputs(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match="splits out_features=257 .* over 2 ranks"):
         parallelize_module(odd, mesh, QuantColwiseParallel())
     with pytest.raises(ValueError, match="takes a 1-D TP mesh"):
-        QuantRowwiseParallel()._apply(qt.nn.Linear(256, 256, recipe=recipe), init_device_mesh("cpu", (1, world)))
+        QuantRowwiseParallel()._apply(qt.nn.Linear(256, 256, recipe=recipe), init_device_mesh("cpu", (1, world_size)))
     # 256 / 2 = 128 columns per rank fit 128 x 128 tiles; 128 / 2 = 64 do not.
     quantized = qt.convert(torch.nn.Sequential(torch.nn.Linear(128, 256)), recipe, quantized_weights=True)[0]
     with pytest.raises(ValueError, match=r"local weight of \(256, 64\).*cannot hold.*quantized_weights"):
@@ -333,8 +337,8 @@ def _bad_inputs(rank: int, world: int) -> None:
     with pytest.warns(UserWarning, match="local weight of 64 x 256.*computes in high precision"):
         parallelize_module(narrow, mesh, QuantColwiseParallel(sequence_parallel=True))
     x = torch.randn(2, 64, 256, generator=torch.Generator().manual_seed(0))
-    want = torch.nn.functional.linear(x, reference.weight, reference.bias).chunk(world, dim=-1)[rank]
-    torch.testing.assert_close(narrow(x.chunk(world, dim=1)[rank]), want, rtol=1e-5, atol=1e-5)
+    want = torch.nn.functional.linear(x, reference.weight, reference.bias).chunk(world_size, dim=-1)[rank]
+    torch.testing.assert_close(narrow(x.chunk(world_size, dim=1)[rank]), want, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_inputs_get_clear_errors(world_2):
@@ -366,12 +370,12 @@ def quantized_weights_model(recipe_name: str) -> Model:
     return model
 
 
-def _quantized_weights_train(rank: int, world: int, expected: dict) -> None:
+def _quantized_weights_train(rank: int, world_size: int, expected: dict) -> None:
     """TP=2 + SP with quantized primary weights: every local weight is the slice of the whole
     weight's quantization (dequantized values compared bitwise; not for delayed scaling, whose
     slices scale by the amax history the whole weight's quantization started), and FusedAdam (fp32
     masters, requantizing with the amax agreed over TP) trains to the one-process losses."""
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (world_size,))
     for recipe_name, want in expected.items():
         whole = quantized_weights_model(recipe_name)
         model = quantized_weights_model(recipe_name)
@@ -379,12 +383,12 @@ def _quantized_weights_train(rank: int, world: int, expected: dict) -> None:
         for (name, p), w in zip(model.blocks.named_parameters(), whole.blocks.parameters(), strict=True):
             if isinstance(w, qt.QuantizedTensor) and w.quantizer.stateless:
                 dim = p.placements[0].dim
-                slice_of_whole = w.dequantize().chunk(world, dim=dim)[rank]
+                slice_of_whole = w.dequantize().chunk(world_size, dim=dim)[rank]
                 assert torch.equal(p.to_local().dequantize(), slice_of_whole), (recipe_name, name)
         got = train_steps(model, FusedAdam(model.parameters(), lr=LR), range(STEPS))
         worst = max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
         if rank == 0:
-            print(f"{recipe_name} quantized weights tp={world} sp=True: max relative loss difference {worst:.2e}")
+            print(f"{recipe_name} quantized weights tp={world_size} sp=True: max relative loss difference {worst:.2e}")
         assert worst <= LOSS_TOLERANCE, (recipe_name, worst, got, want)
 
 
@@ -404,11 +408,11 @@ def quantized_weights_training() -> tuple:
 # ---- torch.distributed.checkpoint ----------------------------------------------------------------
 
 
-def _checkpoint_resumes_bitwise(rank: int, world: int, path: str) -> None:
+def _checkpoint_resumes_bitwise(rank: int, world_size: int, path: str) -> None:
     """TP parameters are DTensors: DCP saves model and AdamW state at step 2, and a fresh TP model
     loading it continues bitwise like the original. (MXFP8: its quantizers keep no state; the
     TP weights themselves are high precision in every recipe.)"""
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (world_size,))
 
     def build() -> tuple[Model, torch.optim.Optimizer]:
         model = make_model("mxfp8")

@@ -28,8 +28,8 @@ class FakeMesh:
         return None
 
 
-def gather(shards, world: int, signature: int, full_shape, out=None):
-    mesh = FakeMesh(world)
+def gather(shards, world_size: int, signature: int, full_shape, out=None):
+    mesh = FakeMesh(world_size)
     results = [
         s.fsdp_pre_all_gather(mesh) if signature == 1 else s.fsdp_pre_all_gather(mesh, full_shape, None, None, None)
         for s in shards
@@ -58,20 +58,20 @@ def expected_gather(full: qt.QuantizedTensor) -> qt.QuantizedTensor:
 
 
 @pytest.mark.parametrize("signature", [1, 5])
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("recipe_name", RECIPES)
-def test_quantized_shards_gather_into_the_unsharded_tensor(recipe_name, world, signature):
+def test_quantized_shards_gather_into_the_unsharded_tensor(recipe_name, world_size, signature):
     full = qt.recipe_from_name(recipe_name).quantizer("weight").quantize(torch.randn(512, 256))
-    shards = [s.clone() for s in full.chunk(world)]  # FSDP2 copies each shard into its own buffers
-    unsharded, to_free = gather(shards, world, signature, full.shape)
+    shards = [s.clone() for s in full.chunk(world_size)]  # FSDP2 copies each shard into its own buffers
+    unsharded, to_free = gather(shards, world_size, signature, full.shape)
     assert_same(unsharded, expected_gather(full))
     assert unsharded.quantizer is full.quantizer  # no quantizer copies
     buffers_before = {n: b for n, b in unsharded.buffers().items() if b is not None}
     # A later unshard refills the same tensor: new shard values (requantized), same objects.
     new_full = full.quantizer.quantize(torch.randn(512, 256))
-    for shard, new in zip(shards, new_full.chunk(world), strict=True):
+    for shard, new in zip(shards, new_full.chunk(world_size), strict=True):
         shard.copy_(new)
-    assert gather(shards, world, signature, full.shape, out=unsharded) is None
+    assert gather(shards, world_size, signature, full.shape, out=unsharded) is None
     assert_same(unsharded, expected_gather(new_full))
     for name, buffer in unsharded.buffers().items():
         if buffer is not None and buffer.dim() == 0:
@@ -166,24 +166,26 @@ def test_quantize_on_gather_equals_quantizing_the_unsharded_weight(recipe_name):
 @pytest.mark.parametrize("recipe_name", RECIPES)
 def test_fallback_gathers_padded_high_precision_and_quantizes_after(recipe_name):
     value = torch.randn(160, 128)  # 4 ranks: shards of 40, 40, 40, 40; and 3 ranks: 54, 54, 52
-    for world in (3, 4):
+    for world_size in (3, 4):
         quantizer = qt.recipe_from_name(recipe_name).quantizer("weight")
-        padded_rows = -(-160 // world)
+        padded_rows = -(-160 // world_size)
         shards = []
-        for chunk in value.chunk(world):
+        for chunk in value.chunk(world_size):
             padded = quant_fsdp.QuantizeOnGatherTensor(torch.zeros(padded_rows, 128), quantizer, fallback=True)
             padded[: chunk.shape[0]].copy_(chunk)
             shards.append(padded[: chunk.shape[0]])  # FSDP2's narrow of the padded shard
         stats_before = quant_fsdp.comm_stats().get(quantizer.format_name, {}).get("fallback", 0)
-        unsharded, _ = gather(shards, world, 5, value.shape)
+        unsharded, _ = gather(shards, world_size, 5, value.shape)
         reference = qt.recipe_from_name(recipe_name).quantizer("weight").quantize(value)
         assert_same(unsharded, reference)
         stats = quant_fsdp.comm_stats()[quantizer.format_name]["fallback"] - stats_before
-        assert stats == world * padded_rows * 128 * 4 * world  # every rank's padded fp32 shard, counted per rank
+        assert (
+            stats == world_size * padded_rows * 128 * 4 * world_size
+        )  # every rank's padded fp32 shard, counted per rank
 
 
 @pytest.mark.parametrize(
-    ("recipe_name", "shape", "world", "reason"),
+    ("recipe_name", "shape", "world_size", "reason"),
     [
         ("fp8", (64, 32), 4, ""),
         ("fp8", (66, 32), 4, "dim 0 (66) does not split into 4 equal shards"),
@@ -197,6 +199,6 @@ def test_fallback_gathers_padded_high_precision_and_quantizes_after(recipe_name)
         ("nvfp4", (4, 8, 64), 2, ""),
     ],
 )
-def test_fallback_reason(recipe_name, shape, world, reason):
+def test_fallback_reason(recipe_name, shape, world_size, reason):
     quantizer = qt.recipe_from_name(recipe_name).quantizer("weight")
-    assert _plan.fallback_reason(quantizer, shape, world) == reason
+    assert _plan.fallback_reason(quantizer, shape, world_size) == reason

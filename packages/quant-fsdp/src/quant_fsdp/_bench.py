@@ -395,9 +395,9 @@ class _OneRankMesh:
         return None
 
 
-def benchmark_hooks(min_run_time: float, device: torch.device, size: int = 1024, world: int = 2) -> list[Result]:
+def benchmark_hooks(min_run_time: float, device: torch.device, size: int = 1024, world_size: int = 2) -> list[Result]:
     """CPU time of one pre- plus post-all-gather hook call (the `out=` refill FSDP2 makes every
-    unshard) per parameter, for a size x size fp32 weight sharded `world` ways, per recipe and mode.
+    unshard) per parameter, for a size x size fp32 weight sharded `world_size` ways, per recipe and mode.
 
     The collective itself is replaced by concatenating the shards' inputs beforehand. Mode 2 is timed
     with an unchanged shard (its quantized shard is reused: the backward gather, or a second forward);
@@ -407,15 +407,15 @@ def benchmark_hooks(min_run_time: float, device: torch.device, size: int = 1024,
     import quant_tensors as qt
     from quant_fsdp import QuantizeOnGatherTensor
 
-    mesh = _OneRankMesh(world)
+    mesh = _OneRankMesh(world_size)
     results = []
     for name in ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4"):
         value = torch.randn(size, size, device=device)
         quantizer = qt.recipe_from_name(name).quantizer("weight")
         full = quantizer.quantize(value)
         for mode, shards in (
-            ("quantized weights", [s.clone() for s in full.chunk(world)]),
-            ("quantize on gather", [QuantizeOnGatherTensor(c.clone(), quantizer) for c in value.chunk(world)]),
+            ("quantized weights", [s.clone() for s in full.chunk(world_size)]),
+            ("quantize on gather", [QuantizeOnGatherTensor(c.clone(), quantizer) for c in value.chunk(world_size)]),
         ):
             payloads = [s.fsdp_pre_all_gather(mesh, value.shape, value.stride(), None, None) for s in shards]
             outputs = tuple(torch.cat([p[0][k] for p in payloads]) for k in range(len(payloads[0][0])))

@@ -109,7 +109,12 @@ def _linear_shard_bytes(model: torch.nn.Module) -> int:
 
 
 def _train_one(
-    recipe: str | None, options: DemoOptions, rank: int, world: int, batches: torch.Tensor, progress: Progress | None
+    recipe: str | None,
+    options: DemoOptions,
+    rank: int,
+    world_size: int,
+    batches: torch.Tensor,
+    progress: Progress | None,
 ) -> dict:
     device = torch.device("cuda", rank) if options.device == "cuda" else torch.device("cpu")
     torch.manual_seed(options.seed)  # every rank and every run starts from the same weights
@@ -131,7 +136,7 @@ def _train_one(
     losses, times, gathered = [], [], []
     for step in range(options.num_steps):
         start = time.perf_counter()
-        tokens = batches[step].chunk(world)[rank].to(device)
+        tokens = batches[step].chunk(world_size)[rank].to(device)
         with count_all_gather_bytes() as counted:
             logits = model(tokens[:, :-1])
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
@@ -140,7 +145,7 @@ def _train_one(
         masters.step(optimizer)
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
-        losses.append(global_loss.item() / world)  # .item() waits for the GPU: the time is the step's
+        losses.append(global_loss.item() / world_size)  # .item() waits for the GPU: the time is the step's
         times.append(time.perf_counter() - start)
         gathered.append(counted.bytes)
         if progress is not None:
@@ -156,7 +161,7 @@ def _train_one(
     }
 
 
-def _train_all(rank: int, world: int, options: DemoOptions, result_path: str) -> None:
+def _train_all(rank: int, world_size: int, options: DemoOptions, result_path: str) -> None:
     # 2-D-scaled weights (per-tensor FP8, 128x128, 16x16) keep rowwise data only and derive
     # columnwise for each dgrad GEMM ([Note: on-demand columnwise]): half the weight memory. Set
     # here, in the rank processes that make the quantizers; the caller's environment stays as it was.
@@ -177,7 +182,7 @@ def _train_all(rank: int, world: int, options: DemoOptions, result_path: str) ->
     results = {}
     try:
         for recipe in (None, *options.recipes):
-            results[recipe or "bf16"] = _train_one(recipe, options, rank, world, batches, progress)
+            results[recipe or "bf16"] = _train_one(recipe, options, rank, world_size, batches, progress)
     finally:
         if progress is not None:
             progress.stop()

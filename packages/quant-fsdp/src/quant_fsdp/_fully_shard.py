@@ -79,13 +79,13 @@ def fully_shard(
     reshard = kwargs.get("reshard_after_forward", True)
     mesh = kwargs.get("mesh") or _default_mesh(module)
     shard_group = mesh.get_group(mesh.ndim - 1)
-    world = mesh.size(mesh.ndim - 1)
+    world_size = mesh.size(mesh.ndim - 1)
     # Plan every quantized weight first; change nothing until every check has passed.
     entries = []
     for name, owner, attribute, param in list(_managed_parameters(module, kwargs.get("ignored_params"))):
         quantizer, mode = _quantizer_and_mode(owner, attribute, param, quantize_on_gather)
         if quantizer is not None:
-            reason = _plan.fallback_reason(quantizer, tuple(param.shape), world)
+            reason = _plan.fallback_reason(quantizer, tuple(param.shape), world_size)
             entries.append(
                 (
                     _plan.GatherPlan(name, quantizer.format_name, tuple(param.shape), mode, reason),

@@ -160,14 +160,14 @@ class QuantizeOnGatherTensor(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size=None, outer_stride=None, module=None, mp_policy=None):
         if _checkpoint.pending():  # a checkpoint loaded without load_state_dict after dcp.load
             _checkpoint.requantize_pending()
-        world = mesh.size()
+        world_size = mesh.size()
         if not self.fallback:
-            return _quantized_all_gather.pre_all_gather(self._quantize_shard(), world)
+            return _quantized_all_gather.pre_all_gather(self._quantize_shard(), world_size)
         param_dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
-        full_shape = tuple(outer_size) if outer_size is not None else (world * self.shape[0], *self.shape[1:])
-        padded = (_quantized_all_gather.padded_rows(full_shape, world), *full_shape[1:])
+        full_shape = tuple(outer_size) if outer_size is not None else (world_size * self.shape[0], *self.shape[1:])
+        padded = (_quantized_all_gather.padded_rows(full_shape, world_size), *full_shape[1:])
         shard = _padded_shard(self._data, padded).to(param_dtype)
-        count_gather(self.quantizer.format_name, (shard,), world, quantized=False)
+        count_gather(self.quantizer.format_name, (shard,), world_size, quantized=False)
         return (shard,), full_shape
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):

@@ -150,18 +150,18 @@ def post_all_gather(
     unsharded columnwise buffers between unshards. Returns (tensor, buffers FSDP2 frees on
     reshard) the first time, None when `out` was refilled.
     """
-    shard, world = payload.shard, payload.world_size
+    shard, world_size = payload.shard, payload.world_size
     gathered = {
         name: output.view(getattr(shard, name).dtype)
         for name, output in zip(payload.names, _unpacked(outputs, payload), strict=True)
     }
-    columnwise = _columnwise_buffers(owner, shard, world)
+    columnwise = _columnwise_buffers(owner, shard, world_size)
     buffers: dict[str, torch.Tensor | None] = {}
     for name, local in shard.buffers().items():
         if name in gathered and name.startswith("rowwise"):
             buffers[name] = gathered[name]  # already the unsharded buffer ([Note: quantized all-gather])
         elif name in gathered:
-            buffers[name] = _join_columns(gathered[name], columnwise[name], world)
+            buffers[name] = _join_columns(gathered[name], columnwise[name], world_size)
         elif name in columnwise:  # split gathers: [Note: refilled unsharded buffers]
             buffers[name] = columnwise[name]
         elif local is not None and local.dim() == 0:  # per-tensor: equal on every shard
@@ -172,7 +172,7 @@ def post_all_gather(
         for name, buffer in buffers.items():
             setattr(out, name, buffer)
         return None
-    shape = (world * shard.shape[0], *shard.shape[1:])
+    shape = (world_size * shard.shape[0], *shard.shape[1:])
     unsharded = type(shard)(shape, param_dtype, **buffers, **shard.metadata())
     return unsharded, tuple(columnwise.values())
 
@@ -188,7 +188,7 @@ def _refill(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         return target.copy_(value)
 
 
-def _columnwise_buffers(owner: Any, shard: QuantizedTensor, world: int) -> dict[str, torch.Tensor]:
+def _columnwise_buffers(owner: Any, shard: QuantizedTensor, world_size: int) -> dict[str, torch.Tensor]:
     """The unsharded columnwise buffers `owner` keeps for formats that gather columnwise (else {})."""
     buffers = getattr(owner, "_quant_fsdp_columnwise", None)
     if buffers is None:
@@ -196,16 +196,16 @@ def _columnwise_buffers(owner: Any, shard: QuantizedTensor, world: int) -> dict[
         if shard.columnwise_data is not None and not shard.quantizer.can_derive_columnwise:
             for name in ("columnwise_data", "columnwise_scale_inv"):
                 local = getattr(shard, name)
-                buffers[name] = local.new_empty((local.shape[0], world * local.shape[1]))
+                buffers[name] = local.new_empty((local.shape[0], world_size * local.shape[1]))
         owner._quant_fsdp_columnwise = buffers
     return buffers
 
 
-def _join_columns(gathered: torch.Tensor, target: torch.Tensor, world: int) -> torch.Tensor:
+def _join_columns(gathered: torch.Tensor, target: torch.Tensor, world_size: int) -> torch.Tensor:
     """Writes the world's (C, n) shards, gathered along dim 0, side by side into target (C, world * n)."""
     columns, n = target.shape[0], gathered.shape[-1]
     with keeping_versions(target):
-        target.view(columns, world, n).copy_(gathered.reshape(world, columns, n).transpose(0, 1))
+        target.view(columns, world_size, n).copy_(gathered.reshape(world_size, columns, n).transpose(0, 1))
     return target
 
 

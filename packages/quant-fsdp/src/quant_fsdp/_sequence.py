@@ -103,8 +103,8 @@ def _gather_all(
         q if q is not None or not isinstance(x, QuantizedTensor) else x.quantizer
         for x, q in zip(xs, quantizers, strict=True)
     ]
-    world = dist.get_world_size(group)
-    if world == 1 or not xs:
+    world_size = dist.get_world_size(group)
+    if world_size == 1 or not xs:
         outs = [
             x if q is None or _usable_as_is(x, q) else q.quantize(_high_precision(x))
             for x, q in zip(xs, quantizers, strict=True)
@@ -118,8 +118,10 @@ def _gather_all(
         [quant_core.amax(x)] if f else _per_tensor_values(x) if isinstance(x, QuantizedTensor) else []
         for x, f in zip(xs, fresh, strict=True)
     ]
-    everyone = _exchange([(x.shape[0], v) for x, v in zip(xs, local_values, strict=True)], xs[0].device, group, world)
-    issued = [_issue(*args, group, world, site) for args in zip(xs, quantizers, everyone, fresh, strict=True)]
+    everyone = _exchange(
+        [(x.shape[0], v) for x, v in zip(xs, local_values, strict=True)], xs[0].device, group, world_size
+    )
+    issued = [_issue(*args, group, world_size, site) for args in zip(xs, quantizers, everyone, fresh, strict=True)]
     handle = GatherHandle([w for _, works, _ in issued for w in works], [finish for _, _, finish in issued])
     outs = [out for out, _, _ in issued]
     if async_op:
@@ -129,7 +131,7 @@ def _gather_all(
 
 
 def _issue(
-    x: torch.Tensor, quantizer: Quantizer | None, everyone: torch.Tensor, fresh_per_tensor: bool, group, world: int,
+    x: torch.Tensor, quantizer: Quantizer | None, everyone: torch.Tensor, fresh_per_tensor: bool, group, world_size: int,
     site: tuple[str, int],
 ) -> _Issued:  # fmt: skip
     """Starts one gather on the path every rank agrees on (see `_fallback_reason`)."""
@@ -144,7 +146,7 @@ def _issue(
         x = quantizer.quantize(x.contiguous(), amax=everyone[:, 1].max().to(torch.float32))
     elif not isinstance(x, QuantizedTensor):
         x = quantizer.quantize(x.contiguous())
-    return _gather_quantized(x, quantizer, group, world)
+    return _gather_quantized(x, quantizer, group, world_size)
 
 
 def _all_gather(output: torch.Tensor, input: torch.Tensor, **kwargs) -> dist.Work | None:
@@ -174,7 +176,7 @@ def _per_tensor_values(x: QuantizedTensor) -> list[torch.Tensor]:
 
 
 def _exchange(
-    entries: list[tuple[int, list[torch.Tensor]]], device: torch.device, group, world: int
+    entries: list[tuple[int, list[torch.Tensor]]], device: torch.device, group, world_size: int
 ) -> list[torch.Tensor]:
     """For each (dim-0 size, per-tensor values) entry, every rank's: a (world, 1 + len(values))
     float64 tensor. One all-gather for all entries."""
@@ -182,9 +184,9 @@ def _exchange(
     mine = torch.tensor(
         [float(v) for rows, values in entries for v in (rows, *values)], dtype=torch.float64, device=device
     )
-    everyone = mine.new_empty(world * mine.numel())  # concatenated along dim 0, as gloo wants it
+    everyone = mine.new_empty(world_size * mine.numel())  # concatenated along dim 0, as gloo wants it
     _all_gather(everyone, mine, group=group)
-    return list(everyone.view(world, -1).cpu().split(widths, dim=1))
+    return list(everyone.view(world_size, -1).cpu().split(widths, dim=1))
 
 
 def _fallback_reason(
@@ -217,12 +219,12 @@ def _log_fallback(quantizer: Quantizer, reason: str, site: tuple[str, int]) -> N
 def _gather_high_precision(x: torch.Tensor, rows: list[int], group, quantizer: Quantizer | None) -> _Issued:
     """All-gathers contiguous x along dim 0 (padded to the longest shard when sizes differ); with
     a quantizer (the fallback) the full tensor is quantized into `out` once it has arrived."""
-    longest, world = max(rows), len(rows)
+    longest, world_size = max(rows), len(rows)
     padded = x if x.shape[0] == longest else torch.cat([x, x.new_zeros((longest - x.shape[0], *x.shape[1:]))])
-    gathered = x.new_empty((world * longest, *x.shape[1:]))
+    gathered = x.new_empty((world_size * longest, *x.shape[1:]))
     full_shape = (sum(rows), *x.shape[1:])
     if quantizer is not None:
-        count_gather(quantizer.format_name, [padded], world, quantized=False)
+        count_gather(quantizer.format_name, [padded], world_size, quantized=False)
     work = _all_gather(gathered, padded, group=group, async_op=True)
 
     def full() -> torch.Tensor:
@@ -237,15 +239,15 @@ def _gather_high_precision(x: torch.Tensor, rows: list[int], group, quantizer: Q
     return out, [work], lambda: quantizer.quantize_(full(), out)
 
 
-def _gather_quantized(shard: QuantizedTensor, quantizer: Quantizer, group, world: int) -> _Issued:
+def _gather_quantized(shard: QuantizedTensor, quantizer: Quantizer, group, world_size: int) -> _Issued:
     """The fast path of [Note: sequence gather]: the shard's bytes, rebuilt as in FSDP2's gather."""
     rowwise, columnwise = shard.usages
     derive_columnwise = columnwise and quantizer.can_derive_columnwise
-    inputs, names = _quantized_all_gather.payload_of(shard, (rowwise, columnwise and not derive_columnwise), world)
-    outputs = [t.new_empty((world * t.shape[0], *t.shape[1:])) for t in inputs]
+    inputs, names = _quantized_all_gather.payload_of(shard, (rowwise, columnwise and not derive_columnwise), world_size)
+    outputs = [t.new_empty((world_size * t.shape[0], *t.shape[1:])) for t in inputs]
     works = [_all_gather(o, i, group=group, async_op=True) for o, i in zip(outputs, inputs, strict=True)]
-    payload = _quantized_all_gather.Payload(shard, tuple(names), world)
-    out = quantizer.make_empty((world * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
+    payload = _quantized_all_gather.Payload(shard, tuple(names), world_size)
+    out = quantizer.make_empty((world_size * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
 
     def finish() -> None:
         _quantized_all_gather.post_all_gather(SimpleNamespace(), tuple(outputs), payload, shard.dtype, out)
@@ -266,13 +268,13 @@ def reduce_scatter_along_first_dim(
             "reduce_scatter_along_first_dim sums in high precision; pass x.dequantize() (a sum of quantized "
             "codes has no meaning)"
         )
-    world = dist.get_world_size(group)
-    if x.dim() == 0 or x.shape[0] % world:
+    world_size = dist.get_world_size(group)
+    if x.dim() == 0 or x.shape[0] % world_size:
         raise ValueError(
-            f"reduce_scatter_along_first_dim splits dim 0 evenly over {world} ranks, but x has shape "
-            f"{tuple(x.shape)}; pad dim 0 to a multiple of {world}"
+            f"reduce_scatter_along_first_dim splits dim 0 evenly over {world_size} ranks, but x has shape "
+            f"{tuple(x.shape)}; pad dim 0 to a multiple of {world_size}"
         )
-    out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
+    out = x.new_empty((x.shape[0] // world_size, *x.shape[1:]))
     work = _reduce_scatter(out, x.contiguous(), group=group, async_op=True)
     if async_op:
         return out, GatherHandle([work], [])

@@ -183,11 +183,11 @@ class QuantRowwiseParallel(_QuantParallel):
             y = _SumPartials.apply(module.linear(x, weight, None), group)
             return y if bias is None else y + bias
         dim = self._sequence_dim(x)
-        world = dist.get_world_size(group)
-        if x.shape[dim] % world:
+        world_size = dist.get_world_size(group)
+        if x.shape[dim] % world_size:
             raise ValueError(
                 f"QuantRowwiseParallel(sequence_parallel=True) splits the sequence ({x.shape[dim]} along dim {dim}) "
-                f"over {world} ranks, which does not divide it; pad the sequence to a multiple of {world}"
+                f"over {world_size} ranks, which does not divide it; pad the sequence to a multiple of {world_size}"
             )
         rows = x.movedim(dim, 0)  # tokens in (sequence, batch) order
         partial = module.linear(rows.reshape(-1, rows.shape[-1]), weight, None)
@@ -197,7 +197,7 @@ class QuantRowwiseParallel(_QuantParallel):
                 rowwise=x.requires_grad, columnwise=weight.requires_grad
             )
         y = _ReduceScatterSequence.apply(partial, group, quantizer)
-        y = y.view(rows.shape[0] // world, *rows.shape[1:-1], y.shape[-1]).movedim(0, dim)
+        y = y.view(rows.shape[0] // world_size, *rows.shape[1:-1], y.shape[-1]).movedim(0, dim)
         return y if bias is None else y + _SumGradients.apply(bias, group)
 
 

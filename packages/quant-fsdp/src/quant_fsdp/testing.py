@@ -50,15 +50,17 @@ def train_data_parallel(
     """quant_tensors.demo.train on this rank's slice of every global batch; returns the global
     batch's loss of every step (averaged over the ranks of `group`, default all ranks; without
     torch.distributed, the whole batch)."""
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    world_size = dist.get_world_size(group) if dist.is_initialized() else 1
     rank = dist.get_rank(group) if dist.is_initialized() else 0
 
     def mean_loss(loss: torch.Tensor) -> torch.Tensor:
-        if world > 1:
+        if world_size > 1:
             dist.all_reduce(loss, group=group)
-        return loss / world
+        return loss / world_size
 
-    return train(model, task, steps=steps, batch_size=batch_size, lr=lr, batch_slice=(rank, world), mean_loss=mean_loss)
+    return train(
+        model, task, steps=steps, batch_size=batch_size, lr=lr, batch_slice=(rank, world_size), mean_loss=mean_loss
+    )
 
 
 def train_replicas(
@@ -75,9 +77,9 @@ def train_replicas(
 
     The optimizer is AdamW (weight decay 0, `lr`) over quant_tensors.demo.MasterWeights, or
     `optimizer(replica)` where given (e.g. quant_optim.FusedAdam, which keeps the masters itself)."""
-    world = len(replicas)
-    if batch_size % world:
-        raise ValueError(f"batch_size {batch_size} does not split over {world} replicas")
+    world_size = len(replicas)
+    if batch_size % world_size:
+        raise ValueError(f"batch_size {batch_size} does not split over {world_size} replicas")
     if optimizer is None:
         masters = [MasterWeights(model) for model in replicas]
         optimizers = [torch.optim.AdamW(m.parameters, lr=lr, weight_decay=0.0) for m in masters]
@@ -90,13 +92,13 @@ def train_replicas(
     for step in range(steps):
         inputs, targets = task.batch(step, batch_size, sequence)
         step_losses = []
-        for model, x, y in zip(replicas, inputs.chunk(world), targets.chunk(world), strict=True):
+        for model, x, y in zip(replicas, inputs.chunk(world_size), targets.chunk(world_size), strict=True):
             logits = model(x)
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
             loss.backward()
             step_losses.append(loss.detach())
         for params in zip(*(model.parameters() for model in replicas), strict=True):
-            mean = torch.stack([p.grad for p in params]).sum(0) / world
+            mean = torch.stack([p.grad for p in params]).sum(0) / world_size
             for p in params:
                 p.grad = mean.clone()
         for step_replica, replica_optimizer in zip(steppers, optimizers, strict=True):
@@ -104,7 +106,7 @@ def train_replicas(
             replica_optimizer.zero_grad(set_to_none=True)
         for model in replicas:
             model.zero_grad(set_to_none=True)
-        losses.append((torch.stack(step_losses).sum() / world).item())
+        losses.append((torch.stack(step_losses).sum() / world_size).item())
     return losses
 
 
@@ -128,24 +130,24 @@ def train_with(
     *,
     batch_size: int,
     rank: int = 0,
-    world: int = 1,
+    world_size: int = 1,
     group: dist.ProcessGroup | None = None,
 ) -> list[float]:
-    """Steps `optimizer` on slice `rank` of `world` of the global batch of every step in `steps`;
-    returns the global batch's losses (the slices' losses averaged over the `world` ranks of
+    """Steps `optimizer` on slice `rank` of `world_size` of the global batch of every step in `steps`;
+    returns the global batch's losses (the slices' losses averaged over the `world_size` ranks of
     `group`, default all ranks: pass the data-parallel group when other ranks hold the same slice)."""
     losses = []
     for step in steps:
         inputs, targets = task.batch(step, batch_size, model.config.sequence)
-        logits = model(inputs.chunk(world)[rank])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.chunk(world)[rank].reshape(-1))
+        logits = model(inputs.chunk(world_size)[rank])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.chunk(world_size)[rank].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         mean = loss.detach().clone()
-        if world > 1:
+        if world_size > 1:
             dist.all_reduce(mean, group=group)
-        losses.append((mean / world).item())
+        losses.append((mean / world_size).item())
     return losses
 
 
