@@ -30,24 +30,6 @@ from quant_tensors import QuantizedTensor, Quantizer
 
 aten = torch.ops.aten
 
-_WRAPPER_PRESERVING_OPS = frozenset(
-    {
-        aten.detach.default,
-        aten.alias.default,
-        aten.view.default,
-        aten._unsafe_view.default,
-        aten.as_strided.default,
-        aten.slice.Tensor,
-        aten.split.Tensor,
-        aten.split_with_sizes.default,
-        aten.new_zeros.default,
-        aten.new_empty.default,
-        aten.empty_like.default,
-        aten.clone.default,
-        aten._to_copy.default,
-        aten._pin_memory.default,
-    }
-)
 # [Note: versions through views] A view made inside __torch_dispatch__ (below autograd's
 # ADInplaceOrView key) gets a version counter of its own, not its base's. So a write through a
 # view of the wrapper (quant_core's Adam reference, which FusedAdam runs on this subclass, writes
@@ -67,6 +49,14 @@ _VIEW_OPS = frozenset(
         aten.split_with_sizes.default,
     }
 )
+_WRAPPER_PRESERVING_OPS = _VIEW_OPS | {
+    aten.new_zeros.default,
+    aten.new_empty.default,
+    aten.empty_like.default,
+    aten.clone.default,
+    aten._to_copy.default,
+    aten._pin_memory.default,
+}
 
 
 class QuantizeOnGatherTensor(torch.Tensor):
