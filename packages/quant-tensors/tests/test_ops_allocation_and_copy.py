@@ -94,20 +94,26 @@ def test_zero_in_place(name, role):
 # ---- copy_ ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "role"), CASES, ids=CASE_IDS)
-def test_copy_quantized_into_quantized_copies_raw_buffers(name, role):
-    quantizer, src = quantized(name, role, seed=1)
-    dst = quantizer.quantize(randn(SHAPE_2D, seed=2))
-    assert not torch.equal(dst.dequantize(), src.dequantize())
-    dst_buffers = present_buffers(dst)
+def assert_copied_in_place(dst, src, name: str, *, expected) -> None:
+    """dst.copy_(src) returns dst, keeps its type, shape, dtype and buffer objects, and leaves
+    each buffer holding `expected`'s bytes."""
+    buffers = present_buffers(dst)
     result = dst.copy_(src)
     assert result is dst
     assert type(dst) is EXPECTED_CLASS[name]
     assert dst.shape == SHAPE_2D
     assert dst.dtype == torch.bfloat16
     for name_, buffer in present_buffers(dst).items():
-        assert buffer is dst_buffers[name_], name_  # in place
-        assert torch.equal(raw(buffer), raw(getattr(src, name_))), name_
+        assert buffer is buffers[name_], name_  # the same buffer objects, rewritten
+        assert torch.equal(raw(buffer), raw(getattr(expected, name_))), name_
+
+
+@pytest.mark.parametrize(("name", "role"), CASES, ids=CASE_IDS)
+def test_copy_quantized_into_quantized_copies_raw_buffers(name, role):
+    quantizer, src = quantized(name, role, seed=1)
+    dst = quantizer.quantize(randn(SHAPE_2D, seed=2))
+    assert not torch.equal(dst.dequantize(), src.dequantize())
+    assert_copied_in_place(dst, src, name, expected=src)
     assert_same_values(dst, src.dequantize(), columnwise_values(src))
     assert_independent(src, dst)  # a copy, not an alias
 
@@ -185,15 +191,7 @@ def test_copy_high_precision_into_quantized_requantizes_in_place(name, role, src
     quantizer, dst = quantized(name, role)
     src = randn(SHAPE_2D, seed=3, dtype=src_dtype)
     expected = copy.deepcopy(quantizer).quantize(src)  # the quantizer's state now (delayed history, SR calls)
-    buffers = present_buffers(dst)
-    result = dst.copy_(src)
-    assert result is dst
-    assert type(dst) is EXPECTED_CLASS[name]
-    assert dst.shape == SHAPE_2D
-    assert dst.dtype == torch.bfloat16
-    for name_, buffer in present_buffers(dst).items():
-        assert buffer is buffers[name_], name_  # the same buffer objects, rewritten
-        assert torch.equal(raw(buffer), raw(getattr(expected, name_))), name_
+    assert_copied_in_place(dst, src, name, expected=expected)
     assert torch.equal(dst.dequantize(), expected.dequantize(torch.bfloat16))
     assert torch.equal(columnwise_values(dst), columnwise_values(expected).to(torch.bfloat16))
 
