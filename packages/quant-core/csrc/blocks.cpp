@@ -4,7 +4,8 @@
 //
 // Quantize reads x once, tile by tile (B x B for block size B): a b x b-tiled format computes one
 // scale per tile and writes the rowwise codes and their transpose; a 1 x B format computes a
-// scale per tile row for rowwise and per tile column for columnwise (the quantization of x^T).
+// scale per tile row for rowwise and per tile column for columnwise (the quantization of x^T,
+// for NVFP4 optionally of T(x^T), [Note: NVFP4 random Hadamard transform] in _nvfp4.py).
 #include <memory>
 
 #include "common.h"
@@ -22,7 +23,35 @@ struct BlockScale {
   bool zero;
 };
 
+// The 16 random signs of the Hadamard transform of `seed` ([Note: counter RNG]).
+struct HadamardSigns {
+  explicit HadamardSigns(uint64_t seed) {
+    for (int j = 0; j < 16; ++j) values[j] = (splitmix64(seed, uint64_t(j)) >> 63) ? -1.0f : 1.0f;
+  }
+  float values[16];
+};
+
+// v <- (1/4) H_16 D v in place, in fp32: signs, the 4-stage butterfly (stage h adds and subtracts
+// elements h apart), times 1/4; the mirror of _nvfp4.hadamard_transform_16_reference.
+inline void hadamard_16(float* v, const float* signs) {
+  for (int j = 0; j < 16; ++j) v[j] *= signs[j];
+  for (int h = 1; h < 16; h *= 2) {
+    for (int i = 0; i < 16; i += 2 * h) {
+      for (int j = i; j < i + h; ++j) {
+        const float a = v[j], b = v[j + h];
+        v[j] = a + b;
+        v[j + h] = a - b;
+      }
+    }
+  }
+  for (int j = 0; j < 16; ++j) v[j] *= 0.25f;
+}
+
+// Policies: how a block's scale and codes are computed. kTransformsColumns: the policy may ask
+// (runtime `transform_columns()`) for each 1 x B columnwise run to go through `transform(run)`
+// before its amax and encode (NVFP4's Hadamard transform; B = 16 and whole runs then).
 struct Mxfp8Policy {
+  static constexpr bool kTransformsColumns = false;
   static constexpr bool kNeedsIndex = false;
   static constexpr int kCodesPerByte = 1;
   static constexpr bool kFloatScale = false;
@@ -35,6 +64,7 @@ struct Mxfp8Policy {
 
 template <Fp8Format F>
 struct BlockwisePolicy {
+  static constexpr bool kTransformsColumns = false;
   static constexpr bool kNeedsIndex = false;
   static constexpr int kCodesPerByte = 1;
   static constexpr bool kFloatScale = true;
@@ -53,11 +83,15 @@ struct BlockwisePolicy {
 
 template <bool kStochastic>
 struct Nvfp4Policy {
+  static constexpr bool kTransformsColumns = true;
   static constexpr bool kNeedsIndex = kStochastic;
   static constexpr int kCodesPerByte = 2;
   static constexpr bool kFloatScale = false;
-  float tensor_scale;  // S
+  float tensor_scale;  // S (of the usage this policy quantizes)
   uint64_t seed;
+  const HadamardSigns* hadamard;  // columnwise runs are T(x^T) when set
+  bool transform_columns() const { return hadamard != nullptr; }
+  void transform(float* run) const { hadamard_16(run, hadamard->values); }
   BlockScale scale(float amax) const {
     const uint8_t s = encode_fp8<Fp8Format::kE4M3>(amax / 6.0f * tensor_scale);
     const float s_f32 = decode_fp8<Fp8Format::kE4M3>(s);
@@ -107,9 +141,14 @@ inline float finite_magnitude(float v) {
 // Per-thread scratch for one tile: values and codes in both orientations.
 struct TileScratch {
   explicit TileScratch(int64_t B)
-      : B(B), values(new float[size_t(B * B)]), codes(new uint8_t[size_t(B * B)]), codes_t(new uint8_t[size_t(B * B)]) {}
+      : B(B),
+        values(new float[size_t(B * B)]),
+        run(new float[size_t(B)]),
+        codes(new uint8_t[size_t(B * B)]),
+        codes_t(new uint8_t[size_t(B * B)]) {}
   int64_t B;
   std::unique_ptr<float[]> values;     // [row][col]
+  std::unique_ptr<float[]> run;        // one transformed column run
   std::unique_ptr<uint8_t[]> codes;    // [row][col]
   std::unique_ptr<uint8_t[]> codes_t;  // [col][row]
 };
@@ -136,9 +175,11 @@ inline void encode_run(const Policy& policy, const BlockScale& s, const float* v
   }
 }
 
+// `policy` quantizes rowwise blocks and b x b tiles, `columnwise_policy` the 1 x B columnwise runs.
 template <DType D, class Policy>
 void quantize_tile(const void* x, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col, int64_t B,
-                   bool two_d, const Policy& policy, const Outputs& out, int64_t r0, int64_t c0, TileScratch& t) {
+                   bool two_d, const Policy& policy, const Policy& columnwise_policy, const Outputs& out, int64_t r0,
+                   int64_t c0, TileScratch& t) {
   constexpr int64_t kCpb = Policy::kCodesPerByte;
   const int64_t h = std::min(B, M - r0), w = std::min(B, K - c0);
   float* values = t.values.get();
@@ -178,11 +219,22 @@ void quantize_tile(const void* x, int64_t M, int64_t K, int64_t stride_row, int6
     }
     if (out.columnwise_data != nullptr) {
       for (int64_t j = 0; j < w; ++j) {
+        const float* run = values + j;
+        int64_t run_stride = B;
+        if constexpr (Policy::kTransformsColumns) {
+          if (columnwise_policy.transform_columns()) {  // h == B == 16: the caller checked M % 16 == 0
+            for (int64_t i = 0; i < h; ++i) t.run[size_t(i)] = values[i * B + j];
+            columnwise_policy.transform(t.run.get());
+            run = t.run.get();
+            run_stride = 1;
+          }
+        }
         float amax = 0.0f;
-        for (int64_t i = 0; i < h; ++i) amax = std::max(amax, finite_magnitude(values[i * B + j]));
-        const BlockScale s = policy.scale(amax);
+        for (int64_t i = 0; i < h; ++i) amax = std::max(amax, finite_magnitude(run[i * run_stride]));
+        const BlockScale s = columnwise_policy.scale(amax);
         // Columnwise counters continue after x's M * K elements, in x^T's row-major order.
-        encode_run(policy, s, values + j, B, codes_t + j * B, 1, h, uint64_t(M * K + (c0 + j) * M + r0), 1);
+        encode_run(columnwise_policy, s, run, run_stride, codes_t + j * B, 1, h, uint64_t(M * K + (c0 + j) * M + r0),
+                   1);
         store_scale<Policy>(out.columnwise_scale, (c0 + j) * Mb + r0 / B, s);
       }
     }
@@ -201,15 +253,22 @@ void quantize_tile(const void* x, int64_t M, int64_t K, int64_t stride_row, int6
 
 template <class Policy>
 void quantize_blocks(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
-                     int64_t B, bool two_d, const Policy& policy, const Outputs& out, int num_threads) {
+                     int64_t B, bool two_d, const Policy& policy, const Policy& columnwise_policy, const Outputs& out,
+                     int num_threads) {
   const void* x = reinterpret_cast<const void*>(x_MK);
   dispatch_dtype(dtype, [&](auto d) {
     constexpr DType D = decltype(d)::value;
     parallel_for_tiles(M, K, B, B, num_threads, [&](int64_t r0, int64_t c0, int64_t, int64_t) {
       thread_local TileScratch scratch(128);  // per worker thread; fits the largest block size
-      quantize_tile<D>(x, M, K, stride_row, stride_col, B, two_d, policy, out, r0, c0, scratch);
+      quantize_tile<D>(x, M, K, stride_row, stride_col, B, two_d, policy, columnwise_policy, out, r0, c0, scratch);
     });
   });
+}
+
+template <class Policy>
+void quantize_blocks(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
+                     int64_t B, bool two_d, const Policy& policy, const Outputs& out, int num_threads) {
+  quantize_blocks(x_MK, dtype, M, K, stride_row, stride_col, B, two_d, policy, policy, out, num_threads);
 }
 
 Outputs outputs(uintptr_t rowwise_data, uintptr_t rowwise_scale, uintptr_t columnwise_data, uintptr_t columnwise_scale) {
@@ -262,17 +321,24 @@ void quantize_fp8_blockwise(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int
 
 void quantize_nvfp4(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
                     int64_t block_rows, uintptr_t tensor_scale, bool stochastic_rounding, uintptr_t seed,
-                    uintptr_t rowwise_data, uintptr_t rowwise_scale, uintptr_t columnwise_data,
-                    uintptr_t columnwise_scale, int num_threads) {
+                    uintptr_t columnwise_tensor_scale, bool hadamard, uint64_t hadamard_seed, uintptr_t rowwise_data,
+                    uintptr_t rowwise_scale, uintptr_t columnwise_data, uintptr_t columnwise_scale, int num_threads) {
   const float S = *reinterpret_cast<const float*>(tensor_scale);
+  const float S_columnwise = *reinterpret_cast<const float*>(columnwise_tensor_scale);
   const Outputs out = outputs(rowwise_data, rowwise_scale, columnwise_data, columnwise_scale);
+  const HadamardSigns signs(hadamard_seed);
+  const HadamardSigns* transform = hadamard ? &signs : nullptr;
+  const uint64_t seed_bits = stochastic_rounding ? *reinterpret_cast<const uint64_t*>(seed) : 0;
+  auto run = [&](auto stochastic) {
+    constexpr bool kStochastic = decltype(stochastic)::value;
+    quantize_blocks(x_MK, dtype, M, K, stride_row, stride_col, 16, block_rows > 1,
+                    Nvfp4Policy<kStochastic>{S, seed_bits, nullptr},
+                    Nvfp4Policy<kStochastic>{S_columnwise, seed_bits, transform}, out, num_threads);
+  };
   if (stochastic_rounding) {
-    const uint64_t seed_bits = *reinterpret_cast<const uint64_t*>(seed);
-    quantize_blocks(x_MK, dtype, M, K, stride_row, stride_col, 16, block_rows > 1, Nvfp4Policy<true>{S, seed_bits},
-                    out, num_threads);
+    run(std::true_type{});
   } else {
-    quantize_blocks(x_MK, dtype, M, K, stride_row, stride_col, 16, block_rows > 1, Nvfp4Policy<false>{S, 0}, out,
-                    num_threads);
+    run(std::false_type{});
   }
 }
 
@@ -372,8 +438,7 @@ void transpose_nvfp4(uintptr_t src, int64_t R, int64_t C, uintptr_t dst, int num
 
 void hadamard_transform_16(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
                            uint64_t seed, uintptr_t out_MK, int num_threads) {
-  float signs[16];
-  for (int j = 0; j < 16; ++j) signs[j] = (splitmix64(seed, uint64_t(j)) >> 63) ? -1.0f : 1.0f;
+  const HadamardSigns signs(seed);
   const void* x = reinterpret_cast<const void*>(x_MK);
   void* out = reinterpret_cast<void*>(out_MK);
   dispatch_dtype(dtype, [&](auto d) {
@@ -383,20 +448,58 @@ void hadamard_transform_16(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int6
       for (int64_t g = begin; g < end; ++g) {
         const int64_t r = g / (K / 16), c0 = (g % (K / 16)) * 16;
         float v[16];
-        for (int j = 0; j < 16; ++j) v[j] = load<D>(x, r * stride_row + (c0 + j) * stride_col) * signs[j];
-        for (int h = 1; h < 16; h *= 2) {
-          for (int i = 0; i < 16; i += 2 * h) {
-            for (int j = i; j < i + h; ++j) {
-              const float a = v[j], b = v[j + h];
-              v[j] = a + b;
-              v[j + h] = a - b;
-            }
-          }
-        }
-        for (int j = 0; j < 16; ++j) store<D>(out, r * K + c0 + j, v[j] * 0.25f);
+        for (int j = 0; j < 16; ++j) v[j] = load<D>(x, r * stride_row + (c0 + j) * stride_col);
+        hadamard_16(v, signs.values);
+        for (int j = 0; j < 16; ++j) store<D>(out, r * K + c0 + j, v[j]);
       }
     });
   });
+}
+
+void hadamard_amaxes(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
+                     uint64_t seed, uintptr_t amax_out, int num_threads) {
+  // Runs of 16 rows split across threads; each run is read 64 columns at a time into a 16 x 64
+  // tile (rows past M are zeros), whose magnitudes feed amax(x) and whose columns are transformed
+  // for amax(T(x^T)). Both maxima are over finite magnitudes (NaN and +-Inf count as 0).
+  constexpr int64_t kColumns = 64;
+  const HadamardSigns signs(seed);
+  const void* x = reinterpret_cast<const void*>(x_MK);
+  const int64_t runs = (M + 15) / 16;
+  std::vector<float> partial(size_t(2 * std::max(num_threads, 1)), 0.0f);
+  dispatch_dtype(dtype, [&](auto d) {
+    constexpr DType D = decltype(d)::value;
+    const int64_t grain = std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(16 * K, 1));
+    parallel_for(runs, grain, num_threads, [&](int64_t chunk, int64_t begin, int64_t end) {
+      float tile[16][kColumns];
+      float column[16];
+      float largest = 0.0f, largest_transformed = 0.0f;
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t r0 = g * 16, h = std::min<int64_t>(16, M - r0);
+        for (int64_t c0 = 0; c0 < K; c0 += kColumns) {
+          const int64_t w = std::min(kColumns, K - c0);
+          for (int64_t i = 0; i < 16; ++i) {
+            for (int64_t j = 0; j < w; ++j) {
+              tile[i][j] = i < h ? load<D>(x, (r0 + i) * stride_row + (c0 + j) * stride_col) : 0.0f;
+              largest = std::max(largest, finite_magnitude(tile[i][j]));
+            }
+          }
+          for (int64_t j = 0; j < w; ++j) {
+            for (int64_t i = 0; i < 16; ++i) column[i] = tile[i][j];
+            hadamard_16(column, signs.values);
+            for (int64_t i = 0; i < 16; ++i) largest_transformed = std::max(largest_transformed, finite_magnitude(column[i]));
+          }
+        }
+      }
+      partial[size_t(2 * chunk)] = largest;
+      partial[size_t(2 * chunk + 1)] = largest_transformed;
+    });
+  });
+  float* result = reinterpret_cast<float*>(amax_out);
+  result[0] = result[1] = 0.0f;
+  for (size_t c = 0; c < partial.size(); c += 2) {
+    result[0] = std::max(result[0], partial[c]);
+    result[1] = std::max(result[1], partial[c + 1]);
+  }
 }
 
 }  // namespace quant_core

@@ -42,12 +42,15 @@ void quantize_fp8_blockwise(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int
                             int64_t block_rows, int fp8_format, bool power_2_scales, uintptr_t rowwise_data,
                             uintptr_t rowwise_scale, uintptr_t columnwise_data, uintptr_t columnwise_scale,
                             int num_threads);
-// NVFP4: `tensor_scale` points at the fp32 S, `seed` at the int64 stochastic-rounding seed (read as
-// its uint64 bits, and only with stochastic_rounding): both are tensors so callers never sync.
+// NVFP4: `tensor_scale` points at the fp32 S, `columnwise_tensor_scale` at the columnwise usage's,
+// `seed` at the int64 stochastic-rounding seed (read as its uint64 bits, and only with
+// stochastic_rounding): tensors, so callers never sync. With `hadamard` the 1 x 16 columnwise
+// usage is T(x^T) with hadamard_seed's signs (M a multiple of 16; [Note: NVFP4 random Hadamard
+// transform] in _nvfp4.py).
 void quantize_nvfp4(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
                     int64_t block_rows, uintptr_t tensor_scale, bool stochastic_rounding, uintptr_t seed,
-                    uintptr_t rowwise_data, uintptr_t rowwise_scale, uintptr_t columnwise_data,
-                    uintptr_t columnwise_scale, int num_threads);
+                    uintptr_t columnwise_tensor_scale, bool hadamard, uint64_t hadamard_seed, uintptr_t rowwise_data,
+                    uintptr_t rowwise_scale, uintptr_t columnwise_data, uintptr_t columnwise_scale, int num_threads);
 
 // Dequantize R x C codes (contiguous; NVFP4 packed two per byte) into an R x C output of out_dtype.
 void dequantize_fp8(uintptr_t data, int fp8_format, int64_t R, int64_t C, uintptr_t scale_inv, uintptr_t out,
@@ -68,6 +71,10 @@ void transpose_nvfp4(uintptr_t src, int64_t R, int64_t C, uintptr_t dst, int num
 // 16 x 16 random Hadamard transform along K (a multiple of 16) into a contiguous output of x's dtype.
 void hadamard_transform_16(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
                            uint64_t seed, uintptr_t out_MK, int num_threads);
+// amax_out[0] = max |x| and amax_out[1] = max |T(x^T)| over the finite elements (fp32), T the
+// transform along M in runs of 16 (a partial last run zero-padded), one read of x.
+void hadamard_amaxes(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
+                     uint64_t seed, uintptr_t amax_out, int num_threads);
 
 // Whether any element of the contiguous tensors (dtype codes as for amax; numels[t] elements
 // each) is NaN or +-Inf. One pass over all of them, split across threads (amax.cpp).

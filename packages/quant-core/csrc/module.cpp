@@ -36,6 +36,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("transpose_bytes", &quant_core::transpose_bytes, release);
   m.def("transpose_nvfp4", &quant_core::transpose_nvfp4, release);
   m.def("hadamard_transform_16", &quant_core::hadamard_transform_16, release);
+  m.def("hadamard_amaxes", &quant_core::hadamard_amaxes, release);
 
   py::class_<quant_core::AdamScalars>(m, "AdamScalars")
       .def(py::init<float, float, float, float, float, float, float, float, float>(), py::arg("decay"),

@@ -89,6 +89,18 @@ def _nvfp4(block_shape: tuple[int, int], stochastic_rounding: bool) -> Callable[
     return run
 
 
+def _nvfp4_hadamard(x: torch.Tensor, seed: torch.Tensor) -> object:
+    # [Note: NVFP4 random Hadamard transform]: both amaxes in one operator, the transformed
+    # columnwise usage, and its values mapped back by the inverse.
+    amaxes = quant_core.hadamard_amaxes(x, 2**63 + 5)
+    q = quant_core.quantize_nvfp4(
+        x, columnwise=True, stochastic_rounding=True, seed=seed, hadamard_seed=2**63 + 5, global_amax=amaxes[0],
+        columnwise_amax=amaxes[1],
+    )  # fmt: skip
+    values = quant_core.dequantize_nvfp4(q.columnwise_data, q.columnwise_scale_inv, q.columnwise_amax)
+    return q, quant_core.hadamard_inverse_16(values, 2**63 + 5)
+
+
 def _others(x: torch.Tensor, seed: torch.Tensor) -> object:
     return quant_core.hadamard_transform_16(x, 2**64 - 3), quant_core.has_non_finite([x, x[:0]])
 
@@ -106,6 +118,7 @@ CASES: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
     "blockwise_128x128": _blockwise((128, 128)),
     "nvfp4_1x16": _nvfp4((1, 16), False),
     "nvfp4_16x16_stochastic": _nvfp4((16, 16), True),
+    "nvfp4_hadamard": _nvfp4_hadamard,
     "hadamard+has_non_finite": _others,
 }
 

@@ -55,6 +55,9 @@ class BlockQuantized:
     """Per-block dequantization multipliers of the columnwise data (2-D)."""
     amax: torch.Tensor | None = None
     """NVFP4 only: the global amax (fp32 0-d) the tensor scale comes from."""
+    columnwise_amax: torch.Tensor | None = None
+    """NVFP4 with the random Hadamard transform only: amax(T(x^T)) (fp32 0-d), the columnwise
+    usage's own tensor scale's amax ([Note: NVFP4 random Hadamard transform] in quant_core._nvfp4)."""
 
 
 def num_blocks(size: int, block: int) -> int:
@@ -184,11 +187,13 @@ def quantize_blocks_reference(
     columnwise: bool,
     pack: Callable[[torch.Tensor], torch.Tensor] | None = None,
     amax: torch.Tensor | None = None,
+    columnwise_fn: RowwiseReference | None = None,
 ) -> BlockQuantized:
     """The reference of every block format, given the format's rowwise quantization of a 2-D tensor.
 
-    Columnwise is rowwise_fn applied to x^T for 1 x b blocks (its element counter continuing after
-    x's M*K elements), and the exact transpose of the rowwise result for b x b tiles.
+    Columnwise is rowwise_fn (or `columnwise_fn` where given: NVFP4's transformed columnwise usage)
+    applied to x^T for 1 x b blocks (its element counter continuing after x's M*K elements), and
+    the exact transpose of the rowwise result for b x b tiles.
     """
     x_MK = as_2d(x).float()
     M, K = x_MK.shape
@@ -202,7 +207,7 @@ def quantize_blocks_reference(
         if block_shape[0] > 1:
             columnwise_codes, columnwise_scale = codes.t().contiguous(), scale_inv.t().contiguous()
         else:
-            columnwise_codes, columnwise_scale = rowwise_fn(x_MK.t(), M * K)
+            columnwise_codes, columnwise_scale = (columnwise_fn or rowwise_fn)(x_MK.t(), M * K)
         columnwise_data = pack(columnwise_codes)
     return BlockQuantized(rowwise_data, rowwise_scale, columnwise_data, columnwise_scale, amax)
 

@@ -143,6 +143,8 @@ def _quantize_nvfp4(
     tensor_scale: torch.Tensor,
     stochastic_rounding: bool,
     seed: torch.Tensor,
+    columnwise_tensor_scale: torch.Tensor,
+    hadamard_seed: int | None,
     *buffers: torch.Tensor | None,
 ) -> None:
     seed = seed if seed.device.type == "cpu" else seed.cpu()  # read through its pointer
@@ -152,6 +154,9 @@ def _quantize_nvfp4(
         tensor_scale.data_ptr(),
         stochastic_rounding,
         seed.data_ptr(),
+        columnwise_tensor_scale.data_ptr(),
+        hadamard_seed is not None,
+        (hadamard_seed or 0) & 0xFFFFFFFFFFFFFFFF,
         *_outputs(*buffers),
         torch.get_num_threads(),
     )
@@ -238,6 +243,11 @@ def _transpose_nvfp4(packed_MK: torch.Tensor, out_KM: torch.Tensor) -> None:
 @register_kernel("hadamard_transform_16", "cpp")
 def _hadamard_transform_16(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) -> None:
     _C.hadamard_transform_16(*_x_args(x_MK), seed & 0xFFFFFFFFFFFFFFFF, out_MK.data_ptr(), torch.get_num_threads())
+
+
+@register_kernel("hadamard_amaxes", "cpp")
+def _hadamard_amaxes(x_MK: torch.Tensor, seed: int, out: torch.Tensor) -> None:
+    _C.hadamard_amaxes(*_x_args(x_MK), seed & 0xFFFFFFFFFFFFFFFF, out.data_ptr(), torch.get_num_threads())
 
 
 @register_kernel("adam_step", "cpp")

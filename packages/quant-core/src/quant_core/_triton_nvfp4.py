@@ -432,8 +432,12 @@ def _quantize_nvfp4(
     tensor_scale: torch.Tensor,
     stochastic_rounding: bool,
     seed: int | torch.Tensor,
+    columnwise_tensor_scale: torch.Tensor,
+    hadamard_seed: int | None,
     *buffers: torch.Tensor | None,
 ) -> None:
+    if hadamard_seed is not None and buffers[2] is not None:
+        raise NotImplementedError("the Triton NVFP4 quantize has no Hadamard-transformed columnwise usage yet")
     if QUANTIZE_VARIANT == "original":
         tiles: BlockTiles | Tiles = QUANTIZE_TILES
     else:
