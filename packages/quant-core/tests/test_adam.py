@@ -38,7 +38,7 @@ def clone(states):
 def assert_bitwise_equal(a, b):
     for tensors_a, tensors_b in zip(a, b, strict=True):
         for x, y in zip(tensors_a, tensors_b, strict=True):
-            assert torch.equal(raw_bits(x), raw_bits(y))
+            assert torch.equal(raw_bits(x.reshape(-1)), raw_bits(y.reshape(-1)))
 
 
 def test_reference_is_the_ieee_fp32_spec():
@@ -188,3 +188,153 @@ def test_cuda_has_non_finite_equals_reference(special, where):
     for checked in (tensors, tensors[1:2], tensors[2:3], tensors[:1]):
         expected = quant_core.has_non_finite_reference(checked)
         assert torch.equal(quant_core.has_non_finite([t.cuda() for t in checked]).cpu(), expected)
+
+
+# ---- adam_step_capturable_ ([Note: capturable Adam step]) --------------------------------------
+
+HYPER = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+
+
+def capturable_states(numels, param_dtype=torch.float32, moment_dtypes=(torch.float32, torch.float32), seed=0):
+    params, grads, exp_avgs, exp_avg_sqs = make_states(numels, torch.float32, moment_dtypes, seed)
+    steps = [torch.tensor(float(3 * i), dtype=torch.float32) for i in range(len(numels))]  # counts differ
+    return [p.to(param_dtype) for p in params], grads, exp_avgs, exp_avg_sqs, steps
+
+
+@pytest.mark.parametrize(("adam_w_mode", "weight_decay"), [(True, 0.01), (False, 0.1), (True, 0.0)])
+@pytest.mark.parametrize("lr", [1e-3, torch.tensor(3e-3, dtype=torch.float64)])
+def test_capturable_step_equals_adam_step_with_the_counted_scalars(adam_w_mode, weight_decay, lr):
+    states = capturable_states([1, 7, 20_003, 0])
+    expected = clone(states[:4])
+    for step in range(2):
+        amax = quant_core.adam_step_capturable_(
+            *states, lr=lr, weight_decay=weight_decay, adam_w_mode=adam_w_mode, compute_amax=True, **HYPER
+        )
+        amaxes = []
+        for i in range(4):
+            scalars = AdamScalars.of(
+                lr=float(lr), step=3 * i + step + 1, weight_decay=weight_decay, adam_w_mode=adam_w_mode, **HYPER
+            )
+            one = tuple([tensors[i]] for tensors in expected)
+            amaxes.append(adam_step_(*one, scalars, compute_amax=True))
+        assert_bitwise_equal(states[:4], expected)
+        assert torch.equal(amax, torch.cat(amaxes))
+        assert [float(s) for s in states[4]] == [3.0 * i + step + 1 for i in range(4)]
+
+
+def test_capturable_step_writes_nothing_when_found_inf_is_set():
+    states = capturable_states([5, 300], param_dtype=torch.bfloat16, moment_dtypes=(torch.bfloat16, torch.float32))
+    outs = [torch.full((5,), 7.0), torch.full((300,), 7.0)]
+    before = clone((*states, outs))
+    amax = quant_core.adam_step_capturable_(
+        *states, lr=1e-2, weight_decay=0.1, adam_w_mode=True, found_inf=torch.ones(1), outs=outs, compute_amax=True,
+        **HYPER,
+    )  # fmt: skip
+    assert_bitwise_equal((*states, outs), before)
+    # The amaxes of the parameters as they are: what a requantize that does not know the verdict needs.
+    assert torch.equal(amax, torch.stack([p.float().abs().max() for p in states[0]]))
+
+
+def test_capturable_step_of_low_precision_params_and_outs_rounds_the_fp32_update():
+    numels = [9, 1000]
+    fp32 = capturable_states(numels)
+    fp32[0][:] = [p.bfloat16().float() for p in fp32[0]]  # an fp32 master of bf16 values
+    bf16 = ([p.bfloat16() for p in fp32[0]], *clone(fp32[1:]))
+    outs = [torch.empty(n, dtype=torch.bfloat16) for n in numels]
+    quant_core.adam_step_capturable_(*bf16, lr=1e-2, weight_decay=0.0, adam_w_mode=True, **HYPER)
+    quant_core.adam_step_capturable_(*fp32, lr=1e-2, weight_decay=0.0, adam_w_mode=True, outs=outs, **HYPER)
+    for p, master, out in zip(bf16[0], fp32[0], outs, strict=True):
+        assert torch.equal(raw_bits(p), raw_bits(master.bfloat16()))
+        assert torch.equal(raw_bits(out), raw_bits(p))
+
+
+def test_capturable_step_refuses_what_it_cannot_take():
+    states = capturable_states([8, 8])
+    with pytest.raises(ValueError, match="a step count .* per parameter"):
+        quant_core.adam_step_capturable_(
+            *states[:4], states[4][:1], lr=1e-3, weight_decay=0.0, adam_w_mode=True, **HYPER
+        )
+    with pytest.raises(ValueError, match=r"steps\[0\] must be a 0-d tensor"):
+        quant_core.adam_step_capturable_(
+            *states[:4], [torch.zeros(1), torch.zeros(())], lr=1e-3, weight_decay=0.0, adam_w_mode=True, **HYPER
+        )
+    with pytest.raises(ValueError, match="found_inf must be a float32 tensor .* pass found_inf.float()"):
+        quant_core.adam_step_capturable_(
+            *states, lr=1e-3, weight_decay=0.0, adam_w_mode=True, found_inf=torch.zeros(1, dtype=torch.bool), **HYPER
+        )
+
+
+def test_power_squares_in_float64():
+    assert quant_core.power(0.999, 0) == 1.0
+    assert quant_core.power(0.9, 1) == 0.9
+    assert quant_core.power(0.999, 2) == 0.999 * 0.999
+    base = 0.95
+    squares = [base]  # 13 = 0b1101: base^1 * base^4 * base^8, the squares made in turn
+    for _ in range(3):
+        squares.append(squares[-1] * squares[-1])
+    result = ((1.0 * squares[0]) * squares[2]) * squares[3]
+    assert quant_core.power(base, 13) == result
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu-suite.sh)")
+@pytest.mark.parametrize(("param_dtype", "out_dtype"), [(torch.float32, None), (torch.float32, torch.bfloat16),
+                                                      (torch.bfloat16, None), (torch.float16, None)])  # fmt: skip
+@pytest.mark.parametrize("moment_dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("lr", [1e-3, "tensor"])
+def test_cuda_capturable_kernel_equals_reference(param_dtype, out_dtype, moment_dtypes, lr):
+    assert quant_core.selected_backend("adam_step_capturable", torch.device("cuda")) == "triton"
+    numels = [1, 7, 200_003, 0, 65_536, 131_071]
+    expected = capturable_states(numels, param_dtype, moment_dtypes)
+    outs = [torch.zeros(n, dtype=out_dtype) for n in numels] if out_dtype else None
+    on_cuda = tuple([t.cuda() for t in tensors] for tensors in expected)
+    outs_cuda = [t.cuda() for t in outs] if outs else None
+    for found in (0.0, 1.0, 0.0):  # steps, a skip, and a step after it (the tickets were reset)
+        kwargs = {"weight_decay": 0.01, "adam_w_mode": True, "compute_amax": True, **HYPER}
+        with quant_core.use_backend("reference"):
+            expected_amax = quant_core.adam_step_capturable_(
+                *expected, lr=torch.tensor(2e-3) if lr == "tensor" else lr, found_inf=torch.tensor([found]), outs=outs,
+                **kwargs,
+            )  # fmt: skip
+        amax = quant_core.adam_step_capturable_(
+            *on_cuda, lr=torch.tensor(2e-3, device="cuda") if lr == "tensor" else lr,
+            found_inf=torch.tensor([found], device="cuda"), outs=outs_cuda, **kwargs,
+        )  # fmt: skip
+        assert_bitwise_equal(tuple([t.cpu() for t in tensors] for tensors in on_cuda), expected)
+        if outs:
+            assert_bitwise_equal([[t.cpu() for t in outs_cuda]], [outs])
+        assert torch.equal(amax.cpu(), expected_amax)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu-suite.sh)")
+def test_cuda_capturable_step_replays_in_a_cuda_graph_without_host_syncs():
+    numels = [5, 70_000, 16_384]
+    states = tuple([t.cuda() for t in tensors] for tensors in capturable_states(numels))
+    expected = clone(states)
+    lr, found = torch.tensor(1e-3, device="cuda"), torch.zeros(1, device="cuda")
+    kwargs = {"weight_decay": 0.01, "adam_w_mode": True, **HYPER}
+
+    def step(tensors):
+        quant_core.adam_step_capturable_(*tensors, lr=lr, found_inf=found, **kwargs)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(states)  # warm-up: compiles, caches the pointer and chunk tables
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(states)  # captured, not run
+    step(expected)  # as the warm-up (its tensors' tables made here)
+    torch.cuda.set_sync_debug_mode("error")  # a host sync in an eager step would raise
+    try:
+        for lr_value, found_value in ((2e-3, 0.0), (2e-3, 1.0), (5e-4, 0.0)):
+            lr.fill_(lr_value)
+            found.fill_(found_value)
+            graph.replay()
+            step(expected)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert_bitwise_equal(states, expected)
+    assert [float(s) for s in states[4]] == [3.0 * i + 3 for i in range(len(numels))]  # the skip counted nothing

@@ -162,6 +162,22 @@ def _cases() -> dict[str, tuple[torch._ops.OpOverload, tuple]]:
                 True,
             ),
         ),
+        "adam_step_capturable": (
+            OPS.adam_step_capturable.default,
+            (
+                [torch.randn(5), torch.randn(3, 7)],
+                [torch.randn(5), torch.randn(7, 3).t()],
+                [torch.zeros(5), torch.zeros(3, 7)],
+                [torch.zeros(5, dtype=torch.bfloat16), torch.zeros(3, 7, dtype=torch.bfloat16)],
+                [torch.zeros(()), torch.tensor(4.0)],
+                [torch.zeros(5, dtype=torch.bfloat16), torch.zeros(3, 7, dtype=torch.bfloat16)],
+                torch.zeros(1),
+                torch.tensor(1e-2),
+                [0.0, 0.9, 0.99, 1e-8, 0.1],
+                True,
+                True,
+            ),
+        ),
         "has_non_finite": (OPS.has_non_finite.default, ([x, torch.empty(0), x_strided.float()],)),
     }
 

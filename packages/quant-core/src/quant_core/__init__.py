@@ -19,7 +19,9 @@ from quant_core._adam import (
     adam_step_reference,
     has_non_finite,
     has_non_finite_reference,
+    power,
 )
+from quant_core._adam_capturable import adam_step_capturable_, adam_step_capturable_reference
 from quant_core._amax_many import amax_many, amax_many_reference
 from quant_core._backend import (
     BACKEND_ENV_VAR,
@@ -105,6 +107,9 @@ __all__ = [
     "AdamScalars",
     "adam_step_",
     "adam_step_reference",
+    "adam_step_capturable_",
+    "adam_step_capturable_reference",
+    "power",
     "has_non_finite",
     "has_non_finite_reference",
     # per-tensor FP8 (current and delayed scaling)

@@ -11,10 +11,14 @@ computed once in float64 and rounded to fp32 (`AdamScalars`), and sqrt correctly
     v = v * beta2 + (g * g) * (1 - beta2)
     p = p - (m / (sqrt(v) * inv_bc2_sqrt + eps)) * step_size
 
-with inv_bc2_sqrt = 1 / sqrt(1 - beta2^step) and step_size = lr / (1 - beta1^step). It differs
-from torch.optim.AdamW by rounding only (a few ulp of the update). Gradients may be fp32, bf16 or
-fp16; moments fp32 or bf16 (read as fp32, updated in fp32, stored rounded to nearest even, the
-update using the fp32 value); parameters (fp32 masters) are updated in place.
+with inv_bc2_sqrt = 1 / sqrt(1 - beta2^step) and step_size = lr / (1 - beta1^step), computed in
+float64 from the float64 values of lr, the betas, eps and weight_decay by IEEE operations only
+(beta^step by squaring: `power`; a correctly rounded sqrt), each result rounded once to fp32, so
+a GPU kernel that computes them from a step count held on the device gets the same bits ([Note:
+capturable Adam step] in quant_core._adam_capturable). It differs from torch.optim.AdamW by
+rounding only (a few ulp of the update). Gradients may be fp32, bf16 or fp16; moments fp32 or
+bf16 (read as fp32, updated in fp32, stored rounded to nearest even, the update using the fp32
+value); parameters (fp32 masters) are updated in place.
 
 Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
 - `torch.ops.quant_core.adam_step(params, grads, exp_avgs, exp_avg_sqs, scalars, compute_amax)
@@ -30,6 +34,7 @@ Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
 from __future__ import annotations
 
 import dataclasses
+import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -86,10 +91,23 @@ class AdamScalars:
             one_minus_beta1=fp32(1.0 - beta1),
             beta2=fp32(beta2),
             one_minus_beta2=fp32(1.0 - beta2),
-            inv_bias_correction2_sqrt=fp32(1.0 / (1.0 - beta2**step) ** 0.5),
+            inv_bias_correction2_sqrt=fp32(1.0 / math.sqrt(1.0 - power(beta2, step))),
             eps=fp32(eps),
-            step_size=fp32(lr / (1.0 - beta1**step)),
+            step_size=fp32(lr / (1.0 - power(beta1, step))),
         )
+
+
+def power(base: float, exponent: int) -> float:
+    """base ** exponent (exponent >= 0) in float64 by squaring: a fixed sequence of IEEE
+    multiplications, which the Triton kernel repeats bit for bit (`**` calls the C library's pow,
+    whose last bit a GPU's pow need not match)."""
+    result = 1.0
+    while exponent > 0:
+        if exponent & 1:
+            result *= base
+        base *= base
+        exponent >>= 1
+    return result
 
 
 def adam_step_(

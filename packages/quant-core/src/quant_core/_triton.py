@@ -13,52 +13,102 @@ Kernels that must equal the reference bit for bit are therefore launched with
 
 from __future__ import annotations
 
+import os
+import struct
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
+from triton.language.extra import libdevice
 
 import quant_core._triton_scale  # noqa: F401  (registers the FP8 scale kernels)
-from quant_core import _triton_blocks, _triton_fp8, _triton_nvfp4  # noqa: F401  (register their kernels)
+from quant_core import (  # noqa: F401  (register their kernels)
+    _adam_capturable,
+    _triton_blocks,
+    _triton_fp8,
+    _triton_nvfp4,
+)
 from quant_core._adam import AdamScalars
 from quant_core._backend import register_kernel
 from quant_core._checks import FLOAT_DTYPES
 from quant_core._triton_launch import cdiv, launch
 from quant_core._triton_numerics import finite_abs
 
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _CHUNK = 16384  # elements per program: BLOCK-sized steps over one chunk of one tensor
 _BLOCK = 1024
 # Weight decay variants, as the Adam kernel takes them (a compile-time constant).
 _NO_DECAY, _DECOUPLED, _L2 = 0, 1, 2
 
 
-def _chunk_table(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """(tensor index, chunk index) of every program of a multi-tensor launch, as int32 (n, 2)."""
-    key = (numels, device)
+def _chunk_table(numels: tuple[int, ...], device: torch.device, *, at_least_one: bool = False) -> torch.Tensor:
+    """(tensor index, chunk index) of every program of a multi-tensor launch, as int32 (n, 2);
+    with `at_least_one`, an empty tensor gets one program too."""
+    key = (numels, device, at_least_one)
     table = _chunk_tables.get(key)
     if table is None:
-        rows = [(t, c) for t, n in enumerate(numels) for c in range(cdiv(n, _CHUNK))]
-        table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 2).to(device)
+        rows = [(t, c) for t, n in enumerate(numels) for c in range(max(cdiv(n, _CHUNK), int(at_least_one)))]
+        table = _to_device(torch.tensor(rows, dtype=torch.int32).reshape(-1, 2), device)
         if len(_chunk_tables) > 64:  # shapes of one model: a handful of keys; bound it anyway
             _chunk_tables.clear()
         _chunk_tables[key] = table
     return table
 
 
-_chunk_tables: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+_chunk_tables: dict[tuple[tuple[int, ...], torch.device, bool], torch.Tensor] = {}
 
 
-def _pointer_table(*lists: Sequence[torch.Tensor]) -> torch.Tensor:
-    """int64 (len(lists[0]), len(lists) + 1): row t holds the data pointers of tensor t of each
-    list, then its number of elements (one host-to-device copy per launch)."""
-    rows = [[t.data_ptr() for t in tensors] + [tensors[0].numel()] for tensors in zip(*lists, strict=True)]
-    return torch.tensor(rows, dtype=torch.int64).to(lists[0][0].device)
+def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-made table on `device`: from pinned memory without waiting for the copy (the
+    caching host allocator keeps the pinned block until the copy is done). Refused while a CUDA
+    graph is being captured: the graph would replay a copy from a host buffer that is reused."""
+    if device.type != "cuda":
+        return table.to(device)
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "a quant_core multi-tensor kernel needs a new pointer table while a CUDA graph is being captured: the "
+            "tensors' storages (or sizes) differ from every eager call. Run the same call once before capturing "
+            "(a warm-up step) and keep its tensors, gradients included, in the memory the graph captured"
+        )
+    return table.pin_memory().to(device, non_blocking=True)
+
+
+def _pointer_table(*lists: Sequence[torch.Tensor], extra: Sequence[int] = ()) -> torch.Tensor:
+    """int64 (len(lists) + 1 + len(extra), T) on the tensors' device ([Note: pointer tables]): row c
+    holds the data pointers of list c, then a row of numels (of lists[0]), then `extra`'s rows
+    (one int per tensor each, flattened)."""
+    columns = [t.data_ptr() for tensors in lists for t in tensors]
+    columns += [t.numel() for t in lists[0]]
+    columns += extra
+    key = (lists[0][0].device, len(lists[0]), *columns)
+    table = _pointer_tables.get(key)
+    if table is None:
+        table = _to_device(torch.tensor(columns, dtype=torch.int64).reshape(-1, len(lists[0])), lists[0][0].device)
+        if len(_pointer_tables) >= 32:  # the oldest out: a model has few distinct calls per step
+            del _pointer_tables[next(iter(_pointer_tables))]
+        _pointer_tables[key] = table
+    else:  # most recent last
+        _pointer_tables[key] = _pointer_tables.pop(key)
+    return table
+
+
+# [Note: pointer tables] A multi-tensor kernel reads the addresses of its tensors from an int64
+# table on the device. Building it costs a host-to-device copy; a table depends only on its
+# content (addresses and sizes), so tables are cached keyed by it: while the storages of a call's
+# tensors stay the same (parameters, optimizer states; gradients that torch accumulates into the
+# same memory), a call copies nothing and no CUDA graph replay depends on host memory. Tensors
+# whose storage changes every call (FSDP2 hands fresh gradients per step) cost one
+# non-blocking copy from pinned memory per call. The table is struct-of-arrays: row c is list c,
+# so a row is contiguous.
+_pointer_tables: dict[tuple[object, ...], torch.Tensor] = {}
 
 
 @triton.jit
 def _adam_kernel(
     pointers,
+    num_tensors,
     chunks,
     amax_ptr,
     p_like,
@@ -79,18 +129,18 @@ def _adam_kernel(
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One chunk of one tensor of [Note: Adam numerics]. Row t of `pointers` holds the addresses
-    of parameter, gradient and moments t and their size; `*_like` are tensors of each list, for
-    their dtypes.
+    """One chunk of one tensor of [Note: Adam numerics]. `pointers` ([Note: pointer tables]): the
+    rows of parameters, gradients, moments and numels for `num_tensors` tensors; `*_like` are
+    tensors of each list, for their dtypes.
     Moments are stored in their dtype (fp32, or bf16 rounded to nearest even); with AMAX, max |p|
     over finite updated values is merged into amax_ptr[t]."""
     t = tl.load(chunks + 2 * tl.program_id(0))
     chunk = tl.load(chunks + 2 * tl.program_id(0) + 1).to(tl.int64)
-    n = tl.load(pointers + 5 * t + 4)
-    p_ptr = tl.load(pointers + 5 * t).to(tl.pointer_type(p_like.dtype.element_ty))
-    g_ptr = tl.load(pointers + 5 * t + 1).to(tl.pointer_type(g_like.dtype.element_ty))
-    m_ptr = tl.load(pointers + 5 * t + 2).to(tl.pointer_type(m_like.dtype.element_ty))
-    v_ptr = tl.load(pointers + 5 * t + 3).to(tl.pointer_type(v_like.dtype.element_ty))
+    n = tl.load(pointers + 4 * num_tensors + t)
+    p_ptr = tl.load(pointers + t).to(tl.pointer_type(p_like.dtype.element_ty))
+    g_ptr = tl.load(pointers + num_tensors + t).to(tl.pointer_type(g_like.dtype.element_ty))
+    m_ptr = tl.load(pointers + 2 * num_tensors + t).to(tl.pointer_type(m_like.dtype.element_ty))
+    v_ptr = tl.load(pointers + 3 * num_tensors + t).to(tl.pointer_type(v_like.dtype.element_ty))
     largest = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, CHUNK, BLOCK):
         offsets = chunk * CHUNK + start + tl.arange(0, BLOCK)
@@ -137,6 +187,7 @@ def _adam_step(
         _adam_kernel,
         (len(chunks),),
         _pointer_table(params, grads, exp_avgs, exp_avg_sqs),
+        len(params),
         chunks,
         amax if amax is not None else chunks,  # never touched without AMAX
         params[0],
@@ -162,12 +213,207 @@ def _adam_step(
 
 
 @triton.jit
-def _non_finite_kernel(pointers, chunks, found_ptr, x_like, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Sets *found_ptr to 1.0 if the chunk holds a NaN or +-Inf (pointers: address, size)."""
+def _f64(bits):
+    """The float64 whose bits a scalar int argument carries."""
+    return bits.to(tl.int64).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _div64(a, b, EXACT: tl.constexpr):
+    # libdevice's division rounds to nearest (IEEE); the interpreter has no libdevice, numpy's is IEEE.
+    if EXACT:
+        return libdevice.div_rn(a, b)
+    else:
+        return a / b
+
+
+@triton.jit
+def _sqrt64(a, EXACT: tl.constexpr):
+    if EXACT:
+        return libdevice.sqrt_rn(a)
+    else:
+        return tl.sqrt(a)
+
+
+@triton.jit
+def _power64(base, exponent):
+    """base ** exponent in float64 by the multiplications of quant_core._adam.power."""
+    result = base * 0.0 + 1.0
+    while exponent > 0:
+        result = tl.where(exponent % 2 == 1, result * base, result)
+        base = base * base
+        exponent = exponent // 2
+    return result
+
+
+@triton.jit(do_not_specialize=["lr_bits", "beta1_bits", "beta2_bits", "eps_bits", "weight_decay_bits"])
+def _adam_capturable_kernel(
+    pointers,
+    num_tensors,
+    chunks,
+    tickets,
+    found_ptr,
+    lr_ptr,
+    amax_ptr,
+    p_like,
+    g_like,
+    m_like,
+    v_like,
+    o_like,
+    lr_bits,
+    beta1_bits,
+    beta2_bits,
+    eps_bits,
+    weight_decay_bits,
+    DECAY: tl.constexpr,
+    LR_TENSOR: tl.constexpr,
+    OUT: tl.constexpr,
+    AMAX: tl.constexpr,
+    EXACT: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One chunk of one tensor of [Note: capturable Adam step]. `pointers` ([Note: pointer
+    tables]): rows of parameters, gradients, moments, step counts, outs (when OUT) and numels;
+    `tickets` int32 (num_tensors,) zeros, restored to zero by the last program of each tensor.
+    Scalars as AdamScalars.of computes them, in float64 from the hyperparameters' bits."""
     t = tl.load(chunks + 2 * tl.program_id(0))
     chunk = tl.load(chunks + 2 * tl.program_id(0) + 1).to(tl.int64)
-    n = tl.load(pointers + 2 * t + 1)
-    x_ptr = tl.load(pointers + 2 * t).to(tl.pointer_type(x_like.dtype.element_ty))
+    n = tl.load(pointers + (5 + OUT) * num_tensors + t)
+    p_ptr = tl.load(pointers + t).to(tl.pointer_type(p_like.dtype.element_ty))
+    largest = tl.zeros((BLOCK,), dtype=tl.float32)
+    if tl.load(found_ptr) != 0.0:  # skipped: nothing is written; the amaxes of the parameters as they are
+        if AMAX:
+            for start in range(0, CHUNK, BLOCK):
+                offsets = chunk * CHUNK + start + tl.arange(0, BLOCK)
+                p = tl.load(p_ptr + offsets, mask=offsets < n, other=0.0).to(tl.float32)
+                largest = tl.maximum(largest, tl.where(tl.abs(p) < float("inf"), tl.abs(p), 0.0))
+    else:
+        g_ptr = tl.load(pointers + num_tensors + t).to(tl.pointer_type(g_like.dtype.element_ty))
+        m_ptr = tl.load(pointers + 2 * num_tensors + t).to(tl.pointer_type(m_like.dtype.element_ty))
+        v_ptr = tl.load(pointers + 3 * num_tensors + t).to(tl.pointer_type(v_like.dtype.element_ty))
+        step_ptr = tl.load(pointers + 4 * num_tensors + t).to(tl.pointer_type(tl.float32))
+        step = tl.load(step_ptr).to(tl.int32) + 1
+        if LR_TENSOR:  # noqa: SIM108  (a constexpr branch: only one side compiles)
+            lr = tl.load(lr_ptr).to(tl.float64)
+        else:
+            lr = _f64(lr_bits)
+        beta1, beta2 = _f64(beta1_bits), _f64(beta2_bits)
+        weight_decay = _f64(weight_decay_bits)
+        decay = (1.0 - lr * weight_decay).to(tl.float32)
+        l2_weight_decay = weight_decay.to(tl.float32)
+        one_minus_beta1 = (1.0 - beta1).to(tl.float32)
+        one_minus_beta2 = (1.0 - beta2).to(tl.float32)
+        inv_bias_correction2_sqrt = _div64(1.0, _sqrt64(1.0 - _power64(beta2, step), EXACT), EXACT).to(tl.float32)
+        step_size = _div64(lr, 1.0 - _power64(beta1, step), EXACT).to(tl.float32)
+        eps = _f64(eps_bits).to(tl.float32)
+        beta1_32, beta2_32 = beta1.to(tl.float32), beta2.to(tl.float32)
+        if OUT:
+            o_ptr = tl.load(pointers + 5 * num_tensors + t).to(tl.pointer_type(o_like.dtype.element_ty))
+        for start in range(0, CHUNK, BLOCK):
+            offsets = chunk * CHUNK + start + tl.arange(0, BLOCK)
+            mask = offsets < n
+            p = tl.load(p_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            m = tl.load(m_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            if DECAY == 1:
+                p = p * decay
+            if DECAY == 2:
+                g = g + p * l2_weight_decay
+            m = m * beta1_32 + g * one_minus_beta1
+            v = v * beta2_32 + (g * g) * one_minus_beta2
+            denom = tl.sqrt_rn(v) * inv_bias_correction2_sqrt + eps
+            p = p - tl.div_rn(m, denom) * step_size
+            tl.store(p_ptr + offsets, p.to(p_ptr.dtype.element_ty), mask=mask)
+            tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_ptr + offsets, v.to(v_ptr.dtype.element_ty), mask=mask)
+            if OUT:
+                tl.store(o_ptr + offsets, p.to(o_ptr.dtype.element_ty), mask=mask)
+            if AMAX:
+                largest = tl.maximum(largest, tl.where(mask & (tl.abs(p) < float("inf")), tl.abs(p), 0.0))
+        # Every program of tensor t read its step count above; the last one to get here writes it
+        # (acq_rel atomics order those reads before this write) and resets the ticket.
+        if tl.atomic_add(tickets + t, 1) == tl.cdiv(tl.maximum(n, 1), CHUNK) - 1:
+            tl.store(step_ptr, step.to(tl.float32))
+            tl.store(tickets + t, 0)
+    if AMAX:
+        tl.atomic_max(amax_ptr + t, tl.max(largest, axis=0))
+
+
+@register_kernel("adam_step_capturable", "triton")
+def _adam_step_capturable(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    found_inf: torch.Tensor,
+    lr: torch.Tensor | None,
+    hyperparameters: Sequence[float],
+    adam_w_mode: bool,
+) -> torch.Tensor:
+    device = params[0].device
+    amax = torch.zeros(len(params), dtype=torch.float32, device=device)
+    lists = (params, grads, exp_avgs, exp_avg_sqs, steps, *((outs,) if outs else ()))
+    pointers = _pointer_table(*lists)
+    tickets = _tickets.get(pointers)
+    if tickets is None:  # one per table: a table is one call's tensors ([Note: pointer tables])
+        tickets = _tickets[pointers] = torch.zeros(len(params), dtype=torch.int32, device=device)
+    chunks = _chunk_table(tuple(p.numel() for p in params), device, at_least_one=True)
+    lr_value, beta1, beta2, eps, weight_decay = hyperparameters
+    if weight_decay == 0.0 or (_fp32(weight_decay) == 0.0 and not adam_w_mode):
+        decay = _NO_DECAY  # as AdamScalars' weight_decay == 0.0 or decay == 1.0 skip it
+    else:
+        decay = _DECOUPLED if adam_w_mode else _L2
+    launch(
+        _adam_capturable_kernel,
+        (len(chunks),),
+        pointers,
+        len(params),
+        chunks,
+        tickets,
+        found_inf,
+        lr if lr is not None else found_inf,  # never read without LR_TENSOR
+        amax,
+        params[0],
+        grads[0],
+        exp_avgs[0],
+        exp_avg_sqs[0],
+        outs[0] if outs else params[0],
+        *(_bits(value) for value in (lr_value, beta1, beta2, eps, weight_decay)),
+        DECAY=decay,
+        LR_TENSOR=lr is not None,
+        OUT=bool(outs),
+        AMAX=True,
+        EXACT=not _INTERPRETED,
+        CHUNK=_CHUNK,
+        BLOCK=_BLOCK,
+        enable_fp_fusion=False,  # [Note: exact Triton arithmetic]
+    )
+    return amax
+
+
+_tickets: WeakIdKeyDictionary = WeakIdKeyDictionary()  # pointer table -> its tickets
+
+
+def _bits(value: float) -> int:
+    """The bits of a float64, as the kernel's int64 argument."""
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def _fp32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+@triton.jit
+def _non_finite_kernel(pointers, num_tensors, chunks, found_ptr, x_like, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Sets *found_ptr to 1.0 if the chunk holds a NaN or +-Inf (pointers: addresses, sizes)."""
+    t = tl.load(chunks + 2 * tl.program_id(0))
+    chunk = tl.load(chunks + 2 * tl.program_id(0) + 1).to(tl.int64)
+    n = tl.load(pointers + num_tensors + t)
+    x_ptr = tl.load(pointers + t).to(tl.pointer_type(x_like.dtype.element_ty))
     bad = tl.zeros((BLOCK,), dtype=tl.int32)
     for start in range(0, CHUNK, BLOCK):
         offsets = chunk * CHUNK + start + tl.arange(0, BLOCK)
@@ -190,6 +436,7 @@ def _has_non_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
             _non_finite_kernel,
             (len(chunks),),
             _pointer_table(same),
+            len(same),
             chunks,
             found,
             same[0],
@@ -210,15 +457,16 @@ def _chunk_amax(x_ptr, chunk, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _amax_many_kernel(pointers, chunks, amax_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _amax_many_kernel(pointers, num_tensors, chunks, amax_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """One chunk of tensor t merged into amax_ptr[t] (one atomic; amaxes are >= 0, so the float
-    atomic max is exact). Row t of `pointers`: address, number of elements, dtype code (the index
-    in FLOAT_DTYPES: fp32, bf16, fp16), so tensors of every dtype share the launch."""
+    atomic max is exact). `pointers` ([Note: pointer tables]): rows of addresses, numbers of
+    elements and dtype codes (the index in FLOAT_DTYPES: fp32, bf16, fp16), so tensors of every
+    dtype share the launch."""
     t = tl.load(chunks + 2 * tl.program_id(0))
     chunk = tl.load(chunks + 2 * tl.program_id(0) + 1).to(tl.int64)
-    address = tl.load(pointers + 3 * t)
-    n = tl.load(pointers + 3 * t + 1)
-    dtype_code = tl.load(pointers + 3 * t + 2)
+    address = tl.load(pointers + t)
+    n = tl.load(pointers + num_tensors + t)
+    dtype_code = tl.load(pointers + 2 * num_tensors + t)
     if dtype_code == 0:
         largest = _chunk_amax(address.to(tl.pointer_type(tl.float32)), chunk, n, CHUNK, BLOCK)
     elif dtype_code == 1:
@@ -236,10 +484,17 @@ def _amax_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     chunks = _chunk_table(tuple(t.numel() for t in flat), device)
     if len(chunks) == 0:  # every tensor is empty
         return amax
-    rows = [[t.data_ptr(), t.numel(), FLOAT_DTYPES.index(t.dtype)] for t in flat]
-    pointers = torch.tensor(rows, dtype=torch.int64).to(device)
+    pointers = _pointer_table(flat, extra=[FLOAT_DTYPES.index(t.dtype) for t in flat])
     # Nothing to fuse (abs and max only); stated because Triton 3.9 warns when it is left unset.
     launch(
-        _amax_many_kernel, (len(chunks),), pointers, chunks, amax, CHUNK=_CHUNK, BLOCK=_BLOCK, enable_fp_fusion=False
+        _amax_many_kernel,
+        (len(chunks),),
+        pointers,
+        len(flat),
+        chunks,
+        amax,
+        CHUNK=_CHUNK,
+        BLOCK=_BLOCK,
+        enable_fp_fusion=False,
     )
     return amax

@@ -1,0 +1,68 @@
+"""The capturable Adam kernel ([Note: capturable Adam step]) in Triton's CPU interpreter.
+
+Checks on every machine what the interpreter can: the per-tensor step counts and their ticket
+counters (across two calls), the skip, lr as a tensor, the float64 scalars, fp16 parameters and
+outs, sizes across chunk edges and an empty tensor, against the reference bit for bit. The
+interpreter truncates fp32 -> bf16 (Triton 3.9's `_convert_float` without a rounding mode) and
+has no libdevice, so bf16 outputs and the GPU's float64 division and sqrt are checked by the
+`cuda` tests (test_adam.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from quant_core.testing import run_in_triton_interpreter
+
+pytest.importorskip("triton")
+
+_SCRIPT = """
+import torch
+
+import quant_core
+from quant_core import _triton
+from quant_core.testing import raw_bits
+
+generator = torch.Generator().manual_seed(0)
+numels = [1, 7, 40_000, 0, 16_384]
+
+
+def states(param_dtype):
+    return (
+        [torch.randn(n, generator=generator).to(param_dtype) for n in numels],
+        [torch.randn(n, generator=generator) * 1e-2 for n in numels],
+        [torch.randn(n, generator=generator) * 1e-3 for n in numels],
+        [(torch.randn(n, generator=generator) * 1e-3).square() for n in numels],
+        [torch.tensor(float(7 * i)) for i in range(len(numels))],
+    )
+
+
+cases = [
+    # param dtype, out dtype, found_inf, lr, weight_decay, adam_w_mode
+    (torch.float32, None, 0.0, 1e-3, 0.01, True),
+    (torch.float32, None, 0.0, torch.tensor(3e-3, dtype=torch.float64), 0.1, False),
+    (torch.float32, None, 1.0, 1e-3, 0.01, True),
+    (torch.float32, torch.float16, 0.0, torch.tensor(2e-3), 0.0, True),
+    (torch.float16, None, 0.0, 1e-2, 0.01, True),
+]
+for param_dtype, out_dtype, found, lr, weight_decay, adam_w_mode in cases:
+    ours = states(param_dtype)
+    expected = tuple([t.clone() for t in tensors] for tensors in ours)
+    outs = [torch.zeros(n, dtype=out_dtype) for n in numels] if out_dtype else []
+    expected_outs = [t.clone() for t in outs]
+    lr_tensor = lr if isinstance(lr, torch.Tensor) else None
+    hyperparameters = [0.0 if lr_tensor is not None else lr, 0.9, 0.999, 1e-8, weight_decay]
+    for _ in range(2):  # the second call needs the tickets reset by the first
+        args = (torch.tensor([found]), lr_tensor, hyperparameters, adam_w_mode)
+        amax = _triton._adam_step_capturable(*ours, outs, *args)
+        expected_amax = quant_core.adam_step_capturable_reference(*expected, expected_outs, *args)
+        for got, want in zip((*ours, outs), (*expected, expected_outs), strict=True):
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(raw_bits(a.reshape(-1)), raw_bits(b.reshape(-1))), (param_dtype, out_dtype, found, lr)
+        assert torch.equal(amax, expected_amax), (amax, expected_amax)
+    assert [float(s) for s in ours[4]] == [7.0 * i + (found == 0.0) * 2 for i in range(len(numels))]
+"""
+
+
+def test_capturable_adam_kernel_equals_reference_in_the_interpreter():
+    run_in_triton_interpreter(_SCRIPT)
