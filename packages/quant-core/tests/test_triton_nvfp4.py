@@ -22,7 +22,7 @@ from quant_core import _triton_nvfp4  # after the skip: imports Triton
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu-suite.sh)")
 
 CUDA = torch.device("cuda")
-FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv", "amax")
+FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv", "amax", "columnwise_amax")
 USAGES = [
     dict(rowwise=True, columnwise=False),
     dict(rowwise=False, columnwise=True),
@@ -50,7 +50,9 @@ def assert_bitwise(got: torch.Tensor | None, want: torch.Tensor | None, what: st
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("op", ["quantize_nvfp4", "dequantize_nvfp4", "transpose_nvfp4", "hadamard_transform_16"])
+@pytest.mark.parametrize(
+    "op", ["quantize_nvfp4", "dequantize_nvfp4", "transpose_nvfp4", "hadamard_transform_16", "hadamard_amaxes"]
+)
 def test_triton_runs_every_nvfp4_op(op):
     assert quant_core.selected_backend(op, CUDA) == "triton"
 
@@ -136,14 +138,23 @@ def test_hadamard_equals_reference(dtype):
 # ---- kernel variants ([Note: NVFP4 register blocks]) ------------------------------------------------
 
 SEED = 2**63 + 12345
+HADAMARD_SEED = 2**63 + 5
+COLUMNWISE_AMAX = 700.0  # the transformed columnwise usage's tensor scale: 2688 / 700, not a power of two
 TIES = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.0, 0.0, -5.0, 4.0, 1e-30, -2.5, 3.0]
 
 
 def quantize_with(
-    variant: str, tiles: object, x_MK: torch.Tensor, block_rows: int, stochastic: bool, columnwise: bool
+    variant: str,
+    tiles: object,
+    x_MK: torch.Tensor,
+    block_rows: int,
+    stochastic: bool,
+    columnwise: bool,
+    hadamard_seed: int | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """Runs one quantize kernel variant (rowwise, and columnwise if asked) on fresh buffers, with
-    global amax 2688 (tensor scale 1, so the E2M1 ties planted by `with_ties` stay ties)."""
+    global amax 2688 (tensor scale 1, so the E2M1 ties planted by `with_ties` stay ties) and, for
+    a Hadamard-transformed columnwise usage, columnwise amax COLUMNWISE_AMAX."""
     M, K = x_MK.shape
     Mb, Kb = -(-M // 16), -(-K // 16)
     device = x_MK.device
@@ -154,12 +165,16 @@ def quantize_with(
         torch.zeros(Kb if block_rows > 1 else K, Mb, dtype=torch.uint8, device=device) if columnwise else None,
     )
     S = quant_core.nvfp4_tensor_scale(torch.tensor(2688.0, device=device))
-    _triton_nvfp4.launch_quantize(x_MK, block_rows, S, stochastic, SEED, out, variant, tiles)
+    S_columnwise = quant_core.nvfp4_tensor_scale(torch.tensor(COLUMNWISE_AMAX, device=device))
+    signed_seed = None if hadamard_seed is None else (hadamard_seed + 2**63) % 2**64 - 2**63  # int64 range
+    _triton_nvfp4.launch_quantize(
+        x_MK, block_rows, S, stochastic, SEED, out, variant, tiles, S_columnwise, signed_seed
+    )  # fmt: skip
     return out
 
 
 def reference_of(
-    x_MK: torch.Tensor, block_rows: int, stochastic: bool, columnwise: bool
+    x_MK: torch.Tensor, block_rows: int, stochastic: bool, columnwise: bool, hadamard_seed: int | None = None
 ) -> tuple[torch.Tensor | None, ...]:
     """`quantize_with`'s bytes from the reference."""
     want = quant_core.quantize_nvfp4_reference(
@@ -169,6 +184,8 @@ def reference_of(
         columnwise=columnwise,
         stochastic_rounding=stochastic,
         seed=SEED,
+        hadamard_seed=hadamard_seed,
+        columnwise_amax=None if hadamard_seed is None else torch.tensor(COLUMNWISE_AMAX),
     )
     fields = (want.rowwise_data, want.rowwise_scale_inv, want.columnwise_data, want.columnwise_scale_inv)
     return tuple(None if f is None else f.view(torch.uint8) for f in fields)
@@ -265,3 +282,117 @@ def test_every_dequantize_variant_equals_reference(variant, tiles):
             S = quant_core.nvfp4_tensor_scale(amax.to(CUDA))
             _triton_nvfp4.launch_dequantize(data, scale, block_rows, S, got, variant, tiles)
             assert_bitwise(got, want, f"{shape} {dtype}")
+
+
+# ---- the Hadamard-transformed columnwise usage ([Note: NVFP4 random Hadamard transform]) ------------
+
+# (M, K) views with M a multiple of 16 (whole runs): partial blocks and tiles along K, 3-D, many tiles.
+HADAMARD_SHAPES = [(16, 16), (32, 50), (160, 258), (4, 8, 160), (256, 384)]
+
+
+def whole_run_views_of(x: torch.Tensor) -> list[torch.Tensor]:
+    """`views_of(x)` whose (M, K) view has M a multiple of 16 and K even."""
+    return [v for v in views_of(x) if (v.numel() // v.shape[-1]) % 16 == 0 and v.shape[-1] % 2 == 0]
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("stochastic_rounding", [False, True])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_hadamard_quantize_equals_reference(stochastic_rounding, dtype):
+    kwargs = dict(stochastic_rounding=stochastic_rounding, seed=2**63 + 12345)
+    for shape in HADAMARD_SHAPES:
+        x = adversarial(shape, dtype, seed=sum(shape))
+        for i, view in enumerate(whole_run_views_of(x)):
+            for hadamard_seed in (0, -(2**62) + 3):
+                for usage in USAGES:
+                    got = quant_core.quantize_nvfp4(view, hadamard_seed=hadamard_seed, **kwargs, **usage)
+                    want = quant_core.quantize_nvfp4_reference(
+                        view.cpu(), hadamard_seed=hadamard_seed, **kwargs, **usage
+                    )
+                    for field in FIELDS:
+                        what = f"{shape} view {i} seed {hadamard_seed} {usage} {field}"
+                        assert_bitwise(getattr(got, field), getattr(want, field), what)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_hadamard_quantize_with_given_amaxes_equals_reference():
+    x = adversarial((64, 96), torch.bfloat16, seed=9)
+    amaxes = dict(global_amax=torch.tensor(1.0e6), columnwise_amax=torch.tensor(3.0e5))
+    got = quant_core.quantize_nvfp4(
+        x.to(CUDA), columnwise=True, hadamard_seed=5, **{k: v.to(CUDA) for k, v in amaxes.items()}
+    )
+    want = quant_core.quantize_nvfp4_reference(x, columnwise=True, hadamard_seed=5, **amaxes)
+    for field in FIELDS:
+        assert_bitwise(getattr(got, field), getattr(want, field), field)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_hadamard_amaxes_equal_reference(dtype):
+    # Any M: partial last runs are zero-padded; several programs (atomics) for the larger shapes.
+    for shape in [(1, 16), (7, 3), (34, 50), (130, 258), (4, 6, 40), (1000, 640)]:
+        x = adversarial(shape, dtype, seed=sum(shape)).to(CUDA)
+        views = [x] if x.dim() != 2 else [x, x.t(), x[::2, ::3]]
+        for view in views:
+            for seed in (0, 2**63 + 1):
+                got = quant_core.hadamard_amaxes(view, seed)
+                want = quant_core.hadamard_amaxes_reference(view.cpu(), seed)
+                assert_bitwise(got, want, f"{shape} {view.stride()} seed {seed}")
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        _triton_nvfp4.BlockTiles(32, 32, 2, 8),
+        _triton_nvfp4.BlockTiles(64, 64, 4, 4),
+        _triton_nvfp4.BlockTiles(64, 64, 4, 16),
+        _triton_nvfp4.BlockTiles(128, 128, 8, 8),
+    ],
+)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_every_hadamard_quantize_tile_equals_reference(tiles, stochastic):
+    for shape in [(48, 50), (160, 258)]:
+        for dtype in FLOAT_DTYPES:
+            x = adversarial(shape, dtype, seed=sum(shape))
+            for i, view in enumerate(whole_run_views_of(x)):
+                got = quantize_with("register_blocks", tiles, view, 1, stochastic, True, hadamard_seed=HADAMARD_SEED)
+                want = reference_of(view, 1, stochastic, True, hadamard_seed=HADAMARD_SEED)
+                for field, g, w in zip(FIELDS, got, want, strict=False):
+                    assert_bitwise(g, w.reshape(g.shape), f"{shape} {dtype} view {i} {field}")
+
+
+_INTERPRETED_HADAMARD = """
+import sys
+import torch
+sys.path.insert(0, {tests!r})
+from test_triton_nvfp4 import HADAMARD_SEED, quantize_with, reference_of, with_ties
+import quant_core
+from quant_core import _triton_nvfp4 as kernels
+from quant_core.testing import adversarial
+
+x = with_ties(adversarial((48, 50), torch.float32, seed=1))
+views = [x, x[:, :34], adversarial((50, 32), seed=2).t()[:, :48]]  # partial tiles; transposed (stride_k 50)
+runs = [(view, stochastic, kernels.BlockTiles(32, 32, 2, 8)) for view in views for stochastic in (False, True)]
+runs += [(x, False, kernels.BlockTiles(16, 16, 1, 2)), (x, True, kernels.BlockTiles(32, 16, 1, 16))]  # H = 8, T = 16
+for view, stochastic, tiles in runs:
+    got = quantize_with("register_blocks", tiles, view, 1, stochastic, True, hadamard_seed=HADAMARD_SEED)
+    want = reference_of(view, 1, stochastic, True, hadamard_seed=HADAMARD_SEED)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w.reshape(g.shape)), (tuple(view.shape), stochastic, tiles)
+kernels.HADAMARD_AMAXES_TILES = kernels.Tiles(32, 16, 1)  # several programs: their atomics
+for shape in [(34, 50), (16, 16), (7, 3)]:
+    y = adversarial(shape, seed=3)
+    for view in (y, y.t()):
+        got = torch.zeros(2)
+        kernels._hadamard_amaxes(view, -5, got)
+        assert torch.equal(got, quant_core.hadamard_amaxes_reference(view, -5)), shape
+"""
+
+
+def test_hadamard_kernels_index_like_the_reference_in_the_triton_interpreter():
+    run_in_triton_interpreter(_INTERPRETED_HADAMARD.format(tests=os.path.dirname(__file__)))

@@ -10,7 +10,10 @@ The register-blocks kernel holds its tile as `*_TGHK` (T, G, H, TILE_K): element
 row 16 g + T h + t and column k of the tile ([Note: NVFP4 register blocks]).
 Stochastic rounding draws element i's bits from splitmix64(seed, i) with i = m * K + k for
 rowwise (and 16 x 16) codes and M * K + k * M + m for 1 x 16 columnwise codes
-([Note: counter RNG]).
+([Note: counter RNG]). With the Hadamard transform ([Note: NVFP4 random Hadamard transform] in
+`_nvfp4.py`) the columnwise runs are taken out of the tile as `*_NP` (N = TILE_K * G runs of
+P = 16 positions along M: run (k, g) holds rows 16 g .. 16 g + 15 of column k), transformed,
+then scaled and packed like rowwise blocks.
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ DEQUANTIZE_PAIRS_TILES = Tiles(8, 512, 4)
 DEQUANTIZE_TILES = Tiles(8, 512, 4)
 TRANSPOSE_TILES = Tiles(128, 256, 8)
 HADAMARD_TILES = Tiles(16, 128, 4)
+# Not tuned yet (needs a GPU run of scripts/sweep_nvfp4.py): the amaxes of x and of T(x^T).
+HADAMARD_AMAXES_TILES = Tiles(64, 64, 4)
 
 
 @triton.jit
@@ -293,6 +298,39 @@ def _store_columnwise(data_ptr, codes_TGHK, cols, tile_m, M, K):
 
 
 @triton.jit
+def _store_transformed_columnwise(
+    data_ptr, scale_ptr, x, columnwise_tensor_scale_ptr, hadamard_seed, seed, tile_m, tile_k, M, K,
+    STOCHASTIC: tl.constexpr, HARDWARE: tl.constexpr,
+):  # fmt: skip
+    """The columnwise usage of T(x^T) for one tile x (T, G, H, TILE_K) ([Note: NVFP4 random Hadamard
+    transform]): each 16-row run of a column is transformed in fp32, scaled by its own amax and
+    S_c, encoded and packed along M into the (K, M/2) bytes; its scale goes to (K, M/16)."""
+    G: tl.constexpr = x.shape[1]
+    TILE_K: tl.constexpr = x.shape[3]
+    # (k, g, h, t) -> run (k, g), position h T + t = the row's place in its run of 16.
+    runs_NP = tl.reshape(tl.permute(x, (3, 1, 2, 0)), (TILE_K * G, 16))
+    runs_NP = _hadamard_runs(runs_NP, hadamard_seed)
+    amax_N = tl.max(finite_abs(runs_NP), axis=1)
+    enc_N, s_N = _nvfp4_scale(amax_N, tl.load(columnwise_tensor_scale_ptr), HARDWARE)
+    cols = (tile_k * TILE_K + tl.arange(0, TILE_K)).to(tl.int64)[:, None, None]  # (K, 1, 1)
+    if STOCHASTIC:
+        # Counters as without the transform: M * K + k * M + m, m = 16 (tile_m G + g) + position.
+        rows = 16 * (tile_m * G + tl.arange(0, G))[None, :, None] + tl.arange(0, 16)[None, None, :]  # (1, G, 16)
+        state = tl.reshape(_rng_state(tl.cast(M, tl.int64) * K + cols * M, rows, seed), (TILE_K * G, 16))
+    else:
+        state = 0
+    codes_NP = _codes(runs_NP, enc_N[:, None], state, STOCHASTIC)
+    even, odd = tl.split(tl.reshape(codes_NP, (TILE_K * G, 8, 2)))
+    packed = tl.reshape((even | (odd << 4)).to(tl.uint8), (TILE_K, G, 8))
+    pair_rows = 8 * (tile_m * G + tl.arange(0, G))[None, :, None] + tl.arange(0, 8)[None, None, :]  # (1, G, 8)
+    tl.store(data_ptr + cols * (M // 2) + pair_rows, packed, mask=(cols < K) & (pair_rows < M // 2))
+    block_rows = (tile_m * G + tl.arange(0, G))[None, :]  # (1, G)
+    cols_K = tl.reshape(cols, (TILE_K, 1))
+    Mb = tl.cdiv(M, 16)
+    store_bytes(scale_ptr, cols_K * Mb + block_rows, tl.reshape(s_N, (TILE_K, G)), (cols_K < K) & (block_rows < Mb))
+
+
+@triton.jit(do_not_specialize=["hadamard_seed"])
 def _quantize_nvfp4_register_blocks_kernel(
     x_ptr,
     M,
@@ -301,6 +339,8 @@ def _quantize_nvfp4_register_blocks_kernel(
     stride_k,
     tensor_scale_ptr,
     seed_ptr,
+    columnwise_tensor_scale_ptr,
+    hadamard_seed,
     rowwise_ptr,
     rowwise_scale_ptr,
     columnwise_ptr,
@@ -309,6 +349,7 @@ def _quantize_nvfp4_register_blocks_kernel(
     COLUMNWISE: tl.constexpr,
     TWO_D: tl.constexpr,
     STOCHASTIC: tl.constexpr,
+    HADAMARD: tl.constexpr,
     TILE_M: tl.constexpr,
     TILE_K: tl.constexpr,
     ROWS_PER_THREAD: tl.constexpr,
@@ -352,7 +393,7 @@ def _quantize_nvfp4_register_blocks_kernel(
         # Both amaxes before any code, so the magnitudes die early (registers).
         if ROWWISE:
             amax_rows = tl.max(tl.reshape(magnitude, (T, G, H, B, 16)), axis=4)  # (T, G, H, B)
-        if COLUMNWISE:
+        if COLUMNWISE and not HADAMARD:
             amax_cols = tl.max(tl.max(magnitude, axis=0), axis=1)  # (G, K)
         if ROWWISE:
             enc_rows, s_rows = _nvfp4_scale(amax_rows, S, HARDWARE)
@@ -360,7 +401,12 @@ def _quantize_nvfp4_register_blocks_kernel(
             _store_rowwise(rowwise_ptr, tl.reshape(codes, (T, G, H, TILE_K)), rows, tile_k, M, K)
             blocks_K = block_cols[None, :, :]
             store_bytes(rowwise_scale_ptr, rows * Kb + blocks_K, s_rows, (rows < M) & (blocks_K < Kb))
-        if COLUMNWISE:
+        if COLUMNWISE and HADAMARD:
+            _store_transformed_columnwise(
+                columnwise_ptr, columnwise_scale_ptr, x, columnwise_tensor_scale_ptr, hadamard_seed, seed, tile_m,
+                tile_k, M, K, STOCHASTIC, HARDWARE,
+            )  # fmt: skip
+        if COLUMNWISE and not HADAMARD:
             enc_cols, s_cols = _nvfp4_scale(amax_cols, S, HARDWARE)
             # Columnwise counters continue after x's M * K elements, in x^T's row-major order.
             state = _rng_state(tl.cast(M, tl.int64) * K + cols * M, rows, seed) if STOCHASTIC else 0
@@ -388,16 +434,26 @@ def launch_quantize(
     buffers: tuple[torch.Tensor | None, ...],
     variant: str,
     tiles: BlockTiles | Tiles,
+    columnwise_tensor_scale: torch.Tensor | None = None,
+    hadamard_seed: int | None = None,
 ) -> None:
-    """Runs quantize kernel `variant`: "register_blocks" (BlockTiles) or "original" (Tiles)."""
+    """Runs quantize kernel `variant`: "register_blocks" (BlockTiles) or "original" (Tiles; without
+    the Hadamard transform). columnwise_tensor_scale defaults to tensor_scale; hadamard_seed: the
+    columnwise usage is T(x^T) ([Note: NVFP4 random Hadamard transform])."""
     rowwise, rowwise_scale, columnwise, columnwise_scale = buffers
     M, K = x_MK.shape
+    hadamard = hadamard_seed is not None and columnwise is not None
+    scales: tuple[object, ...] = (tensor_scale, seed_tensor(seed, x_MK.device) if stochastic_rounding else None)
     if variant == "register_blocks":
         assert isinstance(tiles, BlockTiles), tiles
-        kernel, extra = _quantize_nvfp4_register_blocks_kernel, {"ROWS_PER_THREAD": tiles.rows_per_thread}
+        kernel = _quantize_nvfp4_register_blocks_kernel
+        columnwise_scale_of = tensor_scale if columnwise_tensor_scale is None else columnwise_tensor_scale
+        scales += (columnwise_scale_of, hadamard_seed if hadamard else 0)
+        extra = {"ROWS_PER_THREAD": tiles.rows_per_thread, "HADAMARD": hadamard}
     else:
         assert variant == "original", variant
         assert isinstance(tiles, Tiles), tiles
+        assert not hadamard, "the original NVFP4 quantize kernel has no Hadamard transform"
         kernel, extra = _quantize_nvfp4_kernel, {}
     launch(
         kernel,
@@ -406,8 +462,7 @@ def launch_quantize(
         M,
         K,
         *x_MK.stride(),
-        tensor_scale,
-        seed_tensor(seed, x_MK.device) if stochastic_rounding else None,
+        *scales,
         rowwise,
         rowwise_scale,
         columnwise,
@@ -436,13 +491,25 @@ def _quantize_nvfp4(
     hadamard_seed: int | None,
     *buffers: torch.Tensor | None,
 ) -> None:
-    if hadamard_seed is not None and buffers[2] is not None:
-        raise NotImplementedError("the Triton NVFP4 quantize has no Hadamard-transformed columnwise usage yet")
-    if QUANTIZE_VARIANT == "original":
+    columnwise = buffers[2] is not None
+    # The transform is built into the register-blocks kernel only.
+    variant = "register_blocks" if hadamard_seed is not None and columnwise else QUANTIZE_VARIANT
+    if variant == "original":
         tiles: BlockTiles | Tiles = QUANTIZE_TILES
     else:
-        tiles = quantize_tiles(block_rows, stochastic_rounding, buffers[2] is not None)
-    launch_quantize(x_MK, block_rows, tensor_scale, stochastic_rounding, seed, buffers, QUANTIZE_VARIANT, tiles)
+        tiles = quantize_tiles(block_rows, stochastic_rounding, columnwise)
+    launch_quantize(
+        x_MK,
+        block_rows,
+        tensor_scale,
+        stochastic_rounding,
+        seed,
+        buffers,
+        variant,
+        tiles,
+        columnwise_tensor_scale,
+        hadamard_seed,
+    )
 
 
 @triton.jit
@@ -617,6 +684,52 @@ def _butterfly(groups, H: tl.constexpr):
     first, second = tl.split(pairs)
     pairs = tl.permute(tl.join(first + second, first - second), (0, 1, 3, 2))
     return tl.reshape(pairs, (N, 16))
+
+
+@triton.jit
+def _hadamard_runs(runs, seed):
+    """(1/4) H_16 D of every run of an (N, 16) fp32 tensor, D the signs of `seed` (an int in int64
+    range): the reference's signs, 4-stage butterfly and 1/4, in that order."""
+    draws = splitmix64(seed.to(tl.int64).to(tl.uint64, bitcast=True), tl.arange(0, 16).to(tl.uint64))
+    signs = tl.where((draws >> 63) != 0, -1.0, 1.0)
+    runs = _butterfly(_butterfly(_butterfly(_butterfly(runs * signs[None, :], 1), 2), 4), 8)
+    return runs * 0.25
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _hadamard_amaxes_kernel(
+    x_ptr, amax_ptr, M, K, stride_m, stride_k, seed, TILE_M: tl.constexpr, TILE_K: tl.constexpr
+):  # fmt: skip
+    """amax(x) and amax(T(x^T)) of one TILE_M x TILE_K tile (TILE_M a multiple of 16; rows past M
+    read as 0, which pads a partial last run): one atomic max per program into amax_ptr[0] and [1]."""
+    rows = ((tl.program_id(0) // tl.cdiv(K, TILE_K)) * TILE_M + tl.arange(0, TILE_M)).to(tl.int64)
+    cols = ((tl.program_id(0) % tl.cdiv(K, TILE_K)) * TILE_K + tl.arange(0, TILE_K)).to(tl.int64)
+    mask_MK = (rows < M)[:, None] & (cols < K)[None, :]
+    x_MK = tl.load(x_ptr + (rows * stride_m)[:, None] + (cols * stride_k)[None, :], mask=mask_MK, other=0.0)
+    x_MK = x_MK.to(tl.float32)
+    runs_NP = _hadamard_runs(tl.reshape(tl.trans(x_MK), (TILE_K * TILE_M // 16, 16)), seed)
+    tl.atomic_max(amax_ptr, tl.max(finite_abs(x_MK)))
+    tl.atomic_max(amax_ptr + 1, tl.max(finite_abs(runs_NP)))
+
+
+@register_kernel("hadamard_amaxes", "triton", traceable=True)
+def _hadamard_amaxes(x_MK: torch.Tensor, seed: int, out: torch.Tensor) -> None:
+    M, K = x_MK.shape
+    tiles = HADAMARD_AMAXES_TILES
+    launch(
+        _hadamard_amaxes_kernel,
+        (cdiv(M, tiles.tile_m) * cdiv(K, tiles.tile_k),),
+        x_MK,
+        out,
+        M,
+        K,
+        *x_MK.stride(),
+        seed,
+        TILE_M=tiles.tile_m,
+        TILE_K=tiles.tile_k,
+        num_warps=tiles.num_warps,
+        **EXACT,
+    )
 
 
 @triton.jit(do_not_specialize=["seed"])

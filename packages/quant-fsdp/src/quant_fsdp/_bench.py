@@ -210,6 +210,22 @@ def _kernel_cases(shape: tuple[int, int], device: torch.device) -> list[_Case]:
             lambda: quant_core.quantize_nvfp4(x, columnwise=True),
             lambda: _tensors(quant_core.quantize_nvfp4_reference(x, columnwise=True)),
         ),
+        # The random Hadamard transform on the columnwise (wgrad) usage: both amaxes in one read,
+        # then one read for both usages (quant_core [Note: NVFP4 random Hadamard transform]).
+        _Case(
+            "nvfp4 1x16 quantize rowwise+columnwise with RHT",
+            ("hadamard_amaxes", "quantize_nvfp4"),
+            3 * n,
+            lambda: quant_core.quantize_nvfp4(x, columnwise=True, hadamard_seed=1),
+            lambda: _tensors(quant_core.quantize_nvfp4_reference(x, columnwise=True, hadamard_seed=1)),
+        ),
+        _Case(
+            "nvfp4 amax and RHT amax",
+            ("hadamard_amaxes",),
+            2 * n,
+            lambda: quant_core.hadamard_amaxes(x, seed=1),
+            lambda: quant_core.hadamard_amaxes_reference(x, seed=1),
+        ),
         _Case(
             "nvfp4 1x16 quantize, stochastic rounding",
             ("amax", "quantize_nvfp4"),
