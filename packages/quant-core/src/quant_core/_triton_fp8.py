@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch._subclasses.functional_tensor import FunctionalTensor
 
 from quant_core._backend import register_kernel
 from quant_core._fp8_quantize import composed_quantize_fp8, composed_quantize_fp8_delayed, new_scalar
@@ -299,10 +298,6 @@ def _quantize_fp8(
         return composed_quantize_fp8("triton")(
             x_MK, amax, fp8_dtype, power_2_scales, rowwise_MK, columnwise_KM, scale_inv, scale, amax_out
         )
-    if COMPILED_CURRENT_SCALING != "kernels" and isinstance(x_MK, FunctionalTensor):
-        return _traced_quantize_fp8(
-            x_MK, amax, fp8_dtype, power_2_scales, rowwise_MK, columnwise_KM, scale_inv, scale, amax_out
-        )
     if amax is None:
         amax = _launch_amax(x_MK, None, _AMAX_PROGRAMS)
     else:
@@ -324,56 +319,6 @@ def _quantize_fp8(
         **EXACT,
     )
     _launch_cast(x_MK, fp8_dtype, rowwise_MK, columnwise_KM, scale)
-
-
-# Experiment switch (issue #16): how a traced current-scaling quantize reaches Inductor.
-# "kernels": our three launches; "amax": the amax as aten ops (Inductor fuses the reduction into
-# x's producer), scale and cast ours; "full": amax and cast as aten ops, the scale ours.
-COMPILED_CURRENT_SCALING = "full"
-
-
-def _traced_quantize_fp8(
-    x_MK: torch.Tensor,
-    amax: torch.Tensor | None,
-    fp8_dtype: torch.dtype,
-    power_2_scales: bool,
-    rowwise_MK: torch.Tensor | None,
-    columnwise_KM: torch.Tensor | None,
-    scale_inv: torch.Tensor,
-    scale: torch.Tensor | None,
-    amax_out: torch.Tensor | None,
-) -> None:
-    """[Note: current scaling under torch.compile]"""
-    if amax is None:
-        amax = torch.where(x_MK.isfinite(), x_MK.abs(), 0).amax().float().reshape(1)
-    else:
-        amax_out = None
-    if scale is None:
-        scale = new_scalar(x_MK.device)
-    launch(
-        _current_scale_kernel,
-        (1,),
-        amax,
-        1,
-        scale,
-        scale_inv,
-        amax_out,
-        FP8_MAX[fp8_dtype],
-        POWER_2=power_2_scales,
-        BLOCK=16,
-        num_warps=1,
-        **EXACT,
-    )
-    if COMPILED_CURRENT_SCALING == "amax":
-        _launch_cast(x_MK, fp8_dtype, rowwise_MK, columnwise_KM, scale)
-        return
-    fmax = FP8_MAX[fp8_dtype]
-    scaled = (x_MK.float() * scale).clamp(-fmax, fmax)
-    codes = torch.where(scaled.isnan(), float("nan"), scaled).to(fp8_dtype)
-    if rowwise_MK is not None:
-        rowwise_MK.copy_(codes.view(rowwise_MK.dtype))
-    if columnwise_KM is not None:
-        columnwise_KM.copy_(codes.t().view(columnwise_KM.dtype))
 
 
 @register_kernel("quantize_fp8_delayed", "triton", traceable=True)
