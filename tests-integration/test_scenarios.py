@@ -133,7 +133,7 @@ class Scenario:
 
 
 SPLIT_TILES = "blockwise FP8 weights whose 64-row shards split 128-row tiles (all but fc1) gather in high precision"
-TP_WEIGHTS = "TP weights under FSDP2 gather their high-precision shards (docs/fsdp.md: not built yet)"
+TP_WEIGHTS = "TP weights under FSDP2 gather their high-precision slices (quantized TP gathers: not built yet)"
 SCENARIOS = (
     # FSDP at world size 1 (bitwise against no FSDP): every recipe.
     Scenario(name="fsdp1-fp8-hp", recipe="fp8", weights="hp", world_size=1, layout="FSDP"),
@@ -480,19 +480,10 @@ def outcome(scenario: Scenario, request: pytest.FixtureRequest) -> dict[str, Any
     return torch.load(request.getfixturevalue("results") / f"{scenario.name}.pt", weights_only=True)
 
 
-def rows(xfail_fsdp_over_tp: bool = False) -> list:
-    marks = pytest.mark.xfail(
-        strict=True,
-        reason="TP weights under FSDP2 gather in high precision, but neither comm_stats() nor the gather plan "
-        "shows it (DESIGN section 5: every fallback counted in comm_stats and shown by gather_plan)",
-    )
-    return [
-        pytest.param(s, id=s.name, marks=marks if xfail_fsdp_over_tp and s.layout == "FSDP+TP" else ())
-        for s in SCENARIOS
-    ]
+ROWS = [pytest.param(s, id=s.name) for s in SCENARIOS]
 
 
-@pytest.mark.parametrize("scenario", rows())
+@pytest.mark.parametrize("scenario", ROWS)
 def test_loss_parity(scenario: Scenario, request: pytest.FixtureRequest) -> None:
     result = outcome(scenario, request)
     losses = result["losses"]
@@ -508,7 +499,7 @@ def test_loss_parity(scenario: Scenario, request: pytest.FixtureRequest) -> None
         assert losses[SAVE_AFTER:] == result["uninterrupted"]
 
 
-@pytest.mark.parametrize("scenario", rows())
+@pytest.mark.parametrize("scenario", ROWS)
 def test_quantized_bytes(scenario: Scenario, request: pytest.FixtureRequest) -> None:
     result = outcome(scenario, request)
     want = expected(scenario)
@@ -523,7 +514,7 @@ def test_quantized_bytes(scenario: Scenario, request: pytest.FixtureRequest) -> 
     assert ratio <= BOUNDS[scenario.recipe] * want.usages
 
 
-@pytest.mark.parametrize("scenario", rows(xfail_fsdp_over_tp=True))
+@pytest.mark.parametrize("scenario", ROWS)
 def test_no_unexpected_fallback(scenario: Scenario, request: pytest.FixtureRequest) -> None:
     result = outcome(scenario, request)
     want = expected(scenario)

@@ -184,6 +184,27 @@ def test_fallback_gathers_padded_high_precision_and_quantizes_after(recipe_name)
         )  # every rank's padded fp32 shard, counted per rank
 
 
+def test_gather_only_fallback_hands_over_the_high_precision_weight():
+    # A tensor-parallel weight's slice under FSDP2 (fully_shard with quantize_on_gather=True): the
+    # TP layer quantizes the gathered slice in its forward, so the hook leaves it high precision.
+    quantizer = qt.recipe_from_name("mxfp8").quantizer("weight")
+    value = torch.randn(96, 64)
+    shards = [
+        quant_fsdp.QuantizeOnGatherTensor(c.clone(), quantizer, fallback=True, quantize_after_gather=False)
+        for c in value.chunk(2)
+    ]
+    assert not shards[0].detach()[:8].quantize_after_gather  # FSDP2's views of the shard keep it
+    before = quant_fsdp.comm_stats().get(quantizer.format_name, {}).get("fallback", 0)
+    unsharded, inner_tensors = gather(shards, 2, 5, value.shape)
+    assert type(unsharded) is torch.Tensor
+    assert inner_tensors == ()
+    assert torch.equal(unsharded, value)
+    assert quant_fsdp.comm_stats()[quantizer.format_name]["fallback"] - before == 2 * 48 * 64 * 4 * 2
+    assert gather(shards, 2, 5, value.shape, out=unsharded) is None  # FSDP2 refilled the gathered storage
+    with pytest.raises(ValueError, match="quantize_after_gather=False needs fallback=True"):
+        quant_fsdp.QuantizeOnGatherTensor(torch.randn(64, 32), quantizer, quantize_after_gather=False)
+
+
 @pytest.mark.parametrize(
     ("recipe_name", "shape", "world_size", "reason"),
     [

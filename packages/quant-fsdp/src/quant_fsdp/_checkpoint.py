@@ -22,7 +22,8 @@ DCP's load protocol (DTensor hands `__create_chunk_list__` and `__get_tensor_sha
   shard instead (`__create_chunk_list__`), reads them into a high-precision staging tensor
   (quantized chunks dequantized, whole blocks), and copies its own rows into the shard once
   they have all arrived. Its value is then the dequantized weight; FusedAdam's load then writes
-  the master in.
+  the master in. A gather-only wrapper (a tensor-parallel weight's slice under FSDP2, never a
+  quantized primary weight) loads its own rows, as a plain DTensor's local tensor would.
 
 The weights' local tensors find their parameter's placement (global shape, mesh, placements)
 through their quantizer (DCP hands over the detached local of a state dict entry, a new object
@@ -125,7 +126,7 @@ def quantized_local_for_checkpoint(self: QuantizedTensor, index: MetadataIndex) 
 
 def high_precision_chunks_for_loading(local: torch.Tensor) -> list[ChunkStorageMetadata]:
     """`__create_chunk_list__` of a QuantizeOnGatherTensor (called when DCP plans a load): its
-    chunk, widened to whole blocks when it starts or ends inside one."""
+    chunk, widened to whole blocks when it starts or ends inside one (not for a gather-only one)."""
     placement = _PLACEMENT_OF.get(local.quantizer)
     if placement is None:
         raise RuntimeError(
@@ -133,7 +134,9 @@ def high_precision_chunks_for_loading(local: torch.Tensor) -> list[ChunkStorageM
             "quant_fsdp.fully_shard; torch.distributed.checkpoint cannot place it"
         )
     sizes, offsets = compute_local_shape_and_global_offset(placement.shape, placement.mesh, placement.placements)
-    start, stop = _block_cover(local.quantizer, placement.shape, offsets[0], offsets[0] + sizes[0])
+    start, stop = offsets[0], offsets[0] + sizes[0]
+    if local.quantize_after_gather:  # a gather-only TP slice reads DCP's own chunk, as a plain local does
+        start, stop = _block_cover(local.quantizer, placement.shape, start, stop)
     if (start, stop) != (offsets[0], offsets[0] + sizes[0]):
         _TARGETS[local] = _HighPrecisionTarget(local, start, stop - start, offsets[0] - start)
     return [ChunkStorageMetadata(torch.Size((start, *offsets[1:])), torch.Size((stop - start, *sizes[1:])))]

@@ -8,7 +8,10 @@ weights, mode 1). `fully_shard` then, for the parameters the call manages:
    high-precision QuantizeOnGatherTensor weights (the fallback), from their high-precision
    initial value where qt.convert kept one;
 3. mode 2 (`quantize_on_gather=True`): the high-precision weights of qt.nn.Linear layers become
-   QuantizeOnGatherTensor weights that gather quantized (or take the fallback);
+   QuantizeOnGatherTensor weights that gather quantized (or take the fallback); tensor-parallel
+   weights (quant_fsdp.parallel) keep their DTensor, whose local slice becomes a gather-only
+   QuantizeOnGatherTensor: the fallback's high-precision gather, not quantized after (the TP layer
+   quantizes its slice in the forward), so that comm_stats() and gather_plan() show it;
 4. calls torch's fully_shard, and shards the kept high-precision initial values alongside;
 5. lets checkpoints load each quantized weight from either of its forms ([Note: checkpoints
    across weight forms] in quant_optim._adam, quant_fsdp._checkpoint): the fallback weights of
@@ -85,7 +88,8 @@ def fully_shard(
     for name, owner, attribute, param in list(_managed_parameters(module, kwargs.get("ignored_params"))):
         quantizer, mode = _quantizer_and_mode(owner, attribute, param, quantize_on_gather)
         if quantizer is not None:
-            reason = _plan.fallback_reason(quantizer, tuple(param.shape), world_size)
+            tensor_parallel = isinstance(param, DTensor)
+            reason = _plan.fallback_reason(quantizer, tuple(param.shape), world_size, tensor_parallel=tensor_parallel)
             entries.append(
                 (
                     _plan.GatherPlan(name, quantizer.format_name, tuple(param.shape), mode, reason),
@@ -119,7 +123,13 @@ def fully_shard(
                 init_values[plan.name] = init_value
         else:
             value = _high_precision_value(param) if plan.mode == _plan.QUANTIZED_WEIGHTS else param.detach()
-            wrapped = QuantizeOnGatherTensor(value, quantizer, fallback=not plan.quantized_gather)
+            local = QuantizeOnGatherTensor(
+                qt.local_shard(value),
+                quantizer,
+                fallback=not plan.quantized_gather,
+                quantize_after_gather=not isinstance(value, DTensor),  # a TP slice: its layer quantizes it
+            )
+            wrapped = qt.shard_like(value, local)
             owner.register_parameter(attribute, torch.nn.Parameter(wrapped, requires_grad=param.requires_grad))
     torch_fully_shard(module, **{**kwargs, "mesh": mesh})
     if amax_histories(module):  # [Note: shared amax histories]
@@ -169,25 +179,17 @@ def _quantizer_and_mode(
     owner: torch.nn.Module, attribute: str, param: torch.Tensor, quantize_on_gather: bool
 ) -> tuple[Any, str]:
     local = qt.local_quantized(param)
-    if isinstance(param, DTensor):  # tensor parallel (quant_fsdp.parallel): FSDP2 gathers it as it is
-        if local is not None:
-            raise NotImplementedError(
-                f"{type(owner).__name__}.{attribute} is a quantized primary weight split for tensor parallelism; "
-                "sharding it with FSDP2 as well is not built (its per-tensor scale would have to agree over TP x "
-                "FSDP and its FSDP shards fall on block rows). Use high-precision weights for TP x FSDP2, or TP alone."
-            )
-        if quantize_on_gather and isinstance(owner, qt.nn.Linear) and attribute == "weight":
-            logger.warning(
-                "%s.weight is tensor parallel: quantize_on_gather does not apply to it yet, FSDP2 gathers its "
-                "high-precision shard (the TP layer quantizes it in the forward)",
-                type(owner).__name__,
-            )
-        return None, ""
+    if isinstance(param, DTensor) and local is not None:  # tensor parallel (quant_fsdp.parallel)
+        raise NotImplementedError(
+            f"{type(owner).__name__}.{attribute} is a quantized primary weight split for tensor parallelism; "
+            "sharding it with FSDP2 as well is not built (its per-tensor scale would have to agree over TP x "
+            "FSDP and its FSDP shards fall on block rows). Use high-precision weights for TP x FSDP2, or TP alone."
+        )
     if local is not None:
         if local.quantizer is None:
             raise ValueError(f"quantized parameter {attribute} of {type(owner).__name__} has no quantizer")
         return local.quantizer, _plan.QUANTIZED_WEIGHTS
-    if isinstance(param, QuantizeOnGatherTensor):
+    if isinstance(qt.local_shard(param), QuantizeOnGatherTensor):
         raise ValueError(f"{type(owner).__name__}.{attribute} is already prepared by quant_fsdp.fully_shard")
     if (
         quantize_on_gather

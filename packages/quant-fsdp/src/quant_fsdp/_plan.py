@@ -6,9 +6,12 @@ all-gather input has the padded parameter shape, which scales cannot have), at l
 dim 0 each, and start on the format's block rows (`Quantizer.row_alignment`: 1 for per-tensor FP8,
 32 for MXFP8, 128 for blockwise 128x128, 16 for NVFP4 16x16). Any other parameter takes the
 fallback: its shard stays high precision, FSDP2 gathers it in high precision (or the
-MixedPrecisionPolicy's param_dtype) and the hook quantizes the unsharded tensor. The decision is
-made once, in `quant_fsdp.fully_shard`, logged once per parameter, shown by `gather_plan` and
-counted in `comm_stats()`.
+MixedPrecisionPolicy's param_dtype) and the hook quantizes the unsharded tensor. Tensor-parallel
+weights (DTensors of quant_fsdp.parallel) in quantize-on-gather mode take the fallback too:
+FSDP2 gathers their high-precision TP slices and the TP layer quantizes its slice in the forward
+(quantized gathers of TP slices are not built). The decision is made once, in
+`quant_fsdp.fully_shard`, logged once per parameter, shown by `gather_plan` and counted in
+`comm_stats()`.
 """
 
 from __future__ import annotations
@@ -46,8 +49,17 @@ class GatherPlan:
         return not self.fallback_reason
 
 
-def fallback_reason(quantizer: Any, shape: tuple[int, ...], world_size: int) -> str:
-    """Why a parameter of `shape` sharded over `world_size` cannot gather quantized ("" if it can)."""
+TENSOR_PARALLEL_REASON = (
+    "it is a tensor-parallel slice, which its TP layer quantizes after the gather (quantized gathers of TP "
+    "slices are not built)"
+)
+
+
+def fallback_reason(quantizer: Any, shape: tuple[int, ...], world_size: int, *, tensor_parallel: bool = False) -> str:
+    """Why a parameter of `shape` sharded over `world_size` cannot gather quantized ("" if it can);
+    `tensor_parallel`: the parameter is a TP DTensor, which always takes the fallback."""
+    if tensor_parallel:
+        return TENSOR_PARALLEL_REASON
     if not shape:
         return "it is 0-d"
     rows = shape[0]

@@ -10,7 +10,11 @@ the all-gather hooks on it:
   change of the shard (its version counter): the backward re-gather sends the same bytes, and
   delayed scaling records one amax per step, as without FSDP;
 - fallback ([Note: alignment policy] in quant_fsdp._plan): the shard is gathered in high precision
-  and the post-all-gather hook quantizes the unsharded tensor.
+  and the post-all-gather hook quantizes the unsharded tensor;
+- gather only (`quantize_after_gather=False`, tensor-parallel weights under FSDP2): the fallback's
+  high-precision gather, counted as such, and the unsharded tensor stays high precision: it is
+  the TP layer's local weight, which the layer quantizes in its forward ([Note: quantized tensor
+  parallelism] in quant_fsdp.parallel).
 
 Every op runs on the wrapped tensor. The ops FSDP2 uses to shard, pad and move parameters keep
 the wrapper; in-place ops return it; everything else returns plain tensors (optimizer states).
@@ -65,9 +69,18 @@ class QuantizeOnGatherTensor(torch.Tensor):
     _data: torch.Tensor
     quantizer: Quantizer
     fallback: bool
+    quantize_after_gather: bool
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, quantizer: Quantizer, *, fallback: bool = False, requires_grad: bool = False):
+    def __new__(
+        cls,
+        data: torch.Tensor,
+        quantizer: Quantizer,
+        *,
+        fallback: bool = False,
+        quantize_after_gather: bool = True,
+        requires_grad: bool = False,
+    ):
         return torch.Tensor._make_wrapper_subclass(
             cls,
             data.shape,
@@ -79,14 +92,25 @@ class QuantizeOnGatherTensor(torch.Tensor):
         )
 
     def __init__(
-        self, data: torch.Tensor, quantizer: Quantizer, *, fallback: bool = False, requires_grad: bool = False
+        self,
+        data: torch.Tensor,
+        quantizer: Quantizer,
+        *,
+        fallback: bool = False,
+        quantize_after_gather: bool = True,
+        requires_grad: bool = False,
     ):
+        """`fallback`: gather the high-precision shard; `quantize_after_gather=False` (fallback only):
+        leave the gathered tensor high precision (a tensor-parallel weight's local slice)."""
         if isinstance(data, (QuantizedTensor, QuantizeOnGatherTensor)):
             raise TypeError(f"QuantizeOnGatherTensor wraps a high-precision tensor, got {type(data).__name__}")
+        if not (fallback or quantize_after_gather):
+            raise ValueError("quantize_after_gather=False needs fallback=True: a quantized gather is quantized")
         self._data = data
         self._version_source = data  # [Note: versions through views]
         self.quantizer = quantizer
         self.fallback = fallback
+        self.quantize_after_gather = quantize_after_gather
         self._quantized_shard: QuantizedTensor | None = None
         self._quantized_version = -1
         self._synced_amax: tuple[int, torch.Tensor] | None = None  # (shard version, amax) from sync_amax_
@@ -109,7 +133,9 @@ class QuantizeOnGatherTensor(torch.Tensor):
         return result
 
     def _wrap(self, t: torch.Tensor, *, view: bool) -> QuantizeOnGatherTensor:
-        wrapped = QuantizeOnGatherTensor(t, self.quantizer, fallback=self.fallback)
+        wrapped = QuantizeOnGatherTensor(
+            t, self.quantizer, fallback=self.fallback, quantize_after_gather=self.quantize_after_gather
+        )
         if view:
             wrapped._version_source = self._version_source  # [Note: versions through views]
         return wrapped
@@ -120,11 +146,16 @@ class QuantizeOnGatherTensor(torch.Tensor):
         return self._version_source._version
 
     def __tensor_flatten__(self) -> tuple[list[str], dict[str, Any]]:
-        return ["_data"], {"quantizer": self.quantizer, "fallback": self.fallback}
+        context = {
+            "quantizer": self.quantizer,
+            "fallback": self.fallback,
+            "quantize_after_gather": self.quantize_after_gather,
+        }
+        return ["_data"], context
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, context, outer_size, outer_stride):
-        return QuantizeOnGatherTensor(inner_tensors["_data"], context["quantizer"], fallback=context["fallback"])
+        return QuantizeOnGatherTensor(inner_tensors["_data"], **context)
 
     def __reduce_ex__(self, protocol: int):
         """Pickles (torch.save, torch.distributed.checkpoint) as the plain high-precision shard: a
@@ -142,7 +173,9 @@ class QuantizeOnGatherTensor(torch.Tensor):
         return _checkpoint.high_precision_local_for_checkpoint(self, index)
 
     def __repr__(self) -> str:  # type: ignore[override]
-        path = "high precision, then quantize" if self.fallback else "quantized"
+        path = "quantized"
+        if self.fallback:
+            path = "high precision, then quantize" if self.quantize_after_gather else "high precision"
         return f"QuantizeOnGatherTensor({self._data}, format={self.quantizer.format_name}, gather={path})"
 
     # ---- FSDP2 all-gather hooks (both signatures: (mesh) and the 5-argument one) -----------------
@@ -165,6 +198,10 @@ class QuantizeOnGatherTensor(torch.Tensor):
             return _quantized_all_gather.post_all_gather(self, all_gather_outputs, metadata, param_dtype, out)
         (gathered,) = all_gather_outputs
         full = gathered[: metadata[0]]  # metadata: the unsharded shape; FSDP2 pads after its last row
+        if not self.quantize_after_gather:
+            # A view of the all-gather output, whose storage FSDP2 frees on reshard and reallocates
+            # (the same storage object) before the next gather: `out` then already holds the result.
+            return None if out is not None else (full, ())
         self._restore_history_for_a_repeat()
         if out is not None:
             with _quantized_all_gather.keeping_versions(*(b for b in out.buffers().values() if b is not None)):
