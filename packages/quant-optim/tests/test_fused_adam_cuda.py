@@ -1,5 +1,7 @@
-"""FusedAdam on CUDA tensors (the reference path until a Triton kernel exists) equals the C++
-CPU step bit for bit: [Note: Adam numerics] uses only correctly rounded fp32 operations."""
+"""FusedAdam on CUDA tensors (the tensor-driven step, [Note: FusedAdam tensor-driven step]) equals the
+C++ CPU step bit for bit ([Note: Adam numerics] uses only correctly rounded fp32 operations),
+skipped steps included; after its first step it makes no host sync; with capturable=True a
+CUDA graph of one step replays as eager steps do."""
 
 from __future__ import annotations
 
@@ -32,9 +34,37 @@ def params_on(device: str) -> list[torch.nn.Parameter]:
         torch.nn.Parameter(values(1000).to(torch.bfloat16)),
         *(
             qt.nn.quantized_parameter(values(256, 512), qt.recipe_from_name(r).quantizer("weight"))
-            for r in ("fp8", "mxfp8", "fp8-block", "nvfp4")
+            for r in ("fp8", "mxfp8", "fp8-block", "nvfp4", "fp8-delayed")
         ),
     ]
+
+
+def set_grads(params: list[torch.nn.Parameter], step: int, device: str, nan: bool = False) -> None:
+    generator = torch.Generator().manual_seed(step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator).to(device=device, dtype=p.dtype)
+    if nan:
+        params[-2].grad[7, 9] = float("nan")
+
+
+def snapshot(params: list[torch.nn.Parameter], optimizer: FusedAdam) -> list[list[torch.Tensor]]:
+    """Every byte the step may write: buffers, delayed-scaling histories, optimizer states."""
+    return [
+        [raw_bits(t.reshape(-1)).cpu() for t in tensors_of(p) if t is not None]
+        + ([p.quantizer.state.cpu()] if isinstance(p, qt.QuantizedTensor) and p.quantizer.state is not None else [])
+        + [raw_bits(v.reshape(-1)).cpu() for _, v in sorted(optimizer.state[p].items())]
+        for p in params
+    ]
+
+
+def assert_same(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> None:
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        for j, (u, v) in enumerate(zip(x, y, strict=True)):
+            assert torch.equal(u, v), f"parameter {i}, tensor {j}: {(u != v).sum()} of {u.numel()} differ"
+
+
+# step -> (a NaN in a gradient, the caller's found_inf)
+SCHEDULE = {0: (True, None), 1: (False, None), 2: (False, None), 3: (True, None), 4: (False, 1.0), 5: (False, 0.0)}
 
 
 @pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
@@ -45,16 +75,73 @@ def test_cuda_step_equals_cpu_step_bitwise(moment_dtype):
         optimizer = FusedAdam(
             params, lr=1e-2, weight_decay=0.1, exp_avg_dtype=moment_dtype, exp_avg_sq_dtype=moment_dtype
         )
-        for step in range(5):
+        verdicts = []
+        for step, (nan, found) in SCHEDULE.items():
+            set_grads(params, step, device, nan)
+            before = snapshot(params, optimizer)
+            optimizer.step(found_inf=None if found is None else torch.tensor([found], device=device))
+            verdicts.append(optimizer.last_step_skipped)
+            if verdicts[-1]:  # a skipped step (the first one too) writes nothing, histories included
+                assert_same(snapshot(params, optimizer), before)
+        results[device] = (snapshot(params, optimizer), verdicts, optimizer.skipped_steps)
+    assert results["cuda"][1:] == results["cpu"][1:] == ([True, False, False, True, True, False], 3)
+    assert_same(results["cpu"][0], results["cuda"][0])
+
+
+def stateless_params(device: str = "cuda") -> list[torch.nn.Parameter]:
+    return params_on(device)[:-1]  # fp8-delayed left out: it reads the verdict on the host (and capturable refuses it)
+
+
+def test_cuda_steps_after_the_first_make_no_host_sync():
+    params = stateless_params()
+    lr = torch.tensor(1e-2, device="cuda")
+    optimizer = FusedAdam(params, lr=lr, weight_decay=0.1, exp_avg_dtype=torch.bfloat16)
+    grads = []
+    for step in range(4):
+        set_grads(params, step, "cuda")
+        grads.append([p.grad for p in params])
+    for p, g in zip(params, grads[0], strict=True):
+        p.grad = g
+    optimizer.step()  # the first: builds the plan and tables, writes the quantized bytes from the masters
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step, found in ((1, None), (2, torch.zeros(1, device="cuda")), (3, torch.ones(1, device="cuda"))):
+            for p, g in zip(params, grads[step], strict=True):
+                p.grad = g  # other memory than the first step's: one pinned, non-blocking table copy
+            lr.mul_(0.5)
+            optimizer.step(found_inf=found)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert optimizer.skipped_steps == 1
+    assert all(float(optimizer.state[p]["step"]) == 3.0 for p in params)
+
+
+def test_capturable_step_replays_in_a_cuda_graph_as_eager_steps():
+    lr = {"graph": torch.tensor(1e-2, device="cuda"), "eager": torch.tensor(1e-2, device="cuda")}
+    found = {"graph": torch.zeros(1, device="cuda"), "eager": torch.zeros(1, device="cuda")}
+    runs = {}
+    for run in ("graph", "eager"):
+        params = stateless_params()
+        optimizer = FusedAdam(params, lr=lr[run], weight_decay=0.1, capturable=True)
+        set_grads(params, 0, "cuda")  # static gradients: each step below writes new values into them
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            optimizer.step(found_inf=found[run])  # the warm-up step
+        torch.cuda.current_stream().wait_stream(stream)
+        if run == "graph":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                optimizer.step(found_inf=found[run])
+        for step in range(1, 6):
             generator = torch.Generator().manual_seed(step)
             for p in params:
-                p.grad = torch.randn(p.shape, generator=generator).to(device=device, dtype=p.dtype)
-            optimizer.step()
-        results[device] = [
-            [raw_bits(t.reshape(-1)).cpu() for t in tensors_of(p) if t is not None]
-            + [raw_bits(v.reshape(-1)).cpu() for v in optimizer.state[p].values()]
-            for p in params
-        ]
-    for i, (cpu, cuda) in enumerate(zip(results["cpu"], results["cuda"], strict=True)):
-        for j, (a, b) in enumerate(zip(cpu, cuda, strict=True)):
-            assert torch.equal(a, b), f"parameter {i}, tensor {j}: {(a != b).sum()} of {a.numel()} bytes differ"
+                p.grad.copy_(torch.randn(p.shape, generator=generator).to(dtype=p.dtype))
+            lr[run].fill_(1e-2 / step)
+            found[run].fill_(1.0 if step == 3 else 0.0)
+            graph.replay() if run == "graph" else optimizer.step(found_inf=found[run])
+        torch.cuda.synchronize()
+        runs[run] = (snapshot(params, optimizer), optimizer.skipped_steps)
+    assert runs["graph"][1] == runs["eager"][1] == 1
+    assert_same(runs["eager"][0], runs["graph"][0])

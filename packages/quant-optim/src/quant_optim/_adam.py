@@ -46,9 +46,10 @@ fp32 shard is the master itself and FusedAdam keeps no copy. So:
   not fill (DCP's partial loads leave the state dict's tensors as `state_dict` gave them: their
   version counters tell) derives nothing: the weight keeps what the model's load gave it.
 
-`capturable=True` (CUDA graphs) is refused: the step decides on the host whether to skip
-(non-finite gradients), reads a tensor `lr` with .item() and buckets parameters by their step
-count in Python, all of which a captured graph cannot replay.
+On CUDA (and with `capturable=True` on any device) the step keeps every decision in tensors:
+[Note: FusedAdam tensor-driven step] in quant_optim._tensor_step, which also says what
+`capturable=True` (CUDA graphs) refuses. CPU tensors step as above, deciding on the host (a read
+of a CPU tensor costs no sync); both give the same bits.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import quant_core
 import quant_tensors as qt
+from quant_optim import _tensor_step
+from quant_optim._write_back import PendingAmax, agree_amaxes_and_apply, requantize_into, shard_groups
 
 _FP8_MOMENT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _MOMENT_DTYPES = (*quant_core.MOMENT_DTYPES, *_FP8_MOMENT_DTYPES)
@@ -100,11 +103,18 @@ class FusedAdam(torch.optim.Optimizer):
         for name, dtype in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
             if dtype not in _MOMENT_DTYPES:
                 raise ValueError(f"{name} must be one of {', '.join(map(str, _MOMENT_DTYPES))}, got {dtype}")
-        if capturable:
-            raise NotImplementedError(
-                "capturable=True (CUDA graphs) is not supported: the step decides on the host whether to skip "
-                "non-finite gradients and reads a tensor lr with .item(); use capturable=False"
-            )
+        self.capturable = capturable
+        """Steps keep every decision in tensors, so a CUDA graph can capture one ([Note: FusedAdam
+        tensor-driven step])."""
+        self._plan: tuple[tuple[Any, ...], Any] | None = None
+        """(key, plan) of the tensor-driven step: the parameters with gradients it was built for."""
+        self._plan_version = 0
+        """Bumped by add_param_group and load_state_dict: a plan built before is not used again."""
+        self._requantized_bytes: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        """Local quantized weights this optimizer wrote from their masters -> their buffers' versions then."""
+        self._skipped_on_host = 0
+        self._skipped_on_device: torch.Tensor | None = None
+        self._last_verdict: bool | torch.Tensor = False
         defaults = {
             "lr": lr,
             "betas": betas,
@@ -120,9 +130,6 @@ class FusedAdam(torch.optim.Optimizer):
             for p in group["params"]:
                 if qt.local_quantized(p) is not None and not group["master_weights"]:
                     raise ValueError("quantized parameters need master_weights=True (an fp32 master to update)")
-        self.skipped_steps = 0
-        """Steps skipped because some gradient was not finite."""
-        self.last_step_skipped = False
         self._masters_given: WeakIdKeyDictionary = WeakIdKeyDictionary()
         """Local masters that `state_dict` handed out -> their version then (see `_loaded`)."""
 
@@ -159,8 +166,24 @@ class FusedAdam(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for p in group["params"]:
+            if self.capturable:
+                _check_capturable(p, group)
             if p.requires_grad:
                 self._state_of(p, group)
+        self._plan_version += 1
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last step was skipped because some gradient was not finite. On CUDA the step
+        leaves this verdict on the device ([Note: FusedAdam tensor-driven step]): reading it waits
+        for the step's kernels (one host sync, here and not in the step)."""
+        return bool(self._last_verdict)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because some gradient was not finite (on CUDA a host sync, as last_step_skipped)."""
+        on_device = 0 if self._skipped_on_device is None else int(self._skipped_on_device.item())
+        return self._skipped_on_host + on_device
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state_dict, with the master of every quantized weight that this layout holds in
@@ -215,10 +238,11 @@ class FusedAdam(torch.optim.Optimizer):
                     )
                 targets.append((p, key, value, dtype))
         super().load_state_dict(state_dict)  # checks the groups' sizes
+        self._plan_version += 1
         for p, key, value, dtype in targets:
             self.state[p][key] = value.to(dtype=dtype, device=p.device)
         with torch.no_grad():  # the weights take values derived from the loaded masters
-            requantize = []
+            requantize, requantized = [], []
             for p, group in params:
                 if not p.requires_grad:
                     continue
@@ -230,6 +254,7 @@ class FusedAdam(torch.optim.Optimizer):
                     # Delayed scaling keeps its loaded bytes (see the Note).
                     if local.quantizer.stateless and self._loaded(state["master"]):
                         requantize.append(_requantize_from(local, qt.local_shard(state["master"])))
+                        requantized.append(local)
                 elif qt.nn.is_quantized_weight(p):  # held in high precision here: the master is its value
                     master = state["master"] if self._needs_master(local, group) else state.pop("master")
                     if self._loaded(master):
@@ -239,7 +264,9 @@ class FusedAdam(torch.optim.Optimizer):
                     # start from the loaded weight, not from the construction-time value, which the
                     # next step would write back over it.
                     state["master"] = qt.shard_like(p, self._weight_value(local))
-            _agree_amaxes_and_apply(requantize)
+            agree_amaxes_and_apply(requantize)
+            for local in requantized:  # the master's quantization ([Note: FusedAdam tensor-driven step])
+                self._requantized_bytes[local] = _tensor_step.buffer_versions(local)
 
     def _loaded(self, master: torch.Tensor) -> bool:
         """Whether `master` holds a loaded value: not a tensor of this optimizer's `state_dict`
@@ -287,9 +314,12 @@ class FusedAdam(torch.optim.Optimizer):
         grads = [_local_grad(p) for p, _ in work]
         for (p, _), grad in zip(work, grads, strict=True):  # before anything changes
             self._check_grad(p, grad)
-        self.last_step_skipped = not self._grads_finite(grads, found_inf)
-        if self.last_step_skipped:
-            self.skipped_steps += 1
+        if work and (self.capturable or qt.local_shard(work[0][0]).device.type == "cuda"):
+            self._tensor_driven_step(work, grads, found_inf)
+            return loss
+        self._last_verdict = not self._grads_finite(grads, found_inf) if work else False
+        if self._last_verdict:
+            self._skipped_on_host += 1
             return loss
         updates = [self._prepare(p, group, grad) for (p, group), grad in zip(work, grads, strict=True)]
         self._update(updates)
@@ -297,6 +327,25 @@ class FusedAdam(torch.optim.Optimizer):
         for (p, _), u in zip(work, updates, strict=True):
             self.state[p]["step"].fill_(u.step)
         return loss
+
+    def _tensor_driven_step(
+        self, work: list[tuple[torch.Tensor, dict[str, Any]]], grads: list[torch.Tensor], found_inf: torch.Tensor | None
+    ) -> None:
+        """[Note: FusedAdam tensor-driven step]; its plan is kept while the same parameters have gradients."""
+        key = (self._plan_version, *(id(p) for p, _ in work), *(g.dtype for g in grads))
+        if self._plan is None or self._plan[0] != key:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "FusedAdam(capturable=True) cannot capture a step over parameters (or gradient dtypes) it has not "
+                    "stepped eagerly since it was built or loaded: run one eager step with the same parameters having "
+                    "gradients before capturing (torch.cuda.graphs' warm-up)"
+                )
+            self._plan = (key, _tensor_step.build_plan(self, work, grads))
+        verdict = _tensor_step.step(self, self._plan[1], grads, found_inf)
+        if self._skipped_on_device is None or self._skipped_on_device.device != verdict.device:
+            self._skipped_on_device = torch.zeros((), dtype=torch.float32, device=verdict.device)
+        self._skipped_on_device.add_(verdict)
+        self._last_verdict = verdict
 
     @staticmethod
     def _check_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
@@ -335,7 +384,7 @@ class FusedAdam(torch.optim.Optimizer):
             step=int(state["step"]) + 1,
             group=group,
             fp8_moments=fp8_moments,
-            shard_groups=_shard_groups(p),
+            shard_groups=shard_groups(p),
         )
 
     @staticmethod
@@ -377,23 +426,23 @@ class FusedAdam(torch.optim.Optimizer):
         """Writes low-precision parameters from their masters and fp8 moments from their fp32
         values. Everything scaled by a per-tensor amax (per-tensor FP8 and NVFP4 weights, fp8
         moments) takes it from one all-reduce per process group for all of them."""
-        pending: list[_PendingAmax] = []
+        pending: list[PendingAmax] = []
         for u in updates:
             if u.per_tensor_quantized:
                 quantizer = u.local.quantizer
                 groups = () if quantizer.amax_group is None else (quantizer.amax_group,)
-                requantize = functools.partial(_requantize, quantizer, u.master, u.local)
-                pending.append(_PendingAmax(groups, u.amax, requantize))
+                requantize = functools.partial(requantize_into, quantizer, u.master, u.local)
+                pending.append(PendingAmax(groups, u.amax, requantize))
             elif u.master is not u.local:
                 u.local.copy_(u.master)  # a bf16 cast, or a requantize of a block-scaled format
         moments = [(u.shard_groups, moment) for u in updates for moment in u.fp8_moments]
         if moments:  # their amaxes in one kernel call
             moment_amaxes = quant_core.amax_many([moment.values for _, moment in moments])
             pending += [
-                _PendingAmax(groups, amax, moment.store)
+                PendingAmax(groups, amax, moment.store)
                 for (groups, moment), amax in zip(moments, moment_amaxes, strict=True)
             ]
-        _agree_amaxes_and_apply(pending)
+        agree_amaxes_and_apply(pending)
 
     @staticmethod
     def _grads_finite(grads: list[torch.Tensor], found_inf: torch.Tensor | None) -> bool:
@@ -406,33 +455,36 @@ class FusedAdam(torch.optim.Optimizer):
         return not bool(bad)
 
 
-def _agree_amaxes_and_apply(pending: list[_PendingAmax]) -> None:
-    """Agrees every local amax over its groups, one stacked all-reduce (MAX) per set of groups,
-    then applies each; items without an amax are applied as they are."""
-    by_groups: dict[tuple[int, ...], list[_PendingAmax]] = {}
-    for item in pending:
-        if item.amax is None:
-            item.apply(None)
-        else:
-            by_groups.setdefault(tuple(id(g) for g in item.groups), []).append(item)
-    for items in by_groups.values():
-        amaxes = torch.stack([item.amax for item in items])
-        for group in items[0].groups:  # one group for FSDP; shard dims in turn on a 2-D mesh
-            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
-        for item, amax in zip(items, amaxes, strict=True):
-            item.apply(amax)
-
-
-def _requantize_from(local: qt.QuantizedTensor, master: torch.Tensor) -> _PendingAmax:
+def _requantize_from(local: qt.QuantizedTensor, master: torch.Tensor) -> PendingAmax:
     """The requantization of a loaded quantized weight from its master (an amax to agree on for
     per-tensor formats, over the group the weight's shards share it in)."""
     quantizer = local.quantizer
     if not quantizer.per_tensor_amax:
-        return _PendingAmax((), None, lambda amax: quantizer.quantize_(master, local))
+        return PendingAmax((), None, lambda amax: quantizer.quantize_(master, local))
     groups = () if quantizer.amax_group is None else (quantizer.amax_group,)
-    return _PendingAmax(
-        groups, quant_core.amax_many([master])[0], functools.partial(_requantize, quantizer, master, local)
+    return PendingAmax(
+        groups, quant_core.amax_many([master])[0], functools.partial(requantize_into, quantizer, master, local)
     )
+
+
+def _check_capturable(p: torch.Tensor, group: dict[str, Any]) -> None:
+    """Refuses what a captured step cannot take ([Note: FusedAdam tensor-driven step])."""
+    for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        if group[key] in _FP8_MOMENT_DTYPES:
+            raise ValueError(
+                f"capturable=True cannot keep {key}={group[key]}: fp8 moments are stored from their values with a "
+                "per-tensor scale, which a skipped step would change, so every step reads the skip verdict on the host. "
+                f"Use {key}=torch.bfloat16 (or float32) with capturable=True, or capturable=False"
+            )
+    local = qt.local_shard(p)
+    if isinstance(local, qt.QuantizedTensor) and not local.quantizer.stateless:
+        raise ValueError(
+            f"capturable=True cannot step a {type(local.quantizer).__name__} weight of shape {tuple(p.shape)}: its "
+            "quantizer keeps state (an amax history, a stochastic-rounding counter) that a requantize on a skipped step "
+            "would change, so every step reads the skip verdict on the host. Use a stateless recipe for the weights "
+            "(e.g. qt.Float8CurrentScaling, qt.MXFP8BlockScaling, qt.Float8BlockScaling, qt.NVFP4BlockScaling without "
+            "stochastic rounding of weights), or capturable=False"
+        )
 
 
 def _check_saved_state(saved_id: int, p: torch.Tensor, saved: dict[str, Any]) -> None:
@@ -511,24 +563,3 @@ class _Fp8Moment:
         scale, scale_inv = quant_core.fp8_scale(amax, self.codes.dtype)
         quant_core.cast_to_fp8(self.values, scale, self.codes.dtype, rowwise_out=self.codes)
         self.scale_inv.copy_(scale_inv)
-
-
-@dataclass(frozen=True)
-class _PendingAmax:
-    """A local amax to be agreed over `groups` (MAX), then handed to `apply`."""
-
-    groups: tuple[dist.ProcessGroup, ...]
-    amax: torch.Tensor | None
-    """None where nothing is agreed on (applied with None)."""
-    apply: Callable[[torch.Tensor | None], None]
-
-
-def _requantize(quantizer: qt.Quantizer, master: torch.Tensor, local: qt.QuantizedTensor, amax: torch.Tensor) -> None:
-    quantizer.quantize_(master, local, amax=amax)
-
-
-def _shard_groups(p: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
-    """The groups over whose ranks `p` is split: the mesh dims with a Shard placement."""
-    if not isinstance(p, DTensor):
-        return ()
-    return tuple(p.device_mesh.get_group(dim) for dim, placement in enumerate(p.placements) if placement.is_shard())

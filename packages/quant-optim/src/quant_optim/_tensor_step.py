@@ -1,0 +1,240 @@
+"""FusedAdam's step on CUDA (and with capturable=True): every decision in tensors, no host sync.
+
+[Note: FusedAdam tensor-driven step] The step of [Note: FusedAdam step] without reading the device
+from the host, so a training loop never waits for the optimizer and a CUDA graph can capture it:
+- the verdict (quant_core.has_non_finite of the gradients, or the caller's `found_inf`, after the
+  one all-reduce) stays a device tensor; quant_core.adam_step_capturable_ reads it and writes
+  nothing when it is set, step counts included (they are device tensors, incremented by the
+  kernel), and computes the bias corrections from them and lr (a tensor lr is read by the kernel).
+  `last_step_skipped` and `skipped_steps` read the verdict when asked (a host sync then, not in
+  the step);
+- bf16/fp16 parameters are written from their fp32 master in the same pass (the kernel's `outs`);
+  without a master the kernel updates them itself (in fp32, stored rounded);
+- a quantized parameter is requantized from its master every step, skipped or not. When the step
+  was skipped, the master is unchanged and the kernel still returns its amax, so the requantize
+  writes the bytes it wrote last time: a stateless quantizer's bytes are a function of the master
+  and the agreed amax. That holds only where the bytes are the master's quantization already:
+  after this optimizer wrote them (their buffers' version counters as it left them). Where it
+  does not hold (the first step, bytes written by a load or by hand), and for what would change
+  on a skipped step however it is computed (delayed scaling's amax history, NVFP4's stochastic
+  rounding counter, fp8 moments, whose stored codes are not a function of their values), the
+  step reads the verdict on the host (one sync) and writes those only when it was not set;
+- the plan (buckets by kind, the tensors of each, which write-backs need the verdict) is built
+  once per list of parameters with gradients and kept until `add_param_group` or
+  `load_state_dict`; the kernels' pointer tables are cached by content in quant_core ([Note:
+  pointer tables]), so gradients kept in the same memory cost no host-to-device copy and fresh
+  ones (FSDP2) one non-blocking copy per step.
+
+capturable=True (CUDA graphs) takes this step and refuses, when the optimizer is built, what needs
+the verdict on the host every step: fp8 moments and stateful weight quantizers. A captured step
+must follow at least one eager step with the same parameters and gradient storages (the warm-up
+that torch.cuda.graphs needs anyway: it compiles the kernels, moves step counts to the device,
+builds the pointer tables and writes the quantized bytes from the masters once); capturing
+otherwise raises, naming that fix. A Python float lr is captured as a constant: pass lr as a CUDA
+tensor to change it between replays. Collectives (the verdict's all-reduce, the per-tensor amax
+all-reduce of quantized weights) are captured as NCCL allows; per-tensor quantize kernels run as
+they would eagerly.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+import quant_core
+import quant_tensors as qt
+from quant_optim._write_back import PendingAmax, agree_amaxes_and_apply, requantize_into, shard_groups
+
+if TYPE_CHECKING:
+    from quant_optim._adam import FusedAdam
+
+_FP8_MOMENT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """Parameters stepped by one kernel call: one group, one dtype per list."""
+
+    group: dict[str, Any]
+    indices: list[int] = field(default_factory=list)
+    """Positions of its parameters in the step's list of parameters with gradients."""
+    params: list[torch.Tensor] = field(default_factory=list)
+    """fp32 masters, or the parameters themselves (fp32, or bf16/fp16 without a master)."""
+    exp_avgs: list[torch.Tensor] = field(default_factory=list)
+    exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
+    steps: list[torch.Tensor] = field(default_factory=list)
+    outs: list[torch.Tensor] = field(default_factory=list)
+    """Low-precision parameters written from their masters in the kernel's pass."""
+    plain: bool = True
+    """Whether every tensor owns its memory (else the reference runs: quant_core._adam's _is_plain)."""
+
+
+@dataclass(eq=False)
+class _Requantize:
+    local: qt.QuantizedTensor
+    master: torch.Tensor
+    bucket: int
+    """Its bucket's index in the plan."""
+    position: int
+    groups: tuple[dist.ProcessGroup, ...]
+    """The process groups its per-tensor amax is agreed over (none for block formats)."""
+
+
+@dataclass(eq=False)
+class _Fp8Slot:
+    """A moment kept in fp8: dequantized into the bucket's list before the kernel, stored after."""
+
+    bucket: _Bucket
+    position: int
+    key: str
+    codes: torch.Tensor
+    scale_inv: torch.Tensor
+    groups: tuple[dist.ProcessGroup, ...]
+
+
+@dataclass(eq=False)
+class _Plan:
+    buckets: list[_Bucket]
+    requantize: list[_Requantize]
+    fp8_slots: list[_Fp8Slot]
+
+
+def build_plan(
+    optimizer: FusedAdam, work: list[tuple[torch.Tensor, dict[str, Any]]], grads: list[torch.Tensor]
+) -> _Plan:
+    """Buckets the parameters with gradients by kind and names every tensor each kernel reads."""
+    buckets: dict[tuple[Any, ...], _Bucket] = {}
+    requantize, fp8_slots = [], []
+    for index, ((p, group), grad) in enumerate(zip(work, grads, strict=True)):
+        state = optimizer._state_of(p, group)
+        local = qt.local_shard(p)
+        if state["step"].device != local.device:  # the kernel counts on the device
+            state["step"] = state["step"].to(local.device)
+        master = qt.local_shard(state["master"]) if "master" in state else local
+        moments = [qt.local_shard(state[key]) for key in ("exp_avg", "exp_avg_sq")]
+        out = local if master is not local and not isinstance(local, qt.QuantizedTensor) else None
+        key = (
+            id(group),
+            grad.dtype,
+            master.dtype,
+            *(torch.float32 if m.dtype in _FP8_MOMENT_DTYPES else m.dtype for m in moments),
+            None if out is None else out.dtype,
+            local.device,
+        )
+        bucket = buckets.setdefault(key, _Bucket(group))
+        bucket_index = list(buckets).index(key)
+        position = len(bucket.params)
+        bucket.indices.append(index)
+        bucket.params.append(master)
+        bucket.steps.append(state["step"])
+        if out is not None:
+            bucket.outs.append(out)
+        for name, moment, values in zip(
+            ("exp_avg", "exp_avg_sq"), moments, (bucket.exp_avgs, bucket.exp_avg_sqs), strict=True
+        ):
+            values.append(moment)
+            if moment.dtype in _FP8_MOMENT_DTYPES:
+                fp8_slots.append(_Fp8Slot(bucket, position, name, moment, state[f"{name}_scale_inv"], shard_groups(p)))
+        bucket.plain = bucket.plain and all(_is_plain(t) for t in (master, *moments, *(() if out is None else (out,))))
+        if isinstance(local, qt.QuantizedTensor):
+            quantizer = local.quantizer
+            groups = () if quantizer.amax_group is None else (quantizer.amax_group,)
+            requantize.append(
+                _Requantize(local, master, bucket_index, position, groups if quantizer.per_tensor_amax else ())
+            )
+    return _Plan(list(buckets.values()), requantize, fp8_slots)
+
+
+def step(optimizer: FusedAdam, plan: _Plan, grads: list[torch.Tensor], found_inf: torch.Tensor | None) -> torch.Tensor:
+    """One step of [Note: FusedAdam tensor-driven step]; returns the verdict (fp32 0-d, 1.0: skipped)."""
+    found = _verdict(grads, found_inf, plan.buckets[0].params[0].device)
+    for slot in plan.fp8_slots:  # the kernel updates fp32 values
+        values = quant_core.dequantize_fp8(slot.codes, slot.scale_inv, torch.float32)
+        getattr(slot.bucket, f"{slot.key}s")[slot.position] = values
+    amaxes = [_step_bucket(bucket, grads, found, bool(plan.requantize)) for bucket in plan.buckets]
+    follows = optimizer._requantized_bytes
+    unsure = {
+        id(r)
+        for r in plan.requantize
+        if not r.local.quantizer.stateless or follows.get(r.local) != buffer_versions(r.local)
+    }
+    proceed = True
+    if unsure or plan.fp8_slots:  # writes a skipped step must not make: the verdict on the host
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "FusedAdam(capturable=True) cannot capture this step: quantized weights whose bytes this optimizer has "
+                "not written yet (or that were written since, e.g. by a load) need the skip verdict on the host. Run "
+                "one eager step before capturing, and load checkpoints outside the captured region"
+            )
+        proceed = not bool(found)
+    pending = []
+    written = [r for r in plan.requantize if proceed or id(r) not in unsure]
+    for r in written:
+        if r.local.quantizer.per_tensor_amax:
+            apply = functools.partial(requantize_into, r.local.quantizer, r.master, r.local)
+            pending.append(PendingAmax(r.groups, amaxes[r.bucket][r.position], apply))
+        else:
+            r.local.copy_(r.master)  # a requantize of a block-scaled format
+    if proceed and plan.fp8_slots:
+        values = [getattr(s.bucket, f"{s.key}s")[s.position] for s in plan.fp8_slots]
+        for slot, value, amax in zip(plan.fp8_slots, values, quant_core.amax_many(values), strict=True):
+            pending.append(PendingAmax(slot.groups, amax, functools.partial(_store_fp8, slot, value)))
+    agree_amaxes_and_apply(pending)
+    for r in written:
+        follows[r.local] = buffer_versions(r.local)
+    return found
+
+
+def _step_bucket(bucket: _Bucket, grads: list[torch.Tensor], found: torch.Tensor, compute_amax: bool) -> torch.Tensor:
+    group = bucket.group
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor) and lr.device != bucket.params[0].device:
+        lr = lr.item()  # a CPU tensor: no device sync
+    lr_tensor = lr if isinstance(lr, torch.Tensor) else None
+    beta1, beta2 = group["betas"]
+    hyperparameters = [0.0 if lr_tensor is not None else float(lr), beta1, beta2, group["eps"], group["weight_decay"]]
+    args = (
+        bucket.params,
+        [grads[i] for i in bucket.indices],
+        bucket.exp_avgs,
+        bucket.exp_avg_sqs,
+        bucket.steps,
+        bucket.outs,
+        found,
+        lr_tensor,
+        hyperparameters,
+        group["adam_w_mode"],
+    )
+    if not bucket.plain:  # wrapper subclasses: torch ops reach their __torch_dispatch__
+        return quant_core.adam_step_capturable_reference(*args)
+    # The operator without the public function's checks: FusedAdam made these states itself.
+    return torch.ops.quant_core.adam_step_capturable(*args, compute_amax)
+
+
+def _verdict(grads: list[torch.Tensor], found_inf: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """fp32 0-d on `device`: 1.0 when some rank found a non-finite gradient (one all-reduce)."""
+    if found_inf is None:
+        bad = quant_core.has_non_finite(grads)
+    else:
+        bad = (found_inf != 0).any().to(device=device, dtype=torch.float32)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad
+
+
+def buffer_versions(local: qt.QuantizedTensor) -> tuple[int | None, ...]:
+    return tuple(None if b is None else b._version for b in local.buffers().values())
+
+
+def _is_plain(t: torch.Tensor) -> bool:
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+def _store_fp8(slot: _Fp8Slot, values: torch.Tensor, amax: torch.Tensor) -> None:
+    scale, scale_inv = quant_core.fp8_scale(amax, slot.codes.dtype)
+    quant_core.cast_to_fp8(values, scale, slot.codes.dtype, rowwise_out=slot.codes)
+    slot.scale_inv.copy_(scale_inv)

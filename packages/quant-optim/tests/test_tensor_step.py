@@ -1,0 +1,159 @@
+"""FusedAdam's tensor-driven step ([Note: FusedAdam tensor-driven step]), run on the CPU with
+capturable=True (the reference kernels), against the host-decided step bit for bit: the same
+parameters, masters, moments, step counts and quantized bytes after steps, skipped steps and
+steps with a caller's found_inf. On CUDA the same step runs the Triton kernel
+(test_fused_adam_cuda.py)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import quant_tensors as qt
+from quant_core.testing import raw_bits
+from quant_optim import FusedAdam
+
+STATELESS = ("fp8", "mxfp8", "fp8-block", "nvfp4")
+
+
+def model(seed: int = 0) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+
+    def values(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=generator)
+
+    return [
+        torch.nn.Parameter(values(96, 64)),
+        torch.nn.Parameter(values(300).to(torch.bfloat16)),
+        torch.nn.Parameter(values(0, 16)),
+        torch.nn.Parameter(values(40).to(torch.bfloat16)),  # the group without masters
+        *(qt.nn.quantized_parameter(values(128, 256), qt.recipe_from_name(r).quantizer("weight")) for r in STATELESS),
+    ]
+
+
+def optimizer_for(params: list[torch.nn.Parameter], capturable: bool, lr: float | torch.Tensor = 1e-2) -> FusedAdam:
+    return FusedAdam(
+        [
+            {"params": params[:3], "weight_decay": 0.1},
+            {"params": params[3:4], "master_weights": False, "exp_avg_dtype": torch.bfloat16},
+            {"params": params[4:], "lr": 3e-3},
+        ],
+        lr=lr,
+        weight_decay=0.01,
+        capturable=capturable,
+    )
+
+
+def bits(params: list[torch.nn.Parameter], optimizer: FusedAdam) -> list[list[torch.Tensor]]:
+    def of(t: torch.Tensor) -> torch.Tensor:
+        return raw_bits(t.detach().reshape(-1)).clone()
+
+    out = []
+    for p in params:
+        tensors = [b for b in p.buffers().values() if b is not None] if isinstance(p, qt.QuantizedTensor) else [p]
+        out.append([of(t) for t in tensors] + [of(v) for _, v in sorted(optimizer.state[p].items())])
+    return out
+
+
+def same(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bool:
+    return all(torch.equal(x, y) for ta, tb in zip(a, b, strict=True) for x, y in zip(ta, tb, strict=True))
+
+
+def set_grads(params: list[torch.nn.Parameter], step: int, nan: bool = False) -> None:
+    generator = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+    if nan:
+        params[-1].grad[3, 5] = float("nan")
+
+
+# step -> (a NaN in some gradient, the caller's found_inf)
+SCHEDULE = {0: (False, None), 1: (True, None), 2: (False, None), 3: (False, 1.0), 4: (False, 0.0), 5: (False, None)}
+
+
+def test_tensor_driven_step_equals_the_host_decided_step_bitwise():
+    runs = {}
+    for capturable in (False, True):
+        params = model()
+        optimizer = optimizer_for(params, capturable, lr=torch.tensor(1e-2))
+        verdicts = []
+        for step, (nan, found) in SCHEDULE.items():
+            set_grads(params, step, nan)
+            before = bits(params, optimizer)
+            optimizer.step(found_inf=None if found is None else torch.tensor([found]))
+            verdicts.append(optimizer.last_step_skipped)
+            assert same(bits(params, optimizer), before) == verdicts[-1], step  # skipped: nothing changed
+        runs[capturable] = (bits(params, optimizer), verdicts, optimizer.skipped_steps)
+    assert runs[False][1:] == ([False, True, False, True, False, False], 2)
+    assert runs[True][1:] == runs[False][1:]
+    assert same(runs[False][0], runs[True][0])
+
+
+def test_a_skipped_step_leaves_everything_as_it_was():
+    params = model()
+    optimizer = optimizer_for(params, capturable=True)
+    before = bits(params, optimizer)  # the quantized bytes are not yet the masters' quantization
+    set_grads(params, 0, nan=True)
+    optimizer.step()
+    assert optimizer.last_step_skipped
+    assert same(bits(params, optimizer), before)
+    set_grads(params, 1)
+    optimizer.step()
+    stepped = bits(params, optimizer)
+    set_grads(params, 2, nan=True)
+    optimizer.step()  # requantizes from the unchanged masters: the same bytes
+    assert same(bits(params, optimizer), stepped)
+    assert [float(optimizer.state[p]["step"]) for p in params] == [1.0] * len(params)
+
+
+def test_bytes_written_since_the_last_step_are_kept_by_a_skipped_step():
+    params = model()
+    optimizer = optimizer_for(params, capturable=True)
+    set_grads(params, 0)
+    optimizer.step()
+    weight = params[-1]  # NVFP4: requantizing its master would overwrite what is written below
+    weight.quantizer.quantize_(torch.full(weight.shape, 0.5), weight)
+    written = [raw_bits(b.reshape(-1)).clone() for b in weight.buffers().values() if b is not None]
+    set_grads(params, 1, nan=True)
+    optimizer.step()
+    assert optimizer.last_step_skipped
+    assert all(
+        torch.equal(raw_bits(b.reshape(-1)), w)
+        for b, w in zip([b for b in weight.buffers().values() if b is not None], written, strict=True)
+    )
+
+
+def test_a_loaded_optimizer_continues_bitwise():
+    runs = {}
+    for capturable in (False, True):
+        params = model()
+        optimizer = optimizer_for(params, capturable)
+        set_grads(params, 0)
+        optimizer.step()
+        buffer = io.BytesIO()
+        torch.save(optimizer.state_dict(), buffer)
+        set_grads(params, 1)
+        optimizer.step()  # undone by the load below (moments, steps; the weights are not restored here)
+        buffer.seek(0)
+        optimizer.load_state_dict(torch.load(buffer, weights_only=True))
+        for step in (2, 3):
+            set_grads(params, step, nan=step == 3)
+            optimizer.step()
+        runs[capturable] = bits(params, optimizer)
+    assert same(runs[False], runs[True])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"exp_avg_dtype": torch.float8_e4m3fn}, "capturable=True cannot keep exp_avg_dtype=torch.float8_e4m3fn"),
+        ({"recipe": "fp8-delayed"}, "capturable=True cannot step a Float8DelayedQuantizer weight .* stateless recipe"),
+    ],
+)
+def test_capturable_refuses_what_reads_the_verdict_on_the_host(kwargs, message):
+    recipe = kwargs.pop("recipe", "fp8")
+    p = qt.nn.quantized_parameter(torch.randn(32, 32), qt.recipe_from_name(recipe).quantizer("weight"))
+    with pytest.raises(ValueError, match=message):
+        FusedAdam([p], capturable=True, **kwargs)
