@@ -6,6 +6,12 @@ Cases, each over `--tensors` parameters of `--numel` elements (default 10 x 1e6 
 - quantized parameters (per-tensor FP8, MXFP8): FusedAdam (update + amax in one pass, then the
   requantize) vs torch.optim.AdamW(fused=True) on the fp32 masters followed by a separate
   requantize of each parameter (what a user without FusedAdam would run).
+`--preset 1e9` runs instead the DESIGN section 9 case (`mix_cases`): ~1e9 parameters in the weight
+shapes of 4 Llama-3-8B-like layers plus an embedding, once all fp32 and once per quantized format
+(per-tensor FP8, MXFP8, blockwise FP8, NVFP4: the Linear weights quantized with fp32 masters, the
+embedding and norms fp32), each against torch AdamW(fused=True) + a separate requantize of every
+weight with quant-core's Triton kernels, with its memory floor (`floor_bytes`). About 20 GB of
+GPU memory per case, ~1 minute on an H100.
 Prints a table and writes `<out>/bench_optim.json` (device, torch version, threads, date).
 `nox -s bench` runs it after `quant-fsdp bench`.
 """
@@ -88,6 +94,109 @@ def requantize_cases(
     return times
 
 
+# (out_features, in_features) of one Llama-3-8B-like decoder layer: q, k, v (grouped, 8 of 32
+# heads), o, gate, up, down; hidden 4096, intermediate 14336: 218.1M parameters.
+_LAYER_SHAPES = ((4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336))
+_EMBEDDING = (32000, 4096)
+_FLOOR_BYTES = {"fp32": 28, "quantized": 32}
+"""Least bytes per parameter per step (besides the quantized bytes written): fp32 Adam reads the
+gradient (4) and reads and writes the parameter and both moments (24); a quantized weight's fp32
+master is read once more to requantize it after the update's amax is known (4)."""
+
+
+def mix_shapes(num_layers: int = 4) -> list[tuple[tuple[int, ...], bool]]:
+    """(shape, quantizable) of ~1e9 parameters: an embedding, `num_layers` layers, two norms per layer."""
+    shapes = [(_EMBEDDING, False)]
+    for _ in range(num_layers):
+        shapes += [(shape, True) for shape in _LAYER_SHAPES] + [((4096,), False), ((4096,), False)]
+    return shapes
+
+
+def floor_bytes(params: list[torch.Tensor]) -> int:
+    """The least traffic of one step over `params` ([see _FLOOR_BYTES]): per element 28 B (fp32) or
+    32 B plus the bytes of its quantized buffers (quantized weights)."""
+    total = 0
+    for p in params:
+        if isinstance(p, qt.QuantizedTensor):
+            total += _FLOOR_BYTES["quantized"] * p.numel() + sum(
+                b.nbytes for b in p.buffers().values() if b is not None
+            )
+        else:
+            total += _FLOOR_BYTES["fp32"] * p.numel()
+    return total
+
+
+def mix_cases(device: torch.device, min_run_time: float) -> dict[str, dict[str, float]]:
+    """ms per step over `mix_shapes()` for fp32 and each quantized format: FusedAdam vs torch
+    AdamW(fused=True) (+ a separate requantize of each quantized weight), and the memory floor."""
+    bandwidth = stream_bandwidth(device, min_run_time)
+    cases: dict[str, dict[str, float]] = {}
+    for kind in ("fp32", "fp8", "mxfp8", "fp8-block", "nvfp4"):
+        quantizer = None if kind == "fp32" else qt.recipe_from_name(kind).quantizer("weight")
+        params = []
+        for shape, quantizable in mix_shapes():
+            value = torch.randn(shape, device=device)
+            # No high-precision init value kept (it would hold a second fp32 copy): masters start dequantized.
+            weight = quantizer.quantize(value) if quantizer is not None and quantizable else value
+            params.append(torch.nn.Parameter(weight))
+            del value
+        _with_grads(params)
+        times = {"memory floor": floor_bytes(params) / bandwidth * 1e3}
+        fused = FusedAdam(params, lr=1e-3, weight_decay=0.01)
+        times["FusedAdam"] = _median_ms(fused.step, min_run_time)
+        no_inf = torch.zeros((), device=device)
+        times["FusedAdam, found_inf given"] = _median_ms(
+            lambda fused=fused, no_inf=no_inf: fused.step(found_inf=no_inf), min_run_time
+        )
+        # The baseline steps the masters FusedAdam made (its moments freed first), then requantizes.
+        masters = [fused.state[p].get("master", p) for p in params]
+        del fused
+        plain = [torch.nn.Parameter(m.detach()) for m in masters]
+        _with_grads(plain)
+        adamw = torch.optim.AdamW(plain, lr=1e-3, weight_decay=0.01, fused=True)
+
+        def adamw_then_requantize(adamw=adamw, params=params, plain=plain) -> None:
+            adamw.step()
+            with torch.no_grad():
+                for p, master in zip(params, plain, strict=True):
+                    if isinstance(p, qt.QuantizedTensor):
+                        p.quantizer.quantize_(master, p)
+
+        name = "torch AdamW(fused=True)" + ("" if kind == "fp32" else " + requantize")
+        times[name] = _median_ms(adamw_then_requantize, min_run_time)
+        cases[kind] = {
+            "params": sum(p.numel() for p in params),
+            "bytes per param": floor_bytes(params) / sum(p.numel() for p in params),
+            **times,
+        }
+        del adamw, plain, masters, params
+        torch.cuda.empty_cache()
+    cases["bandwidth GB/s"] = {"in-place stream": bandwidth / 1e9}
+    return cases
+
+
+def stream_bandwidth(device: torch.device, min_run_time: float, numel: int = 1 << 28) -> float:
+    """Bytes per second of an in-place fp32 pass (read and write 4 B per element), measured now."""
+    x = torch.ones(numel, device=device)
+    seconds = _median_ms(lambda: x.mul_(1.0), min_run_time) / 1e3
+    return 8 * numel / seconds
+
+
+def print_mix(report: dict) -> None:
+    print(f"FusedAdam at ~1e9 parameters (mix_shapes), {report['device']}, torch {torch.__version__}; floor = least "
+          f"bytes per step at {report['cases']['bandwidth GB/s']['in-place stream']:.0f} GB/s (in-place stream)")  # fmt: skip
+    print(f"{'kind':<10} {'B/param':>8} {'optimizer':<42} {'ms/step':>9} {'% floor':>8} {'x baseline':>10}")
+    for kind, times in report["cases"].items():
+        if kind == "bandwidth GB/s":
+            continue
+        baseline = times[next(name for name in times if name.startswith("torch"))]
+        for name, ms in times.items():
+            if name in ("params", "bytes per param"):
+                continue
+            print(f"{kind:<10} {times['bytes per param']:8.2f} {name:<42} {ms:9.2f} "
+                  f"{100 * times['memory floor'] / ms:7.0f}% {baseline / ms:10.2f}")  # fmt: skip
+
+
 def memory_floor_ms(params: int, device: torch.device, min_run_time: float) -> float:
     """The least time an fp32 Adam step can take here: 28 B per parameter (read gradient; read and
     write parameter and both moments) at the in-place streaming bandwidth measured now."""
@@ -97,7 +206,22 @@ def memory_floor_ms(params: int, device: torch.device, min_run_time: float) -> f
     return 28 * params / bandwidth * 1e3
 
 
-def run(out: pathlib.Path, *, tensors: int, numel: int, min_run_time: float, device: torch.device) -> dict:
+def run(
+    out: pathlib.Path, *, tensors: int, numel: int, min_run_time: float, device: torch.device, preset: str | None = None
+) -> dict:
+    if preset == "1e9":
+        report = {
+            "date": datetime.date.today().isoformat(),
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.machine()} cpu",
+            "preset": preset,
+            "cases": mix_cases(device, min_run_time),
+        }
+        print_mix(report)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench_optim_1e9.json").write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {out / 'bench_optim_1e9.json'}")
+        return report
     params = tensors * numel
     report: dict = {
         "date": datetime.date.today().isoformat(),
@@ -134,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--numel", type=int, default=1_048_576, help="elements per tensor (a multiple of 1024)")
     parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds of timing per case")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--preset", choices=["1e9"], help="1e9: the DESIGN section 9 case (mix_cases) instead")
     args = parser.parse_args(argv)
     run(
         args.out,
@@ -141,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         numel=args.numel,
         min_run_time=args.min_run_time,
         device=torch.device(args.device),
+        preset=args.preset,
     )
     return 0
 
