@@ -54,7 +54,7 @@ for param_dtype, out_dtype, found, lr, weight_decay, adam_w_mode in cases:
     hyperparameters = [0.0 if lr_tensor is not None else lr, 0.9, 0.999, 1e-8, weight_decay]
     for _ in range(2):  # the second call needs the tickets reset by the first
         args = (torch.tensor([found]), lr_tensor, hyperparameters, adam_w_mode)
-        amax = _triton._adam_step_capturable(*ours, outs, *args)
+        amax = _triton._adam_step_capturable(*ours, outs, *args, True)
         expected_amax = quant_core.adam_step_capturable_reference(*expected, expected_outs, *args)
         for got, want in zip((*ours, outs), (*expected, expected_outs), strict=True):
             for a, b in zip(got, want, strict=True):

@@ -135,8 +135,9 @@ def _adam_step_capturable_op(
 ) -> torch.Tensor:
     grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
     step = kernel("adam_step_capturable", params[0].device)
-    amaxes = step(params, grads, exp_avgs, exp_avg_sqs, steps, outs, found_inf, lr, hyperparameters, adam_w_mode)
-    return amaxes if compute_amax else params[0].new_empty(0, dtype=torch.float32)
+    return step(
+        params, grads, exp_avgs, exp_avg_sqs, steps, outs, found_inf, lr, hyperparameters, adam_w_mode, compute_amax
+    )
 
 
 @register_kernel("adam_step_capturable", "reference")
@@ -151,9 +152,11 @@ def adam_step_capturable_reference(
     lr: torch.Tensor | None,
     hyperparameters: Sequence[float],
     adam_w_mode: bool,
+    compute_amax: bool = True,
 ) -> torch.Tensor:
     """The spec of [Note: capturable Adam step] through `adam_step_reference`, one tensor at a
-    time (reads the verdict, lr and step counts on the host). Returns every parameter's amax."""
+    time (reads the verdict, lr and step counts on the host). Returns every parameter's amax
+    with `compute_amax`, else an empty tensor."""
     skip = bool(found_inf.reshape(-1)[0] != 0)
     lr_value = float(lr.reshape(-1)[0]) if lr is not None else hyperparameters[0]
     _, beta1, beta2, eps, weight_decay = hyperparameters
@@ -176,8 +179,9 @@ def adam_step_capturable_reference(
                 param.view(-1).copy_(value)  # round to nearest even
             if outs:
                 outs[i].view(-1).copy_(value)
-        amaxes.append(amax_reference(value))
-    return torch.stack(amaxes) if amaxes else torch.zeros(0, dtype=torch.float32)
+        if compute_amax:
+            amaxes.append(amax_reference(value))
+    return torch.stack(amaxes) if amaxes else torch.zeros(0, dtype=torch.float32, device=params[0].device)
 
 
 def _check_inputs(

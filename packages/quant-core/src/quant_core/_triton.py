@@ -353,9 +353,10 @@ def _adam_step_capturable(
     lr: torch.Tensor | None,
     hyperparameters: Sequence[float],
     adam_w_mode: bool,
+    compute_amax: bool,
 ) -> torch.Tensor:
     device = params[0].device
-    amax = torch.zeros(len(params), dtype=torch.float32, device=device)
+    amax = torch.zeros(len(params) if compute_amax else 0, dtype=torch.float32, device=device)
     lists = (params, grads, exp_avgs, exp_avg_sqs, steps, *((outs,) if outs else ()))
     pointers = _pointer_table(*lists)
     tickets = _tickets.get(pointers)
@@ -376,7 +377,7 @@ def _adam_step_capturable(
         tickets,
         found_inf,
         lr if lr is not None else found_inf,  # never read without LR_TENSOR
-        amax,
+        amax if compute_amax else found_inf,  # never touched without AMAX
         params[0],
         grads[0],
         exp_avgs[0],
@@ -386,7 +387,7 @@ def _adam_step_capturable(
         DECAY=decay,
         LR_TENSOR=lr is not None,
         OUT=bool(outs),
-        AMAX=True,
+        AMAX=compute_amax,
         EXACT=not _INTERPRETED,
         CHUNK=_CHUNK,
         BLOCK=_BLOCK,

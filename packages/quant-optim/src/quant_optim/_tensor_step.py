@@ -69,6 +69,8 @@ class _Bucket:
     steps: list[torch.Tensor] = field(default_factory=list)
     outs: list[torch.Tensor] = field(default_factory=list)
     """Low-precision parameters written from their masters in the kernel's pass."""
+    compute_amax: bool = False
+    """Whether a parameter of it is requantized with a per-tensor amax (which the kernel returns)."""
     plain: bool = True
     """Whether every tensor owns its memory (else the reference runs: quant_core._adam's _is_plain)."""
 
@@ -143,6 +145,7 @@ def build_plan(
         if isinstance(local, qt.QuantizedTensor):
             quantizer = local.quantizer
             groups = () if quantizer.amax_group is None else (quantizer.amax_group,)
+            bucket.compute_amax = bucket.compute_amax or quantizer.per_tensor_amax
             requantize.append(
                 _Requantize(local, master, bucket_index, position, groups if quantizer.per_tensor_amax else ())
             )
@@ -155,7 +158,7 @@ def step(optimizer: FusedAdam, plan: _Plan, grads: list[torch.Tensor], found_inf
     for slot in plan.fp8_slots:  # the kernel updates fp32 values
         values = quant_core.dequantize_fp8(slot.codes, slot.scale_inv, torch.float32)
         getattr(slot.bucket, f"{slot.key}s")[slot.position] = values
-    amaxes = [_step_bucket(bucket, grads, found, bool(plan.requantize)) for bucket in plan.buckets]
+    amaxes = [_step_bucket(bucket, grads, found) for bucket in plan.buckets]
     follows = optimizer._requantized_bytes
     unsure = {
         id(r)
@@ -189,7 +192,7 @@ def step(optimizer: FusedAdam, plan: _Plan, grads: list[torch.Tensor], found_inf
     return found
 
 
-def _step_bucket(bucket: _Bucket, grads: list[torch.Tensor], found: torch.Tensor, compute_amax: bool) -> torch.Tensor:
+def _step_bucket(bucket: _Bucket, grads: list[torch.Tensor], found: torch.Tensor) -> torch.Tensor:
     group = bucket.group
     lr = group["lr"]
     if isinstance(lr, torch.Tensor) and lr.device != bucket.params[0].device:
@@ -210,9 +213,9 @@ def _step_bucket(bucket: _Bucket, grads: list[torch.Tensor], found: torch.Tensor
         group["adam_w_mode"],
     )
     if not bucket.plain:  # wrapper subclasses: torch ops reach their __torch_dispatch__
-        return quant_core.adam_step_capturable_reference(*args)
+        return quant_core.adam_step_capturable_reference(*args, bucket.compute_amax)
     # The operator without the public function's checks: FusedAdam made these states itself.
-    return torch.ops.quant_core.adam_step_capturable(*args, compute_amax)
+    return torch.ops.quant_core.adam_step_capturable(*args, bucket.compute_amax)
 
 
 def _verdict(grads: list[torch.Tensor], found_inf: torch.Tensor | None, device: torch.device) -> torch.Tensor:
