@@ -221,8 +221,9 @@ def _f64(bits):
 @triton.jit
 def _div64(a, b, EXACT: tl.constexpr):
     # libdevice's division rounds to nearest (IEEE); the interpreter has no libdevice, numpy's is IEEE.
+    # libdevice picks its function by the argument types: a literal (fp32) operand is cast first.
     if EXACT:
-        return libdevice.div_rn(a, b)
+        return libdevice.div_rn(tl.cast(a, tl.float64), tl.cast(b, tl.float64))
     else:
         return a / b
 
