@@ -6,7 +6,7 @@ import torch
 
 import quant_core
 from quant_core import AdamScalars, adam_step_, adam_step_reference
-from quant_core.testing import raw_bits
+from quant_core.testing import no_host_syncs, raw_bits
 
 SCALARS = {
     "adamw": AdamScalars.of(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=3, adam_w_mode=True),
@@ -327,14 +327,11 @@ def test_cuda_capturable_step_replays_in_a_cuda_graph_without_host_syncs():
     with torch.cuda.graph(graph):
         step(states)  # captured, not run
     step(expected)  # as the warm-up (its tensors' tables made here)
-    torch.cuda.set_sync_debug_mode("error")  # a host sync in an eager step would raise
-    try:
+    with no_host_syncs():  # a host sync in an eager step would raise
         for lr_value, found_value in ((2e-3, 0.0), (2e-3, 1.0), (5e-4, 0.0)):
             lr.fill_(lr_value)
             found.fill_(found_value)
             graph.replay()
             step(expected)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert_bitwise_equal(states, expected)
     assert [float(s) for s in states[4]] == [3.0 * i + 3 for i in range(len(numels))]  # the skip counted nothing

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import quant_tensors as qt
-from quant_core.testing import raw_bits
+from quant_core.testing import no_host_syncs, raw_bits
 from quant_optim import FusedAdam
 
 pytestmark = [
@@ -104,15 +104,12 @@ def test_cuda_steps_after_the_first_make_no_host_sync():
         p.grad = g
     optimizer.step()  # the first: builds the plan and tables, writes the quantized bytes from the masters
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_syncs():
         for step, found in ((1, None), (2, torch.zeros(1, device="cuda")), (3, torch.ones(1, device="cuda"))):
             for p, g in zip(params, grads[step], strict=True):
                 p.grad = g  # other memory than the first step's: one pinned, non-blocking table copy
             lr.mul_(0.5)
             optimizer.step(found_inf=found)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert optimizer.skipped_steps == 1
     assert all(float(optimizer.state[p]["step"]) == 3.0 for p in params)
 

@@ -12,7 +12,9 @@ import sys
 import tempfile
 import textwrap
 import traceback
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -29,6 +31,7 @@ __all__ = [
     "adversarial",
     "adversarial_amaxes",
     "kernel_backends",
+    "no_host_syncs",
     "raw_bits",
     "run_ranks",
     "run_shared_world",
@@ -110,6 +113,20 @@ def splitmix64_int(seed: int, index: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
     return z ^ (z >> 31)
+
+
+@contextmanager
+def no_host_syncs() -> Iterator[None]:
+    """Inside, a CUDA operation that synchronizes with the host raises (torch's sync debug mode,
+    restored on exit however the block ends; torch's warning that the mode is a prototype is
+    silenced)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def kernel_backends() -> tuple[Backend, ...]:
