@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import statistics
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from quant_fsdp._demo_training import FINAL_WINDOW, LOSS_BOUND
+import quant_tensors as qt
+from quant_fsdp._demo_training import FINAL_WINDOW, LOSS_BOUND, DemoOptions, _train_all, demo_recipe
 from quant_fsdp.cli import main
 
 
@@ -81,3 +84,23 @@ def test_demo_on_one_rank_gathers_nothing(tmp_path):
     assert runs["fp8"]["gathered_vs_bf16"] is None
     # The one rank holds every Linear weight: one FP8 byte per bf16 pair, plus one fp32 scale per weight.
     assert runs["fp8"]["weight_mib"] == pytest.approx(runs["bf16"]["weight_mib"] / 2, rel=1e-4)
+
+
+def test_demo_training_passes_on_demand_columnwise_on_the_recipes_not_the_environment(tmp_path, monkeypatch):
+    # Options pass as arguments, never through os.environ (issue #18). The rank work runs here, in
+    # this process, as the one rank of a gloo group.
+    monkeypatch.delenv(qt.COLUMNWISE_ON_DEMAND_ENV_VAR, raising=False)
+    environment = dict(os.environ)
+    options = DemoOptions(recipes=("fp8", "mxfp8"), num_ranks=1, num_steps=1, device="cpu", seed=0)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        _train_all(0, 1, options, str(tmp_path / "results.json"))
+    finally:
+        dist.destroy_process_group()
+    assert dict(os.environ) == environment
+    weight_bytes = {run: r["weight_bytes"] for run, r in json.loads((tmp_path / "results.json").read_text()).items()}
+    # FP8 weights keep rowwise data only: one byte per bf16 pair (and a scale); MXFP8 keeps both usages.
+    assert weight_bytes["fp8"] == pytest.approx(weight_bytes["bf16"] / 2, rel=1e-4)
+    assert weight_bytes["mxfp8"] > weight_bytes["bf16"]
+    assert demo_recipe("fp8").weight_columnwise_on_demand is True
+    assert demo_recipe("mxfp8").weight_columnwise_on_demand is None

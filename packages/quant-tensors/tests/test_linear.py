@@ -82,19 +82,17 @@ def test_linear_forward_and_backward_equal_the_math_by_hand(name, dtype, bias):
 
 
 @pytest.mark.parametrize("name", ["fp8", "fp8-block", "nvfp4"])
-def test_on_demand_columnwise_weight_gives_the_same_gradients(name, monkeypatch):
+def test_on_demand_columnwise_weight_gives_the_same_gradients(name):
     x = torch.randn(64, 256, generator=gen(3)).requires_grad_(True)
     results = []
-    for on_demand in ("0", "1"):
-        monkeypatch.setenv(qt.COLUMNWISE_ON_DEMAND_ENV_VAR, on_demand)
+    for on_demand in (False, True):
+        recipe = dataclasses.replace(qt.recipe_from_name(name), weight_columnwise_on_demand=on_demand)
         torch.manual_seed(0)
-        model = qt.convert(
-            torch.nn.Sequential(torch.nn.Linear(256, 128)), qt.recipe_from_name(name), quantized_weights=True
-        )
-        assert model[0].weight.usages == (True, on_demand == "0")
+        model = qt.convert(torch.nn.Sequential(torch.nn.Linear(256, 128)), recipe, quantized_weights=True)
+        assert model[0].weight.usages == (True, not on_demand)
         x.grad = None
         model(x).sum().backward()
-        assert model[0].weight.usages == (True, on_demand == "0")  # the derived columnwise was dropped again
+        assert model[0].weight.usages == (True, not on_demand)  # the derived columnwise was dropped again
         results.append((x.grad.clone(), model[0].weight.grad.clone()))
     assert torch.equal(results[0][0], results[1][0])
     assert torch.equal(results[0][1], results[1][1])

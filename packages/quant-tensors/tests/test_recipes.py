@@ -102,6 +102,32 @@ def test_columnwise_on_demand_from_environment(monkeypatch, name):
     assert not recipe.quantizer("weight").columnwise_on_demand
 
 
+@pytest.mark.parametrize("name", ["fp8", "fp8-delayed", "fp8-block", "nvfp4"])
+def test_weight_columnwise_on_demand_reaches_the_weight_quantizer(monkeypatch, name):
+    recipe = qt.recipe_from_name(name)
+    on = dataclasses.replace(recipe, weight_columnwise_on_demand=True)
+    off = dataclasses.replace(recipe, weight_columnwise_on_demand=False)
+    for environment in ("0", "1"):  # the field wins over the environment
+        monkeypatch.setenv(qt.COLUMNWISE_ON_DEMAND_ENV_VAR, environment)
+        assert on.quantizer("weight").columnwise_on_demand
+        assert not off.quantizer("weight").columnwise_on_demand
+        assert not any(on.quantizer(role).columnwise_on_demand for role in ("input", "grad_output"))
+    assert on.quantizer("weight").quantize(torch.randn(128, 128)).usages == (True, False)
+
+
+def test_weight_columnwise_on_demand_is_refused_where_columnwise_cannot_be_derived():
+    with pytest.raises(
+        ValueError,
+        match=r"MXFP8BlockScaling\(weight_columnwise_on_demand=True\): MXFP8 weights quantize their columnwise "
+        r"data separately .* leave weight_columnwise_on_demand unset or False, or use a recipe whose weights "
+        r"derive it: fp8, fp8-delayed, fp8-block, nvfp4$",
+    ):
+        qt.MXFP8BlockScaling(weight_columnwise_on_demand=True)
+    assert not qt.MXFP8BlockScaling(weight_columnwise_on_demand=False).quantizer("weight").columnwise_on_demand
+    with pytest.raises(ValueError, match="fp8_format must be one of"):  # the recipe's own checks come first
+        qt.Float8CurrentScaling(fp8_format="e3m4", weight_columnwise_on_demand=True)
+
+
 def test_mxfp8_ignores_the_on_demand_environment(monkeypatch):
     # MXFP8's columnwise cannot be derived, so its weights always quantize both usages.
     monkeypatch.setenv(qt.COLUMNWISE_ON_DEMAND_ENV_VAR, "1")

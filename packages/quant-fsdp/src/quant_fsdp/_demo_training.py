@@ -2,7 +2,8 @@
 
 `num_ranks` processes (gloo on the CPU; NCCL on CUDA, one GPU each) shard the model with FSDP2
 (each block, then the root); bf16 uses torch's fully_shard, the recipes quant_fsdp.fully_shard
-with quantized primary weights (fp32 masters through MasterWeights). Each step's all-gathered
+with quantized primary weights (fp32 masters through MasterWeights), kept rowwise only where the
+format derives columnwise data (`demo_recipe`). Each step's all-gathered
 bytes are counted on the collective itself. Every run starts from the same seeded weights and
 sees the same batches.
 """
@@ -10,12 +11,11 @@ sees the same batches.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -98,6 +98,16 @@ class TrainingResult:
         return all(r.passed is not False for r in self.rows)
 
 
+def demo_recipe(name: str) -> qt.Recipe:
+    """The recipe `name` as the demo trains it: 2-D-scaled weights (per-tensor FP8, 128x128, 16x16)
+    keep rowwise data only and derive columnwise for each dgrad GEMM ([Note: on-demand columnwise]
+    in quant_tensors.quantizer): half the weight memory. MXFP8 weights keep both usages."""
+    recipe = qt.recipe_from_name(name)
+    if not recipe.quantizer("weight").can_derive_columnwise:
+        return recipe
+    return replace(recipe, weight_columnwise_on_demand=True)
+
+
 def _linear_shard_bytes(model: torch.nn.Module) -> int:
     total = 0
     for module in model.modules():
@@ -121,7 +131,7 @@ def _train_one(
     model = TinyTransformer().to(torch.bfloat16).to(device)
     shard = torch_fully_shard
     if recipe is not None:
-        qt.convert(model, qt.recipe_from_name(recipe), quantized_weights=True)
+        qt.convert(model, demo_recipe(recipe), quantized_weights=True)
         shard = quant_fsdp.fully_shard
     for block in model.blocks:
         shard(block)
@@ -162,10 +172,6 @@ def _train_one(
 
 
 def _train_all(rank: int, world_size: int, options: DemoOptions, result_path: str) -> None:
-    # 2-D-scaled weights (per-tensor FP8, 128x128, 16x16) keep rowwise data only and derive
-    # columnwise for each dgrad GEMM ([Note: on-demand columnwise]): half the weight memory. Set
-    # here, in the rank processes that make the quantizers; the caller's environment stays as it was.
-    os.environ.setdefault(qt.COLUMNWISE_ON_DEMAND_ENV_VAR, "1")
     sequence = TransformerConfig().sequence
     batches = MarkovTask(seed=options.seed).batches(range(options.num_steps), BATCH, sequence)
     progress = None

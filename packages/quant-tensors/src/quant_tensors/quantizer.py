@@ -32,8 +32,9 @@ from quant_tensors._tensor import QuantizedTensor
 # [Note: on-demand columnwise] Weights whose columnwise data is a lossless transpose of their
 # rowwise data (per-tensor FP8, blockwise 128x128, NVFP4 16x16) can be kept rowwise-only, half
 # the bytes, and get columnwise with `update_usage(columnwise=True)` right before the dgrad GEMM,
-# dropped again after. The weight quantizer's `columnwise_on_demand` flag turns it on; this
-# environment variable sets the flag's default for quantizers made by recipes.
+# dropped again after. The weight quantizer's `columnwise_on_demand` flag turns it on; recipes set
+# it from their `weight_columnwise_on_demand` field, or from this environment variable where the
+# field is None.
 COLUMNWISE_ON_DEMAND_ENV_VAR = "QUANT_TENSORS_COLUMNWISE_ON_DEMAND"
 
 

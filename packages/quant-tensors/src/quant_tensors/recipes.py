@@ -3,13 +3,14 @@
 Roles: "weight", "input" (activations) and "grad_output" (gradients of the output). Role
 defaults follow DESIGN section 3: "hybrid" FP8 is E4M3 for weights and inputs and E5M2 for
 gradients; 2-D tiles (128 x 128, 16 x 16) for weights, 1-D blocks (1 x 128, 1 x 16) for the
-others; NVFP4 rounds gradients stochastically.
+others; NVFP4 rounds gradients stochastically. Every recipe takes `weight_columnwise_on_demand`
+([Note: on-demand columnwise] in quant_tensors.quantizer).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -41,14 +42,42 @@ def _check_fp8_format(fp8_format: str) -> None:
         raise ValueError(f"fp8_format must be one of {_FP8_FORMATS}, got {fp8_format!r}")
 
 
+@dataclass(frozen=True, kw_only=True)
 class Recipe:
     """Base of the recipes: a frozen configuration that makes one quantizer per role."""
 
-    name: str
+    weight_columnwise_on_demand: bool | None = None
+    """Weights keep rowwise data only and derive columnwise for each dgrad GEMM (half the weight
+    memory); True needs weights whose columnwise data is a lossless transpose (every recipe but
+    MXFP8). None: as the QUANT_TENSORS_COLUMNWISE_ON_DEMAND environment variable says (off unless set)."""
+
+    name: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        if not self.weight_columnwise_on_demand:
+            return
+        weight = self.quantizer("weight")
+        if not weight.can_derive_columnwise:
+            derive = [name for name, recipe in _RECIPES.items() if recipe().quantizer("weight").can_derive_columnwise]
+            raise ValueError(
+                f"{type(self).__name__}(weight_columnwise_on_demand=True): {weight.format_name} weights quantize "
+                "their columnwise data separately (it is not a lossless transpose of the rowwise data), so it "
+                "cannot be derived on demand; leave weight_columnwise_on_demand unset or False, or use a recipe "
+                f"whose weights derive it: {', '.join(derive)}"
+            )
 
     def quantizer(self, role: Role) -> Quantizer:
         """A new quantizer for `role` ("weight", "input" or "grad_output")."""
         raise NotImplementedError
+
+    def _columnwise_on_demand(self, role: Role) -> bool:
+        """Whether `role`'s quantizer leaves columnwise data out: weights only, as
+        `weight_columnwise_on_demand` (or, when it is None, the environment) says."""
+        if role != "weight":
+            return False
+        if self.weight_columnwise_on_demand is None:
+            return columnwise_on_demand_default()
+        return self.weight_columnwise_on_demand
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,13 +93,14 @@ class Float8CurrentScaling(Recipe):
 
     def __post_init__(self) -> None:
         _check_fp8_format(self.fp8_format)
+        super().__post_init__()
 
     def quantizer(self, role: Role) -> Quantizer:
         _check_role(role)
         return Float8Quantizer(
             fp8_dtype=_fp8_dtype(self.fp8_format, role),
             power_2_scales=self.power_2_scales,
-            columnwise_on_demand=role == "weight" and columnwise_on_demand_default(),
+            columnwise_on_demand=self._columnwise_on_demand(role),
         )
 
 
@@ -97,6 +127,7 @@ class Float8DelayedScaling(Recipe):
             raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {self.amax_compute_algo!r}")
         if self.margin < 0:
             raise ValueError(f"margin must be >= 0, got {self.margin}")
+        super().__post_init__()
 
     def quantizer(self, role: Role) -> Quantizer:
         _check_role(role)
@@ -105,7 +136,7 @@ class Float8DelayedScaling(Recipe):
             amax_history_len=self.amax_history_len,
             amax_compute_algo=self.amax_compute_algo,
             margin=self.margin,
-            columnwise_on_demand=role == "weight" and columnwise_on_demand_default(),
+            columnwise_on_demand=self._columnwise_on_demand(role),
         )
 
 
@@ -117,7 +148,7 @@ class MXFP8BlockScaling(Recipe):
 
     def quantizer(self, role: Role) -> Quantizer:
         _check_role(role)
-        return MXFP8Quantizer()
+        return MXFP8Quantizer()  # columnwise quantized on its own: never on demand (Recipe.__post_init__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,6 +164,7 @@ class Float8BlockScaling(Recipe):
 
     def __post_init__(self) -> None:
         _check_fp8_format(self.fp8_format)
+        super().__post_init__()
 
     def quantizer(self, role: Role) -> Quantizer:
         _check_role(role)
@@ -140,7 +172,7 @@ class Float8BlockScaling(Recipe):
             tiled=role == "weight",
             fp8_dtype=_fp8_dtype(self.fp8_format, role),
             power_2_scales=self.power_2_scales,
-            columnwise_on_demand=role == "weight" and columnwise_on_demand_default(),
+            columnwise_on_demand=self._columnwise_on_demand(role),
         )
 
 
@@ -158,7 +190,7 @@ class NVFP4BlockScaling(Recipe):
         return NVFP4Quantizer(
             tiled=role == "weight",
             stochastic_rounding=self.stochastic_rounding and role == "grad_output",
-            columnwise_on_demand=role == "weight" and columnwise_on_demand_default(),
+            columnwise_on_demand=self._columnwise_on_demand(role),
         )
 
 
