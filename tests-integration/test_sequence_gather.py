@@ -125,6 +125,25 @@ def test_gather_along_first_dim_equals_quantizing_the_concatenation(world_size, 
     request.getfixturevalue(f"world_{world_size}").check("gathers")
 
 
+def _hadamard_gathers(rank: int, world_size: int) -> None:
+    # NVFP4 with the random Hadamard transform: the fast path agrees on both amaxes (amax(x) and
+    # amax(T(x^T)); the ranks' differ, x scaled by 1 + rank) and equals quantizing the concatenation.
+    quantizer = qt.NVFP4BlockScaling(random_hadamard_transform=True, hadamard_seed=5).quantizer("input")
+    x = local_input(128, 256, rank)
+    check(x, quantizer, world_size, "nvfp4 rht aligned", expect_fallback=False)
+    check(local_input(256, 128, rank).t(), quantizer, world_size, "nvfp4 rht non-contiguous", expect_fallback=False)
+    # 104 rows split runs of 16 (fallback); the concatenation's rows are a multiple of 16 again.
+    check(local_input(104, 256, rank), quantizer, world_size, "nvfp4 rht 104 rows", expect_fallback=True)
+    # Quantized already: the ranks' amaxes differ, so the fallback; and without the transform, another encoding.
+    check(copy.deepcopy(quantizer).quantize(x), quantizer, world_size, "nvfp4 rht already", expect_fallback=True)
+    plain = qt.NVFP4BlockScaling().quantizer("input").quantize(x)
+    check(plain, quantizer, world_size, "nvfp4 rht from plain", expect_fallback=True)
+
+
+def test_hadamard_transformed_gathers_agree_on_both_amaxes(world_2):
+    world_2.check("nvfp4 rht gathers")
+
+
 def _mxfp8_unquantizable_sequence(rank: int, world_size: int) -> None:
     # 7984 x 1024 on 2 ranks: 3992 rows per rank, not a multiple of MXFP8's 32-row columnwise blocks.
     quantizer = qt.MXFP8BlockScaling().quantizer("input")
@@ -272,7 +291,14 @@ SCENARIOS = {
 
 @pytest.fixture(scope="module")
 def world_2() -> SharedWorld:
-    return run_shared_world(2, {**SCENARIOS, "mxfp8 sequence": (_mxfp8_unquantizable_sequence, ())})
+    return run_shared_world(
+        2,
+        {
+            **SCENARIOS,
+            "mxfp8 sequence": (_mxfp8_unquantizable_sequence, ()),
+            "nvfp4 rht gathers": (_hadamard_gathers, ()),
+        },
+    )
 
 
 @pytest.fixture(scope="module")

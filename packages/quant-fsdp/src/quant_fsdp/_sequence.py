@@ -3,8 +3,9 @@
 [Note: sequence gather] `gather_along_first_dim(x, group, quantizer=...)` returns the
 concatenation along dim 0 of every rank's x, quantized:
 1. one small all-gather tells every rank the others' dim-0 sizes and per-tensor values (the
-   local amax of a fresh per-tensor quantization, or the scales of already quantized inputs), so
-   every rank takes the same path;
+   local amax of a fresh per-tensor quantization, both of NVFP4's with the random Hadamard
+   transform, or the per-tensor scales and amaxes of already quantized inputs), so every rank
+   takes the same path;
 2. fast path, when all shards are equal, quantizable and start on the format's block rows and
    per-tensor scales agree: each rank quantizes its x (per-tensor formats with the group's
    amax) and the data and compact scales of the quantizer's usages are gathered as bytes, the
@@ -33,7 +34,6 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-import quant_core
 from quant_fsdp import _quantized_all_gather
 from quant_fsdp._stats import count_gather
 from quant_tensors import QuantizedTensor, Quantizer
@@ -114,9 +114,11 @@ def _gather_all(
         q is not None and q.per_tensor_amax and not isinstance(x, QuantizedTensor)
         for x, q in zip(xs, quantizers, strict=True)
     ]
+    # A fresh per-tensor quantization's own amaxes (NVFP4 with the random Hadamard transform has
+    # two, amax(x) and amax(T(x^T)), both agreed over the group), or a quantized input's values.
     local_values = [
-        [quant_core.amax(x)] if f else _per_tensor_values(x) if isinstance(x, QuantizedTensor) else []
-        for x, f in zip(xs, fresh, strict=True)
+        list(q.local_amax(x).reshape(-1)) if f else _per_tensor_values(x) if isinstance(x, QuantizedTensor) else []
+        for x, q, f in zip(xs, quantizers, fresh, strict=True)
     ]
     everyone = _exchange(
         [(x.shape[0], v) for x, v in zip(xs, local_values, strict=True)], xs[0].device, group, world_size
@@ -143,7 +145,8 @@ def _issue(
         _log_fallback(quantizer, reason, site)
         return _gather_high_precision(_high_precision(x), rows, group, quantizer)
     if fresh_per_tensor:
-        x = quantizer.quantize(x.contiguous(), amax=everyone[:, 1].max().to(torch.float32))
+        amax = everyone[:, 1:].amax(dim=0).to(device=x.device, dtype=torch.float32)
+        x = quantizer.quantize(x.contiguous(), amax=amax)
     elif not isinstance(x, QuantizedTensor):
         x = quantizer.quantize(x.contiguous())
     return _gather_quantized(x, quantizer, group, world_size)

@@ -161,11 +161,13 @@ class BlockQuantizer(Quantizer):
             raise ValueError(f"quantize_ into {out.block_shape} blocks with a {self.block_shape} quantizer")
         core_out = None if out is None else quant_core.BlockQuantized(*_contiguous_buffers(out))
         result = self._quantize_core(x, *usages, core_out, amax, state)
+        per_tensor = [name for name in ("amax", "columnwise_amax") if name in self.tensor_class._buffer_names]
         if out is not None:
-            if getattr(out, "amax", None) is not None and result.amax is not None:
-                out.amax.copy_(result.amax)
+            for name in per_tensor:
+                if getattr(out, name) is not None and getattr(result, name) is not None:
+                    getattr(out, name).copy_(getattr(result, name))
             return out
-        extra = {"amax": result.amax} if "amax" in self.tensor_class._buffer_names else {}
+        extra = {name: getattr(result, name) for name in per_tensor}
         return self.tensor_class(
             x.shape,
             x.dtype,

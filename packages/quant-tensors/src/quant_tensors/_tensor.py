@@ -106,8 +106,17 @@ class QuantizedTensor(torch.Tensor):
         dtype = dtype or self.dtype
         self._check_not_flat("dequantize")
         if self.rowwise_data is not None:
-            return self._dequantize_buffers(*self.usage_buffers("rowwise"), dtype)
-        return self._dequantize_buffers(*self.usage_buffers("columnwise"), dtype).t().reshape(self.shape)
+            return self._usage_values("rowwise", dtype)
+        return self._usage_values("columnwise", dtype).t().reshape(self.shape)
+
+    def _usage_values(self, usage: str, dtype: torch.dtype) -> torch.Tensor:
+        """The values a usage's codes stand for (the GEMM operand: rowwise data's shape, or (K, M))."""
+        return self._dequantize_buffers(*self.usage_buffers(usage), dtype)
+
+    def _transform_of(self, usage: str) -> int | None:
+        """What a usage holds besides x or x^T: None, or the seed of NVFP4's random Hadamard transform
+        of the columnwise usage (quant_tensors.nvfp4). GEMM operands must agree on it."""
+        return None
 
     def usage_buffers(self, usage: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(data, scale_inv) of the "rowwise" or "columnwise" usage; raises if that usage is absent."""

@@ -33,9 +33,10 @@ GemmPath = Literal["torch._scaled_mm", "emulated"]
 
 
 def operand_values(t: QuantizedTensor, usage: Usage, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The 2-D matrix a usage of `t` stands for, dequantized: (M, K) rowwise, (K, M) columnwise."""
-    data, scale_inv = _operand_buffers(t, usage)
-    return t._dequantize_buffers(data, scale_inv, dtype)
+    """The 2-D matrix a usage of `t` stands for, dequantized: (M, K) rowwise, (K, M) columnwise
+    (NVFP4 with the random Hadamard transform: T(x^T), as the codes hold it)."""
+    values = t._usage_values(usage, dtype)
+    return values.reshape(-1, values.shape[-1])
 
 
 def _operand_buffers(t: QuantizedTensor, usage: Usage) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,6 +100,7 @@ def scaled_mm(
     b_k = operand_k(b, b_usage)
     if a_k != b_k:
         raise ValueError(f"scaled_mm reduction dims differ: A is (*, {a_k}) ({a_usage}), B is (*, {b_k}) ({b_usage})")
+    _check_same_transform(a, b, a_usage, b_usage)
     if scaled_mm_path(a, b, a_usage=a_usage, b_usage=b_usage) == "torch._scaled_mm":
         return _hardware_scaled_mm(a, b, a_data, a_scale, b_data, b_scale, out_dtype, bias)
     product = _bf16_tensor_core_product(a, b, a_usage, b_usage) if out_dtype != torch.float32 else None
@@ -107,6 +109,20 @@ def scaled_mm(
     if bias is not None:
         product = product + bias.float()
     return product.to(out_dtype)
+
+
+def _check_same_transform(a: QuantizedTensor, b: QuantizedTensor, a_usage: Usage, b_usage: Usage) -> None:
+    """Refuses operands transformed differently along the reduction dim: T_a(A) T_b(B)^T is A B^T
+    only when T_a = T_b is orthonormal (quant_tensors.nvfp4, the random Hadamard transform)."""
+    a_transform, b_transform = a._transform_of(a_usage), b._transform_of(b_usage)
+    if a_transform != b_transform:
+        describe = lambda seed: "none" if seed is None else f"hadamard_seed={seed}"  # noqa: E731
+        raise ValueError(
+            f"scaled_mm operands hold different random Hadamard transforms along the reduction dim (A {a_usage}: "
+            f"{describe(a_transform)}, B {b_usage}: {describe(b_transform)}), so their product is not A @ B^T. "
+            "Quantize both wgrad operands with the 'input' and 'grad_output' quantizers of one "
+            "NVFP4BlockScaling(random_hadamard_transform=True) recipe (one hadamard_seed), or both without the transform"
+        )
 
 
 def _bf16_tensor_core_product(a: QuantizedTensor, b: QuantizedTensor, a_usage: Usage, b_usage: Usage):
@@ -140,7 +156,7 @@ def bf16_operand(t: QuantizedTensor, usage: Usage) -> tuple[torch.Tensor | None,
     if isinstance(t, NVFP4Tensor):
         unit_scale_amax = torch.full((), _NVFP4_UNIT_SCALE_AMAX, device=t.device)  # S = 1
         values = quant_core.dequantize_nvfp4(data, scale_inv, unit_scale_amax, t.block_shape, torch.bfloat16)
-        return values, torch.reciprocal(quant_core.nvfp4_tensor_scale(t.amax))
+        return values, torch.reciprocal(quant_core.nvfp4_tensor_scale(t.amax_of(usage)))
     if isinstance(t, MXFP8Tensor) or (isinstance(t, Float8BlockwiseTensor) and t.quantizer.power_2_scales):
         return t._dequantize_buffers(data, scale_inv, torch.bfloat16), None
     return None, None

@@ -228,11 +228,17 @@ class Quantizer:
             columnwise=self.columnwise if columnwise is None else columnwise,
         )
 
+    def local_amax(self, x: torch.Tensor) -> torch.Tensor:
+        """x's own per-tensor amax (fp32, before any all-reduce), in the form `quantize(x, amax=...)`
+        takes once agreed over a group: 0-d here; NVFP4 with the random Hadamard transform gives
+        two values (quant_tensors.nvfp4)."""
+        return quant_core.amax(x)
+
     def _measured_amax(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
         """`amax` if given, else x's amax all-reduced (MAX) over `amax_group` when one is set."""
         if amax is not None:
             return amax.reshape(()).float()
-        measured = quant_core.amax(x)
+        measured = self.local_amax(x)
         if self.amax_group is not None:
             dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.amax_group)
         return measured

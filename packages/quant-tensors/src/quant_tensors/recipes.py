@@ -182,15 +182,24 @@ class NVFP4BlockScaling(Recipe):
 
     stochastic_rounding: bool = True
     """Round gradients (grad_output) stochastically."""
+    random_hadamard_transform: bool = False
+    """Quantize the wgrad operands (columnwise usages of inputs and gradients) after a 16 x 16 random Hadamard transform along the tokens, as TransformerEngine does (its `disable_rht=False`); needs token counts that are multiples of 16."""
+    hadamard_seed: int = 0
+    """Seed of the transform's 16 random signs, shared by the input and grad_output quantizers (any int; its low 64 bits count)."""
 
     name = "nvfp4"
 
     def quantizer(self, role: Role) -> Quantizer:
         _check_role(role)
+        # [Note: NVFP4 wgrad operands with the random Hadamard transform] in quant_tensors.nvfp4:
+        # one seed for both wgrad operands, weights never transformed.
+        transform = self.random_hadamard_transform and role != "weight"
         return NVFP4Quantizer(
             tiled=role == "weight",
             stochastic_rounding=self.stochastic_rounding and role == "grad_output",
             columnwise_on_demand=self._columnwise_on_demand(role),
+            random_hadamard_transform=transform,
+            hadamard_seed=self.hadamard_seed if transform else 0,
         )
 
 
