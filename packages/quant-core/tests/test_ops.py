@@ -150,6 +150,7 @@ def _cases() -> dict[str, tuple[torch._ops.OpOverload, tuple]]:
         ),
         "transpose_nvfp4": (OPS.transpose_nvfp4.default, (nv.rowwise_data,)),
         "hadamard_transform_16": (OPS.hadamard_transform_16.default, (x_strided, -3)),
+        "hadamard_inverse_16": (OPS.hadamard_inverse_16.default, (x_strided, -(2**63) + 5)),
         "hadamard_amaxes": (OPS.hadamard_amaxes.default, (x_strided, 2**62)),
         "adam_step": (
             OPS.adam_step.default,

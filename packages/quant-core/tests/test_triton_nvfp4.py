@@ -51,7 +51,15 @@ def assert_bitwise(got: torch.Tensor | None, want: torch.Tensor | None, what: st
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize(
-    "op", ["quantize_nvfp4", "dequantize_nvfp4", "transpose_nvfp4", "hadamard_transform_16", "hadamard_amaxes"]
+    "op",
+    [
+        "quantize_nvfp4",
+        "dequantize_nvfp4",
+        "transpose_nvfp4",
+        "hadamard_transform_16",
+        "hadamard_inverse_16",
+        "hadamard_amaxes",
+    ],
 )
 def test_triton_runs_every_nvfp4_op(op):
     assert quant_core.selected_backend(op, CUDA) == "triton"
@@ -129,10 +137,13 @@ def test_hadamard_equals_reference(dtype):
     strided = adversarial((260, 256), dtype, seed=1).to(CUDA)
     inputs += [strided[::2], strided[:48].t()]  # row stride 2K; a transposed view (stride_k = 256)
     for x in inputs:
-        for seed in (0, 77, -(2**62)):
+        for seed in (0, 77, -(2**62), 2**63 + 5):
             got = quant_core.hadamard_transform_16(x, seed=seed)
             want = quant_core.hadamard_transform_16_reference(x.cpu(), seed=seed)
             assert_bitwise(got, want, f"{tuple(x.shape)} {x.stride()} seed {seed}")
+            got = quant_core.hadamard_inverse_16(x, seed=seed)
+            want = quant_core.hadamard_inverse_16_reference(x.cpu(), seed=seed)
+            assert_bitwise(got, want, f"inverse {tuple(x.shape)} {x.stride()} seed {seed}")
 
 
 # ---- kernel variants ([Note: NVFP4 register blocks]) ------------------------------------------------

@@ -16,6 +16,8 @@ from quant_core import _C
 from quant_core._adam import AdamScalars
 from quant_core._backend import register_kernel
 from quant_core._checks import as_2d
+from quant_core._numerics import to_output_dtype
+from quant_core._nvfp4 import NVFP4_BLOCK, hadamard_signs
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _FP8_FORMAT_CODES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
@@ -243,6 +245,16 @@ def _transpose_nvfp4(packed_MK: torch.Tensor, out_KM: torch.Tensor) -> None:
 @register_kernel("hadamard_transform_16", "cpp")
 def _hadamard_transform_16(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) -> None:
     _C.hadamard_transform_16(*_x_args(x_MK), seed & 0xFFFFFFFFFFFFFFFF, out_MK.data_ptr(), torch.get_num_threads())
+
+
+@register_kernel("hadamard_inverse_16", "cpp")
+def _hadamard_inverse_16(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) -> None:
+    # D (1/4) H_16 y = D T(D y): the transform's kernel between two exact sign flips, in fp32.
+    signs = hadamard_signs(seed, x_MK.device)
+    flipped = (x_MK.float().reshape(-1, NVFP4_BLOCK) * signs).reshape(x_MK.shape)
+    values = torch.empty_like(flipped)
+    _hadamard_transform_16(flipped, seed, values)
+    out_MK.copy_(to_output_dtype(values.reshape(-1, NVFP4_BLOCK) * signs, out_MK.dtype).reshape(out_MK.shape))
 
 
 @register_kernel("hadamard_amaxes", "cpp")

@@ -536,18 +536,24 @@ def hadamard_inverse_16_reference(x: torch.Tensor, seed: int = 0) -> torch.Tenso
 
 
 def hadamard_inverse_16(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """The inverse of `hadamard_transform_16` along x's last dim (a multiple of 16), in fp32, rounded to x's dtype.
-
-    Runs the transform's operator: D (1/4) H_16 y = D T(D y), the sign flips exact, so it equals
-    `hadamard_inverse_16_reference` bit for bit.
-    """
+    """The inverse of `hadamard_transform_16` along x's last dim (a multiple of 16), in fp32, rounded to x's dtype."""
     check_float_input(x)
     if x.dim() == 0 or x.shape[-1] % NVFP4_BLOCK:
         raise ValueError(f"the Hadamard transform mixes groups of 16 along the last dim; got shape {tuple(x.shape)}")
-    signs = hadamard_signs(seed, x.device)
-    flipped = (x.float().reshape(-1, NVFP4_BLOCK) * signs).reshape(-1, x.shape[-1])
-    values = torch.ops.quant_core.hadamard_transform_16(flipped, signed64(int(seed)))
-    return to_output_dtype((values.reshape(-1, NVFP4_BLOCK) * signs).reshape(x.shape), x.dtype)
+    return with_shape(torch.ops.quant_core.hadamard_inverse_16(as_2d(x), signed64(int(seed))), x.shape)
+
+
+@define_op("hadamard_inverse_16", fake=_hadamard_fake)
+def _hadamard_inverse_16_op(x_MK: torch.Tensor, seed: int) -> torch.Tensor:
+    out_MK = torch.empty(x_MK.shape, dtype=x_MK.dtype, device=x_MK.device)
+    if out_MK.numel() > 0:
+        kernel("hadamard_inverse_16", x_MK.device)(x_MK, seed, out_MK)
+    return out_MK
+
+
+@register_kernel("hadamard_inverse_16", "reference")
+def _hadamard_inverse_reference_kernel(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) -> None:
+    out_MK.copy_(hadamard_inverse_16_reference(x_MK, seed))
 
 
 def hadamard_amaxes_reference(x: torch.Tensor, seed: int = 0) -> torch.Tensor:

@@ -690,7 +690,7 @@ def _butterfly(groups, H: tl.constexpr):
 def _hadamard_runs(runs, seed):
     """(1/4) H_16 D of every run of an (N, 16) fp32 tensor, D the signs of `seed` (an int in int64
     range): the reference's signs, 4-stage butterfly and 1/4, in that order."""
-    draws = splitmix64(seed.to(tl.int64).to(tl.uint64, bitcast=True), tl.arange(0, 16).to(tl.uint64))
+    draws = splitmix64(tl.cast(seed, tl.int64).to(tl.uint64, bitcast=True), tl.arange(0, 16).to(tl.uint64))
     signs = tl.where((draws >> 63) != 0, -1.0, 1.0)
     runs = _butterfly(_butterfly(_butterfly(_butterfly(runs * signs[None, :], 1), 2), 4), 8)
     return runs * 0.25
@@ -741,25 +741,40 @@ def _hadamard_kernel(
     stride_m,
     stride_k,
     seed,
+    INVERSE: tl.constexpr,
     TILE_M: tl.constexpr,
     TILE_K: tl.constexpr,
 ):
-    """The 16 x 16 random Hadamard transform of one tile (K and TILE_K multiples of 16)."""
+    """The 16 x 16 random Hadamard transform of one tile (K and TILE_K multiples of 16), or with
+    INVERSE its inverse: the signs applied after the butterfly instead of before."""
     col_tiles = tl.cdiv(K, TILE_K)
     rows = ((tl.program_id(0) // col_tiles) * TILE_M + tl.arange(0, TILE_M)).to(tl.int64)
     cols = ((tl.program_id(0) % col_tiles) * TILE_K + tl.arange(0, TILE_K)).to(tl.int64)
     mask_MK = (rows < M)[:, None] & (cols < K)[None, :]
     x_MK = tl.load(x_ptr + (rows * stride_m)[:, None] + (cols * stride_k)[None, :], mask=mask_MK, other=0.0)
-    draws = splitmix64(seed.to(tl.int64).to(tl.uint64, bitcast=True), tl.arange(0, 16).to(tl.uint64))
+    draws = splitmix64(tl.cast(seed, tl.int64).to(tl.uint64, bitcast=True), tl.arange(0, 16).to(tl.uint64))
     signs = tl.where((draws >> 63) != 0, -1.0, 1.0)
-    groups = tl.reshape(x_MK.to(tl.float32), (TILE_M * TILE_K // 16, 16)) * signs[None, :]
-    groups = _butterfly(_butterfly(_butterfly(_butterfly(groups, 1), 2), 4), 8)
-    out_MK = tl.reshape(groups, (TILE_M, TILE_K)) * 0.25
+    groups = tl.reshape(x_MK.to(tl.float32), (TILE_M * TILE_K // 16, 16))
+    if not INVERSE:
+        groups = groups * signs[None, :]
+    groups = _butterfly(_butterfly(_butterfly(_butterfly(groups, 1), 2), 4), 8) * 0.25
+    if INVERSE:
+        groups = groups * signs[None, :]
+    out_MK = tl.reshape(groups, (TILE_M, TILE_K))
     store_values(out_ptr, (rows * K)[:, None] + cols[None, :], out_MK, mask_MK)
 
 
 @register_kernel("hadamard_transform_16", "triton", traceable=True)
 def _hadamard_transform_16(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) -> None:
+    _launch_hadamard(x_MK, seed, out_MK, inverse=False)
+
+
+@register_kernel("hadamard_inverse_16", "triton", traceable=True)
+def _hadamard_inverse_16(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) -> None:
+    _launch_hadamard(x_MK, seed, out_MK, inverse=True)
+
+
+def _launch_hadamard(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor, *, inverse: bool) -> None:
     M, K = x_MK.shape
     tiles = HADAMARD_TILES
     launch(
@@ -771,6 +786,7 @@ def _hadamard_transform_16(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) 
         K,
         *x_MK.stride(),
         seed,
+        INVERSE=inverse,
         TILE_M=tiles.tile_m,
         TILE_K=tiles.tile_k,
         num_warps=tiles.num_warps,
