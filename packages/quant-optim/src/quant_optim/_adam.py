@@ -111,7 +111,8 @@ class FusedAdam(torch.optim.Optimizer):
         self._plan_version = 0
         """Bumped by add_param_group and load_state_dict: a plan built before is not used again."""
         self._requantized_bytes: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        """Local quantized weights this optimizer wrote from their masters -> their buffers' versions then."""
+        """Local quantized weights this optimizer wrote from their masters -> [their buffers' versions
+        then] (a one-item list: plans hold it and update it in place, `_tensor_step.written_record`)."""
         self._skipped_on_host = 0
         self._skipped_on_device: torch.Tensor | None = None
         self._last_verdict: bool | torch.Tensor = False
@@ -266,7 +267,7 @@ class FusedAdam(torch.optim.Optimizer):
                     state["master"] = qt.shard_like(p, self._weight_value(local))
             agree_amaxes_and_apply(requantize)
             for local in requantized:  # the master's quantization ([Note: FusedAdam tensor-driven step])
-                self._requantized_bytes[local] = _tensor_step.buffer_versions(local)
+                _tensor_step.written_record(self._requantized_bytes, local)[0] = _tensor_step.buffer_versions(local)
 
     def _loaded(self, master: torch.Tensor) -> bool:
         """Whether `master` holds a loaded value: not a tensor of this optimizer's `state_dict`
@@ -433,8 +434,10 @@ class FusedAdam(torch.optim.Optimizer):
                 groups = () if quantizer.amax_group is None else (quantizer.amax_group,)
                 requantize = functools.partial(requantize_into, quantizer, u.master, u.local)
                 pending.append(PendingAmax(groups, u.amax, requantize))
+            elif isinstance(u.local, qt.QuantizedTensor):  # a block-scaled format: its own scales
+                u.local.quantizer.quantize_(u.master, u.local)
             elif u.master is not u.local:
-                u.local.copy_(u.master)  # a bf16 cast, or a requantize of a block-scaled format
+                u.local.copy_(u.master)  # a bf16 cast
         moments = [(u.shard_groups, moment) for u in updates for moment in u.fp8_moments]
         if moments:  # their amaxes in one kernel call
             moment_amaxes = quant_core.amax_many([moment.values for _, moment in moments])

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 import quant_core
 import quant_tensors as qt
@@ -84,6 +85,9 @@ class _Requantize:
     position: int
     groups: tuple[dist.ProcessGroup, ...]
     """The process groups its per-tensor amax is agreed over (none for block formats)."""
+    written: list[tuple[int | None, ...] | None]
+    """[its buffers' versions when this optimizer last wrote them from the master, or None]: the
+    optimizer's record for this weight (`written_record`), shared with every plan that holds it."""
 
 
 @dataclass(eq=False)
@@ -103,6 +107,11 @@ class _Plan:
     buckets: list[_Bucket]
     requantize: list[_Requantize]
     fp8_slots: list[_Fp8Slot]
+    device: torch.device
+    """The device of the verdict (the first bucket's)."""
+    one_device: bool
+    """Whether every parameter (so every gradient) is on `device`: the non-finite check then calls
+    quant-core's operator without the public function's per-tensor checks."""
 
 
 def build_plan(
@@ -147,26 +156,42 @@ def build_plan(
             groups = () if quantizer.amax_group is None else (quantizer.amax_group,)
             bucket.compute_amax = bucket.compute_amax or quantizer.per_tensor_amax
             requantize.append(
-                _Requantize(local, master, bucket_index, position, groups if quantizer.per_tensor_amax else ())
+                _Requantize(
+                    local,
+                    master,
+                    bucket_index,
+                    position,
+                    groups if quantizer.per_tensor_amax else (),
+                    written_record(optimizer._requantized_bytes, local),
+                )
             )
-    return _Plan(list(buckets.values()), requantize, fp8_slots)
+    devices = {key[-1] for key in buckets}
+    first = next(iter(buckets))[-1] if buckets else torch.device("cpu")
+    return _Plan(list(buckets.values()), requantize, fp8_slots, first, len(devices) == 1)
+
+
+def written_record(records: WeakIdKeyDictionary, local: qt.QuantizedTensor) -> list[tuple[int | None, ...] | None]:
+    """The optimizer's record of the buffer versions it left in `local` (made empty: [None]); plans
+    keep it, so a step updates it without a weak-dictionary lookup per weight."""
+    record = records.get(local)
+    if record is None:
+        record = records[local] = [None]
+    return record
 
 
 def step(optimizer: FusedAdam, plan: _Plan, grads: list[torch.Tensor], found_inf: torch.Tensor | None) -> torch.Tensor:
     """One step of [Note: FusedAdam tensor-driven step]; returns the verdict (fp32 0-d, 1.0: skipped)."""
-    found = _verdict(grads, found_inf, plan.buckets[0].params[0].device)
+    found = _verdict(grads, found_inf, plan)
     for slot in plan.fp8_slots:  # the kernel updates fp32 values
         values = quant_core.dequantize_fp8(slot.codes, slot.scale_inv, torch.float32)
         getattr(slot.bucket, f"{slot.key}s")[slot.position] = values
     amaxes = [_step_bucket(bucket, grads, found) for bucket in plan.buckets]
-    follows = optimizer._requantized_bytes
-    unsure = {
-        id(r)
-        for r in plan.requantize
-        if not r.local.quantizer.stateless or follows.get(r.local) != buffer_versions(r.local)
-    }
+    versions = [buffer_versions(r.local) for r in plan.requantize]
+    unsure = [
+        not r.local.quantizer.stateless or r.written[0] != v for r, v in zip(plan.requantize, versions, strict=True)
+    ]
     proceed = True
-    if unsure or plan.fp8_slots:  # writes a skipped step must not make: the verdict on the host
+    if any(unsure) or plan.fp8_slots:  # writes a skipped step must not make: the verdict on the host
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "FusedAdam(capturable=True) cannot capture this step: quantized weights whose bytes this optimizer has "
@@ -174,21 +199,27 @@ def step(optimizer: FusedAdam, plan: _Plan, grads: list[torch.Tensor], found_inf
                 "one eager step before capturing, and load checkpoints outside the captured region"
             )
         proceed = not bool(found)
+    written = [r for r, u in zip(plan.requantize, unsure, strict=True) if proceed or not u]
+    # One view op per bucket that returned amaxes, not one per weight.
+    rows = [a.unbind() if b.compute_amax else None for a, b in zip(amaxes, plan.buckets, strict=True)]
     pending = []
-    written = [r for r in plan.requantize if proceed or id(r) not in unsure]
     for r in written:
-        if r.local.quantizer.per_tensor_amax:
-            apply = functools.partial(requantize_into, r.local.quantizer, r.master, r.local)
-            pending.append(PendingAmax(r.groups, amaxes[r.bucket][r.position], apply))
+        quantizer = r.local.quantizer
+        if not quantizer.per_tensor_amax:  # a block-scaled format: its own scales
+            quantizer.quantize_(r.master, r.local)
+        elif r.groups:  # agreed over the shard group first, in one all-reduce for all of them
+            apply = functools.partial(requantize_into, quantizer, r.master, r.local)
+            pending.append(PendingAmax(r.groups, rows[r.bucket][r.position], apply))
         else:
-            r.local.copy_(r.master)  # a requantize of a block-scaled format
+            quantizer.quantize_(r.master, r.local, amax=rows[r.bucket][r.position])
     if proceed and plan.fp8_slots:
         values = [getattr(s.bucket, f"{s.key}s")[s.position] for s in plan.fp8_slots]
         for slot, value, amax in zip(plan.fp8_slots, values, quant_core.amax_many(values), strict=True):
             pending.append(PendingAmax(slot.groups, amax, functools.partial(_store_fp8, slot, value)))
-    agree_amaxes_and_apply(pending)
+    if pending:
+        agree_amaxes_and_apply(pending)
     for r in written:
-        follows[r.local] = buffer_versions(r.local)
+        r.written[0] = buffer_versions(r.local)
     return found
 
 
@@ -218,12 +249,17 @@ def _step_bucket(bucket: _Bucket, grads: list[torch.Tensor], found: torch.Tensor
     return torch.ops.quant_core.adam_step_capturable(*args, bucket.compute_amax)
 
 
-def _verdict(grads: list[torch.Tensor], found_inf: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """fp32 0-d on `device`: 1.0 when some rank found a non-finite gradient (one all-reduce)."""
-    if found_inf is None:
-        bad = quant_core.has_non_finite(grads)
+def _verdict(grads: list[torch.Tensor], found_inf: torch.Tensor | None, plan: _Plan) -> torch.Tensor:
+    """fp32 0-d on the plan's device: 1.0 when some rank found a non-finite gradient (one all-reduce)."""
+    if found_inf is not None:
+        # any() of a float tensor is (found_inf != 0).any(): NaN counts as nonzero, -0.0 as zero.
+        bad = found_inf.any().to(device=plan.device, dtype=torch.float32)
+    elif plan.one_device and all(map(_is_plain, grads)):
+        # The operator without the public function's checks: FusedAdam checked the gradients' dtypes
+        # and shapes, and a gradient lives on its parameter's device.
+        bad = torch.ops.quant_core.has_non_finite(grads)
     else:
-        bad = (found_inf != 0).any().to(device=device, dtype=torch.float32)
+        bad = quant_core.has_non_finite(grads)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return bad
