@@ -12,6 +12,11 @@ shapes of 4 Llama-3-8B-like layers plus an embedding, once all fp32 and once per
 embedding and norms fp32), each against torch AdamW(fused=True) + a separate requantize of every
 weight with quant-core's Triton kernels, with its memory floor (`floor_bytes`). About 20 GB of
 GPU memory per case, ~1 minute on an H100.
+On CUDA, also `graph_cases` for fp32, per-tensor FP8 and MXFP8: one step captured in a CUDA graph
+(after an eager warm-up step) and replayed, FusedAdam(capturable=True) vs torch
+AdamW(fused=True, capturable=True) (+ a requantize of each weight): the step without its host
+side. Each graph row first checks that one replay equals one eager step bit for bit (on a twin
+built alike) and prints an error instead of a time when it does not.
 Prints a table and writes `<out>/bench_optim.json` (device, torch version, threads, date).
 `nox -s bench` runs it after `quant-fsdp bench`.
 """
@@ -92,6 +97,109 @@ def requantize_cases(
 
     times["torch AdamW(fused=True) + requantize"] = _median_ms(adamw_then_requantize, min_run_time)
     return times
+
+
+def _twin_params(kind: str, tensors: int, numel: int, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
+    """Parameters (fp32, or quantized with rows of 1024) and gradients drawn from `seed`: equal bits on every call."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    quantizer = None if kind == "fp32" else qt.recipe_from_name(kind).quantizer("weight")
+    params = []
+    for _ in range(tensors):
+        value = torch.randn((numel // 1024, 1024), device=device, generator=generator)
+        params.append(torch.nn.Parameter(value) if quantizer is None else qt.nn.quantized_parameter(value, quantizer))
+    for p in params:
+        p.grad = torch.randn(p.shape, device=device, generator=generator) * 1e-3
+    return params
+
+
+def _captured(step: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """`step` captured in a CUDA graph after one eager warm-up call on a side stream (torch.cuda.graphs'
+    recipe; FusedAdam(capturable=True) needs that eager step: [Note: FusedAdam tensor-driven step])."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def _state_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every byte a step may write (parameters, quantized buffers, optimizer states), as uint8 copies."""
+    tensors = []
+    for p in params:
+        tensors += [b for b in p.buffers().values() if b is not None] if isinstance(p, qt.QuantizedTensor) else [p]
+        tensors += [v for _, v in sorted(optimizer.state[p].items()) if isinstance(v, torch.Tensor)]
+    return [t.detach().reshape(-1).view(torch.uint8).clone() for t in tensors]
+
+
+def _graph_row(
+    make: Callable[[], tuple[list[torch.Tensor], torch.optim.Optimizer, Callable[[], object]]], min_run_time: float
+) -> float | str:
+    """ms per replay of a captured step, or an error (a string) when capture fails or one replay
+    does not equal one eager step bit for bit (checked once, before timing, on a twin built alike)."""
+    try:
+        params, optimizer, step = make()
+        graph = _captured(step)
+        twin_params, twin, twin_step = make()
+        twin_step()  # the twin's warm-up, eager
+        graph.replay()
+        twin_step()
+        torch.cuda.synchronize()
+        replayed, eager = _state_bytes(params, optimizer), _state_bytes(twin_params, twin)
+    except Exception as error:
+        return f"error: {type(error).__name__}: {str(error).splitlines()[0][:100]}"
+    differing = sum(not torch.equal(a, b) for a, b in zip(replayed, eager, strict=True))
+    checked = len(replayed)
+    del twin_params, twin, twin_step, replayed, eager
+    if differing:
+        return f"error: one replay != one eager step in {differing} of {checked} tensors"
+    return _median_ms(graph.replay, min_run_time)
+
+
+def graph_cases(
+    kind: str, tensors: int, numel: int, device: torch.device, min_run_time: float
+) -> dict[str, float | str]:
+    """ms per CUDA-graph replay of one step: FusedAdam(capturable=True), without and with a caller's
+    found_inf, vs torch AdamW(fused=True, capturable=True) (+ a requantize of each weight with its
+    quantizer for quantized `kind`), each captured after one eager warm-up step on the same
+    parameters and gradients."""
+
+    def fused(found_inf: bool) -> Callable[[], tuple[list[torch.Tensor], torch.optim.Optimizer, Callable[[], object]]]:
+        def make() -> tuple[list[torch.Tensor], torch.optim.Optimizer, Callable[[], object]]:
+            params = _twin_params(kind, tensors, numel, device)
+            optimizer = FusedAdam(params, lr=1e-3, weight_decay=0.01, capturable=True)
+            no_inf = torch.zeros((), device=device) if found_inf else None
+            return params, optimizer, lambda: optimizer.step(found_inf=no_inf)
+
+        return make
+
+    def adamw() -> tuple[list[torch.Tensor], torch.optim.Optimizer, Callable[[], object]]:
+        params = _twin_params(kind, tensors, numel, device)
+        if kind == "fp32":
+            optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True, capturable=True)
+            return params, optimizer, optimizer.step
+        masters = [torch.nn.Parameter(p.dequantize(torch.float32)) for p in params]
+        for p, master in zip(params, masters, strict=True):
+            master.grad = p.grad
+        optimizer = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.01, fused=True, capturable=True)
+
+        def step() -> None:
+            optimizer.step()
+            with torch.no_grad():
+                for p, master in zip(params, masters, strict=True):
+                    p.quantizer.quantize_(master, p)
+
+        return params + masters, optimizer, step
+
+    requantize = "" if kind == "fp32" else " + requantize"
+    return {
+        "FusedAdam(capturable), graph replay": _graph_row(fused(False), min_run_time),
+        "FusedAdam(capturable), found_inf, graph replay": _graph_row(fused(True), min_run_time),
+        f"torch AdamW(fused, capturable){requantize}, graph replay": _graph_row(adamw, min_run_time),
+    }
 
 
 # (out_features, in_features) of one Llama-3-8B-like decoder layer: q, k, v (grouped, 8 of 32
@@ -237,14 +345,22 @@ def run(
     )
     for recipe_name in ("fp8", "mxfp8"):
         report["cases"][recipe_name] = requantize_cases(recipe_name, tensors, numel, device, min_run_time)
+    if device.type == "cuda":  # CUDA graphs: the step without its host side
+        for kind in ("fp32", "fp8", "mxfp8"):
+            report["cases"][f"{kind} graph"] = graph_cases(kind, tensors, numel, device, min_run_time)
+            torch.cuda.empty_cache()
 
     print(f"FusedAdam vs torch AdamW: {params:.0e} params in {tensors} tensors, {report['device']}, "
           f"torch {torch.__version__}, {report['threads']} threads")  # fmt: skip
-    print(f"{'params':<8} {'optimizer':<40} {'ms/step':>9} {'x torch':>8}")
+    print(f"{'params':<12} {'optimizer':<56} {'ms/step':>9} {'x torch':>8}")
     for kind, times in report["cases"].items():
         baseline = times[next(name for name in times if name.startswith("torch"))]
         for name, ms in times.items():
-            print(f"{kind:<8} {name:<40} {ms:9.2f} {baseline / ms:8.2f}")
+            if isinstance(ms, str):  # a graph row that failed its check
+                print(f"{kind:<12} {name:<56} {ms}")
+                continue
+            ratio = f"{baseline / ms:8.2f}" if isinstance(baseline, float) else f"{'-':>8}"
+            print(f"{kind:<12} {name:<56} {ms:9.2f} {ratio}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_optim.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out / 'bench_optim.json'}")
