@@ -407,3 +407,12 @@ for shape in [(34, 50), (16, 16), (7, 3)]:
 
 def test_hadamard_kernels_index_like_the_reference_in_the_triton_interpreter():
     run_in_triton_interpreter(_INTERPRETED_HADAMARD.format(tests=os.path.dirname(__file__)))
+
+
+@pytest.mark.parametrize("seed", [0, 1, -1, 2**31, -(2**31) - 1, 2**63 - 1, -(2**63), -(2**63) + 5, -3])
+def test_a_seed_travels_as_two_int32_halves(seed):
+    from quant_core._triton_numerics import int32_halves
+
+    high, low = int32_halves(seed)
+    assert all(-(2**31) <= half < 2**31 for half in (high, low))
+    assert (high << 32) | (low & 0xFFFFFFFF) == seed

@@ -24,9 +24,11 @@ def divide(numerator: float, denominator: torch.Tensor) -> torch.Tensor:
     """numerator / denominator as one correctly rounded fp32 division.
 
     torch evaluates `python_float / tensor` as reciprocal(tensor) * python_float, two roundings
-    that differ from IEEE division in the last bit (448 / 3: 0x4315 5556 vs 0x4315 5555).
+    that differ from IEEE division in the last bit (448 / 3: 0x4315 5556 vs 0x4315 5555). The
+    numerator is filled on the denominator's device (`new_tensor` would copy it from the host: a
+    sync, and refused while a CUDA graph is captured).
     """
-    return denominator.new_tensor(numerator) / denominator
+    return torch.full_like(denominator, numerator) / denominator
 
 
 def finite_abs(x: torch.Tensor) -> torch.Tensor:

@@ -203,6 +203,20 @@ def encode_e2m1_stochastic(v, random24):
     return encode_e2m1(rounded) | tl.where(negative, 8, 0)
 
 
+def int32_halves(value: int) -> tuple[int, int]:
+    """A 64-bit seed (an int in int64 range) as two int32 kernel arguments (high, low). Inductor's
+    launcher of a traced kernel types an int argument from the value it compiled with and refuses
+    int64 values there; every launcher passes int32 values."""
+    low = value & 0xFFFFFFFF
+    return value >> 32, low - (1 << 32) if low >= 1 << 31 else low
+
+
+@triton.jit
+def from_int32_halves(high, low):
+    """The uint64 whose halves `int32_halves` gave (int32 arguments, or constants under Inductor)."""
+    return ((tl.cast(high, tl.int64) << 32) | (tl.cast(low, tl.int64) & 0xFFFFFFFF)).to(tl.uint64, bitcast=True)
+
+
 @triton.jit
 def splitmix64(seed, index):
     """Output `index` (uint64) of the SplitMix64 stream seeded with `seed` ([Note: counter RNG])."""

@@ -36,6 +36,8 @@ from quant_core._triton_numerics import (
     encode_e2m1_stochastic,
     encode_fp8,
     finite_abs,
+    from_int32_halves,
+    int32_halves,
     seed_tensor,
     splitmix64,
     store_bytes,
@@ -299,7 +301,7 @@ def _store_columnwise(data_ptr, codes_TGHK, cols, tile_m, M, K):
 
 @triton.jit
 def _store_transformed_columnwise(
-    data_ptr, scale_ptr, x, columnwise_tensor_scale_ptr, hadamard_seed, seed, tile_m, tile_k, M, K,
+    data_ptr, scale_ptr, x, columnwise_tensor_scale_ptr, hadamard_seed_hi, hadamard_seed_lo, seed, tile_m, tile_k, M, K,
     STOCHASTIC: tl.constexpr, HARDWARE: tl.constexpr,
 ):  # fmt: skip
     """The columnwise usage of T(x^T) for one tile x (T, G, H, TILE_K) ([Note: NVFP4 random Hadamard
@@ -309,7 +311,7 @@ def _store_transformed_columnwise(
     TILE_K: tl.constexpr = x.shape[3]
     # (k, g, h, t) -> run (k, g), position h T + t = the row's place in its run of 16.
     runs_NP = tl.reshape(tl.permute(x, (3, 1, 2, 0)), (TILE_K * G, 16))
-    runs_NP = _hadamard_runs(runs_NP, hadamard_seed)
+    runs_NP = _hadamard_runs(runs_NP, hadamard_seed_hi, hadamard_seed_lo)
     amax_N = tl.max(finite_abs(runs_NP), axis=1)
     enc_N, s_N = _nvfp4_scale(amax_N, tl.load(columnwise_tensor_scale_ptr), HARDWARE)
     cols = (tile_k * TILE_K + tl.arange(0, TILE_K)).to(tl.int64)[:, None, None]  # (K, 1, 1)
@@ -330,7 +332,7 @@ def _store_transformed_columnwise(
     store_bytes(scale_ptr, cols_K * Mb + block_rows, tl.reshape(s_N, (TILE_K, G)), (cols_K < K) & (block_rows < Mb))
 
 
-@triton.jit(do_not_specialize=["hadamard_seed"])
+@triton.jit(do_not_specialize=["hadamard_seed_hi", "hadamard_seed_lo"])
 def _quantize_nvfp4_register_blocks_kernel(
     x_ptr,
     M,
@@ -340,7 +342,8 @@ def _quantize_nvfp4_register_blocks_kernel(
     tensor_scale_ptr,
     seed_ptr,
     columnwise_tensor_scale_ptr,
-    hadamard_seed,
+    hadamard_seed_hi,
+    hadamard_seed_lo,
     rowwise_ptr,
     rowwise_scale_ptr,
     columnwise_ptr,
@@ -403,8 +406,8 @@ def _quantize_nvfp4_register_blocks_kernel(
             store_bytes(rowwise_scale_ptr, rows * Kb + blocks_K, s_rows, (rows < M) & (blocks_K < Kb))
         if COLUMNWISE and HADAMARD:
             _store_transformed_columnwise(
-                columnwise_ptr, columnwise_scale_ptr, x, columnwise_tensor_scale_ptr, hadamard_seed, seed, tile_m,
-                tile_k, M, K, STOCHASTIC, HARDWARE,
+                columnwise_ptr, columnwise_scale_ptr, x, columnwise_tensor_scale_ptr, hadamard_seed_hi,
+                hadamard_seed_lo, seed, tile_m, tile_k, M, K, STOCHASTIC, HARDWARE,
             )  # fmt: skip
         if COLUMNWISE and not HADAMARD:
             enc_cols, s_cols = _nvfp4_scale(amax_cols, S, HARDWARE)
@@ -448,7 +451,7 @@ def launch_quantize(
         assert isinstance(tiles, BlockTiles), tiles
         kernel = _quantize_nvfp4_register_blocks_kernel
         columnwise_scale_of = tensor_scale if columnwise_tensor_scale is None else columnwise_tensor_scale
-        scales += (columnwise_scale_of, hadamard_seed if hadamard else 0)
+        scales += (columnwise_scale_of, *int32_halves(hadamard_seed if hadamard else 0))
         extra = {"ROWS_PER_THREAD": tiles.rows_per_thread, "HADAMARD": hadamard}
     else:
         assert variant == "original", variant
@@ -687,18 +690,18 @@ def _butterfly(groups, H: tl.constexpr):
 
 
 @triton.jit
-def _hadamard_runs(runs, seed):
-    """(1/4) H_16 D of every run of an (N, 16) fp32 tensor, D the signs of `seed` (an int in int64
-    range): the reference's signs, 4-stage butterfly and 1/4, in that order."""
-    draws = splitmix64(tl.cast(seed, tl.int64).to(tl.uint64, bitcast=True), tl.arange(0, 16).to(tl.uint64))
+def _hadamard_runs(runs, seed_hi, seed_lo):
+    """(1/4) H_16 D of every run of an (N, 16) fp32 tensor, D the signs of the seed (`int32_halves`):
+    the reference's signs, 4-stage butterfly and 1/4, in that order."""
+    draws = splitmix64(from_int32_halves(seed_hi, seed_lo), tl.arange(0, 16).to(tl.uint64))
     signs = tl.where((draws >> 63) != 0, -1.0, 1.0)
     runs = _butterfly(_butterfly(_butterfly(_butterfly(runs * signs[None, :], 1), 2), 4), 8)
     return runs * 0.25
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit(do_not_specialize=["seed_hi", "seed_lo"])
 def _hadamard_amaxes_kernel(
-    x_ptr, amax_ptr, M, K, stride_m, stride_k, seed, TILE_M: tl.constexpr, TILE_K: tl.constexpr
+    x_ptr, amax_ptr, M, K, stride_m, stride_k, seed_hi, seed_lo, TILE_M: tl.constexpr, TILE_K: tl.constexpr
 ):  # fmt: skip
     """amax(x) and amax(T(x^T)) of one TILE_M x TILE_K tile (TILE_M a multiple of 16; rows past M
     read as 0, which pads a partial last run): one atomic max per program into amax_ptr[0] and [1]."""
@@ -707,7 +710,7 @@ def _hadamard_amaxes_kernel(
     mask_MK = (rows < M)[:, None] & (cols < K)[None, :]
     x_MK = tl.load(x_ptr + (rows * stride_m)[:, None] + (cols * stride_k)[None, :], mask=mask_MK, other=0.0)
     x_MK = x_MK.to(tl.float32)
-    runs_NP = _hadamard_runs(tl.reshape(tl.trans(x_MK), (TILE_K * TILE_M // 16, 16)), seed)
+    runs_NP = _hadamard_runs(tl.reshape(tl.trans(x_MK), (TILE_K * TILE_M // 16, 16)), seed_hi, seed_lo)
     tl.atomic_max(amax_ptr, tl.max(finite_abs(x_MK)))
     tl.atomic_max(amax_ptr + 1, tl.max(finite_abs(runs_NP)))
 
@@ -724,7 +727,7 @@ def _hadamard_amaxes(x_MK: torch.Tensor, seed: int, out: torch.Tensor) -> None:
         M,
         K,
         *x_MK.stride(),
-        seed,
+        *int32_halves(seed),
         TILE_M=tiles.tile_m,
         TILE_K=tiles.tile_k,
         num_warps=tiles.num_warps,
@@ -732,7 +735,7 @@ def _hadamard_amaxes(x_MK: torch.Tensor, seed: int, out: torch.Tensor) -> None:
     )
 
 
-@triton.jit(do_not_specialize=["seed"])
+@triton.jit(do_not_specialize=["seed_hi", "seed_lo"])
 def _hadamard_kernel(
     x_ptr,
     out_ptr,
@@ -740,7 +743,8 @@ def _hadamard_kernel(
     K,
     stride_m,
     stride_k,
-    seed,
+    seed_hi,
+    seed_lo,
     INVERSE: tl.constexpr,
     TILE_M: tl.constexpr,
     TILE_K: tl.constexpr,
@@ -752,7 +756,7 @@ def _hadamard_kernel(
     cols = ((tl.program_id(0) % col_tiles) * TILE_K + tl.arange(0, TILE_K)).to(tl.int64)
     mask_MK = (rows < M)[:, None] & (cols < K)[None, :]
     x_MK = tl.load(x_ptr + (rows * stride_m)[:, None] + (cols * stride_k)[None, :], mask=mask_MK, other=0.0)
-    draws = splitmix64(tl.cast(seed, tl.int64).to(tl.uint64, bitcast=True), tl.arange(0, 16).to(tl.uint64))
+    draws = splitmix64(from_int32_halves(seed_hi, seed_lo), tl.arange(0, 16).to(tl.uint64))
     signs = tl.where((draws >> 63) != 0, -1.0, 1.0)
     groups = tl.reshape(x_MK.to(tl.float32), (TILE_M * TILE_K // 16, 16))
     if not INVERSE:
@@ -785,7 +789,7 @@ def _launch_hadamard(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor, *, inv
         M,
         K,
         *x_MK.stride(),
-        seed,
+        *int32_halves(seed),
         INVERSE=inverse,
         TILE_M=tiles.tile_m,
         TILE_K=tiles.tile_k,
