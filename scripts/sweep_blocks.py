@@ -2,7 +2,6 @@
 
     python3 scripts/sweep_blocks.py                       # ~1-2 min on one H100
     python3 scripts/sweep_blocks.py --jobs 0 --json sweep_blocks.json
-    python3 scripts/sweep_blocks.py --cases both-usages   # the kernel variants of MXFP8 / 1 x 128 both usages
 
 Cases, bf16 input: MXFP8 both usages, blockwise FP8 1 x 128 both usages, 1 x 128 rowwise,
 128 x 128 both usages (E4M3, power-of-two scales), at 8192 x 8192 and 2048 x 8192. Each case times
@@ -16,13 +15,6 @@ current kernel on the 8192^2 input (NaN of both signs, +-Inf, zeros and bf16 sub
 and against the CPU reference on a 1024 x 1536 adversarial input; each case's winner also on an
 odd shape and a transposed view (partial tiles, masks, strides). A candidate whose bytes differ
 cannot win. Kernels are compiled first in `--jobs` worker processes (Triton's disk cache).
-
-`--cases both-usages` (issue #15) times the kernel variants for MXFP8 and 1 x 128 with both
-usages instead: the two-pass kernel as it is (the current constant), its second pass storing
-packed int32 words (`TwoPassTiles(words=True)`), and `_quantize_packed_kernel` (`PackedTiles`:
-columnwise codes packed in registers, stored from the registers or through `tl.trans`, the tile
-loaded and the codes stored by TMA or not; [Note: packed columnwise codes]). Every candidate is
-also checked on the odd shape and the transposed view (compiled in the workers too).
 """
 
 from __future__ import annotations
@@ -41,7 +33,7 @@ import triton
 
 import quant_core
 from quant_core import _triton_blocks as tb
-from quant_core._triton_blocks import PackedTiles, TwoPassTiles
+from quant_core._triton_blocks import TwoPassTiles
 from quant_core._triton_numerics import Tiles
 from quant_core.testing import adversarial
 
@@ -72,7 +64,7 @@ class Case:
     columnwise: bool
     constant: str
     """The `_triton_blocks` constant the candidates replace."""
-    candidates: tuple[Tiles | TwoPassTiles | PackedTiles, ...]
+    candidates: tuple[Tiles | TwoPassTiles, ...]
     """The current value first."""
 
     def allocate(self, x: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -96,9 +88,7 @@ class Case:
             return quant_core.quantize_mxfp8_reference(x, **usage)
         return quant_core.quantize_fp8_blockwise_reference(x, block_shape=(self.block_rows, 128), **usage)
 
-    def run(
-        self, candidate: Tiles | TwoPassTiles | PackedTiles, x: torch.Tensor, buffers: tuple[torch.Tensor | None, ...]
-    ) -> None:
+    def run(self, candidate: Tiles | TwoPassTiles, x: torch.Tensor, buffers: tuple[torch.Tensor | None, ...]) -> None:
         """The registered Triton kernel with `candidate` as the launch choice."""
         setattr(tb, self.constant, candidate)
         if self.format == "mxfp8":
@@ -144,51 +134,11 @@ CASES = (
 )
 
 
-def _packed(*shapes: tuple[int, int, int, int], **options: object) -> tuple[PackedTiles, ...]:
-    """PackedTiles of each (tile_m, tile_k, rows_per_thread, num_warps), with the same options."""
-    return tuple(PackedTiles(m, k, t, w, **options) for m, k, t, w in shapes)
-
-
-# [Note: packed columnwise codes]: rows_per_thread (T) stays in each thread's registers only while
-# the lanes and warps are used up by the 16-byte vectors along k and the groups of T rows
-# (tile_m * tile_k / (T * vector) >= 32 * num_warps; Triton 3.9 gave 16 bf16 per thread here).
-_MXFP8_BOTH = (
-    tb.MXFP8_TILES,
-    *_two_pass((128, 4, 32, 2), (256, 4, 32, 4), (128, 8, 32, 4), words=True),
-    *_packed((32, 128, 4, 2), (64, 128, 4, 4), (32, 256, 4, 4), (64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2)),
-    *_packed((32, 128, 4, 2), (64, 128, 4, 4), transpose=True),
-    *_packed((32, 128, 4, 2), (64, 128, 4, 4), early_nan=True),
-    *_packed((32, 128, 4, 2), (64, 128, 4, 4), load_descriptor=True),
-    *_packed((32, 128, 4, 2), store_descriptor=True),
-    *_packed((32, 128, 4, 2), load_descriptor=True, store_descriptor=True),
-)
-_BLOCKWISE_BOTH = (
-    tb.BLOCKWISE_TILES,
-    *_two_pass((128, 32, 128, 8), (128, 16, 64, 4), (128, 8, 32, 4), words=True),
-    *_packed((128, 128, 4, 8), (128, 128, 8, 4), (128, 256, 4, 8)),
-    *_packed((128, 128, 4, 8), transpose=True),
-    *_packed((128, 128, 4, 8), early_nan=True),
-    *_packed((128, 128, 4, 8), load_descriptor=True),
-    *_packed((128, 128, 4, 8), load_descriptor=True, store_descriptor=True),
-)
-BOTH_USAGES_CASES = (
-    Case("mxfp8 both", "mxfp8", 1, True, True, "MXFP8_TILES", _MXFP8_BOTH),
-    Case("1x128 both", "blockwise", 1, True, True, "BLOCKWISE_TILES", _BLOCKWISE_BOTH),
-)
-CASE_SETS = {"tiles": CASES, "both-usages": BOTH_USAGES_CASES}
-
-
-def describe(candidate: Tiles | TwoPassTiles | PackedTiles) -> str:
+def describe(candidate: Tiles | TwoPassTiles) -> str:
     if isinstance(candidate, Tiles):
         return f"tile {candidate.tile_m}x{candidate.tile_k} w{candidate.num_warps}"
-    if isinstance(candidate, PackedTiles):
-        extras = [name for name in ("transpose", "load_descriptor", "store_descriptor") if getattr(candidate, name)]
-        extras += ["early-nan"] if candidate.early_nan else []
-        shape = f"{candidate.tile_m}x{candidate.tile_k} T{candidate.rows_per_thread} w{candidate.num_warps}"
-        return " ".join(["packed", shape, *extras]).replace("_descriptor", "-tma")
     extras = [f"bm{candidate.blocks_m}"] if candidate.blocks_m > 1 else []
     extras += [] if candidate.unroll else ["rolled"]
-    extras += ["words"] if candidate.words else []
     extras += ["early-nan"] if candidate.early_nan else []
     shape = f"k{candidate.tile_k} c{candidate.chunk_m} s{candidate.store_m} w{candidate.num_warps}"
     return " ".join(["2pass", shape, *extras])
@@ -212,10 +162,7 @@ def same_bytes(got: tuple[torch.Tensor | None, ...], want: tuple[torch.Tensor | 
 
 
 def matches_reference(
-    case: Case,
-    candidate: Tiles | TwoPassTiles | PackedTiles,
-    x_cpu: torch.Tensor,
-    want: tuple[torch.Tensor | None, ...],
+    case: Case, candidate: Tiles | TwoPassTiles, x_cpu: torch.Tensor, want: tuple[torch.Tensor | None, ...]
 ) -> bool:
     """Whether the candidate's bytes on x_cpu's GPU copy equal `want` (the CPU reference's)."""
     x = x_cpu.cuda()
@@ -240,19 +187,14 @@ def planted_input(shape: tuple[int, int], seed: int) -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
-def _compile(task: tuple[str, int, int, bool]) -> tuple[int, int, float, str]:
-    """Worker: compiles one candidate by running it once on a small input (and, with `edges`, on
-    the odd shape and its transposed view: the masked and strided compiles)."""
-    case_set, case_index, candidate_index, edges = task
-    case = CASE_SETS[case_set][case_index]
+def _compile(task: tuple[int, int]) -> tuple[int, int, float, str]:
+    """Worker: compiles one candidate by running it once on a small input."""
+    case_index, candidate_index = task
+    case = CASES[case_index]
     start = time.perf_counter()
     try:
         x = torch.randn(_COMPILE_SHAPE, device="cuda", dtype=torch.bfloat16)
         case.run(case.candidates[candidate_index], x, case.allocate(x))
-        if edges:
-            x = torch.randn(_EDGE_SHAPE, device="cuda", dtype=torch.bfloat16)
-            for view in (x, x.t()):
-                case.run(case.candidates[candidate_index], view, case.allocate(view))
         torch.cuda.synchronize()
         error = ""
     except Exception as e:  # reported, and the main process compiles (and fails) again
@@ -260,9 +202,8 @@ def _compile(task: tuple[str, int, int, bool]) -> tuple[int, int, float, str]:
     return case_index, candidate_index, time.perf_counter() - start, error
 
 
-def precompile(jobs: int, case_set: str, edges: bool) -> None:
-    cases = CASE_SETS[case_set]
-    tasks = [(case_set, c, k, edges) for c, case in enumerate(cases) for k in range(len(case.candidates))]
+def precompile(jobs: int) -> None:
+    tasks = [(c, k) for c, case in enumerate(CASES) for k in range(len(case.candidates))]
     start, slowest = time.perf_counter(), 0.0
     context = multiprocessing.get_context("spawn")
     try:
@@ -270,7 +211,7 @@ def precompile(jobs: int, case_set: str, edges: bool) -> None:
             for c, k, seconds, error in pool.map(_compile, tasks):
                 slowest = max(slowest, seconds)
                 if error:
-                    print(f"  compile failed: {cases[c].name} / {describe(cases[c].candidates[k])}: {error}")
+                    print(f"  compile failed: {CASES[c].name} / {describe(CASES[c].candidates[k])}: {error}")
     except Exception as e:  # a pool that cannot start: compile on first use instead
         print(f"  parallel compile skipped ({type(e).__name__}: {e})")
     elapsed = time.perf_counter() - start
@@ -328,19 +269,11 @@ def sweep_case(case: Case, sizes: list[tuple[int, int]], copy_gbps: dict, rows: 
     setattr(tb, case.constant, case.candidates[0])
 
 
-_edge_references: dict[str, list[tuple[torch.Tensor | None, ...]]] = {}
-
-
-def edge_check(case: Case, candidate: Tiles | TwoPassTiles | PackedTiles) -> bool:
+def edge_check(case: Case, candidate: Tiles | TwoPassTiles) -> bool:
     """Partial tiles (masks) and a transposed view against the CPU reference."""
     x = adversarial(_EDGE_SHAPE, torch.bfloat16, seed=3)
-    if case.name not in _edge_references:  # the CPU reference once per case
-        _edge_references[case.name] = [buffers_of(case.reference(v)) for v in (x, x.t())]
     try:
-        ok = all(
-            matches_reference(case, candidate, v, want)
-            for v, want in zip((x, x.t()), _edge_references[case.name], strict=True)
-        )
+        ok = all(matches_reference(case, candidate, v, buffers_of(case.reference(v))) for v in (x, x.t()))
     except Exception as e:
         print(f"  {case.name} / {describe(candidate)} on the edge inputs: {type(e).__name__}: {str(e)[:200]}")
         ok = False
@@ -350,14 +283,13 @@ def edge_check(case: Case, candidate: Tiles | TwoPassTiles | PackedTiles) -> boo
 
 
 def print_table(rows: list[dict]) -> None:
-    header = f"{'case':14} {'shape':10} {'candidate':44} {'us':>8} {'GB/s':>6} {'%copy':>6}  =cur =ref edge"
+    header = f"{'case':14} {'shape':10} {'candidate':40} {'us':>8} {'GB/s':>6} {'%copy':>6}  =cur =ref"
     print(header)
     print("-" * len(header))
-    yes = {True: "yes", False: "NO", None: "-"}
     for r in rows:
-        flags = f"{yes[r['equals_current']]:>4} {yes[r['equals_reference']]:>4} {yes[r.get('edge_ok')]:>4}"
+        flags = f"{'yes' if r['equals_current'] else 'NO':>4} {'yes' if r['equals_reference'] else 'NO':>4}"
         print(
-            f"{r['case']:14} {r['shape']:10} {r['candidate']:44} {r['us']:8.1f} {r['gbps']:6.0f} "
+            f"{r['case']:14} {r['shape']:10} {r['candidate']:40} {r['us']:8.1f} {r['gbps']:6.0f} "
             f"{r['percent_copy']:6.1f}  {flags}"
         )
 
@@ -367,10 +299,7 @@ def main() -> int:
     parser.add_argument("--sizes", default="8192x8192,2048x8192", help="comma-separated MxK")
     parser.add_argument("--jobs", type=int, default=8, help="compile workers (0: compile on first use)")
     parser.add_argument("--json", default="", help="also write the rows and winners to this file")
-    parser.add_argument("--cases", default="tiles", choices=sorted(CASE_SETS), help="which cases and candidates")
     args = parser.parse_args()
-    cases = CASE_SETS[args.cases]
-    every_edge = args.cases == "both-usages"  # new kernels: every candidate on the odd shape and view
     start = time.perf_counter()
     sizes = [tuple(int(d) for d in s.split("x")) for s in args.sizes.split(",")]
     torch.cuda.init()
@@ -380,7 +309,7 @@ def main() -> int:
         flush=True,
     )
     if args.jobs > 0:
-        precompile(args.jobs, args.cases, every_edge)
+        precompile(args.jobs)
     copy_gbps = {}
     for shape in sizes:
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
@@ -388,33 +317,23 @@ def main() -> int:
         copy_gbps[shape] = 2 * x.numel() * x.element_size() / bench_ms(lambda x=x, out=out: out.copy_(x)) / 1e6
         print(f"copy {shape[0]}x{shape[1]}: {copy_gbps[shape]:.0f} GB/s (read + write)", flush=True)
     rows: list[dict] = []
-    for case in cases:
+    for case in CASES:
         sweep_case(case, sizes, copy_gbps, rows)
         print(f"{case.name}: {len(case.candidates)} candidates done at {time.perf_counter() - start:.0f} s", flush=True)
-    edge_ok = {}
-    if every_edge:
-        for case in cases:
-            for k, candidate in enumerate(case.candidates):
-                edge_ok[case.name, k] = edge_check(case, candidate)
-                if not edge_ok[case.name, k]:
-                    print(f"  {case.name} / {describe(candidate)}: partial tiles or transposed view DIFFER")
-        for r in rows:
-            r["edge_ok"] = edge_ok[r["case"], r["index"]]
-        print(f"edge checks done at {time.perf_counter() - start:.0f} s")
     print()
     print_table(rows)
     print()
     winners = []
-    for case in cases:
+    for case in CASES:
         for shape in sizes:
             name = f"{shape[0]}x{shape[1]}"
             mine = [r for r in rows if r["case"] == case.name and r["shape"] == name]
-            valid = [r for r in mine if r["equals_current"] and r["equals_reference"] and r.get("edge_ok", True)]
+            valid = [r for r in mine if r["equals_current"] and r["equals_reference"]]
             if not valid:
                 print(f"{case.name} {name}: no candidate matched the current kernel and the reference")
                 continue
             best, current = min(valid, key=lambda r: r["us"]), min(mine, key=lambda r: r["index"])
-            edge = best["edge_ok"] if every_edge else edge_check(case, case.candidates[best["index"]])
+            edge = edge_check(case, case.candidates[best["index"]])
             winners.append(dict(best, edge_ok=edge))
             print(
                 f"winner {case.name} {name}: {best['candidate']} {best['us']:.1f} us, {best['percent_copy']:.1f}% of "
@@ -426,7 +345,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(copy_gbps={f"{m}x{k}": v for (m, k), v in copy_gbps.items()}, rows=rows, winners=winners), f)
-    differs = any(not (r["equals_current"] and r["equals_reference"] and r.get("edge_ok", True)) for r in rows)
+    differs = any(not (r["equals_current"] and r["equals_reference"]) for r in rows)
     return 1 if differs or not all(w["edge_ok"] for w in winners) else 0
 
 
