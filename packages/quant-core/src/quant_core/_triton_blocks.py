@@ -72,31 +72,6 @@ class TwoPassTiles:
     """Unroll the loops over chunks (all of a pass's loads in flight) or keep them rolled (fewer registers)."""
     early_nan: bool = False
     """E4M3 on the GPU: NaN -> +NaN once per element before the casts instead of after each cast."""
-    words: bool = False
-    """Second pass: columnwise codes packed 4 rows per int32 in registers and stored as words
-    ([Note: packed columnwise codes] in `_triton_blocks_packed.py`), where M % 4 == 0."""
-
-
-@dataclass(frozen=True)
-class PackedTiles:
-    """Launch choice of `_quantize_packed_kernel` ([Note: packed columnwise codes] in `_triton_blocks_packed.py`)."""
-
-    tile_m: int
-    """Rows per program, a multiple of the block."""
-    tile_k: int
-    """Columns per program, a multiple of the block."""
-    rows_per_thread: int
-    """T: consecutive rows of a column in one thread's registers (4, 8 or 16; divides the block)."""
-    num_warps: int
-    """Warps per program."""
-    transpose: bool = False
-    """Store the columnwise words through `tl.trans` (else from the registers holding them)."""
-    load_descriptor: bool = False
-    """Load the tile by TMA where x allows it (last dim contiguous, 16-byte aligned rows)."""
-    store_descriptor: bool = False
-    """Store both code tiles by TMA where the outputs allow it (16-byte aligned rows)."""
-    early_nan: bool = False
-    """E4M3 on the GPU: NaN -> +NaN once per element before the casts ([Note: two-pass block quantize])."""
 
 
 # Scale rules (constexpr SCALE_RULE): MXFP8's E8M0, blockwise power-of-two, blockwise fmax / amax.
@@ -104,10 +79,10 @@ _MXFP8, _POWER_OF_TWO, _FMAX_OVER_AMAX = 0, 1, 2
 # Tuned on an H100 (docs/benchmarks.md, tile sweep at bf16 8192^2): 1 x b blocks with a columnwise
 # output (tile_m a multiple of the block; or the two-pass kernel's choice), rowwise only, 128 x 128
 # tiles, dequantize. scripts/sweep_blocks.py times the candidates.
-BLOCKWISE_TILES: Tiles | TwoPassTiles | PackedTiles = TwoPassTiles(tile_k=128, chunk_m=32, store_m=128, num_warps=8)
-BLOCKWISE_ROWWISE_TILES: Tiles | TwoPassTiles | PackedTiles = Tiles(16, 128, 4)
-MXFP8_TILES: Tiles | TwoPassTiles | PackedTiles = TwoPassTiles(tile_k=128, chunk_m=4, store_m=32, num_warps=2)
-MXFP8_ROWWISE_TILES: Tiles | TwoPassTiles | PackedTiles = Tiles(32, 256, 8)
+BLOCKWISE_TILES: Tiles | TwoPassTiles = TwoPassTiles(tile_k=128, chunk_m=32, store_m=128, num_warps=8)
+BLOCKWISE_ROWWISE_TILES: Tiles | TwoPassTiles = Tiles(16, 128, 4)
+MXFP8_TILES: Tiles | TwoPassTiles = TwoPassTiles(tile_k=128, chunk_m=4, store_m=32, num_warps=2)
+MXFP8_ROWWISE_TILES: Tiles | TwoPassTiles = Tiles(32, 256, 8)
 TWO_D_TILES = Tiles(128, 128, 8)
 DEQUANTIZE_TILES = Tiles(16, 256, 4)
 
@@ -322,41 +297,6 @@ def _second_pass_step(
 
 
 @triton.jit
-def _second_pass_words(
-    x_ptr,
-    first_row,
-    cols,
-    M,
-    K,
-    stride_m,
-    stride_k,
-    columnwise_ptr,
-    multiplier_K,
-    STORE_M: tl.constexpr,
-    E4M3: tl.constexpr,
-    HARDWARE: tl.constexpr,
-    MASKED: tl.constexpr,
-    EARLY_NAN: tl.constexpr,
-):
-    """`_second_pass_step` of rows first_row .. + STORE_M (M % 4 == 0) loaded as (4, STORE_M/4, K),
-    row first_row + 4 w + i at (i, w): each thread ORs its 4 rows' codes of a column into an int32
-    word in registers, and the words (x^T's bytes in order, little-endian) are transposed and
-    stored as int32 ([Note: packed columnwise codes] in `_triton_blocks_packed.py`)."""
-    i = tl.arange(0, 4)[:, None, None]
-    w = tl.arange(0, STORE_M // 4)[None, :, None]
-    rows = first_row + 4 * w + i
-    mask = (rows < M) & (cols[None, None, :] < K)
-    pointers = x_ptr + rows * stride_m + (cols * stride_k)[None, None, :]
-    x = (tl.load(pointers, mask=mask, other=0.0) if MASKED else tl.load(pointers)).to(tl.float32)
-    codes = _encode(_nan_to_positive(x, EARLY_NAN) * multiplier_K[None, None, :], E4M3, HARDWARE, EARLY_NAN)
-    words_WK = tl.sum(codes.to(tl.int32) << (8 * i), axis=0)
-    word_rows = first_row // 4 + tl.arange(0, STORE_M // 4)
-    offsets_KW = (cols * (M // 4))[:, None] + word_rows[None, :]
-    mask_KW = (cols < K)[:, None] & (word_rows < M // 4)[None, :] if MASKED else None
-    tl.store(columnwise_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + offsets_KW, tl.trans(words_WK), mask=mask_KW)
-
-
-@triton.jit
 def _quantize_two_pass_kernel(
     x_ptr,
     M,
@@ -380,7 +320,6 @@ def _quantize_two_pass_kernel(
     HARDWARE: tl.constexpr,
     MASKED: tl.constexpr,
     EARLY_NAN: tl.constexpr,
-    WORDS: tl.constexpr,
 ):
     """BLOCKS_M blocks of rows x TILE_K columns of x, 1 x BLOCK blocks, in two passes per block of
     rows ([Note: two-pass block quantize])."""
@@ -413,13 +352,7 @@ def _quantize_two_pass_kernel(
             # Columnwise scales are (K, Mb): entry (k, block row).
             scale_mask_K = cols < tl.where(block_row < Mb, K, 0) if MASKED else None
             _store_scales(columnwise_scale_ptr, block_row + cols * Mb, stored_K, scale_mask_K)
-            if WORDS:
-                for c in tl.static_range(BLOCK // STORE_M):
-                    _second_pass_words(
-                        x_ptr, first_row + c * STORE_M, cols, M, K, stride_m, stride_k, columnwise_ptr, multiplier_K,
-                        STORE_M, E4M3, HARDWARE, MASKED, EARLY_NAN,
-                    )  # fmt: skip
-            elif UNROLL:
+            if UNROLL:
                 for c in tl.static_range(BLOCK // STORE_M):
                     rows = first_row + c * STORE_M + tl.arange(0, STORE_M)
                     _second_pass_step(
@@ -443,7 +376,7 @@ def _launch_quantize(
     two_d: bool,
     scale_rule: int,
     fp8_dtype: torch.dtype,
-    tiles: Tiles | TwoPassTiles | PackedTiles,
+    tiles: Tiles | TwoPassTiles,
 ) -> None:
     rowwise, rowwise_scale, columnwise, columnwise_scale = buffers
     M, K = x_MK.shape
@@ -469,17 +402,9 @@ def _launch_quantize(
             UNROLL=tiles.unroll,
             MASKED=M % tile_m != 0 or K % tiles.tile_k != 0,
             EARLY_NAN=tiles.early_nan and e4m3 and HARDWARE_FP8,
-            WORDS=tiles.words and M % 4 == 0,
             num_warps=tiles.num_warps,
             **common,
         )
-        return
-    if isinstance(tiles, PackedTiles):
-        assert not two_d, "128 x 128 tiles take _quantize_blocks_kernel"
-        # Imported here: that module's kernel calls this module's helpers.
-        from quant_core._triton_blocks_packed import launch_packed
-
-        launch_packed(x_MK, buffers, common, tiles, block=block, e4m3=e4m3)
         return
     grid = (cdiv(M, tiles.tile_m) * cdiv(K, tiles.tile_k),)
     launch(
