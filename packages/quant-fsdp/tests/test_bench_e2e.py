@@ -10,7 +10,16 @@ import pytest
 from rich.console import Console
 
 import quant_tensors as qt
-from quant_fsdp._bench_e2e import DEFAULT_FIDELITY_RUNS, DEFAULT_RUNS, RECIPES, E2EOptions, run_e2e, select_runs
+from quant_fsdp._bench_e2e import (
+    DEFAULT_FIDELITY_RUNS,
+    DEFAULT_RUNS,
+    OPT_IN_RECIPES,
+    RECIPES,
+    E2EOptions,
+    recipe_of,
+    run_e2e,
+    select_runs,
+)
 from quant_fsdp._e2e_model import CONFIGS, Decoder
 from quant_fsdp.cli import main
 
@@ -24,11 +33,15 @@ def test_run_filters_select_by_glob_and_by_name_prefix():
     assert _names("fp8") == ["fp8:hp:eager", "fp8:hp:compiled", "fp8:qw:eager", "fp8:qw:compiled"]
     assert _names("fp8:qw, bf16:eager") == ["bf16:eager", "fp8:qw:eager", "fp8:qw:compiled"]
     assert _names("torchao-*:compiled") == ["torchao-tensorwise:compiled", "torchao-rowwise:compiled"]
-    assert _names("*:hp:eager") == [f"{r}:hp:eager" for r in RECIPES]
-    assert len(_names("all")) == 2 + 4 + 4 * len(RECIPES)
+    named = [r for r in RECIPES if r not in OPT_IN_RECIPES]  # what globs select
+    assert _names("*:hp:eager") == [f"{r}:hp:eager" for r in named]
+    assert len(_names("all")) == 2 + 4 + 4 * len(named)
     default = _names(DEFAULT_RUNS)
     assert all(n.endswith(":eager") for n in default if not n.startswith(("bf16", "torchao-tensorwise", "fp8:")))
-    assert _names(DEFAULT_FIDELITY_RUNS) == ["bf16:eager", *(f"{r}:hp:eager" for r in RECIPES)]
+    assert _names(DEFAULT_FIDELITY_RUNS) == ["bf16:eager", *(f"{r}:hp:eager" for r in named)]
+    assert _names("nvfp4:hp") == ["nvfp4:hp:eager", "nvfp4:hp:compiled"]  # not nvfp4-rht's
+    assert _names("nvfp4-rht:hp:*") == ["nvfp4-rht:hp:eager", "nvfp4-rht:hp:compiled"]
+    assert recipe_of("nvfp4-rht").quantizer("input").random_hadamard_transform
 
 
 def test_an_unknown_run_is_refused_when_parsing_arguments(capsys):

@@ -58,7 +58,9 @@ from quant_fsdp._e2e_model import (
 )
 from quant_tensors.demo import MarkovTask, MasterWeights
 
-RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
+RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4", "nvfp4-rht")
+# Runs of these recipes are chosen only by a --runs pattern that names them ("nvfp4-rht", not "*").
+OPT_IN_RECIPES = ("nvfp4-rht",)
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
 # Every eager run and the compiled runs the issue-16 targets compare (~7 min on one H100).
 DEFAULT_RUNS = "*:eager,bf16:compiled,torchao-tensorwise:compiled,fp8:*:compiled"
@@ -74,7 +76,7 @@ class RunSpec:
     """One training configuration: what converts the Linears, which weights, eager or compiled."""
 
     base: str
-    """"bf16", "torchao-<recipe>" or one of RECIPES."""
+    """"bf16", "torchao-<recipe>" or one of RECIPES (`recipe_of`)."""
     quantized_weights: bool = False
     """Recipes only: quantized primary weights, stepped through fp32 masters."""
     compiled: bool = False
@@ -163,14 +165,20 @@ def select_runs(patterns: str) -> list[RunSpec]:
 
     A pattern is a glob on run names (`*:compiled`, `torchao-*`, `fp8:qw:eager`) and also matches
     the names it prefixes up to a colon: `fp8` is fp8's four runs, `fp8:qw` its two with quantized
-    weights. `all` is every run. A pattern that matches nothing is a ValueError naming the runs.
+    weights. `all` is every run but those of OPT_IN_RECIPES, which only a pattern starting with
+    their name selects. A pattern that matches nothing is a ValueError naming the runs.
     """
     runs = all_runs()
     names = [r.name for r in runs]
     chosen: set[str] = set()
     for pattern in (p.strip() for p in patterns.split(",")):
         pattern = "*" if pattern == "all" else pattern
-        matched = {n for n in names if fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(n, f"{pattern}:*")}
+        matched = {
+            r.name
+            for r in runs
+            if (fnmatch.fnmatchcase(r.name, pattern) or fnmatch.fnmatchcase(r.name, f"{pattern}:*"))
+            and (r.base not in OPT_IN_RECIPES or pattern.startswith(r.base))
+        }
         if not matched:
             raise ValueError(
                 f"--runs: {pattern!r} matches no run. Runs: {', '.join(names)}. Patterns are comma-separated globs "
@@ -187,6 +195,14 @@ def torchao_missing() -> str:
     except Exception as error:  # an ImportError, or a torchao built for another torch
         return f"skipped: torchao.float8 does not import ({type(error).__name__}: {first_line(error)})"
     return ""
+
+
+def recipe_of(base: str) -> qt.Recipe:
+    """The recipe of a run's base: `qt.recipe_from_name`, and "nvfp4-rht": NVFP4 with the random
+    Hadamard transform on its wgrad operands ([Note: NVFP4 random Hadamard transform] in quant_core)."""
+    if base == "nvfp4-rht":
+        return qt.NVFP4BlockScaling(random_hadamard_transform=True)
+    return qt.recipe_from_name(base)
 
 
 def _not_lm_head(module: torch.nn.Module, name: str) -> bool:
@@ -215,7 +231,7 @@ def build_run(
         recipe = Float8LinearConfig.from_recipe_name(spec.base.removeprefix("torchao-"))
         convert_to_float8_training(model, config=recipe, module_filter_fn=_not_lm_head)
     elif spec.base != "bf16":
-        recipe = qt.recipe_from_name(spec.base)
+        recipe = recipe_of(spec.base)
         qt.convert(model, recipe, quantized_weights=spec.quantized_weights, module_filter_fn=_not_lm_head)
     optimizer, optimizer_step = _optimizer_step(model, spec, options, device)
     forward = torch.compile(model, backend=options.compile_backend) if spec.compiled else model
