@@ -106,6 +106,23 @@ _pointer_tables: dict[tuple[object, ...], torch.Tensor] = {}
 
 
 @triton.jit
+def _adam_update(
+    p, g, m, v, decay, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bias_correction2_sqrt, eps,
+    step_size, DECAY: tl.constexpr,
+):  # fmt: skip
+    """[Note: Adam numerics] on fp32 values: the updated (p, m, v). DECAY 1 decays p (AdamW), 2
+    adds weight_decay * p to the gradient (Adam with L2)."""
+    if DECAY == 1:
+        p = p * decay
+    if DECAY == 2:
+        g = g + p * weight_decay
+    m = m * beta1 + g * one_minus_beta1
+    v = v * beta2 + (g * g) * one_minus_beta2
+    denom = tl.sqrt_rn(v) * inv_bias_correction2_sqrt + eps
+    return p - tl.div_rn(m, denom) * step_size, m, v
+
+
+@triton.jit
 def _adam_kernel(
     pointers,
     num_tensors,
@@ -149,14 +166,10 @@ def _adam_kernel(
         g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         m = tl.load(m_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        if DECAY == 1:
-            p = p * decay
-        if DECAY == 2:
-            g = g + p * weight_decay
-        m = m * beta1 + g * one_minus_beta1
-        v = v * beta2 + (g * g) * one_minus_beta2
-        denom = tl.sqrt_rn(v) * inv_bias_correction2_sqrt + eps
-        p = p - tl.div_rn(m, denom) * step_size
+        p, m, v = _adam_update(
+            p, g, m, v, decay, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
+            inv_bias_correction2_sqrt, eps, step_size, DECAY,
+        )  # fmt: skip
         tl.store(p_ptr + offsets, p, mask=mask)
         tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=mask)
         tl.store(v_ptr + offsets, v.to(v_ptr.dtype.element_ty), mask=mask)
@@ -318,14 +331,10 @@ def _adam_capturable_kernel(
             g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             m = tl.load(m_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            if DECAY == 1:
-                p = p * decay
-            if DECAY == 2:
-                g = g + p * l2_weight_decay
-            m = m * beta1_32 + g * one_minus_beta1
-            v = v * beta2_32 + (g * g) * one_minus_beta2
-            denom = tl.sqrt_rn(v) * inv_bias_correction2_sqrt + eps
-            p = p - tl.div_rn(m, denom) * step_size
+            p, m, v = _adam_update(
+                p, g, m, v, decay, l2_weight_decay, beta1_32, one_minus_beta1, beta2_32, one_minus_beta2,
+                inv_bias_correction2_sqrt, eps, step_size, DECAY,
+            )  # fmt: skip
             tl.store(p_ptr + offsets, p.to(p_ptr.dtype.element_ty), mask=mask)
             tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=mask)
             tl.store(v_ptr + offsets, v.to(v_ptr.dtype.element_ty), mask=mask)
