@@ -47,17 +47,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 
 import quant_fsdp
 import quant_tensors as qt
 from quant_core.testing import SharedWorld, run_shared_world
-from quant_fsdp.parallel import QuantColwiseParallel, QuantRowwiseParallel
-from quant_fsdp.testing import train_replicas, train_with
+from quant_fsdp.testing import TensorParallelModel, tensor_parallel_plan, train_replicas, train_with
 from quant_optim import FusedAdam
 from quant_tensors.testing import MarkovTask, TransformerConfig
 
@@ -176,51 +173,10 @@ SCENARIOS = (
 # ---- the model -------------------------------------------------------------------------------------
 
 
-class Block(torch.nn.Module):
-    """A pre-norm transformer block with separate q, k, v (so that each shards by heads under TP)."""
-
-    def __init__(self, config: TransformerConfig) -> None:
-        super().__init__()
-        hidden = config.hidden
-        self.head_dim = hidden // config.heads
-        self.attention_norm = torch.nn.LayerNorm(hidden)
-        self.q, self.k, self.v, self.proj = (torch.nn.Linear(hidden, hidden) for _ in range(4))
-        self.mlp_norm = torch.nn.LayerNorm(hidden)
-        self.fc1 = torch.nn.Linear(hidden, 4 * hidden)
-        self.fc2 = torch.nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.attention_norm(x)
-        q, k, v = self.q(h), self.k(h), self.v(h)
-        batch, sequence = q.shape[:2]
-        heads = lambda t: t.reshape(batch, sequence, -1, self.head_dim).transpose(1, 2)  # noqa: E731
-        attention = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
-        x = x + self.proj(attention.transpose(1, 2).reshape(batch, sequence, -1))
-        return x + self.fc2(F.gelu(self.fc1(self.mlp_norm(x))))
-
-
-class Model(torch.nn.Module):
-    """Embedding, blocks, norm and a high-precision LM head (as DESIGN section 9's e2e model)."""
-
-    def __init__(self, config: TransformerConfig) -> None:
-        super().__init__()
-        self.config = config  # what quant_fsdp.testing's loops read
-        self.embedding = torch.nn.Embedding(config.vocab, config.hidden)
-        self.blocks = torch.nn.ModuleList(Block(config) for _ in range(config.layers))
-        self.norm = torch.nn.LayerNorm(config.hidden)
-        self.head = torch.nn.Linear(config.hidden, config.vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embedding(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
-
-
-def unsharded_model(recipe_name: str, weights: str, config: TransformerConfig) -> Model:
+def unsharded_model(recipe_name: str, weights: str, config: TransformerConfig) -> TensorParallelModel:
     """The model (seed 0) converted to the recipe and weight mode, not yet distributed."""
     torch.manual_seed(0)
-    model = Model(config)
+    model = TensorParallelModel(config)
     return qt.convert(
         model,
         qt.recipe_from_name(recipe_name),
@@ -235,25 +191,6 @@ def make_optimizer(weights: str, model: torch.nn.Module) -> torch.optim.Optimize
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
 
 
-def tensor_parallel_plan(model: Model, sequence_parallel: bool) -> dict[str, Any]:
-    """torch's styles for the embedding, norms and head; quant_fsdp's for the block Linears."""
-    sp = sequence_parallel
-    plan: dict[str, Any] = {
-        "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()),
-        "head": ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate()),
-    }
-    for i in range(len(model.blocks)):
-        plan.update(
-            {f"blocks.{i}.{name}": QuantColwiseParallel(sequence_parallel=sp) for name in ("q", "k", "v", "fc1")}
-        )
-        plan.update({f"blocks.{i}.{name}": QuantRowwiseParallel(sequence_parallel=sp) for name in ("proj", "fc2")})
-        if sp:
-            plan.update({f"blocks.{i}.{name}": SequenceParallel() for name in ("attention_norm", "mlp_norm")})
-    if sp:
-        plan["norm"] = SequenceParallel()
-    return plan
-
-
 # ---- rank work ---------------------------------------------------------------------------------------
 
 
@@ -262,7 +199,7 @@ class Run:
     """A distributed model of a row with its optimizer and this rank's data-parallel slice."""
 
     scenario: Scenario
-    model: Model
+    model: TensorParallelModel
     optimizer: torch.optim.Optimizer
     mesh: DeviceMesh | None
 

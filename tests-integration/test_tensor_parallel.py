@@ -22,14 +22,14 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import parallelize_module
 
 import quant_fsdp
 import quant_tensors as qt
 from quant_core.testing import SharedWorld, run_shared_world
 from quant_fsdp.parallel import QuantColwiseParallel, QuantRowwiseParallel
-from quant_fsdp.testing import train_data_parallel, train_replicas
+from quant_fsdp.testing import TensorParallelModel, tensor_parallel_plan, train_data_parallel, train_replicas
 from quant_optim import FusedAdam
 from quant_tensors.testing import MarkovTask, TransformerConfig
 
@@ -39,71 +39,13 @@ LR = 3e-4  # as issue #5's parity tests
 CONFIG = TransformerConfig(vocab=256, hidden=256, layers=2, heads=4, sequence=64)
 STEPS, BATCH = 10, 8
 TASK = MarkovTask(CONFIG.vocab)
-HIDDEN, HEADS, VOCAB = CONFIG.hidden, CONFIG.heads, CONFIG.vocab
+VOCAB = CONFIG.vocab
 
 
-class Block(torch.nn.Module):
-    """A pre-norm transformer block with separate q, k, v (so each shards by heads under TP)."""
-
-    def __init__(self, recipe: qt.Recipe) -> None:
-        super().__init__()
-        self.head_dim = HIDDEN // HEADS
-        self.attention_norm = torch.nn.LayerNorm(HIDDEN)
-        self.q, self.k, self.v, self.proj = (qt.nn.Linear(HIDDEN, HIDDEN, recipe=recipe) for _ in range(4))
-        self.mlp_norm = torch.nn.LayerNorm(HIDDEN)
-        self.fc1 = qt.nn.Linear(HIDDEN, 4 * HIDDEN, recipe=recipe)
-        self.fc2 = qt.nn.Linear(4 * HIDDEN, HIDDEN, recipe=recipe)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.attention_norm(x)
-        q, k, v = self.q(h), self.k(h), self.v(h)
-        batch, sequence = q.shape[:2]
-        heads = lambda t: t.reshape(batch, sequence, -1, self.head_dim).transpose(1, 2)  # noqa: E731
-        attention = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
-        x = x + self.proj(attention.transpose(1, 2).reshape(batch, sequence, -1))
-        return x + self.fc2(F.gelu(self.fc1(self.mlp_norm(x))))
-
-
-class Model(torch.nn.Module):
-    config = CONFIG  # what the quant_fsdp.testing training loops read
-
-    def __init__(self, recipe: qt.Recipe) -> None:
-        super().__init__()
-        self.embedding = torch.nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = torch.nn.ModuleList(Block(recipe) for _ in range(CONFIG.layers))
-        self.norm = torch.nn.LayerNorm(HIDDEN)
-        self.head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embedding(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
-
-
-def make_model(recipe_name: str) -> Model:
+def make_model(recipe_name: str) -> TensorParallelModel:
+    """The test transformer (seed 0) built with qt.nn.Linear layers of the recipe."""
     torch.manual_seed(0)
-    return Model(qt.recipe_from_name(recipe_name))
-
-
-def tensor_parallel_plan(model: Model, sequence_parallel: bool) -> dict:
-    """torch's styles for the embedding, norms and head; quant_fsdp's for the block Linears."""
-    sp = sequence_parallel
-    plan = {
-        "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()),
-        "head": ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate()),
-    }
-    if sp:
-        plan["norm"] = SequenceParallel()
-    for i in range(len(model.blocks)):
-        for name in ("q", "k", "v", "fc1"):
-            plan[f"blocks.{i}.{name}"] = QuantColwiseParallel(sequence_parallel=sp)
-        for name in ("proj", "fc2"):
-            plan[f"blocks.{i}.{name}"] = QuantRowwiseParallel(sequence_parallel=sp)
-        if sp:
-            plan[f"blocks.{i}.attention_norm"] = SequenceParallel()
-            plan[f"blocks.{i}.mlp_norm"] = SequenceParallel()
-    return plan
+    return TensorParallelModel(CONFIG, functools.partial(qt.nn.Linear, recipe=qt.recipe_from_name(recipe_name)))
 
 
 def _train_tensor_parallel(rank: int, world_size: int, sequence_parallel: bool, dp: int, expected: dict) -> None:
@@ -345,7 +287,7 @@ def test_bad_inputs_get_clear_errors(world_2):
     world_2.check("bad inputs")
 
 
-def train_steps(model: Model, optimizer: torch.optim.Optimizer, steps: range) -> list[float]:
+def train_steps(model: TensorParallelModel, optimizer: torch.optim.Optimizer, steps: range) -> list[float]:
     """Whole batches (every TP rank sees the same ones); returns the losses."""
     losses = []
     for step in steps:
@@ -361,7 +303,7 @@ def train_steps(model: Model, optimizer: torch.optim.Optimizer, steps: range) ->
 # ---- quantized primary weights with FusedAdam -----------------------------------------------------
 
 
-def quantized_weights_model(recipe_name: str) -> Model:
+def quantized_weights_model(recipe_name: str) -> TensorParallelModel:
     """make_model with the block Linears' weights stored quantized (qt.convert's mode 1)."""
     model = make_model(recipe_name)
     for layer in model.blocks.modules():
@@ -414,7 +356,7 @@ def _checkpoint_resumes_bitwise(rank: int, world_size: int, path: str) -> None:
     TP weights themselves are high precision in every recipe.)"""
     mesh = init_device_mesh("cpu", (world_size,))
 
-    def build() -> tuple[Model, torch.optim.Optimizer]:
+    def build() -> tuple[TensorParallelModel, torch.optim.Optimizer]:
         model = make_model("mxfp8")
         parallelize_module(model, mesh, tensor_parallel_plan(model, sequence_parallel=True))
         return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)

@@ -3,7 +3,8 @@ re-exported from the demo's product code).
 
 Training follows quant_tensors.demo.train (same task, batches and optimizer), with the global
 batch of each step split across the data-parallel ranks and the reported loss averaged over them.
-`train_replicas` is the single-process reference of data-parallel training: one model replica
+`TensorParallelModel` and `tensor_parallel_plan` are the transformer the tensor-parallel tests
+shard with torch's `parallelize_module`. `train_replicas` is the single-process reference of data-parallel training: one model replica
 per rank slice of the same global batch, gradients averaged. With quantized activations it is the
 reference that differs from FSDP2 only in the order gradients are summed: each replica quantizes
 its own slice, with that slice's per-tensor amax and its own stochastic-rounding stream, as each
@@ -14,24 +15,30 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 import quant_tensors as qt
 from quant_fsdp._all_gather_counter import AllGatherBytes, count_all_gather_bytes
 from quant_fsdp._fully_shard import fully_shard
 from quant_fsdp._quantize_on_gather import QuantizeOnGatherTensor
+from quant_fsdp.parallel import QuantColwiseParallel, QuantRowwiseParallel
 from quant_tensors.demo import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig, train
 
 __all__ = [
     "AllGatherBytes",
+    "TensorParallelBlock",
+    "TensorParallelModel",
     "count_all_gather_bytes",
     "local_bytes",
     "local_state_bytes",
     "quantized_transformer",
+    "tensor_parallel_plan",
     "train_data_parallel",
     "train_replicas",
     "train_with",
@@ -170,3 +177,68 @@ def local_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
         for key, value in optimizer.state[p].items():
             snapshot[f"{name}/{key}"] = local_bytes(value)
     return snapshot
+
+
+# ---- a transformer for tensor parallelism -------------------------------------------------------------
+
+
+class TensorParallelBlock(torch.nn.Module):
+    """A pre-norm transformer block with separate q, k, v (so that each shards by heads under TP);
+    its Linears are `linear(in_features, out_features)` (torch's, or qt.nn.Linear with a recipe)."""
+
+    def __init__(self, config: TransformerConfig, linear: Callable[[int, int], torch.nn.Module] = torch.nn.Linear):
+        super().__init__()
+        hidden = config.hidden
+        self.head_dim = hidden // config.heads
+        self.attention_norm = torch.nn.LayerNorm(hidden)
+        self.q, self.k, self.v, self.proj = (linear(hidden, hidden) for _ in range(4))
+        self.mlp_norm = torch.nn.LayerNorm(hidden)
+        self.fc1 = linear(hidden, 4 * hidden)
+        self.fc2 = linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attention_norm(x)
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        batch, sequence = q.shape[:2]
+        heads = lambda t: t.reshape(batch, sequence, -1, self.head_dim).transpose(1, 2)  # noqa: E731
+        attention = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+        x = x + self.proj(attention.transpose(1, 2).reshape(batch, sequence, -1))
+        return x + self.fc2(F.gelu(self.fc1(self.mlp_norm(x))))
+
+
+class TensorParallelModel(torch.nn.Module):
+    """Embedding, TensorParallelBlocks, norm and a high-precision LM head (as DESIGN section 9's
+    e2e model); `config` is what the training loops of this module read."""
+
+    def __init__(self, config: TransformerConfig, linear: Callable[[int, int], torch.nn.Module] = torch.nn.Linear):
+        super().__init__()
+        self.config = config
+        self.embedding = torch.nn.Embedding(config.vocab, config.hidden)
+        self.blocks = torch.nn.ModuleList(TensorParallelBlock(config, linear) for _ in range(config.layers))
+        self.norm = torch.nn.LayerNorm(config.hidden)
+        self.head = torch.nn.Linear(config.hidden, config.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def tensor_parallel_plan(model: TensorParallelModel, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """torch's styles for the embedding, norms and head; quant_fsdp.parallel's for the block Linears."""
+    sp = sequence_parallel
+    plan: dict[str, Any] = {
+        "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()),
+        "head": ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Replicate()),
+    }
+    for i in range(len(model.blocks)):
+        plan.update(
+            {f"blocks.{i}.{name}": QuantColwiseParallel(sequence_parallel=sp) for name in ("q", "k", "v", "fc1")}
+        )
+        plan.update({f"blocks.{i}.{name}": QuantRowwiseParallel(sequence_parallel=sp) for name in ("proj", "fc2")})
+        if sp:
+            plan.update({f"blocks.{i}.{name}": SequenceParallel() for name in ("attention_norm", "mlp_norm")})
+    if sp:
+        plan["norm"] = SequenceParallel()
+    return plan
