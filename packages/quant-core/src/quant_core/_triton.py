@@ -174,8 +174,7 @@ def _adam_kernel(
         tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=mask)
         tl.store(v_ptr + offsets, v.to(v_ptr.dtype.element_ty), mask=mask)
         if AMAX:
-            magnitude = tl.abs(p)
-            largest = tl.maximum(largest, tl.where(mask & (magnitude < float("inf")), magnitude, 0.0))
+            largest = tl.maximum(largest, tl.where(mask, finite_abs(p), 0.0))
     if AMAX:
         tl.atomic_max(amax_ptr + t, tl.max(largest, axis=0))
 
@@ -301,7 +300,7 @@ def _adam_capturable_kernel(
             for start in range(0, CHUNK, BLOCK):
                 offsets = chunk * CHUNK + start + tl.arange(0, BLOCK)
                 p = tl.load(p_ptr + offsets, mask=offsets < n, other=0.0).to(tl.float32)
-                largest = tl.maximum(largest, tl.where(tl.abs(p) < float("inf"), tl.abs(p), 0.0))
+                largest = tl.maximum(largest, finite_abs(p))
     else:
         g_ptr = tl.load(pointers + num_tensors + t).to(tl.pointer_type(g_like.dtype.element_ty))
         m_ptr = tl.load(pointers + 2 * num_tensors + t).to(tl.pointer_type(m_like.dtype.element_ty))
@@ -341,7 +340,7 @@ def _adam_capturable_kernel(
             if OUT:
                 tl.store(o_ptr + offsets, p.to(o_ptr.dtype.element_ty), mask=mask)
             if AMAX:
-                largest = tl.maximum(largest, tl.where(mask & (tl.abs(p) < float("inf")), tl.abs(p), 0.0))
+                largest = tl.maximum(largest, tl.where(mask, finite_abs(p), 0.0))
         # Every program of tensor t read its step count above; the last one to get here writes it
         # (acq_rel atomics order those reads before this write) and resets the ticket.
         if tl.atomic_add(tickets + t, 1) == tl.cdiv(tl.maximum(n, 1), CHUNK) - 1:
