@@ -3,8 +3,9 @@
     python3 scripts/profile_gpu.py host [RECIPE ...]   # cProfile of qt.nn.Linear fwd+bwd, bf16 256^3
     python3 scripts/profile_gpu.py ops [RECIPE ...]    # torch.profiler: ops and launches per fwd+bwd
     python3 scripts/profile_gpu.py parts               # host us of each piece of an fp8 fwd+bwd, timed alone
-    python3 scripts/profile_gpu.py kernels             # each quantize once at bf16 8192^2 (under ncu)
+    python3 scripts/profile_gpu.py kernels [CASE ...]  # each quantize twice at bf16 8192^2 (under ncu)
     python3 scripts/profile_gpu.py e2e [RUN ...]       # GPU time per e2e training step, by kernel
+    python3 scripts/profile_gpu.py optim [KIND ...]    # GPU time per FusedAdam step at ~1e9 params, by kernel
 
 `host` prints where the host time of one forward + backward goes (the functions with the most own
 time, and the count of calls per step); `e2e` trains `quant-fsdp bench --e2e`'s default model with each run (default: bf16:eager,
@@ -124,9 +125,11 @@ def parts() -> None:
         print(f"{name:40s} {sorted(samples)[2]:8.1f} us host")
 
 
-def kernels() -> None:
+def kernels(names: list[str]) -> None:
+    """Each quantize named (default: all) twice at bf16 8192^2."""
     x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     amax = quant_core.amax(x)
+    amaxes = quant_core.hadamard_amaxes(x, seed=1)
     cases = {
         "mxfp8 both": lambda: quant_core.quantize_mxfp8(x, rowwise=True, columnwise=True),
         "fp8-block 1x128 both": lambda: quant_core.quantize_fp8_blockwise(x, rowwise=True, columnwise=True),
@@ -136,8 +139,17 @@ def kernels() -> None:
             x, global_amax=amax, rowwise=True, columnwise=True, stochastic_rounding=True
         ),
         "nvfp4 16x16": lambda: quant_core.quantize_nvfp4(x, (16, 16), global_amax=amax, rowwise=True, columnwise=True),
+        "nvfp4 1x16 both rht": lambda: quant_core.quantize_nvfp4(
+            x, global_amax=amaxes[0], columnwise_amax=amaxes[1], columnwise=True, hadamard_seed=1
+        ),
+        "hadamard amaxes": lambda: quant_core.hadamard_amaxes(x, seed=1),
     }
+    unknown = set(names) - set(cases)
+    if unknown:
+        raise SystemExit(f"unknown kernel cases {sorted(unknown)}; choose from {sorted(cases)}")
     for name, case in cases.items():
+        if names and name not in names:
+            continue
         for _ in range(2):
             case()
         torch.cuda.synchronize()
@@ -191,6 +203,56 @@ def e2e(runs: list[str]) -> None:
         free_memory(torch.device("cuda"))
 
 
+def optim(kinds: list[str]) -> None:
+    """GPU time of one FusedAdam step over `quant_optim.bench.mix_shapes()` (~1e9 parameters), by kernel."""
+    from quant_optim import FusedAdam
+    from quant_optim.bench import floor_bytes, mix_shapes, stream_bandwidth
+
+    bandwidth = stream_bandwidth(torch.device("cuda"), 0.5)
+    for kind in kinds:
+        quantizer = None if kind == "fp32" else qt.recipe_from_name(kind).quantizer("weight")
+        params = []
+        for shape, quantizable in mix_shapes():
+            value = torch.randn(shape, device="cuda")
+            weight = quantizer.quantize(value) if quantizer is not None and quantizable else value
+            params.append(torch.nn.Parameter(weight))
+            params[-1].grad = torch.randn(shape, device="cuda") * 1e-3
+            del value
+        optimizer = FusedAdam(params, lr=1e-3, weight_decay=0.01)
+        for _ in range(3):
+            optimizer.step()
+        torch.cuda.synchronize()
+        steps = 3
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            for _ in range(steps):
+                optimizer.step()
+            torch.cuda.synchronize()
+        kernels = [e for e in profile.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        total = sum(e.self_device_time_total for e in kernels) / steps
+        floor_us = floor_bytes(params) / bandwidth * 1e6
+        wall, host = [], []
+        for _ in range(5):
+            start = time.perf_counter()
+            optimizer.step()
+            host.append(time.perf_counter() - start)  # the step returns once its work is queued
+            torch.cuda.synchronize()
+            wall.append(time.perf_counter() - start)
+        print(
+            f"\n=== {kind}: {total / 1e3:.2f} ms of kernels per step, wall {min(wall) * 1e3:.2f} ms, host "
+            f"{min(host) * 1e3:.2f} ms (floor {floor_us / 1e3:.2f} ms at {bandwidth / 1e9:.0f} GB/s)"
+        )
+        profiler = cProfile.Profile()
+        profiler.enable()
+        optimizer.step()
+        profiler.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
+        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]:
+            print(f"  {e.count / steps:5.0f}x {e.self_device_time_total / steps / 1e3:7.2f} ms  {e.key[:110]}")
+        del optimizer, params
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     recipes = sys.argv[2:] or ["nn.Linear", "fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4"]
     if sys.argv[1] == "host":
@@ -199,7 +261,9 @@ if __name__ == "__main__":
         ops(recipes)
     elif sys.argv[1] == "parts":
         parts()
+    elif sys.argv[1] == "optim":
+        optim(sys.argv[2:] or ["fp32", "fp8", "mxfp8", "fp8-block", "nvfp4"])
     elif sys.argv[1] == "e2e":
         e2e(sys.argv[2:] or ["bf16:eager", "fp8:hp:compiled", "torchao-tensorwise:compiled"])
     else:
-        kernels()
+        kernels(sys.argv[2:])

@@ -99,9 +99,9 @@ def buffers(shape: tuple[int, int], case: Case) -> tuple[torch.Tensor | None, ..
     )
 
 
-def run_quantize(case: Case, x: torch.Tensor, S: torch.Tensor, variant: str, tiles: object) -> tuple[object, ...]:
+def run_quantize(case: Case, x: torch.Tensor, amax: torch.Tensor, variant: str, tiles: object) -> tuple[object, ...]:
     out = buffers(tuple(x.shape), case)
-    kernels.launch_quantize(x, case.block_rows, S, case.stochastic, SEED, out, variant, tiles)
+    kernels.launch_quantize(x, case.block_rows, amax, case.stochastic, SEED, out, variant, tiles)
     return out
 
 
@@ -119,9 +119,8 @@ def bench(fn: Callable[[], object]) -> float:
 
 
 def sweep_quantize(case: Case, x: torch.Tensor, x_small: torch.Tensor) -> list[tuple]:
-    S = quant_core.nvfp4_tensor_scale(quant_core.amax(x))
+    amax = quant_core.amax(x)
     check_amax = torch.tensor(CHECK_AMAX)
-    S_small = quant_core.nvfp4_tensor_scale(check_amax).to(CUDA)
     want_small = quant_core.quantize_nvfp4_reference(
         x_small,
         (case.block_rows, 16),
@@ -137,7 +136,7 @@ def sweep_quantize(case: Case, x: torch.Tensor, x_small: torch.Tensor) -> list[t
         want_small.columnwise_data,
         want_small.columnwise_scale_inv,
     )
-    original = run_quantize(case, x, S, "original", kernels.QUANTIZE_TILES)
+    original = run_quantize(case, x, amax, "original", kernels.QUANTIZE_TILES)
     N = x.numel()
     usages = int(case.rowwise) + int(case.columnwise)
     scale_bytes = N // (16 * case.block_rows) * usages
@@ -145,12 +144,12 @@ def sweep_quantize(case: Case, x: torch.Tensor, x_small: torch.Tensor) -> list[t
     seed = torch.tensor(SEED - 2**64, dtype=torch.int64, device=CUDA)  # the uint64 bits: no copy per launch
     rows = []
     for variant, tiles in [("original", kernels.QUANTIZE_TILES)] + [("register_blocks", t) for t in case.tiles]:
-        small = run_quantize(case, x_small.to(CUDA), S_small, variant, tiles)
+        small = run_quantize(case, x_small.to(CUDA), check_amax.to(CUDA), variant, tiles)
         checks = "ok" if same_bytes(small, want_small) else "REFERENCE MISMATCH"
         out = buffers(tuple(x.shape), case)
 
         def launch(out: tuple = out, variant: str = variant, tiles: object = tiles) -> None:
-            kernels.launch_quantize(x, case.block_rows, S, case.stochastic, seed, out, variant, tiles)
+            kernels.launch_quantize(x, case.block_rows, amax, case.stochastic, seed, out, variant, tiles)
 
         us = bench(launch)
         if variant != "original" and not same_bytes(out, original):
@@ -163,12 +162,10 @@ def sweep_quantize(case: Case, x: torch.Tensor, x_small: torch.Tensor) -> list[t
 def sweep_dequantize(x: torch.Tensor, x_small: torch.Tensor) -> list[tuple]:
     """Dequantize of 1 x 16 rowwise data to bf16 (timed); checks over dtypes and block shapes."""
     global_amax = quant_core.amax(x)
-    S = quant_core.nvfp4_tensor_scale(global_amax)
     q = quant_core.quantize_nvfp4(x, global_amax=global_amax)
     data, scale = q.rowwise_data, q.rowwise_scale_inv
     small_cases = []
     check_amax = torch.tensor(3.0e3)
-    S_small = quant_core.nvfp4_tensor_scale(check_amax).to(CUDA)
     for block_rows in (1, 16):
         ref = quant_core.quantize_nvfp4_reference(x_small, (block_rows, 16), global_amax=check_amax)
         small_scale = ref.rowwise_scale_inv.clone()
@@ -179,7 +176,7 @@ def sweep_dequantize(x: torch.Tensor, x_small: torch.Tensor) -> list[tuple]:
             )
             small_cases.append((block_rows, ref.rowwise_data, small_scale, dtype, want))
     reference_out = torch.empty(x.shape, dtype=torch.bfloat16, device=CUDA)
-    kernels.launch_dequantize(data, scale, 1, S, reference_out, "elementwise", kernels.DEQUANTIZE_TILES)
+    kernels.launch_dequantize(data, scale, 1, global_amax, reference_out, "elementwise", kernels.DEQUANTIZE_TILES)
     N = x.numel()
     traffic = N // 2 + N // 16 + 2 * N
     rows = []
@@ -189,7 +186,7 @@ def sweep_dequantize(x: torch.Tensor, x_small: torch.Tensor) -> list[tuple]:
         for block_rows, small_data, small_scale, dtype, want in small_cases:
             got = torch.empty(want.shape, dtype=dtype, device=CUDA)
             kernels.launch_dequantize(
-                small_data.to(CUDA), small_scale.to(CUDA), block_rows, S_small, got, variant, tiles
+                small_data.to(CUDA), small_scale.to(CUDA), block_rows, check_amax.to(CUDA), got, variant, tiles
             )
             width = {4: torch.int32, 2: torch.int16}[want.element_size()]
             if not torch.equal(got.cpu().view(width), want.view(width)):
@@ -197,7 +194,7 @@ def sweep_dequantize(x: torch.Tensor, x_small: torch.Tensor) -> list[tuple]:
         out = torch.empty(x.shape, dtype=torch.bfloat16, device=CUDA)
 
         def launch(out: torch.Tensor = out, variant: str = variant, tiles: Tiles = tiles) -> None:
-            kernels.launch_dequantize(data, scale, 1, S, out, variant, tiles)
+            kernels.launch_dequantize(data, scale, 1, global_amax, out, variant, tiles)
 
         us = bench(launch)
         if not torch.equal(out.view(torch.int16), reference_out.view(torch.int16)):

@@ -320,11 +320,11 @@ void quantize_fp8_blockwise(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int
 }
 
 void quantize_nvfp4(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
-                    int64_t block_rows, uintptr_t tensor_scale, bool stochastic_rounding, uintptr_t seed,
-                    uintptr_t columnwise_tensor_scale, bool hadamard, uint64_t hadamard_seed, uintptr_t rowwise_data,
+                    int64_t block_rows, uintptr_t global_amax, bool stochastic_rounding, uintptr_t seed,
+                    uintptr_t columnwise_amax, bool hadamard, uint64_t hadamard_seed, uintptr_t rowwise_data,
                     uintptr_t rowwise_scale, uintptr_t columnwise_data, uintptr_t columnwise_scale, int num_threads) {
-  const float S = *reinterpret_cast<const float*>(tensor_scale);
-  const float S_columnwise = *reinterpret_cast<const float*>(columnwise_tensor_scale);
+  const float S = nvfp4_tensor_scale(*reinterpret_cast<const float*>(global_amax));
+  const float S_columnwise = nvfp4_tensor_scale(*reinterpret_cast<const float*>(columnwise_amax));
   const Outputs out = outputs(rowwise_data, rowwise_scale, columnwise_data, columnwise_scale);
   const HadamardSigns signs(hadamard_seed);
   const HadamardSigns* transform = hadamard ? &signs : nullptr;
@@ -379,10 +379,10 @@ void dequantize_fp8_blockwise(uintptr_t data, int fp8_format, int64_t R, int64_t
 }
 
 void dequantize_nvfp4(uintptr_t data, int64_t R, int64_t C, int64_t block_rows, uintptr_t scale_inv,
-                      uintptr_t tensor_scale, uintptr_t out, int out_dtype, int num_threads) {
+                      uintptr_t global_amax, uintptr_t out, int out_dtype, int num_threads) {
   const auto* packed = reinterpret_cast<const uint8_t*>(data);
   const auto* scales = reinterpret_cast<const uint8_t*>(scale_inv);
-  const float S = *reinterpret_cast<const float*>(tensor_scale);
+  const float S = nvfp4_tensor_scale(*reinterpret_cast<const float*>(global_amax));
   const int64_t Cb = (C + 15) / 16;
   dequantize_rows(
       R, C, 16, out_dtype, out, num_threads,

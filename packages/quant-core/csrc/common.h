@@ -185,6 +185,27 @@ namespace quant_core {
 
 constexpr float kFloat32Max = 3.4028234663852886e+38f;
 
+// DESIGN section 3, the mirror of _fp8_scale.fp8_scale_reference: scale = fmax / amax / 2^margin
+// (1 unless amax > 0; a NaN amax gives 1), each division one IEEE fp32 division; clamped to the
+// largest finite fp32 (NaN would pass, but none can arise); with power_2_scales only the exponent
+// bits are kept. `divisor` is 2^margin, exact for margin in [-126, 127].
+inline void scale_of(float amax, float fmax, float divisor, bool power_2_scales, float* scale, float* scale_inv) {
+  const float quotient = (fmax / amax) / divisor;
+  float s = amax > 0.0f ? quotient : 1.0f;
+  s = s > kFloat32Max ? kFloat32Max : s;
+  if (power_2_scales) s = bits_to_float(float_to_bits(s) & 0x7F800000u);
+  *scale = s;
+  *scale_inv = 1.0f / s;
+}
+
+// NVFP4's tensor scale S = 448 * 6 / amax (1 unless amax > 0), clamped: the mirror of
+// _nvfp4.nvfp4_tensor_scale; the kernels compute it from the amax the caller passes.
+inline float nvfp4_tensor_scale(float amax) {
+  float scale, scale_inv;
+  scale_of(amax, 448.0f * 6.0f, 1.0f, false, &scale, &scale_inv);
+  return scale;
+}
+
 // The largest integer s with amax * 2^s <= fmax, exactly, from the fp32 bits (amax >= 0); the
 // mirror of _numerics.max_exponent_within. A subnormal amax is normalised by an exact 2^64.
 inline int max_exponent_within(float amax, float fmax) {

@@ -42,14 +42,15 @@ void quantize_fp8_blockwise(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int
                             int64_t block_rows, int fp8_format, bool power_2_scales, uintptr_t rowwise_data,
                             uintptr_t rowwise_scale, uintptr_t columnwise_data, uintptr_t columnwise_scale,
                             int num_threads);
-// NVFP4: `tensor_scale` points at the fp32 S, `columnwise_tensor_scale` at the columnwise usage's,
+// NVFP4: `global_amax` points at the fp32 amax S is computed from (`nvfp4_tensor_scale`),
+// `columnwise_amax` at the columnwise usage's,
 // `seed` at the int64 stochastic-rounding seed (read as its uint64 bits, and only with
 // stochastic_rounding): tensors, so callers never sync. With `hadamard` the 1 x 16 columnwise
 // usage is T(x^T) with hadamard_seed's signs (M a multiple of 16; [Note: NVFP4 random Hadamard
 // transform] in _nvfp4.py).
 void quantize_nvfp4(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
-                    int64_t block_rows, uintptr_t tensor_scale, bool stochastic_rounding, uintptr_t seed,
-                    uintptr_t columnwise_tensor_scale, bool hadamard, uint64_t hadamard_seed, uintptr_t rowwise_data,
+                    int64_t block_rows, uintptr_t global_amax, bool stochastic_rounding, uintptr_t seed,
+                    uintptr_t columnwise_amax, bool hadamard, uint64_t hadamard_seed, uintptr_t rowwise_data,
                     uintptr_t rowwise_scale, uintptr_t columnwise_data, uintptr_t columnwise_scale, int num_threads);
 
 // Dequantize R x C codes (contiguous; NVFP4 packed two per byte) into an R x C output of out_dtype.
@@ -60,7 +61,7 @@ void dequantize_mxfp8(uintptr_t data, int64_t R, int64_t C, uintptr_t scale_inv,
 void dequantize_fp8_blockwise(uintptr_t data, int fp8_format, int64_t R, int64_t C, int64_t block_rows,
                               uintptr_t scale_inv, uintptr_t out, int out_dtype, int num_threads);
 void dequantize_nvfp4(uintptr_t data, int64_t R, int64_t C, int64_t block_rows, uintptr_t scale_inv,
-                      uintptr_t tensor_scale, uintptr_t out, int out_dtype, int num_threads);
+                      uintptr_t global_amax, uintptr_t out, int out_dtype, int num_threads);
 
 // Lossless transposes: one-byte codes read through strides into a contiguous C x R output, and
 // packed 4-bit codes (R x C codes, R even) into C x R codes packed along R.

@@ -4,22 +4,6 @@
 #include "kernels.h"
 
 namespace quant_core {
-namespace {
-
-// DESIGN section 3, the mirror of _fp8_scale.fp8_scale_reference: scale = fmax / amax / 2^margin
-// (1 unless amax > 0; a NaN amax gives 1), each division one IEEE fp32 division; clamped to the
-// largest finite fp32 (NaN would pass, but none can arise); with power_2_scales only the exponent
-// bits are kept. `divisor` is 2^margin, exact for margin in [-126, 127].
-inline void scale_of(float amax, float fmax, float divisor, bool power_2_scales, float* scale, float* scale_inv) {
-  const float quotient = (fmax / amax) / divisor;
-  float s = amax > 0.0f ? quotient : 1.0f;
-  s = s > kFloat32Max ? kFloat32Max : s;
-  if (power_2_scales) s = bits_to_float(float_to_bits(s) & 0x7F800000u);
-  *scale = s;
-  *scale_inv = 1.0f / s;
-}
-
-}  // namespace
 
 void fp8_scale(uintptr_t amax, int64_t n, float fmax, int margin, bool power_2_scales, uintptr_t scale,
                uintptr_t scale_inv) {

@@ -56,10 +56,8 @@ def _cases() -> dict[str, tuple[torch._ops.OpOverload, tuple]]:
     mx = quant_core.quantize_mxfp8(x_strided, columnwise=True)
     bw = quant_core.quantize_fp8_blockwise(x, (128, 128), columnwise=True)
     nv = quant_core.quantize_nvfp4(x, (16, 16), columnwise=True)
-    S = quant_core.nvfp4_tensor_scale(nv.amax)
     x_hadamard = _x((12, 48)).t()  # (48, 12) with strides (1, 48): M a multiple of 16, a partial block along K
     nv_hadamard = quant_core.quantize_nvfp4(x_hadamard, columnwise=True, hadamard_seed=-(2**62) + 1)
-    S_hadamard = quant_core.nvfp4_tensor_scale(nv_hadamard.columnwise_amax)
     seed = torch.tensor(-7, dtype=torch.int64)
     params = [torch.randn(5), torch.randn(3, 7)]
     one = torch.tensor(1.0)
@@ -139,14 +137,26 @@ def _cases() -> dict[str, tuple[torch._ops.OpOverload, tuple]]:
             OPS.dequantize_fp8_blockwise.default,
             (bw.rowwise_data, bw.rowwise_scale_inv, 128, torch.bfloat16),
         ),
-        "quantize_nvfp4": (OPS.quantize_nvfp4.default, (x, 16, S, True, seed, S, None, *_empty_like_result(nv))),
+        "quantize_nvfp4": (
+            OPS.quantize_nvfp4.default,
+            (x, 16, nv.amax, True, seed, nv.amax, None, *_empty_like_result(nv)),
+        ),
         "quantize_nvfp4_hadamard": (
             OPS.quantize_nvfp4.default,
-            (x_hadamard, 1, S, True, seed, S_hadamard, -(2**62) + 1, *_empty_like_result(nv_hadamard)),
+            (
+                x_hadamard,
+                1,
+                nv_hadamard.amax,
+                True,
+                seed,
+                nv_hadamard.columnwise_amax,
+                -(2**62) + 1,
+                *_empty_like_result(nv_hadamard),
+            ),
         ),
         "dequantize_nvfp4": (
             OPS.dequantize_nvfp4.default,
-            (nv.rowwise_data, nv.rowwise_scale_inv, 16, S, torch.float32),
+            (nv.rowwise_data, nv.rowwise_scale_inv, 16, nv.amax, torch.float32),
         ),
         "transpose_nvfp4": (OPS.transpose_nvfp4.default, (nv.rowwise_data,)),
         "hadamard_transform_16": (OPS.hadamard_transform_16.default, (x_strided, -3)),
@@ -246,17 +256,13 @@ def test_unchecked_operators_equal_the_public_functions():
     x = _x((40, 64), torch.float32, seed=3)
     q = quant_core.quantize_nvfp4(x, columnwise=True, stochastic_rounding=True, seed=2**63 + 9)
     buffers = _empty_like_result(q)
-    S = quant_core.nvfp4_tensor_scale(q.amax)
-    OPS.quantize_nvfp4(x, 1, S, True, torch.tensor(-(2**63) + 9), S, None, *buffers)
+    OPS.quantize_nvfp4(x, 1, q.amax, True, torch.tensor(-(2**63) + 9), q.amax, None, *buffers)
     for got, want in zip(buffers, _buffers(q), strict=True):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     rows = x[:32]  # whole runs of 16 rows for the transform
     q = quant_core.quantize_nvfp4(rows, columnwise=True, hadamard_seed=2**63 + 3)
     buffers = _empty_like_result(q)
-    S_columnwise = quant_core.nvfp4_tensor_scale(q.columnwise_amax)
-    OPS.quantize_nvfp4(
-        rows, 1, quant_core.nvfp4_tensor_scale(q.amax), False, torch.tensor(0), S_columnwise, -(2**63) + 3, *buffers
-    )
+    OPS.quantize_nvfp4(rows, 1, q.amax, False, torch.tensor(0), q.columnwise_amax, -(2**63) + 3, *buffers)
     for got, want in zip(buffers, _buffers(q), strict=True):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(OPS.hadamard_amaxes(rows, -(2**63) + 3), torch.stack((q.amax, q.columnwise_amax)))

@@ -175,11 +175,11 @@ def quantize_with(
         torch.zeros(K, M // 2, dtype=torch.uint8, device=device) if columnwise else None,
         torch.zeros(Kb if block_rows > 1 else K, Mb, dtype=torch.uint8, device=device) if columnwise else None,
     )
-    S = quant_core.nvfp4_tensor_scale(torch.tensor(2688.0, device=device))
-    S_columnwise = quant_core.nvfp4_tensor_scale(torch.tensor(COLUMNWISE_AMAX, device=device))
+    amax = torch.tensor(2688.0, device=device)
+    columnwise_amax = torch.tensor(COLUMNWISE_AMAX, device=device)
     signed_seed = None if hadamard_seed is None else (hadamard_seed + 2**63) % 2**64 - 2**63  # int64 range
     _triton_nvfp4.launch_quantize(
-        x_MK, block_rows, S, stochastic, SEED, out, variant, tiles, S_columnwise, signed_seed
+        x_MK, block_rows, amax, stochastic, SEED, out, variant, tiles, columnwise_amax, signed_seed
     )  # fmt: skip
     return out
 
@@ -238,8 +238,7 @@ for block_rows, dtype in [(1, torch.float32), (16, torch.bfloat16), (1, torch.fl
     q.rowwise_scale_inv.view(torch.uint8)[0, 1] = 0x7F  # a NaN scale
     want = quant_core.dequantize_nvfp4_reference(q.rowwise_data, q.rowwise_scale_inv, amax, (block_rows, 16), dtype)
     got = torch.empty(want.shape, dtype=dtype)
-    S = quant_core.nvfp4_tensor_scale(amax)
-    kernels.launch_dequantize(q.rowwise_data, q.rowwise_scale_inv, block_rows, S, got, "pairs", kernels.Tiles(16, 32, 2))
+    kernels.launch_dequantize(q.rowwise_data, q.rowwise_scale_inv, block_rows, amax, got, "pairs", kernels.Tiles(16, 32, 2))
     width = {{4: torch.int32, 2: torch.int16}}[got.element_size()]
     assert torch.equal(got.view(width), want.view(width)), (block_rows, dtype)
 """
@@ -290,8 +289,7 @@ def test_every_dequantize_variant_equals_reference(variant, tiles):
             )
             got = torch.empty(want.shape, dtype=dtype, device=CUDA)
             data, scale = q.rowwise_data.to(CUDA), q.rowwise_scale_inv.to(CUDA)
-            S = quant_core.nvfp4_tensor_scale(amax.to(CUDA))
-            _triton_nvfp4.launch_dequantize(data, scale, block_rows, S, got, variant, tiles)
+            _triton_nvfp4.launch_dequantize(data, scale, block_rows, amax.to(CUDA), got, variant, tiles)
             assert_bitwise(got, want, f"{shape} {dtype}")
 
 

@@ -142,10 +142,10 @@ def _quantize_fp8_blockwise(
 def _quantize_nvfp4(
     x_MK: torch.Tensor,
     block_rows: int,
-    tensor_scale: torch.Tensor,
+    global_amax: torch.Tensor,
     stochastic_rounding: bool,
     seed: torch.Tensor,
-    columnwise_tensor_scale: torch.Tensor,
+    columnwise_amax: torch.Tensor,
     hadamard_seed: int | None,
     *buffers: torch.Tensor | None,
 ) -> None:
@@ -153,10 +153,10 @@ def _quantize_nvfp4(
     _C.quantize_nvfp4(
         *_x_args(x_MK),
         block_rows,
-        tensor_scale.data_ptr(),
+        global_amax.data_ptr(),
         stochastic_rounding,
         seed.data_ptr(),
-        columnwise_tensor_scale.data_ptr(),
+        columnwise_amax.data_ptr(),
         hadamard_seed is not None,
         (hadamard_seed or 0) & 0xFFFFFFFFFFFFFFFF,
         *_outputs(*buffers),
@@ -213,7 +213,7 @@ def _dequantize_fp8_blockwise(
 
 @register_kernel("dequantize_nvfp4", "cpp")
 def _dequantize_nvfp4(
-    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, tensor_scale: torch.Tensor, out_2d: torch.Tensor
+    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, global_amax: torch.Tensor, out_2d: torch.Tensor
 ) -> None:
     R, C = out_2d.shape
     _C.dequantize_nvfp4(
@@ -222,7 +222,7 @@ def _dequantize_nvfp4(
         C,
         block_rows,
         scale_inv.data_ptr(),
-        tensor_scale.data_ptr(),
+        global_amax.data_ptr(),
         out_2d.data_ptr(),
         _out_dtype_code(out_2d),
         torch.get_num_threads(),

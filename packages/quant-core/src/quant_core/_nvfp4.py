@@ -26,18 +26,19 @@ T^-1 = T^T: v = D (1/4) H_16 y (`hadamard_inverse_16_reference`). `hadamard_amax
 amax(x) and amax(T(x^T)) in one read.
 
 Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
-- `torch.ops.quant_core.quantize_nvfp4(x_MK, block_rows, tensor_scale, stochastic_rounding, seed,
-  columnwise_tensor_scale, hadamard_seed, rowwise_data, rowwise_scale_inv, columnwise_data,
+- `torch.ops.quant_core.quantize_nvfp4(x_MK, block_rows, global_amax, stochastic_rounding, seed,
+  columnwise_amax, hadamard_seed, rowwise_data, rowwise_scale_inv, columnwise_data,
   columnwise_scale_inv) -> ()`: [Note: block operators] with block_rows 1 or 16, uint8 data (two
   codes per byte: K even, and M even when columnwise data is given) and E4M3 scales;
-  tensor_scale the fp32 one-element S (`nvfp4_tensor_scale`) on x's device, and
-  columnwise_tensor_scale the columnwise usage's (the same tensor without the transform; with
-  16 x 16 tiles it is not read); seed a 0-d int64 tensor on any device (read only with
+  global_amax the fp32 one-element amax on x's device, from which every kernel computes S
+  (`nvfp4_tensor_scale`) itself: no scale ops around the call, which cost a few launches and
+  ~200 us of host time per quantize on an H100 VM; columnwise_amax the columnwise usage's (the
+  same tensor without the transform; with 16 x 16 tiles it is not read); seed a 0-d int64 tensor on any device (read only with
   stochastic rounding; one on neither the CPU nor x's device costs a copy); hadamard_seed None
   or an int in int64 range (`signed64`): the columnwise usage is then T(x^T), which needs
   block_rows 1 and M a multiple of 16 ([Note: NVFP4 random Hadamard transform]).
-- `torch.ops.quant_core.dequantize_nvfp4(data_2d, scale_inv, block_rows, tensor_scale, dtype)`:
-  [Note: block operators], packed data (R, C/2), E4M3 scales, tensor_scale as above.
+- `torch.ops.quant_core.dequantize_nvfp4(data_2d, scale_inv, block_rows, global_amax, dtype)`:
+  [Note: block operators], packed data (R, C/2), E4M3 scales, global_amax as above.
 - `torch.ops.quant_core.transpose_nvfp4(packed_MK) -> Tensor`: rowwise 16 x 16 data (M, K/2)
   uint8 with M even, any strides. Returns the packed codes of x^T, contiguous (K, M/2).
 - `torch.ops.quant_core.hadamard_transform_16(x_MK, seed) -> Tensor`: x_MK 2-D fp32/bf16/fp16
@@ -276,12 +277,9 @@ def quantize_nvfp4(
         global_amax = amax(x)
     check_scalar(global_amax, "global_amax", x.device)
     global_amax = global_amax.reshape(())
-    S = nvfp4_tensor_scale(global_amax)
-    S_columnwise = S
     if transform:
         check_scalar(columnwise_amax, "columnwise_amax", x.device)
         columnwise_amax = columnwise_amax.reshape(())
-        S_columnwise = nvfp4_tensor_scale(columnwise_amax)
     result = quantize_blocks(
         "quantize_nvfp4",
         x,
@@ -293,10 +291,10 @@ def quantize_nvfp4(
         codes_per_byte=2,
         kernel_args=(
             block_shape[0],
-            S,
+            global_amax,
             stochastic_rounding,
             seed_tensor(seed),
-            S_columnwise,
+            columnwise_amax if transform else global_amax,
             signed64(int(hadamard_seed)) if transform else None,
         ),
         amax=global_amax,
@@ -312,10 +310,10 @@ def quantize_nvfp4(
 def _quantize_nvfp4_op(
     x_MK: torch.Tensor,
     block_rows: int,
-    tensor_scale: torch.Tensor,
+    global_amax: torch.Tensor,
     stochastic_rounding: bool,
     seed: torch.Tensor,
-    columnwise_tensor_scale: torch.Tensor,
+    columnwise_amax: torch.Tensor,
     hadamard_seed: int | None,
     rowwise_data: torch.Tensor | None,
     rowwise_scale_inv: torch.Tensor | None,
@@ -326,10 +324,10 @@ def _quantize_nvfp4_op(
         "quantize_nvfp4",
         x_MK,
         block_rows,
-        tensor_scale,
+        global_amax,
         stochastic_rounding,
         seed,
-        columnwise_tensor_scale,
+        columnwise_amax,
         hadamard_seed,
         rowwise_data,
         rowwise_scale_inv,
@@ -342,22 +340,22 @@ def _quantize_nvfp4_op(
 def _quantize_nvfp4_reference_kernel(
     x_MK: torch.Tensor,
     block_rows: int,
-    tensor_scale: torch.Tensor,
+    global_amax: torch.Tensor,
     stochastic_rounding: bool,
     seed: torch.Tensor,
-    columnwise_tensor_scale: torch.Tensor,
+    columnwise_amax: torch.Tensor,
     hadamard_seed: int | None,
     *buffers: torch.Tensor | None,
 ) -> None:
     result = _quantize_with_tensor_scale_reference(
         x_MK,
         (block_rows, NVFP4_BLOCK),
-        tensor_scale.reshape(()),
+        nvfp4_tensor_scale(global_amax),
         buffers[0] is not None,
         buffers[2] is not None,
         stochastic_rounding,
         seed,
-        columnwise_tensor_scale.reshape(()),
+        nvfp4_tensor_scale(columnwise_amax),
         hadamard_seed,
     )
     copy_into(result, *buffers)
@@ -406,23 +404,24 @@ def dequantize_nvfp4(
         data_dtype=torch.uint8,
         scale_dtype=torch.float8_e4m3fn,
         codes_per_byte=2,
-        kernel_args=(block_shape[0], nvfp4_tensor_scale(global_amax)),
+        kernel_args=(block_shape[0], global_amax.reshape(())),
         format_name="NVFP4",
     )
 
 
 @define_op("dequantize_nvfp4", fake=dequantize_fake(codes_per_byte=2))
 def _dequantize_nvfp4_op(
-    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, tensor_scale: torch.Tensor, dtype: torch.dtype
+    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, global_amax: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    return run_dequantize_kernel("dequantize_nvfp4", 2, data_2d, scale_inv, block_rows, tensor_scale, dtype)
+    return run_dequantize_kernel("dequantize_nvfp4", 2, data_2d, scale_inv, block_rows, global_amax, dtype)
 
 
 @register_kernel("dequantize_nvfp4", "reference")
 def _dequantize_nvfp4_reference_kernel(
-    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, tensor_scale: torch.Tensor, out_2d: torch.Tensor
+    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, global_amax: torch.Tensor, out_2d: torch.Tensor
 ) -> None:
-    values = _dequantize_with_tensor_scale_reference(data_2d, scale_inv, tensor_scale, (block_rows, NVFP4_BLOCK))
+    S = nvfp4_tensor_scale(global_amax)
+    values = _dequantize_with_tensor_scale_reference(data_2d, scale_inv, S, (block_rows, NVFP4_BLOCK))
     out_2d.copy_(to_output_dtype(values, out_2d.dtype))
 
 

@@ -43,6 +43,7 @@ from quant_core._triton_numerics import (
     store_bytes,
     store_values,
 )
+from quant_core._triton_scale import scale_of
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,14 @@ HADAMARD_AMAXES_TILES = Tiles(64, 64, 4)
 
 
 @triton.jit
+def tensor_scale(amax_ptr):
+    """S = `nvfp4_tensor_scale` of the fp32 amax at amax_ptr: 448 * 6 / amax (1 unless amax > 0),
+    clamped to the largest fp32; each program computes it rather than the caller (no launches)."""
+    S, _ = scale_of(tl.load(amax_ptr), 2688.0, 1.0, False)
+    return S
+
+
+@triton.jit
 def _nvfp4_scale(amax, S, HARDWARE: tl.constexpr):
     """(enc, s) of blocks: s = e4m3(amax / 6 * S) as a uint8 code, enc = S / fp32(s) (0 where s is 0)."""
     s = encode_fp8(tl.div_rn(amax, 6.0) * S, True, HARDWARE)
@@ -108,7 +117,7 @@ def _quantize_nvfp4_kernel(
     K,
     stride_m,
     stride_k,
-    tensor_scale_ptr,
+    amax_ptr,
     seed_ptr,
     rowwise_ptr,
     rowwise_scale_ptr,
@@ -132,7 +141,7 @@ def _quantize_nvfp4_kernel(
     x_MK = tl.load(x_ptr + (rows * stride_m)[:, None] + (cols * stride_k)[None, :], mask=mask_MK, other=0.0)
     x_MK = x_MK.to(tl.float32)
     magnitude_MK = finite_abs(x_MK)
-    S = tl.load(tensor_scale_ptr)
+    S = tensor_scale(amax_ptr)
     seed = tl.load(seed_ptr).to(tl.uint64, bitcast=True) if STOCHASTIC else 0
     Mb = tl.cdiv(M, 16)
     Kb = tl.cdiv(K, 16)
@@ -301,7 +310,7 @@ def _store_columnwise(data_ptr, codes_TGHK, cols, tile_m, M, K):
 
 @triton.jit
 def _store_transformed_columnwise(
-    data_ptr, scale_ptr, x, columnwise_tensor_scale_ptr, hadamard_seed_hi, hadamard_seed_lo, seed, tile_m, tile_k, M, K,
+    data_ptr, scale_ptr, x, columnwise_amax_ptr, hadamard_seed_hi, hadamard_seed_lo, seed, tile_m, tile_k, M, K,
     STOCHASTIC: tl.constexpr, HARDWARE: tl.constexpr,
 ):  # fmt: skip
     """The columnwise usage of T(x^T) for one tile x (T, G, H, TILE_K) ([Note: NVFP4 random Hadamard
@@ -313,7 +322,7 @@ def _store_transformed_columnwise(
     runs_NP = tl.reshape(tl.permute(x, (3, 1, 2, 0)), (TILE_K * G, 16))
     runs_NP = _hadamard_runs(runs_NP, hadamard_seed_hi, hadamard_seed_lo)
     amax_N = tl.max(finite_abs(runs_NP), axis=1)
-    enc_N, s_N = _nvfp4_scale(amax_N, tl.load(columnwise_tensor_scale_ptr), HARDWARE)
+    enc_N, s_N = _nvfp4_scale(amax_N, tensor_scale(columnwise_amax_ptr), HARDWARE)
     cols = (tile_k * TILE_K + tl.arange(0, TILE_K)).to(tl.int64)[:, None, None]  # (K, 1, 1)
     if STOCHASTIC:
         # Counters as without the transform: M * K + k * M + m, m = 16 (tile_m G + g) + position.
@@ -339,9 +348,9 @@ def _quantize_nvfp4_register_blocks_kernel(
     K,
     stride_m,
     stride_k,
-    tensor_scale_ptr,
+    amax_ptr,
     seed_ptr,
-    columnwise_tensor_scale_ptr,
+    columnwise_amax_ptr,
     hadamard_seed_hi,
     hadamard_seed_lo,
     rowwise_ptr,
@@ -372,7 +381,7 @@ def _quantize_nvfp4_register_blocks_kernel(
     x = tl.load(x_ptr + rows * stride_m + cols * stride_k, mask=(rows < M) & (cols < K), other=0.0)
     x = x.to(tl.float32)
     magnitude = finite_abs(x)
-    S = tl.load(tensor_scale_ptr)
+    S = tensor_scale(amax_ptr)
     seed = tl.load(seed_ptr).to(tl.uint64, bitcast=True) if STOCHASTIC else 0
     Mb = tl.cdiv(M, 16)
     Kb = tl.cdiv(K, 16)
@@ -406,7 +415,7 @@ def _quantize_nvfp4_register_blocks_kernel(
             store_bytes(rowwise_scale_ptr, rows * Kb + blocks_K, s_rows, (rows < M) & (blocks_K < Kb))
         if COLUMNWISE and HADAMARD:
             _store_transformed_columnwise(
-                columnwise_ptr, columnwise_scale_ptr, x, columnwise_tensor_scale_ptr, hadamard_seed_hi,
+                columnwise_ptr, columnwise_scale_ptr, x, columnwise_amax_ptr, hadamard_seed_hi,
                 hadamard_seed_lo, seed, tile_m, tile_k, M, K, STOCHASTIC, HARDWARE,
             )  # fmt: skip
         if COLUMNWISE and not HADAMARD:
@@ -431,27 +440,27 @@ def quantize_tiles(block_rows: int, stochastic_rounding: bool, columnwise: bool)
 def launch_quantize(
     x_MK: torch.Tensor,
     block_rows: int,
-    tensor_scale: torch.Tensor,
+    global_amax: torch.Tensor,
     stochastic_rounding: bool,
     seed: int | torch.Tensor,
     buffers: tuple[torch.Tensor | None, ...],
     variant: str,
     tiles: BlockTiles | Tiles,
-    columnwise_tensor_scale: torch.Tensor | None = None,
+    columnwise_amax: torch.Tensor | None = None,
     hadamard_seed: int | None = None,
 ) -> None:
     """Runs quantize kernel `variant`: "register_blocks" (BlockTiles) or "original" (Tiles; without
-    the Hadamard transform). columnwise_tensor_scale defaults to tensor_scale; hadamard_seed: the
+    the Hadamard transform). columnwise_amax defaults to global_amax; hadamard_seed: the
     columnwise usage is T(x^T) ([Note: NVFP4 random Hadamard transform])."""
     rowwise, rowwise_scale, columnwise, columnwise_scale = buffers
     M, K = x_MK.shape
     hadamard = hadamard_seed is not None and columnwise is not None
-    scales: tuple[object, ...] = (tensor_scale, seed_tensor(seed, x_MK.device) if stochastic_rounding else None)
+    scales: tuple[object, ...] = (global_amax, seed_tensor(seed, x_MK.device) if stochastic_rounding else None)
     if variant == "register_blocks":
         assert isinstance(tiles, BlockTiles), tiles
         kernel = _quantize_nvfp4_register_blocks_kernel
-        columnwise_scale_of = tensor_scale if columnwise_tensor_scale is None else columnwise_tensor_scale
-        scales += (columnwise_scale_of, *int32_halves(hadamard_seed if hadamard else 0))
+        columnwise_amax_of = global_amax if columnwise_amax is None else columnwise_amax
+        scales += (columnwise_amax_of, *int32_halves(hadamard_seed if hadamard else 0))
         extra = {"ROWS_PER_THREAD": tiles.rows_per_thread, "HADAMARD": hadamard}
     else:
         assert variant == "original", variant
@@ -487,10 +496,10 @@ def launch_quantize(
 def _quantize_nvfp4(
     x_MK: torch.Tensor,
     block_rows: int,
-    tensor_scale: torch.Tensor,
+    global_amax: torch.Tensor,
     stochastic_rounding: bool,
     seed: int | torch.Tensor,
-    columnwise_tensor_scale: torch.Tensor,
+    columnwise_amax: torch.Tensor,
     hadamard_seed: int | None,
     *buffers: torch.Tensor | None,
 ) -> None:
@@ -504,13 +513,13 @@ def _quantize_nvfp4(
     launch_quantize(
         x_MK,
         block_rows,
-        tensor_scale,
+        global_amax,
         stochastic_rounding,
         seed,
         buffers,
         variant,
         tiles,
-        columnwise_tensor_scale,
+        columnwise_amax,
         hadamard_seed,
     )
 
@@ -530,7 +539,7 @@ def _decode_e2m1(codes):
 def _dequantize_nvfp4_kernel(
     data_ptr,
     scale_ptr,
-    tensor_scale_ptr,
+    amax_ptr,
     out_ptr,
     R,
     C,
@@ -551,7 +560,7 @@ def _dequantize_nvfp4_kernel(
     codes = (packed.to(tl.int32) >> ((cols & 1) * 4).to(tl.int32)[None, :]) & 0xF
     scale_offsets = ((rows // BLOCK_ROWS) * tl.cdiv(C, 16))[:, None] + (cols // 16)[None, :]
     stored = as_bytes(tl.load(scale_ptr + scale_offsets, mask=mask))
-    factor = tl.div_rn(decode_fp8(stored, True, HARDWARE), tl.load(tensor_scale_ptr))
+    factor = tl.div_rn(decode_fp8(stored, True, HARDWARE), tensor_scale(amax_ptr))
     store_values(out_ptr, (rows * C)[:, None] + cols[None, :], _decode_e2m1(codes) * factor, mask)
 
 
@@ -568,7 +577,7 @@ def _decode_nibbles(codes):
 def _dequantize_nvfp4_pairs_kernel(
     data_ptr,
     scale_ptr,
-    tensor_scale_ptr,
+    amax_ptr,
     out_ptr,
     R,
     C,
@@ -592,7 +601,7 @@ def _dequantize_nvfp4_pairs_kernel(
     Cb = tl.cdiv(C, 16)
     blocks = groups // 2
     stored = as_bytes(tl.load(scale_ptr + (rows // BLOCK_ROWS) * Cb + blocks, mask=(rows < R) & (blocks < Cb)))
-    factor = tl.div_rn(decode_fp8(stored, True, HARDWARE), tl.load(tensor_scale_ptr))
+    factor = tl.div_rn(decode_fp8(stored, True, HARDWARE), tensor_scale(amax_ptr))
     codes = packed.to(tl.int32)
     values = tl.join(_decode_nibbles(codes) * factor, _decode_nibbles(codes >> 4) * factor)
     rows_R = tl.reshape(rows, (TILE_R, 1))
@@ -604,7 +613,7 @@ def launch_dequantize(
     data_2d: torch.Tensor,
     scale_inv: torch.Tensor,
     block_rows: int,
-    tensor_scale: torch.Tensor,
+    global_amax: torch.Tensor,
     out_2d: torch.Tensor,
     variant: str,
     tiles: Tiles,
@@ -618,7 +627,7 @@ def launch_dequantize(
         (cdiv(R, tiles.tile_m) * cdiv(C, tiles.tile_k),),
         data_2d,
         scale_inv,
-        tensor_scale,
+        global_amax,
         out_2d,
         R,
         C,
@@ -633,10 +642,10 @@ def launch_dequantize(
 
 @register_kernel("dequantize_nvfp4", "triton", traceable=True)
 def _dequantize_nvfp4(
-    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, tensor_scale: torch.Tensor, out_2d: torch.Tensor
+    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, global_amax: torch.Tensor, out_2d: torch.Tensor
 ) -> None:
     tiles = DEQUANTIZE_PAIRS_TILES if DEQUANTIZE_VARIANT == "pairs" else DEQUANTIZE_TILES
-    launch_dequantize(data_2d, scale_inv, block_rows, tensor_scale, out_2d, DEQUANTIZE_VARIANT, tiles)
+    launch_dequantize(data_2d, scale_inv, block_rows, global_amax, out_2d, DEQUANTIZE_VARIANT, tiles)
 
 
 @triton.jit
