@@ -1,20 +1,24 @@
 """Sweep of the block quantize kernels' launch choices on the GPU (issue #15; run on the GPU machine).
 
     python3 scripts/sweep_blocks.py                       # ~1-2 min on one H100
+    python3 scripts/sweep_blocks.py --dtype float32 --jobs 16
     python3 scripts/sweep_blocks.py --jobs 0 --json sweep_blocks.json
 
-Cases, bf16 input: MXFP8 both usages, blockwise FP8 1 x 128 both usages, 1 x 128 rowwise,
-128 x 128 both usages (E4M3, power-of-two scales), at 8192 x 8192 and 2048 x 8192. Each case times
-its candidates for one module constant of `quant_core._triton_blocks` (the current value first:
-`Tiles` for `_quantize_blocks_kernel`, `TwoPassTiles` for `_quantize_two_pass_kernel`) with
-`triton.testing.do_bench` (the registered kernel on preallocated buffers, L2 flushed before each
-run, median), and reports GB/s of the least traffic (input read once, codes written once; scales
-not counted, as in docs/benchmarks.md) and its share of a device-to-device copy
-(`out.copy_(x)`, read + write) timed in the same run. Checks, bytewise: every candidate against the
-current kernel on the 8192^2 input (NaN of both signs, +-Inf, zeros and bf16 subnormals planted)
-and against the CPU reference on a 1024 x 1536 adversarial input; each case's winner also on an
-odd shape and a transposed view (partial tiles, masks, strides). A candidate whose bytes differ
-cannot win. Kernels are compiled first in `--jobs` worker processes (Triton's disk cache).
+Cases, input of `--dtype` (bf16, or fp32 as FusedAdam's master weights): MXFP8 both usages,
+blockwise FP8 1 x 128 both usages, 1 x 128 rowwise, 128 x 128 both usages (E4M3, power-of-two
+scales), at 8192 x 8192 and 2048 x 8192. Each case times values (`Tiles` for
+`_quantize_blocks_kernel`, `TwoPassTiles` for `_quantize_two_pass_kernel`) of the module constant
+of `quant_core._triton_blocks` that the kernel reads for inputs of that dtype (`_tiles_for`:
+MXFP8_TILES for bf16, MXFP8_FP32_TILES for fp32, ...), the current value first and for fp32 the
+bf16 one next, with `triton.testing.do_bench` (the registered kernel on preallocated buffers, L2
+flushed before each run, median), and reports GB/s of the least traffic (input read once at its
+element size, codes written once; scales not counted, as in docs/benchmarks.md) and its share of
+the copy baseline: a device-to-device copy of the same input (`out.copy_(x)`, x and out of the
+input's dtype and shape, read + write) timed in the same run. Checks, bytewise, all on inputs of
+the dtype: every candidate against the current kernel on the 8192^2 input (NaN of both signs,
++-Inf, zeros and subnormals planted) and against the CPU reference on a 1024 x 1536 adversarial
+input; each case's winner also on an odd shape and a transposed view (partial tiles, masks,
+strides). A candidate whose bytes differ cannot win. Kernels are compiled first in `--jobs` worker processes (Triton's disk cache).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ class Case:
     rowwise: bool
     columnwise: bool
     constant: str
-    """The `_triton_blocks` constant the candidates replace."""
+    """The `_triton_blocks` constant the candidates replace (the one `_tiles_for` reads for the dtype)."""
     candidates: tuple[Tiles | TwoPassTiles, ...]
     """The current value first."""
 
@@ -96,11 +100,21 @@ class Case:
         else:
             tb._quantize_fp8_blockwise(x, self.block_rows, E4M3, True, *buffers)
 
+    def selected(self, dtype: torch.dtype) -> Tiles | TwoPassTiles:
+        """The launch choice the kernel reads for an input of `dtype`."""
+        return tb._tiles_for("mxfp8" if self.format == "mxfp8" else f"{self.block_rows}x128", self.columnwise, dtype)
+
     def least_bytes(self, x: torch.Tensor) -> int:
+        """Input read once at its element size, one byte per code written."""
         return x.numel() * (x.element_size() + int(self.rowwise) + int(self.columnwise))
 
 
-# The current constant first.
+def _first_current(*candidates: Tiles | TwoPassTiles) -> tuple[Tiles | TwoPassTiles, ...]:
+    """The candidates in order, each once (the fp32 constants start equal to the bf16 ones)."""
+    return tuple(dict.fromkeys(candidates))
+
+
+# bf16: the current constant first.
 _MXFP8 = (
     tb.MXFP8_TILES,
     Tiles(32, 128, 4),
@@ -126,12 +140,51 @@ _BLOCKWISE_ROWWISE = (
     *_two_pass((256, 8, 128, 8), early_nan=True),
 )
 _TWO_D = (tb.TWO_D_TILES, Tiles(128, 128, 4), Tiles(128, 128, 16))
-CASES = (
-    Case("mxfp8 both", "mxfp8", 1, True, True, "MXFP8_TILES", _MXFP8),
-    Case("1x128 both", "blockwise", 1, True, True, "BLOCKWISE_TILES", _BLOCKWISE),
-    Case("1x128 rowwise", "blockwise", 1, True, False, "BLOCKWISE_ROWWISE_TILES", _BLOCKWISE_ROWWISE),
-    Case("128x128 both", "blockwise", 128, True, True, "TWO_D_TILES", _TWO_D),
+# fp32: the current constant, the bf16 one, then tiles of about the bf16 winners' bytes (fewer rows
+# per chunk or columns per program: an fp32 tile holds twice the bytes) and their variants.
+_MXFP8_FP32 = _first_current(
+    tb.MXFP8_FP32_TILES,
+    tb.MXFP8_TILES,
+    Tiles(32, 128, 4),
+    *_two_pass((128, 2, 32, 2), (64, 4, 32, 2), (128, 4, 32, 4), (128, 4, 16, 2), (128, 8, 32, 4), (256, 2, 32, 4)),
+    *_two_pass((128, 4, 32, 2), (128, 2, 32, 2), early_nan=True),
+    *_two_pass((128, 4, 32, 2), blocks_m=2),
+    *_two_pass((128, 4, 32, 2), unroll=False),
 )
+_BLOCKWISE_FP32 = _first_current(
+    tb.BLOCKWISE_FP32_TILES,
+    tb.BLOCKWISE_TILES,
+    *_two_pass((128, 16, 128, 8), (128, 16, 64, 8), (128, 8, 64, 4), (128, 16, 32, 4), (128, 8, 32, 4)),
+    *_two_pass((256, 8, 64, 8), (256, 4, 32, 4)),
+    *_two_pass((128, 32, 128, 8), (128, 16, 64, 8), early_nan=True),
+    *_two_pass((128, 16, 64, 8), unroll=False),
+)
+_BLOCKWISE_ROWWISE_FP32 = _first_current(
+    tb.BLOCKWISE_ROWWISE_FP32_TILES,
+    tb.BLOCKWISE_ROWWISE_TILES,
+    Tiles(8, 128, 4),
+    Tiles(4, 128, 2),
+    Tiles(16, 128, 8),
+    Tiles(8, 256, 8),
+    *_two_pass((128, 8, 128, 4), (128, 16, 128, 4)),
+    *_two_pass((128, 8, 128, 4), early_nan=True),
+)
+_TWO_D_FP32 = _first_current(tb.TWO_D_FP32_TILES, tb.TWO_D_TILES, *_TWO_D[1:])
+CASES = {
+    torch.bfloat16: (
+        Case("mxfp8 both", "mxfp8", 1, True, True, "MXFP8_TILES", _MXFP8),
+        Case("1x128 both", "blockwise", 1, True, True, "BLOCKWISE_TILES", _BLOCKWISE),
+        Case("1x128 rowwise", "blockwise", 1, True, False, "BLOCKWISE_ROWWISE_TILES", _BLOCKWISE_ROWWISE),
+        Case("128x128 both", "blockwise", 128, True, True, "TWO_D_TILES", _TWO_D),
+    ),
+    torch.float32: (
+        Case("mxfp8 both", "mxfp8", 1, True, True, "MXFP8_FP32_TILES", _MXFP8_FP32),
+        Case("1x128 both", "blockwise", 1, True, True, "BLOCKWISE_FP32_TILES", _BLOCKWISE_FP32),
+        Case("1x128 rowwise", "blockwise", 1, True, False, "BLOCKWISE_ROWWISE_FP32_TILES", _BLOCKWISE_ROWWISE_FP32),
+        Case("128x128 both", "blockwise", 128, True, True, "TWO_D_FP32_TILES", _TWO_D_FP32),
+    ),
+}
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def describe(candidate: Tiles | TwoPassTiles) -> str:
@@ -172,8 +225,8 @@ def matches_reference(
     return same_bytes(buffers, want)
 
 
-def planted_input(shape: tuple[int, int], seed: int) -> torch.Tensor:
-    """bf16 on the GPU: Gaussians times magnitudes over ~12 decades, specials at random places."""
+def planted_input(shape: tuple[int, int], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """`dtype` on the GPU: Gaussians times magnitudes over ~12 decades, specials at random places."""
     generator = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(shape, device="cuda", generator=generator)
     x = x * torch.exp(torch.randn(shape, device="cuda", generator=generator) * 4)
@@ -184,16 +237,17 @@ def planted_input(shape: tuple[int, int], seed: int) -> torch.Tensor:
     # Zero and subnormal rows and columns: all-zero and subnormal-amax blocks in both directions.
     x[7], x[:, 5] = 0.0, 0.0
     x[9], x[:, 11] = 1e-39, 1e-39
-    return x.to(torch.bfloat16)
+    return x.to(dtype)
 
 
-def _compile(task: tuple[int, int]) -> tuple[int, int, float, str]:
-    """Worker: compiles one candidate by running it once on a small input."""
-    case_index, candidate_index = task
-    case = CASES[case_index]
+def _compile(task: tuple[str, int, int]) -> tuple[int, int, float, str]:
+    """Worker: compiles one candidate by running it once on a small input of the dtype."""
+    dtype_name, case_index, candidate_index = task
+    dtype = DTYPES[dtype_name]
+    case = CASES[dtype][case_index]
     start = time.perf_counter()
     try:
-        x = torch.randn(_COMPILE_SHAPE, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(_COMPILE_SHAPE, device="cuda", dtype=dtype)
         case.run(case.candidates[candidate_index], x, case.allocate(x))
         torch.cuda.synchronize()
         error = ""
@@ -202,8 +256,9 @@ def _compile(task: tuple[int, int]) -> tuple[int, int, float, str]:
     return case_index, candidate_index, time.perf_counter() - start, error
 
 
-def precompile(jobs: int) -> None:
-    tasks = [(c, k) for c, case in enumerate(CASES) for k in range(len(case.candidates))]
+def precompile(jobs: int, dtype_name: str) -> None:
+    cases = CASES[DTYPES[dtype_name]]
+    tasks = [(dtype_name, c, k) for c, case in enumerate(cases) for k in range(len(case.candidates))]
     start, slowest = time.perf_counter(), 0.0
     context = multiprocessing.get_context("spawn")
     try:
@@ -211,7 +266,7 @@ def precompile(jobs: int) -> None:
             for c, k, seconds, error in pool.map(_compile, tasks):
                 slowest = max(slowest, seconds)
                 if error:
-                    print(f"  compile failed: {CASES[c].name} / {describe(CASES[c].candidates[k])}: {error}")
+                    print(f"  compile failed: {cases[c].name} / {describe(cases[c].candidates[k])}: {error}")
     except Exception as e:  # a pool that cannot start: compile on first use instead
         print(f"  parallel compile skipped ({type(e).__name__}: {e})")
     elapsed = time.perf_counter() - start
@@ -222,8 +277,8 @@ def bench_ms(fn: object) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
-def sweep_case(case: Case, sizes: list[tuple[int, int]], copy_gbps: dict, rows: list[dict]) -> None:
-    check_input = adversarial(_CHECK_SHAPE, torch.bfloat16, seed=11)
+def sweep_case(case: Case, dtype: torch.dtype, sizes: list[tuple[int, int]], copy_gbps: dict, rows: list[dict]) -> None:
+    check_input = adversarial(_CHECK_SHAPE, dtype, seed=11)
     want = buffers_of(case.reference(check_input))
     reference_ok = {}
     for k, candidate in enumerate(case.candidates):
@@ -232,8 +287,9 @@ def sweep_case(case: Case, sizes: list[tuple[int, int]], copy_gbps: dict, rows: 
         except Exception as e:
             print(f"  {case.name} / {describe(candidate)} failed: {type(e).__name__}: {str(e)[:200]}")
             reference_ok[k] = None
+        assert case.selected(dtype) is candidate, f"{dtype} inputs do not read {case.constant}"
     for shape in sizes:
-        x = planted_input(shape, seed=shape[0])
+        x = planted_input(shape, dtype, seed=shape[0])
         current = case.allocate(x)
         case.run(case.candidates[0], x, current)
         bytes_moved = case.least_bytes(x)
@@ -269,9 +325,9 @@ def sweep_case(case: Case, sizes: list[tuple[int, int]], copy_gbps: dict, rows: 
     setattr(tb, case.constant, case.candidates[0])
 
 
-def edge_check(case: Case, candidate: Tiles | TwoPassTiles) -> bool:
+def edge_check(case: Case, candidate: Tiles | TwoPassTiles, dtype: torch.dtype) -> bool:
     """Partial tiles (masks) and a transposed view against the CPU reference."""
-    x = adversarial(_EDGE_SHAPE, torch.bfloat16, seed=3)
+    x = adversarial(_EDGE_SHAPE, dtype, seed=3)
     try:
         ok = all(matches_reference(case, candidate, v, buffers_of(case.reference(v))) for v in (x, x.t()))
     except Exception as e:
@@ -298,33 +354,36 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="8192x8192,2048x8192", help="comma-separated MxK")
     parser.add_argument("--jobs", type=int, default=8, help="compile workers (0: compile on first use)")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="input dtype of every case and check")
     parser.add_argument("--json", default="", help="also write the rows and winners to this file")
     args = parser.parse_args()
     start = time.perf_counter()
     sizes = [tuple(int(d) for d in s.split("x")) for s in args.sizes.split(",")]
+    dtype, cases = DTYPES[args.dtype], CASES[DTYPES[args.dtype]]
     torch.cuda.init()
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-        f"{datetime.date.today()}; bf16; bytes = input + codes (scales not counted)",
+        f"{datetime.date.today()}; {args.dtype} input; bytes = input at {dtype.itemsize} B + codes at 1 B "
+        "(scales not counted); copy = out.copy_(x) of the same input",
         flush=True,
     )
     if args.jobs > 0:
-        precompile(args.jobs)
+        precompile(args.jobs, args.dtype)
     copy_gbps = {}
     for shape in sizes:
-        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(shape, device="cuda", dtype=dtype)
         out = torch.empty_like(x)
         copy_gbps[shape] = 2 * x.numel() * x.element_size() / bench_ms(lambda x=x, out=out: out.copy_(x)) / 1e6
         print(f"copy {shape[0]}x{shape[1]}: {copy_gbps[shape]:.0f} GB/s (read + write)", flush=True)
     rows: list[dict] = []
-    for case in CASES:
-        sweep_case(case, sizes, copy_gbps, rows)
+    for case in cases:
+        sweep_case(case, dtype, sizes, copy_gbps, rows)
         print(f"{case.name}: {len(case.candidates)} candidates done at {time.perf_counter() - start:.0f} s", flush=True)
     print()
     print_table(rows)
     print()
     winners = []
-    for case in CASES:
+    for case in cases:
         for shape in sizes:
             name = f"{shape[0]}x{shape[1]}"
             mine = [r for r in rows if r["case"] == case.name and r["shape"] == name]
@@ -333,7 +392,7 @@ def main() -> int:
                 print(f"{case.name} {name}: no candidate matched the current kernel and the reference")
                 continue
             best, current = min(valid, key=lambda r: r["us"]), min(mine, key=lambda r: r["index"])
-            edge = edge_check(case, case.candidates[best["index"]])
+            edge = edge_check(case, case.candidates[best["index"]], dtype)
             winners.append(dict(best, edge_ok=edge))
             print(
                 f"winner {case.name} {name}: {best['candidate']} {best['us']:.1f} us, {best['percent_copy']:.1f}% of "
@@ -344,7 +403,8 @@ def main() -> int:
     print(f"\ntotal {time.perf_counter() - start:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(copy_gbps={f"{m}x{k}": v for (m, k), v in copy_gbps.items()}, rows=rows, winners=winners), f)
+            copies = {f"{m}x{k}": v for (m, k), v in copy_gbps.items()}
+            json.dump(dict(dtype=args.dtype, copy_gbps=copies, rows=rows, winners=winners), f)
     differs = any(not (r["equals_current"] and r["equals_reference"]) for r in rows)
     return 1 if differs or not all(w["edge_ok"] for w in winners) else 0
 

@@ -58,18 +58,20 @@ for rule, e4m3 in [(0, True), (1, True), (1, False)]:
 
 
 def check(fmt, tiles, x, rowwise, columnwise, **kwargs):
+    # The constants fp32 inputs read (`tb._tiles_for`).
     usage = dict(rowwise=rowwise, columnwise=columnwise)
     if fmt == "mxfp8":
-        tb.MXFP8_TILES = tb.MXFP8_ROWWISE_TILES = tiles
+        tb.MXFP8_FP32_TILES = tb.MXFP8_ROWWISE_TILES = tiles
         want = quant_core.quantize_mxfp8_reference(x, **usage)
     else:
-        tb.BLOCKWISE_TILES = tb.BLOCKWISE_ROWWISE_TILES = tiles
+        tb.BLOCKWISE_FP32_TILES = tb.BLOCKWISE_ROWWISE_FP32_TILES = tiles
         want = quant_core.quantize_fp8_blockwise_reference(x, block_shape=(1, 128), **kwargs, **usage)
     buffers = [None if getattr(want, f) is None else torch.empty(getattr(want, f).shape, dtype=getattr(want, f).dtype) for f in FIELDS]
     if fmt == "mxfp8":
         tb._quantize_mxfp8(x, *buffers)
     else:
         tb._quantize_fp8_blockwise(x, 1, kwargs["fp8_dtype"], kwargs["power_2_scales"], *buffers)
+    assert tb._tiles_for("mxfp8" if fmt == "mxfp8" else "1x128", columnwise, x.dtype) is tiles
     for field, got in zip(FIELDS, buffers):
         expected = getattr(want, field)
         if got is not None:

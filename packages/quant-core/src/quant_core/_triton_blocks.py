@@ -83,8 +83,33 @@ BLOCKWISE_TILES: Tiles | TwoPassTiles = TwoPassTiles(tile_k=128, chunk_m=32, sto
 BLOCKWISE_ROWWISE_TILES: Tiles | TwoPassTiles = Tiles(16, 128, 4)
 MXFP8_TILES: Tiles | TwoPassTiles = TwoPassTiles(tile_k=128, chunk_m=4, store_m=32, num_warps=2)
 MXFP8_ROWWISE_TILES: Tiles | TwoPassTiles = Tiles(32, 256, 8)
-TWO_D_TILES = Tiles(128, 128, 8)
+TWO_D_TILES: Tiles = Tiles(128, 128, 8)
 DEQUANTIZE_TILES = Tiles(16, 256, 4)
+# fp32 inputs (FusedAdam requantizes weights from their fp32 master weights; a tile holds twice
+# the bytes of a bf16 one): the bf16 choices until `scripts/sweep_blocks.py --dtype float32`
+# picks their own. fp16 inputs take the bf16 choices; MXFP8 rowwise only has one for every dtype
+# (the sweep has no case for it). `_tiles_for` says which constant each quantize reads.
+BLOCKWISE_FP32_TILES: Tiles | TwoPassTiles = BLOCKWISE_TILES
+BLOCKWISE_ROWWISE_FP32_TILES: Tiles | TwoPassTiles = BLOCKWISE_ROWWISE_TILES
+MXFP8_FP32_TILES: Tiles | TwoPassTiles = MXFP8_TILES
+TWO_D_FP32_TILES: Tiles = TWO_D_TILES
+
+
+def _tiles_for(format: str, columnwise: bool, dtype: torch.dtype) -> Tiles | TwoPassTiles:
+    """Launch choice of a quantize: `format` 'mxfp8', '1x128' or '128x128' (blockwise), with or
+    without a columnwise output, of an input of `dtype`. Reads the module constants at each call,
+    so that scripts/sweep_blocks.py and the tests can set them."""
+    fp32 = dtype == torch.float32
+    if format == "128x128":
+        return TWO_D_FP32_TILES if fp32 else TWO_D_TILES
+    if format == "1x128":
+        if columnwise:
+            return BLOCKWISE_FP32_TILES if fp32 else BLOCKWISE_TILES
+        return BLOCKWISE_ROWWISE_FP32_TILES if fp32 else BLOCKWISE_ROWWISE_TILES
+    assert format == "mxfp8", format
+    if columnwise:
+        return MXFP8_FP32_TILES if fp32 else MXFP8_TILES
+    return MXFP8_ROWWISE_TILES
 
 
 @triton.jit
@@ -424,14 +449,14 @@ def _quantize_fp8_blockwise(
     x_MK: torch.Tensor, block_rows: int, fp8_dtype: torch.dtype, power_2_scales: bool, *buffers: torch.Tensor | None
 ) -> None:
     two_d = block_rows > 1
-    tiles = TWO_D_TILES if two_d else BLOCKWISE_ROWWISE_TILES if buffers[2] is None else BLOCKWISE_TILES
+    tiles = _tiles_for("128x128" if two_d else "1x128", buffers[2] is not None, x_MK.dtype)
     rule = _POWER_OF_TWO if power_2_scales else _FMAX_OVER_AMAX
     _launch_quantize(x_MK, buffers, block=128, two_d=two_d, scale_rule=rule, fp8_dtype=fp8_dtype, tiles=tiles)
 
 
 @register_kernel("quantize_mxfp8", "triton", traceable=True)
 def _quantize_mxfp8(x_MK: torch.Tensor, *buffers: torch.Tensor | None) -> None:
-    tiles = MXFP8_ROWWISE_TILES if buffers[2] is None else MXFP8_TILES
+    tiles = _tiles_for("mxfp8", buffers[2] is not None, x_MK.dtype)
     _launch_quantize(
         x_MK, buffers, block=32, two_d=False, scale_rule=_MXFP8, fp8_dtype=torch.float8_e4m3fn, tiles=tiles
     )
