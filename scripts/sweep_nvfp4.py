@@ -2,7 +2,8 @@
 GPU machine, checks their bytes, and names the fastest per case (issue #15; meant to take < 3 min on an H100).
 
     python3 scripts/sweep_nvfp4.py [CASE ...]   # cases: 1x16-both 1x16-both-sr 1x16-rowwise
-                                                 #        16x16-rowwise 16x16-both dequantize
+                                                 #        16x16-rowwise 16x16-both 1x16-both-rht
+                                                 #        hadamard-amaxes dequantize
 
 bf16 8192 x 8192 input, global amax precomputed, buffers preallocated: each timing is the kernel
 launch alone (`triton.testing.do_bench`, median). GB/s counts the least traffic (input read once,
@@ -11,6 +12,8 @@ packed codes and E4M3 scales written once; dequantize: codes and scales read, bf
 tile equals the CPU reference bytewise on a 1008 x 1520 input (partial tiles) with ties, specials
 and subnormals (dequantize: fp32/bf16/fp16 outputs, 1 x 16 and 16 x 16 scales, a NaN scale), and
 equals the original kernel bytewise at full size. The winners go into the module constants.
+With the random Hadamard transform (`1x16-both-rht`, `hadamard-amaxes`), which the original kernel
+lacks, "original" is the register-blocks kernel with the current module constant.
 """
 
 from __future__ import annotations
@@ -49,6 +52,20 @@ BLOCK_TILES = [
     BlockTiles(128, 64, 8, 4),
 ]
 STOCHASTIC_TILES = [BlockTiles(64, 64, 4, 4), BlockTiles(128, 64, 8, 4), BlockTiles(32, 64, 2, 4)]
+# The transformed columnwise runs hold more live values (179 registers per thread at 64 x 64 on
+# sm_90, 12% occupancy under ncu): smaller tiles too.
+HADAMARD_TILES = [
+    BlockTiles(64, 64, 4, 4),
+    BlockTiles(32, 64, 2, 4),
+    BlockTiles(32, 64, 4, 4),
+    BlockTiles(16, 64, 1, 4),
+    BlockTiles(16, 128, 2, 4),
+    BlockTiles(32, 32, 2, 4),
+    BlockTiles(64, 32, 4, 4),
+    BlockTiles(32, 128, 4, 4),
+]
+HADAMARD_AMAXES_TILES = [Tiles(64, 64, 4), Tiles(32, 64, 2), Tiles(32, 128, 4), Tiles(64, 128, 8), Tiles(16, 256, 4)]
+HADAMARD_SEED = 12345
 DEQUANTIZE_TILES = [Tiles(16, 256, 4), Tiles(8, 512, 4), Tiles(32, 256, 8), Tiles(16, 512, 8), Tiles(32, 128, 4)]
 
 
@@ -60,6 +77,8 @@ class Case:
     columnwise: bool
     stochastic: bool
     tiles: list[BlockTiles]
+    hadamard: bool = False
+    """The columnwise usage is T(x^T) ([Note: NVFP4 random Hadamard transform])."""
 
 
 CASES = [
@@ -68,6 +87,7 @@ CASES = [
     Case("1x16-rowwise", 1, True, False, False, BLOCK_TILES),
     Case("16x16-rowwise", 16, True, False, False, BLOCK_TILES),
     Case("16x16-both", 16, True, True, False, BLOCK_TILES),
+    Case("1x16-both-rht", 1, True, True, False, HADAMARD_TILES, hadamard=True),
 ]
 
 
@@ -99,10 +119,20 @@ def buffers(shape: tuple[int, int], case: Case) -> tuple[torch.Tensor | None, ..
     )
 
 
-def run_quantize(case: Case, x: torch.Tensor, amax: torch.Tensor, variant: str, tiles: object) -> tuple[object, ...]:
+def run_quantize(case: Case, x: torch.Tensor, amaxes: torch.Tensor, variant: str, tiles: object) -> tuple[object, ...]:
+    """x quantized by one variant and tile; amaxes: (2,) fp32, amax(x) and the transformed usage's."""
     out = buffers(tuple(x.shape), case)
-    kernels.launch_quantize(x, case.block_rows, amax, case.stochastic, SEED, out, variant, tiles)
+    launch_quantize(case, x, amaxes, SEED, out, variant, tiles)
     return out
+
+
+def launch_quantize(
+    case: Case, x: torch.Tensor, amaxes: torch.Tensor, seed: object, out: tuple, variant: str, tiles: object
+) -> None:
+    hadamard_seed = HADAMARD_SEED if case.hadamard else None
+    kernels.launch_quantize(
+        x, case.block_rows, amaxes[0], case.stochastic, seed, out, variant, tiles, amaxes[1], hadamard_seed
+    )
 
 
 def same_bytes(got: tuple[torch.Tensor | None, ...], want: tuple[torch.Tensor | None, ...]) -> bool:
@@ -119,16 +149,18 @@ def bench(fn: Callable[[], object]) -> float:
 
 
 def sweep_quantize(case: Case, x: torch.Tensor, x_small: torch.Tensor) -> list[tuple]:
-    amax = quant_core.amax(x)
-    check_amax = torch.tensor(CHECK_AMAX)
+    amaxes = quant_core.hadamard_amaxes(x, HADAMARD_SEED)  # [amax(x), amax(T(x^T))]
+    check_amaxes = torch.tensor([CHECK_AMAX, 4 * CHECK_AMAX])
     want_small = quant_core.quantize_nvfp4_reference(
         x_small,
         (case.block_rows, 16),
-        global_amax=check_amax,
+        global_amax=check_amaxes[0],
         rowwise=case.rowwise,
         columnwise=case.columnwise,
         stochastic_rounding=case.stochastic,
         seed=SEED,
+        hadamard_seed=HADAMARD_SEED if case.hadamard else None,
+        columnwise_amax=check_amaxes[1] if case.hadamard else None,
     )
     want_small = (
         want_small.rowwise_data,
@@ -136,26 +168,52 @@ def sweep_quantize(case: Case, x: torch.Tensor, x_small: torch.Tensor) -> list[t
         want_small.columnwise_data,
         want_small.columnwise_scale_inv,
     )
-    original = run_quantize(case, x, amax, "original", kernels.QUANTIZE_TILES)
+    baseline = (
+        ("register_blocks", kernels.QUANTIZE_1X16_TILES) if case.hadamard else ("original", kernels.QUANTIZE_TILES)
+    )
+    original = run_quantize(case, x, amaxes, *baseline)
     N = x.numel()
     usages = int(case.rowwise) + int(case.columnwise)
     scale_bytes = N // (16 * case.block_rows) * usages
     traffic = 2 * N + usages * N // 2 + scale_bytes
     seed = torch.tensor(SEED - 2**64, dtype=torch.int64, device=CUDA)  # the uint64 bits: no copy per launch
     rows = []
-    for variant, tiles in [("original", kernels.QUANTIZE_TILES)] + [("register_blocks", t) for t in case.tiles]:
-        small = run_quantize(case, x_small.to(CUDA), check_amax.to(CUDA), variant, tiles)
+    for variant, tiles in [baseline] + [("register_blocks", t) for t in case.tiles]:
+        small = run_quantize(case, x_small.to(CUDA), check_amaxes.to(CUDA), variant, tiles)
         checks = "ok" if same_bytes(small, want_small) else "REFERENCE MISMATCH"
         out = buffers(tuple(x.shape), case)
 
         def launch(out: tuple = out, variant: str = variant, tiles: object = tiles) -> None:
-            kernels.launch_quantize(x, case.block_rows, amax, case.stochastic, seed, out, variant, tiles)
+            launch_quantize(case, x, amaxes, seed, out, variant, tiles)
 
         us = bench(launch)
-        if variant != "original" and not same_bytes(out, original):
+        if (variant, tiles) != baseline and not same_bytes(out, original):
             checks += ", ORIGINAL MISMATCH"
         rows.append((case.name, variant, tiles, us, traffic / us / 1e3, checks))
         torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_hadamard_amaxes(x: torch.Tensor, x_small: torch.Tensor) -> list[tuple]:
+    """`hadamard_amaxes` with each tile (the module constant set for the call); timed on the kernel
+    alone (the maxima land in a preallocated pair, as the operator's zeroed output): bf16 read once."""
+    want_small = quant_core.hadamard_amaxes_reference(x_small, HADAMARD_SEED)
+    current = kernels.HADAMARD_AMAXES_TILES
+    want = quant_core.hadamard_amaxes(x, HADAMARD_SEED)
+    maxima = torch.zeros(2, device=CUDA)
+    rows = []
+    try:
+        for tiles in HADAMARD_AMAXES_TILES:
+            kernels.HADAMARD_AMAXES_TILES = tiles
+            small = quant_core.hadamard_amaxes(x_small.to(CUDA), HADAMARD_SEED)
+            checks = "ok" if torch.equal(small.cpu(), want_small) else "REFERENCE MISMATCH"
+            if not torch.equal(quant_core.hadamard_amaxes(x, HADAMARD_SEED), want):
+                checks += ", ORIGINAL MISMATCH"
+            us = bench(lambda: kernels._hadamard_amaxes(x, HADAMARD_SEED, maxima))
+            variant = "original" if tiles == current else "tiles"
+            rows.append(("hadamard-amaxes", variant, tiles, us, 2 * x.numel() / us / 1e3, checks))
+    finally:
+        kernels.HADAMARD_AMAXES_TILES = current
     return rows
 
 
@@ -210,7 +268,7 @@ def describe(tiles: object) -> str:
 
 
 def main(names: list[str]) -> None:
-    known = [case.name for case in CASES] + ["dequantize"]
+    known = [case.name for case in CASES] + ["hadamard-amaxes", "dequantize"]
     unknown = sorted(set(names) - set(known))
     if unknown:
         raise SystemExit(f"unknown cases {unknown}; choose from {known}")
@@ -230,6 +288,8 @@ def main(names: list[str]) -> None:
     for case in CASES:
         if case.name in names:
             rows += sweep_quantize(case, x, x_small)
+    if "hadamard-amaxes" in names:
+        rows += sweep_hadamard_amaxes(x, x_small)
     if "dequantize" in names:
         rows += sweep_dequantize(x, x_small)
     print(f"\n{'case':<14} {'variant':<16} {'tile':<18} {'us':>8} {'GB/s':>7} {'% copy':>7}  check")
@@ -240,7 +300,7 @@ def main(names: list[str]) -> None:
     print("\nwinner per case (fastest with every check ok):")
     for name in dict.fromkeys(row[0] for row in rows):
         ok = [row for row in rows if row[0] == name and row[5] == "ok"]
-        original = next(row for row in rows if row[0] == name and row[1] in ("original", "elementwise"))
+        original = rows[next(i for i, row in enumerate(rows) if row[0] == name)]  # each case's first row
         if not ok:
             print(f"  {name}: none passed")
             continue
