@@ -145,7 +145,13 @@ _TWO_D = (tb.TWO_D_TILES, Tiles(128, 128, 4), Tiles(128, 128, 16))
 _MXFP8_FP32 = _first_current(
     tb.MXFP8_FP32_TILES,
     tb.MXFP8_TILES,
-    Tiles(32, 128, 4),
+    Tiles(32, 128, 4),  # one 2-D tile: the winner of the first fp32 sweep, and its neighbours
+    Tiles(32, 128, 8),
+    Tiles(32, 64, 2),
+    Tiles(32, 64, 4),
+    Tiles(64, 64, 4),
+    Tiles(64, 128, 8),
+    Tiles(32, 256, 8),
     *_two_pass((128, 2, 32, 2), (64, 4, 32, 2), (128, 4, 32, 4), (128, 4, 16, 2), (128, 8, 32, 4), (256, 2, 32, 4)),
     *_two_pass((128, 4, 32, 2), (128, 2, 32, 2), early_nan=True),
     *_two_pass((128, 4, 32, 2), blocks_m=2),
@@ -156,8 +162,9 @@ _BLOCKWISE_FP32 = _first_current(
     tb.BLOCKWISE_TILES,
     *_two_pass((128, 16, 128, 8), (128, 16, 64, 8), (128, 8, 64, 4), (128, 16, 32, 4), (128, 8, 32, 4)),
     *_two_pass((256, 8, 64, 8), (256, 4, 32, 4)),
-    *_two_pass((128, 32, 128, 8), (128, 16, 64, 8), early_nan=True),
+    *_two_pass((128, 32, 128, 8), (128, 16, 64, 8), (128, 32, 64, 8), (128, 16, 128, 8), early_nan=True),
     *_two_pass((128, 16, 64, 8), unroll=False),
+    *_two_pass((128, 32, 128, 8), early_nan=True, unroll=False),
 )
 _BLOCKWISE_ROWWISE_FP32 = _first_current(
     tb.BLOCKWISE_ROWWISE_FP32_TILES,
