@@ -88,14 +88,14 @@ DEQUANTIZE_TILES = Tiles(16, 256, 4)
 # fp32 inputs (FusedAdam requantizes weights from their fp32 master weights; a tile holds twice
 # the bytes of a bf16 one), from `python3 scripts/sweep_blocks.py --dtype float32` on an H100
 # (docs/benchmarks.md, sixth session): MXFP8 with both usages runs fastest as one 2-D tile
-# (174.9 vs 189.4 us two-pass at 8192^2), 1 x 128 with NaN handled early. fp16 inputs take the
-# bf16 choices; MXFP8 rowwise only has one for every dtype (the sweep has no case for it).
-# `_tiles_for` says which constant each quantize reads.
+# (163.5 vs 189.4 us two-pass at 8192^2), 1 x 128 with NaN handled early (186.8 vs 215.7). fp16
+# inputs take the bf16 choices; MXFP8 rowwise only has one for every dtype (the sweep has no case
+# for it). `_tiles_for` says which constant each quantize reads.
 BLOCKWISE_FP32_TILES: Tiles | TwoPassTiles = TwoPassTiles(
-    tile_k=128, chunk_m=32, store_m=128, num_warps=8, blocks_m=1, unroll=True, early_nan=True
+    tile_k=128, chunk_m=32, store_m=64, num_warps=8, blocks_m=1, unroll=True, early_nan=True
 )
 BLOCKWISE_ROWWISE_FP32_TILES: Tiles | TwoPassTiles = Tiles(4, 128, 2)
-MXFP8_FP32_TILES: Tiles | TwoPassTiles = Tiles(32, 128, 4)
+MXFP8_FP32_TILES: Tiles | TwoPassTiles = Tiles(32, 64, 2)
 TWO_D_FP32_TILES: Tiles = TWO_D_TILES
 
 
