@@ -130,6 +130,8 @@ def kernels(names: list[str]) -> None:
     x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     amax = quant_core.amax(x)
     amaxes = quant_core.hadamard_amaxes(x, seed=1)
+    tiled = quant_core.quantize_nvfp4(x, (16, 16), global_amax=amax)
+    rowwise = quant_core.quantize_nvfp4(x, global_amax=amax)
     cases = {
         "mxfp8 both": lambda: quant_core.quantize_mxfp8(x, rowwise=True, columnwise=True),
         "fp8-block 1x128 both": lambda: quant_core.quantize_fp8_blockwise(x, rowwise=True, columnwise=True),
@@ -143,6 +145,11 @@ def kernels(names: list[str]) -> None:
             x, global_amax=amaxes[0], columnwise_amax=amaxes[1], columnwise=True, hadamard_seed=1
         ),
         "hadamard amaxes": lambda: quant_core.hadamard_amaxes(x, seed=1),
+        "nvfp4 16x16 rowwise": lambda: quant_core.quantize_nvfp4(x, (16, 16), global_amax=amax),
+        "nvfp4 16x16 transpose": lambda: quant_core.transpose_nvfp4(tiled.rowwise_data, tiled.rowwise_scale_inv),
+        "nvfp4 dequantize": lambda: quant_core.dequantize_nvfp4(
+            rowwise.rowwise_data, rowwise.rowwise_scale_inv, amax, dtype=torch.bfloat16
+        ),
     }
     unknown = set(names) - set(cases)
     if unknown:
