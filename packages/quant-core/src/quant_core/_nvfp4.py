@@ -31,9 +31,9 @@ Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
   columnwise_scale_inv) -> ()`: [Note: block operators] with block_rows 1 or 16, uint8 data (two
   codes per byte: K even, and M even when columnwise data is given) and E4M3 scales;
   global_amax the fp32 one-element amax on x's device, from which every kernel computes S
-  (`nvfp4_tensor_scale`) itself: no scale ops around the call, which cost a few launches and
-  ~200 us of host time per quantize on an H100 VM; columnwise_amax the columnwise usage's (the
-  same tensor without the transform; with 16 x 16 tiles it is not read); seed a 0-d int64 tensor on any device (read only with
+  (`nvfp4_tensor_scale`) itself, so a quantize is one launch with no scale ops around it;
+  columnwise_amax the columnwise usage's (the same tensor without the transform; with 16 x 16
+  tiles it is not read); seed a 0-d int64 tensor on any device (read only with
   stochastic rounding; one on neither the CPU nor x's device costs a copy); hadamard_seed None
   or an int in int64 range (`signed64`): the columnwise usage is then T(x^T), which needs
   block_rows 1 and M a multiple of 16 ([Note: NVFP4 random Hadamard transform]).
