@@ -6,6 +6,7 @@
     python3 scripts/profile_gpu.py kernels [CASE ...]  # each quantize twice at bf16 8192^2 (under ncu)
     python3 scripts/profile_gpu.py e2e [RUN ...]       # GPU time per e2e training step, by kernel
     python3 scripts/profile_gpu.py optim [KIND ...]    # GPU time per FusedAdam step at ~1e9 params, by kernel
+    python3 scripts/profile_gpu.py optim-1e7 [KIND ...]  # host time of FusedAdam vs AdamW + requantize at 1e7
 
 `host` prints where the host time of one forward + backward goes (the functions with the most own
 time, and the count of calls per step); `e2e` trains `quant-fsdp bench --e2e`'s default model with each run (default: bf16:eager,
@@ -260,6 +261,60 @@ def optim(kinds: list[str]) -> None:
         torch.cuda.empty_cache()
 
 
+def optim_1e7(kinds: list[str]) -> None:
+    """Host and wall time per step at 1e7 parameters (10 weights of 1024 x 1024, `python -m
+    quant_optim.bench`'s case), FusedAdam and AdamW(fused) + requantize alternately, then where
+    each one's host time goes (cProfile of 20 steps)."""
+    from quant_optim import FusedAdam
+
+    for kind in kinds:
+        quantizer = qt.recipe_from_name(kind).quantizer("weight")
+        values = [torch.randn(1024, 1024, device="cuda") for _ in range(10)]
+        params = [qt.nn.quantized_parameter(v, quantizer) for v in values]
+        masters = [torch.nn.Parameter(v.clone()) for v in values]
+        for p in params + masters:
+            p.grad = torch.randn(p.shape, device="cuda") * 1e-3
+        fused = FusedAdam(params, lr=1e-3, weight_decay=0.01)
+        adamw = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.01, fused=True)
+
+        def baseline(adamw=adamw, params=params, masters=masters) -> None:
+            adamw.step()
+            with torch.no_grad():
+                for p, master in zip(params, masters, strict=True):
+                    p.quantizer.quantize_(master, p)
+
+        steps = {"FusedAdam": fused.step, "AdamW(fused) + requantize": baseline}
+        for step in steps.values():
+            for _ in range(5):
+                step()
+        torch.cuda.synchronize()
+        times: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
+        for round_ in range(10):
+            for name in list(steps)[:: 1 if round_ % 2 == 0 else -1]:
+                start = time.perf_counter()
+                for _ in range(10):
+                    steps[name]()
+                host = time.perf_counter() - start
+                torch.cuda.synchronize()
+                times[name].append((host / 10, (time.perf_counter() - start) / 10))
+        for name, pairs in times.items():
+            host = sorted(h for h, _ in pairs)[len(pairs) // 2]
+            wall = sorted(w for _, w in pairs)[len(pairs) // 2]
+            print(
+                f"\n=== {kind} {name}: median host {host * 1e3:.3f} ms, wall {wall * 1e3:.3f} ms per step (10 rounds of 10)"
+            )
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(20):
+                steps[name]()
+            profiler.disable()
+            torch.cuda.synchronize()
+            stats = pstats.Stats(profiler)
+            calls = sum(entry[1] for entry in stats.stats.values()) / 20  # type: ignore[attr-defined]
+            print(f"{calls:.0f} Python calls per step")
+            stats.sort_stats("tottime").print_stats(12)
+
+
 if __name__ == "__main__":
     recipes = sys.argv[2:] or ["nn.Linear", "fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4"]
     if sys.argv[1] == "host":
@@ -268,6 +323,8 @@ if __name__ == "__main__":
         ops(recipes)
     elif sys.argv[1] == "parts":
         parts()
+    elif sys.argv[1] == "optim-1e7":
+        optim_1e7(sys.argv[2:] or ["fp8", "mxfp8", "nvfp4"])
     elif sys.argv[1] == "optim":
         optim(sys.argv[2:] or ["fp32", "fp8", "mxfp8", "fp8-block", "nvfp4"])
     elif sys.argv[1] == "e2e":
