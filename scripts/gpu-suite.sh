@@ -74,5 +74,5 @@ PY
 fi
 if want linear; then grep -A40 "Host time per Linear" "$out/linear.log" || true; fi
 if want e2e && [[ -f "$out/e2e.md" ]]; then cat "$out/e2e.md"; fi
-if want optim; then grep -A12 "^FusedAdam vs torch AdamW" "$out/bench_optim.log" | grep -v "^wrote" || true; fi
+if want optim; then sed -n "/^FusedAdam vs torch AdamW/,/^wrote /{/^wrote /!p}" "$out/bench_optim.log" || true; fi
 exit $(( tests_rc == 5 ? bench_rc : tests_rc | bench_rc ))

@@ -6,6 +6,9 @@ Cases, each over `--tensors` parameters of `--numel` elements (default 10 x 1e6 
 - quantized parameters (per-tensor FP8, MXFP8): FusedAdam (update + amax in one pass, then the
   requantize) vs torch.optim.AdamW(fused=True) on the fp32 masters followed by a separate
   requantize of each parameter (what a user without FusedAdam would run).
+These eager rows are timed in `--rounds` interleaved rounds ([Note: interleaved rounds]): each row's
+ms/step is its median over rounds, and `x torch` is the median over rounds of the per-round ratio
+with its min-max spread, "1.16 (0.98-1.31)".
 `--preset 1e9` runs instead the DESIGN section 9 case (`mix_cases`): ~1e9 parameters in the weight
 shapes of 4 Llama-3-8B-like layers plus an embedding, once all fp32 and once per quantized format
 (per-tensor FP8, MXFP8, blockwise FP8, NVFP4: the Linear weights quantized with fp32 masters, the
@@ -17,7 +20,8 @@ On CUDA, also `graph_cases` for fp32, per-tensor FP8 and MXFP8: one step capture
 AdamW(fused=True, capturable=True) (+ a requantize of each weight): the step without its host
 side. Each graph row first checks that one replay equals one eager step bit for bit (on a twin
 built alike) and prints an error instead of a time when it does not.
-Prints a table and writes `<out>/bench_optim.json` (device, torch version, threads, date).
+Prints a table and writes `<out>/bench_optim.json` (device, torch version, threads, date; the eager
+rows' ms of every round under "ms per round", to recompute from).
 `nox -s bench` runs it after `quant-fsdp bench`.
 """
 
@@ -29,6 +33,8 @@ import datetime
 import json
 import pathlib
 import platform
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -45,6 +51,85 @@ def _median_ms(fn: Callable[[], object], min_run_time: float) -> float:
     return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
 
 
+# [Note: interleaved rounds]
+# At 1e7 parameters a step takes ~0.1-2 ms, mostly host (Python) time, and on the shared GPU VM the
+# host's speed drifts between and within calls: fp8 FusedAdam vs AdamW + requantize, three calls on
+# one H100 with no code change, 1.24 vs 1.17, 1.54 vs 1.91, 2.22 vs 1.39 ms. Timed one after the
+# other, each optimizer gets its own stretch of that drift and the ratio measures the drift. So the
+# eager rows of a case are timed in rounds: each round times every optimizer once in turn, in the
+# reverse order of the round before (every pair swaps who goes first, so a trend favours neither),
+# and a ratio is taken within a round, where both sides saw about the same host; the table gives
+# the median over rounds and the min-max spread, and the JSON every round's ms.
+# A round times blocks of a fixed number of steps, set once per optimizer after its warm-up step so
+# that a block lasts ~1/10 of the optimizer's time in a round (min_run_time / rounds): every round
+# then times the same work and spends nothing re-estimating (blocked_autorange would, each call: up
+# to 1 + 10 + 100 steps at ~1 ms), and the median of a round's ~10 blocks drops one a host hiccup
+# hit. time.perf_counter reads each block, fenced on CUDA by torch.cuda.synchronize(): the steps
+# are queued asynchronously, so the fence charges a block with its device work and keeps the
+# previous optimizer's queued work out of it; a block lasts ~20 ms at the defaults (1 s over 5
+# rounds), so the fences (~10 us each) cost ~0.1%.
+
+
+def _block_seconds(step: Callable[[], object], number: int, device: torch.device) -> float:
+    """Seconds for `number` calls of `step`, fenced by a synchronize on CUDA ([Note: interleaved rounds])."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(number):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def interleaved_ms(
+    steps: dict[str, Callable[[], object]], *, rounds: int, min_run_time: float, device: torch.device
+) -> dict[str, list[float]]:
+    """ms per step of each of `steps` in each round, the steps timed in turn: [Note: interleaved rounds].
+
+    Args:
+        steps: the optimizer steps of one case by row name; each is called once first as a warm-up.
+        rounds: how many rounds; round r times the steps in their order (r even) or reversed (r odd).
+        min_run_time: seconds of timing per step over all rounds (at least one block per round).
+    Returns:
+        Per row name, one ms per round (the median over that round's blocks), in round order.
+    """
+    share = min_run_time / rounds
+    numbers = {}
+    for name, step in steps.items():
+        step()  # warm up: states are created, pages faulted in
+        once = _block_seconds(step, 1, device)
+        numbers[name] = max(1, int(share / 10 / max(once, 1e-9)))
+    ms: dict[str, list[float]] = {name: [] for name in steps}
+    order = list(steps)
+    for _ in range(rounds):
+        for name in order:
+            blocks, spent = [], 0.0
+            while not blocks or spent < share:
+                seconds = _block_seconds(steps[name], numbers[name], device)
+                blocks.append(seconds / numbers[name])
+                spent += seconds
+            ms[name].append(statistics.median(blocks) * 1e3)
+        order.reverse()
+    return ms
+
+
+def ratio_spread(baseline_ms: list[float], ms: list[float]) -> dict[str, float]:
+    """Median, min and max over rounds of `baseline_ms / ms` within each round (> 1: faster than the baseline)."""
+    ratios = [baseline / mine for baseline, mine in zip(baseline_ms, ms, strict=True)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
+def _fused_step(optimizer: FusedAdam, found_inf: torch.Tensor | None, forced_backend: str | None) -> Callable[[], None]:
+    """`optimizer.step(found_inf=found_inf)`, with every quant_core op on `forced_backend` when one is given."""
+
+    def step() -> None:
+        with contextlib.nullcontext() if forced_backend is None else quant_core.use_backend(forced_backend):
+            optimizer.step(found_inf=found_inf)
+
+    return step
+
+
 def _with_grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
     for p in params:
         p.grad = torch.randn(p.shape, device=p.device) * 1e-3
@@ -55,36 +140,36 @@ def _fp32_params(tensors: int, numel: int, device: torch.device) -> list[torch.T
     return _with_grads([torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(tensors)])
 
 
-def fp32_cases(tensors: int, numel: int, device: torch.device, min_run_time: float) -> dict[str, float]:
-    """Median ms per step of each optimizer over fp32 parameters."""
-    times = {}
+def fp32_cases(
+    tensors: int, numel: int, device: torch.device, min_run_time: float, rounds: int
+) -> dict[str, list[float]]:
+    """ms per step of each optimizer over fp32 parameters in each round ([Note: interleaved rounds])."""
+    steps = {}
     no_inf = torch.zeros((), device=device)
     fastest = quant_core.selected_backend("adam_step", device)
     for backend in dict.fromkeys((fastest, "reference")):
         optimizer = FusedAdam(_fp32_params(tensors, numel, device), lr=1e-3, weight_decay=0.01)
-        # The fastest backend per op (what users get), or every op on the reference.
-        with contextlib.nullcontext() if backend == fastest else quant_core.use_backend("reference"):
-            times[f"FusedAdam ({backend})"] = _median_ms(optimizer.step, min_run_time)
-            # With a GradScaler-style verdict the gradients are not read a second time.
-            times[f"FusedAdam ({backend}), found_inf given"] = _median_ms(
-                lambda optimizer=optimizer: optimizer.step(found_inf=no_inf), min_run_time
-            )
+        # The fastest backend per op (what users get), or every op on the reference; with a
+        # GradScaler-style verdict (found_inf given) the gradients are not read a second time.
+        forced_backend = None if backend == fastest else backend
+        steps[f"FusedAdam ({backend})"] = _fused_step(optimizer, None, forced_backend)
+        steps[f"FusedAdam ({backend}), found_inf given"] = _fused_step(optimizer, no_inf, forced_backend)
     torch_adamw = torch.optim.AdamW(_fp32_params(tensors, numel, device), lr=1e-3, weight_decay=0.01, fused=True)
-    times["torch AdamW(fused=True)"] = _median_ms(torch_adamw.step, min_run_time)
-    return times
+    steps["torch AdamW(fused=True)"] = torch_adamw.step
+    return interleaved_ms(steps, rounds=rounds, min_run_time=min_run_time, device=device)
 
 
 def requantize_cases(
-    recipe_name: str, tensors: int, numel: int, device: torch.device, min_run_time: float
-) -> dict[str, float]:
-    """Median ms per step with quantized parameters (rows of 1024): FusedAdam vs AdamW + requantize."""
+    recipe_name: str, tensors: int, numel: int, device: torch.device, min_run_time: float, rounds: int
+) -> dict[str, list[float]]:
+    """ms per step with quantized parameters (rows of 1024) in each round ([Note: interleaved
+    rounds]): FusedAdam vs AdamW + requantize."""
     shape = (numel // 1024, 1024)
     quantizer = qt.recipe_from_name(recipe_name).quantizer("weight")
     params = _with_grads(
         [qt.nn.quantized_parameter(torch.randn(shape, device=device), quantizer) for _ in range(tensors)]
     )
     fused = FusedAdam(params, lr=1e-3, weight_decay=0.01)
-    times = {"FusedAdam (update + requantize)": _median_ms(fused.step, min_run_time)}
 
     masters = _with_grads([torch.nn.Parameter(p.dequantize(torch.float32)) for p in params])
     adamw = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.01, fused=True)
@@ -95,8 +180,11 @@ def requantize_cases(
             for p, master in zip(params, masters, strict=True):
                 p.quantizer.quantize_(master, p)
 
-    times["torch AdamW(fused=True) + requantize"] = _median_ms(adamw_then_requantize, min_run_time)
-    return times
+    steps = {
+        "FusedAdam (update + requantize)": fused.step,
+        "torch AdamW(fused=True) + requantize": adamw_then_requantize,
+    }
+    return interleaved_ms(steps, rounds=rounds, min_run_time=min_run_time, device=device)
 
 
 def _twin_params(kind: str, tensors: int, numel: int, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
@@ -315,8 +403,21 @@ def memory_floor_ms(params: int, device: torch.device, min_run_time: float) -> f
 
 
 def run(
-    out: pathlib.Path, *, tensors: int, numel: int, min_run_time: float, device: torch.device, preset: str | None = None
+    out: pathlib.Path,
+    *,
+    tensors: int,
+    numel: int,
+    min_run_time: float,
+    device: torch.device,
+    preset: str | None = None,
+    rounds: int = 5,
 ) -> dict:
+    """Times the cases, prints the table and writes `<out>/bench_optim.json` (`_1e9` for that preset).
+
+    Args:
+        min_run_time: seconds of timing per row; an eager row's are split over its `rounds`.
+        rounds: interleaved rounds of the eager rows ([Note: interleaved rounds]); not used by the 1e9 preset.
+    """
     if preset == "1e9":
         report = {
             "date": datetime.date.today().isoformat(),
@@ -330,7 +431,12 @@ def run(
         (out / "bench_optim_1e9.json").write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {out / 'bench_optim_1e9.json'}")
         return report
+    if rounds < 1:
+        raise ValueError(f"--rounds must be at least 1 (each round times every optimizer once); got {rounds}")
     params = tensors * numel
+    ms_per_round = {"fp32": fp32_cases(tensors, numel, device, min_run_time, rounds)}
+    for recipe_name in ("fp8", "mxfp8"):
+        ms_per_round[recipe_name] = requantize_cases(recipe_name, tensors, numel, device, min_run_time, rounds)
     report: dict = {
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
@@ -338,28 +444,38 @@ def run(
         "device": torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.machine()} cpu",
         "params": params,
         "tensors": tensors,
-        "cases": {"fp32": fp32_cases(tensors, numel, device, min_run_time)},
+        "rounds": rounds,
+        # Eager rows: the median over rounds; graph rows: blocked_autorange's median.
+        "cases": {
+            kind: {name: statistics.median(ms) for name, ms in rows.items()} for kind, rows in ms_per_round.items()
+        },
+        "x torch": {kind: _x_torch(rows) for kind, rows in ms_per_round.items()},
+        "ms per round": ms_per_round,
     }
     report["cases"]["fp32"]["memory floor (28 B/param, in-place stream)"] = memory_floor_ms(
         params, device, min_run_time
     )
-    for recipe_name in ("fp8", "mxfp8"):
-        report["cases"][recipe_name] = requantize_cases(recipe_name, tensors, numel, device, min_run_time)
     if device.type == "cuda":  # CUDA graphs: the step without its host side
         for kind in ("fp32", "fp8", "mxfp8"):
             report["cases"][f"{kind} graph"] = graph_cases(kind, tensors, numel, device, min_run_time)
             torch.cuda.empty_cache()
 
     print(f"FusedAdam vs torch AdamW: {params:.0e} params in {tensors} tensors, {report['device']}, "
-          f"torch {torch.__version__}, {report['threads']} threads")  # fmt: skip
+          f"torch {torch.__version__}, {report['threads']} threads; eager rows: median of {rounds} "
+          f"interleaved rounds, x torch (min-max over rounds)")  # fmt: skip
     print(f"{'params':<12} {'optimizer':<56} {'ms/step':>9} {'x torch':>8}")
     for kind, times in report["cases"].items():
         baseline = times[next(name for name in times if name.startswith("torch"))]
+        spreads = report["x torch"].get(kind, {})
         for name, ms in times.items():
             if isinstance(ms, str):  # a graph row that failed its check
                 print(f"{kind:<12} {name:<56} {ms}")
                 continue
-            ratio = f"{baseline / ms:8.2f}" if isinstance(baseline, float) else f"{'-':>8}"
+            if name in spreads:
+                spread = spreads[name]
+                ratio = f"{spread['median']:8.2f} ({spread['min']:.2f}-{spread['max']:.2f})"
+            else:  # the baseline itself, the memory floor, a graph row
+                ratio = f"{baseline / ms:8.2f}" if isinstance(baseline, float) else f"{'-':>8}"
             print(f"{kind:<12} {name:<56} {ms:9.2f} {ratio}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_optim.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -367,12 +483,23 @@ def run(
     return report
 
 
+def _x_torch(ms_per_round: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """`ratio_spread` of every row of a case against its torch row (the first named "torch ...")."""
+    baseline = next(name for name in ms_per_round if name.startswith("torch"))
+    return {name: ratio_spread(ms_per_round[baseline], ms) for name, ms in ms_per_round.items() if name != baseline}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m quant_optim.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
     parser.add_argument("--tensors", type=int, default=10)
     parser.add_argument("--numel", type=int, default=1_048_576, help="elements per tensor (a multiple of 1024)")
-    parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds of timing per case")
+    parser.add_argument(
+        "--min-run-time", type=float, default=1.0, help="seconds of timing per row (eager rows: over all rounds)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="interleaved rounds of the eager rows (ratios per round; not --preset)"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--preset", choices=["1e9"], help="1e9: the DESIGN section 9 case (mix_cases) instead")
     args = parser.parse_args(argv)
@@ -383,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         min_run_time=args.min_run_time,
         device=torch.device(args.device),
         preset=args.preset,
+        rounds=args.rounds,
     )
     return 0
 
