@@ -1,21 +1,25 @@
 """FSDP2 with quantized weights on two GPUs over NCCL: the gathered weights equal the unsharded
-quantization bit for bit, bytes on the wire, and a few training steps, for every recipe and mode."""
+quantization bit for bit, bytes on the wire, and a few training steps, for every recipe and mode.
+On one GPU: FusedAdam's steps on FSDP2-sharded quantized weights make no host sync."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_core.testing import raw_bits, run_ranks
-from quant_fsdp.testing import count_all_gather_bytes
-from quant_tensors.testing import MasterWeights
+from quant_core.testing import no_host_syncs, raw_bits, run_ranks
+from quant_fsdp.testing import count_all_gather_bytes, quantized_transformer
+from quant_optim import FusedAdam
+from quant_tensors.testing import MarkovTask, MasterWeights, TransformerConfig
 
 pytestmark = pytest.mark.cuda
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
@@ -77,3 +81,33 @@ def test_fsdp2_over_nccl(mode):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs (scripts/gpu-suite.sh on a 2-GPU machine)")
     run_ranks(_train_and_gather, 2, mode, backend="nccl")
+
+
+def _fused_adam_steps(rank: int, world_size: int) -> None:
+    torch.cuda.set_device(rank)
+    config = TransformerConfig(vocab=128, hidden=128, layers=2, heads=2, sequence=32)
+    task = MarkovTask(config.vocab)
+    # fp8-delayed reads the skip verdict on the host by design (a requantize pushes its history).
+    for recipe_name in ("fp8", "mxfp8", "fp8-block", "nvfp4"):
+        with torch.device("cuda"):
+            model = quantized_transformer(recipe_name, config, sharded=True)
+        optimizer = FusedAdam(model.parameters(), lr=1e-3, weight_decay=0.01)
+        for step in range(4):
+            inputs, targets = (t.cuda() for t in task.batch(step, 8, config.sequence))
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # FSDP2's fresh gradients: new memory every step
+            # The first step writes the quantized bytes from the masters (the verdict on the host).
+            with no_host_syncs() if step else contextlib.nullcontext():
+                optimizer.step()
+        assert torch.isfinite(loss), recipe_name
+        assert all(float(optimizer.state[p]["step"]) == 4.0 for p in model.parameters()), recipe_name
+
+
+def test_fused_adam_steps_on_fsdp2_sharded_weights_make_no_host_sync():
+    """A hook that bumped the weight buffers' version counters, or an amax all-reduce read back,
+    would bring a sync into every step ([Note: FusedAdam tensor-driven step])."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (scripts/gpu-suite.sh)")
+    run_ranks(_fused_adam_steps, 1, backend="nccl")
