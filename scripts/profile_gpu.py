@@ -214,18 +214,11 @@ def e2e(runs: list[str]) -> None:
 def optim(kinds: list[str]) -> None:
     """GPU time of one FusedAdam step over `quant_optim.bench.mix_shapes()` (~1e9 parameters), by kernel."""
     from quant_optim import FusedAdam
-    from quant_optim.bench import floor_bytes, mix_shapes, stream_bandwidth
+    from quant_optim.bench import floor_bytes, mix_params, stream_bandwidth
 
     bandwidth = stream_bandwidth(torch.device("cuda"), 0.5)
     for kind in kinds:
-        quantizer = None if kind == "fp32" else qt.recipe_from_name(kind).quantizer("weight")
-        params = []
-        for shape, quantizable in mix_shapes():
-            value = torch.randn(shape, device="cuda")
-            weight = quantizer.quantize(value) if quantizer is not None and quantizable else value
-            params.append(torch.nn.Parameter(weight))
-            params[-1].grad = torch.randn(shape, device="cuda") * 1e-3
-            del value
+        params = mix_params(kind, torch.device("cuda"))
         optimizer = FusedAdam(params, lr=1e-3, weight_decay=0.01)
         for _ in range(3):
             optimizer.step()
@@ -265,25 +258,10 @@ def optim_1e7(kinds: list[str]) -> None:
     """Host and wall time per step at 1e7 parameters (10 weights of 1024 x 1024, `python -m
     quant_optim.bench`'s case), FusedAdam and AdamW(fused) + requantize alternately, then where
     each one's host time goes (cProfile of 20 steps)."""
-    from quant_optim import FusedAdam
+    from quant_optim.bench import requantize_steps
 
     for kind in kinds:
-        quantizer = qt.recipe_from_name(kind).quantizer("weight")
-        values = [torch.randn(1024, 1024, device="cuda") for _ in range(10)]
-        params = [qt.nn.quantized_parameter(v, quantizer) for v in values]
-        masters = [torch.nn.Parameter(v.clone()) for v in values]
-        for p in params + masters:
-            p.grad = torch.randn(p.shape, device="cuda") * 1e-3
-        fused = FusedAdam(params, lr=1e-3, weight_decay=0.01)
-        adamw = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.01, fused=True)
-
-        def baseline(adamw=adamw, params=params, masters=masters) -> None:
-            adamw.step()
-            with torch.no_grad():
-                for p, master in zip(params, masters, strict=True):
-                    p.quantizer.quantize_(master, p)
-
-        steps = {"FusedAdam": fused.step, "AdamW(fused) + requantize": baseline}
+        steps = requantize_steps(kind, 10, 1 << 20, torch.device("cuda"))
         for step in steps.values():
             for _ in range(5):
                 step()

@@ -164,6 +164,13 @@ def requantize_cases(
 ) -> dict[str, list[float]]:
     """ms per step with quantized parameters (rows of 1024) in each round ([Note: interleaved
     rounds]): FusedAdam vs AdamW + requantize."""
+    steps = requantize_steps(recipe_name, tensors, numel, device)
+    return interleaved_ms(steps, rounds=rounds, min_run_time=min_run_time, device=device)
+
+
+def requantize_steps(recipe_name: str, tensors: int, numel: int, device: torch.device) -> dict[str, Callable[[], None]]:
+    """The two steps `requantize_cases` compares, by row name: FusedAdam over `tensors` quantized
+    parameters of `numel` elements (rows of 1024), and AdamW(fused) over fp32 masters + a requantize."""
     shape = (numel // 1024, 1024)
     quantizer = qt.recipe_from_name(recipe_name).quantizer("weight")
     params = _with_grads(
@@ -180,11 +187,10 @@ def requantize_cases(
             for p, master in zip(params, masters, strict=True):
                 p.quantizer.quantize_(master, p)
 
-    steps = {
+    return {
         "FusedAdam (update + requantize)": fused.step,
         "torch AdamW(fused=True) + requantize": adamw_then_requantize,
     }
-    return interleaved_ms(steps, rounds=rounds, min_run_time=min_run_time, device=device)
 
 
 def _twin_params(kind: str, tensors: int, numel: int, device: torch.device, seed: int = 0) -> list[torch.Tensor]:
@@ -322,21 +328,27 @@ def floor_bytes(params: list[torch.Tensor]) -> int:
     return total
 
 
+def mix_params(kind: str, device: torch.device) -> list[torch.nn.Parameter]:
+    """Parameters of `mix_shapes()` with gradients: fp32, or with the quantizable ones quantized by
+    recipe `kind`'s weight quantizer."""
+    quantizer = None if kind == "fp32" else qt.recipe_from_name(kind).quantizer("weight")
+    params = []
+    for shape, quantizable in mix_shapes():
+        value = torch.randn(shape, device=device)
+        # No high-precision init value kept (it would hold a second fp32 copy): masters start dequantized.
+        weight = quantizer.quantize(value) if quantizer is not None and quantizable else value
+        params.append(torch.nn.Parameter(weight))
+        del value
+    return _with_grads(params)
+
+
 def mix_cases(device: torch.device, min_run_time: float) -> dict[str, dict[str, float]]:
     """ms per step over `mix_shapes()` for fp32 and each quantized format: FusedAdam vs torch
     AdamW(fused=True) (+ a separate requantize of each quantized weight), and the memory floor."""
     bandwidth = stream_bandwidth(device, min_run_time)
     cases: dict[str, dict[str, float]] = {}
     for kind in ("fp32", "fp8", "mxfp8", "fp8-block", "nvfp4"):
-        quantizer = None if kind == "fp32" else qt.recipe_from_name(kind).quantizer("weight")
-        params = []
-        for shape, quantizable in mix_shapes():
-            value = torch.randn(shape, device=device)
-            # No high-precision init value kept (it would hold a second fp32 copy): masters start dequantized.
-            weight = quantizer.quantize(value) if quantizer is not None and quantizable else value
-            params.append(torch.nn.Parameter(weight))
-            del value
-        _with_grads(params)
+        params = mix_params(kind, device)
         times = {"memory floor": floor_bytes(params) / bandwidth * 1e3}
         fused = FusedAdam(params, lr=1e-3, weight_decay=0.01)
         times["FusedAdam"] = _median_ms(fused.step, min_run_time)
@@ -396,10 +408,7 @@ def print_mix(report: dict) -> None:
 def memory_floor_ms(params: int, device: torch.device, min_run_time: float) -> float:
     """The least time an fp32 Adam step can take here: 28 B per parameter (read gradient; read and
     write parameter and both moments) at the in-place streaming bandwidth measured now."""
-    x = torch.ones(params, device=device)
-    seconds = _median_ms(lambda: x.mul_(1.0), min_run_time) / 1e3
-    bandwidth = 8 * params / seconds  # an in-place pass reads and writes 4 B per element
-    return 28 * params / bandwidth * 1e3
+    return 28 * params / stream_bandwidth(device, min_run_time, numel=params) * 1e3
 
 
 def run(
