@@ -7,21 +7,26 @@ import json
 import math
 
 import pytest
+import torch
 from rich.console import Console
 
 import quant_tensors as qt
 from quant_fsdp._bench_e2e import (
     DEFAULT_FIDELITY_RUNS,
     DEFAULT_RUNS,
+    GRAPH_WARMUP_STEPS,
     OPT_IN_RECIPES,
     RECIPES,
     E2EOptions,
+    build_run,
+    markov_batches,
     recipe_of,
     run_e2e,
     select_runs,
 )
 from quant_fsdp._e2e_model import CONFIGS, Decoder
 from quant_fsdp.cli import main
+from quant_fsdp.testing import local_bytes
 
 
 def _names(patterns: str) -> list[str]:
@@ -29,18 +34,18 @@ def _names(patterns: str) -> list[str]:
 
 
 def test_run_filters_select_by_glob_and_by_name_prefix():
-    assert _names("bf16") == ["bf16:eager", "bf16:compiled"]
-    assert _names("fp8") == ["fp8:hp:eager", "fp8:hp:compiled", "fp8:qw:eager", "fp8:qw:compiled"]
-    assert _names("fp8:qw, bf16:eager") == ["bf16:eager", "fp8:qw:eager", "fp8:qw:compiled"]
+    assert _names("bf16") == ["bf16:eager", "bf16:compiled", "bf16:graphed"]
+    assert _names("fp8:hp") == ["fp8:hp:eager", "fp8:hp:compiled", "fp8:hp:graphed"]
+    assert _names("fp8:qw:*d, bf16:eager") == ["bf16:eager", "fp8:qw:compiled", "fp8:qw:graphed"]
     assert _names("torchao-*:compiled") == ["torchao-tensorwise:compiled", "torchao-rowwise:compiled"]
     named = [r for r in RECIPES if r not in OPT_IN_RECIPES]  # what globs select
     assert _names("*:hp:eager") == [f"{r}:hp:eager" for r in named]
-    assert len(_names("all")) == 2 + 4 + 4 * len(named)
+    assert len(_names("all")) == 3 + 2 * 3 + 2 * 3 * len(named)
     default = _names(DEFAULT_RUNS)
     assert all(n.endswith(":eager") for n in default if not n.startswith(("bf16", "torchao-tensorwise", "fp8:")))
     assert _names(DEFAULT_FIDELITY_RUNS) == ["bf16:eager", *(f"{r}:hp:eager" for r in named)]
-    assert _names("nvfp4:hp") == ["nvfp4:hp:eager", "nvfp4:hp:compiled"]  # not nvfp4-rht's
-    assert _names("nvfp4-rht:hp:*") == ["nvfp4-rht:hp:eager", "nvfp4-rht:hp:compiled"]
+    assert _names("nvfp4:hp:*d") == ["nvfp4:hp:compiled", "nvfp4:hp:graphed"]  # not nvfp4-rht's
+    assert _names("nvfp4-rht:hp:*d") == ["nvfp4-rht:hp:compiled", "nvfp4-rht:hp:graphed"]
     assert recipe_of("nvfp4-rht").quantizer("input").random_hadamard_transform
 
 
@@ -54,6 +59,34 @@ def test_an_unknown_run_is_refused_when_parsing_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--config", "tiny"])  # an e2e option without --e2e
     assert "add --e2e" in capsys.readouterr().err
+
+
+def test_a_graphed_run_needs_cuda():
+    options = E2EOptions(config="tiny", device="cpu", model_source="builtin")
+    with pytest.raises(ValueError, match="bf16:graphed captures CUDA graphs: run it with --device cuda"):
+        build_run(select_runs("bf16:graphed")[0], options, torch.device("cpu"), "builtin")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("run", ["bf16", *(f"{r}:hp" for r in RECIPES), "fp8:qw", "fp8-delayed:qw", "nvfp4:qw"])
+def test_a_graphed_run_trains_like_the_eager_run_bit_for_bit(run):
+    """[Note: graphed runs]: eager warm-up steps, then one captured step replayed for the rest;
+    losses, parameters and module buffers (delayed-scaling histories, stochastic-rounding
+    counters) equal the eager run's after every replayed step."""
+    options = E2EOptions(config="tiny", device="cuda", model_source="builtin")
+    device = torch.device("cuda")
+    batches = markov_batches(options.decoder, GRAPH_WARMUP_STEPS + 3).to(device)
+    trained = {}
+    for mode in ("eager", "graphed"):
+        model, _, step = build_run(select_runs(f"{run}:{mode}")[0], options, device, "builtin")
+        losses = torch.stack([step(b[:, :-1], b[:, 1:]) for b in batches])
+        state = {name: local_bytes(t) for name, t in model.state_dict().items()}
+        trained[mode] = (losses, state)
+    (eager_losses, eager_state), (graphed_losses, graphed_state) = trained["eager"], trained["graphed"]
+    assert torch.equal(graphed_losses, eager_losses), (graphed_losses, eager_losses)
+    assert graphed_state.keys() == eager_state.keys()
+    for name, buffers in eager_state.items():
+        assert all(torch.equal(a, b) for a, b in zip(graphed_state[name], buffers, strict=True)), name
 
 
 def test_builtin_decoder_has_the_configured_parameter_count():
@@ -70,7 +103,7 @@ def test_tiny_e2e_runs_record_every_run_and_failures(tmp_path, monkeypatch):
         return recipe_from_name(name)
 
     monkeypatch.setattr(qt, "recipe_from_name", fail_for_fp8_block)
-    runs = select_runs("bf16:eager,fp8:hp,fp8:qw:eager,fp8-block:hp:eager")
+    runs = select_runs("bf16:eager,fp8:hp:eager,fp8:hp:compiled,fp8:qw:eager,fp8-block:hp:eager")
     options = E2EOptions(
         config="tiny", num_steps=2, num_warmup=1, device="cpu", model_source="builtin", compile_backend="aot_eager"
     )

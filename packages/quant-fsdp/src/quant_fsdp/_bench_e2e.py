@@ -9,7 +9,9 @@ same batches of the Markov task. Runs are named `<base>[:<weights>]:<mode>`:
   (`quantized_weights=True`) whose fp32 masters torch.optim.AdamW steps, requantizing each weight
   afterwards (`quant_tensors.demo.MasterWeights`; quant-optim's fused equivalent is measured by
   `python -m quant_optim.bench`: quant_fsdp does not import quant_optim, DESIGN section 1);
-- mode: `eager`, or `compiled` (`torch.compile(model)`).
+- mode: `eager`; `compiled` (`torch.compile(model)`); or `graphed`: eager code whose whole
+  training step (forward, backward, optimizer) is captured once in a CUDA graph and replayed
+  ([Note: graphed runs]; CUDA only).
 bf16 and torchao runs use torch.optim.AdamW too. The lm_head is never converted.
 
 Per run: tokens/s from the median step time of `num_steps` steps after `num_warmup` warm-up
@@ -62,6 +64,7 @@ RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4", "nvfp4-rht")
 # Runs of these recipes are chosen only by a --runs pattern that names them ("nvfp4-rht", not "*").
 OPT_IN_RECIPES = ("nvfp4-rht",)
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
+MODES = ("eager", "compiled", "graphed")
 # Every eager run and the compiled runs the issue-16 targets compare (~7 min on one H100).
 DEFAULT_RUNS = "*:eager,bf16:compiled,torchao-tensorwise:compiled,fp8:*:compiled"
 DEFAULT_FIDELITY_RUNS = "bf16:eager,*:hp:eager"
@@ -73,19 +76,19 @@ LEARNING_RATE = 3e-4
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One training configuration: what converts the Linears, which weights, eager or compiled."""
+    """One training configuration: what converts the Linears, which weights, how the step runs."""
 
     base: str
     """"bf16", "torchao-<recipe>" or one of RECIPES (`recipe_of`)."""
     quantized_weights: bool = False
     """Recipes only: quantized primary weights, stepped through fp32 masters."""
-    compiled: bool = False
-    """torch.compile(model)."""
+    mode: str = "eager"
+    """One of MODES: eager, torch.compile(model), or the eager step captured in a CUDA graph."""
 
     @property
     def name(self) -> str:
         weights = ("qw" if self.quantized_weights else "hp",) if self.base in RECIPES else ()
-        return ":".join((self.base, *weights, "compiled" if self.compiled else "eager"))
+        return ":".join((self.base, *weights, self.mode))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,9 +158,9 @@ class E2ERow:
 
 def all_runs() -> list[RunSpec]:
     """Every run, in the order they execute and print."""
-    modes = (False, True)
-    runs = [RunSpec(base, compiled=c) for base in ("bf16", *(f"torchao-{r}" for r in TORCHAO_RECIPES)) for c in modes]
-    return runs + [RunSpec(recipe, qw, c) for recipe in RECIPES for qw in modes for c in modes]
+    bases = ("bf16", *(f"torchao-{r}" for r in TORCHAO_RECIPES))
+    runs = [RunSpec(base, mode=mode) for base in bases for mode in MODES]
+    return runs + [RunSpec(recipe, qw, mode) for recipe in RECIPES for qw in (False, True) for mode in MODES]
 
 
 def select_runs(patterns: str) -> list[RunSpec]:
@@ -215,7 +218,10 @@ def _optimizer_step(
     """(optimizer, step): AdamW over the parameters, or over the fp32 masters of quantized weights."""
     masters = MasterWeights(model) if spec.quantized_weights else None
     parameters = model.parameters() if masters is None else masters.parameters
-    optimizer = torch.optim.AdamW(parameters, lr=options.learning_rate, weight_decay=0.0, fused=device.type == "cuda")
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(
+        parameters, lr=options.learning_rate, weight_decay=0.0, fused=fused, capturable=spec.mode == "graphed"
+    )
     return optimizer, optimizer.step if masters is None else lambda: masters.step(optimizer)
 
 
@@ -233,8 +239,10 @@ def build_run(
     elif spec.base != "bf16":
         recipe = recipe_of(spec.base)
         qt.convert(model, recipe, quantized_weights=spec.quantized_weights, module_filter_fn=_not_lm_head)
+    if spec.mode == "graphed" and device.type != "cuda":
+        raise ValueError(f"{spec.name} captures CUDA graphs: run it with --device cuda")
     optimizer, optimizer_step = _optimizer_step(model, spec, options, device)
-    forward = torch.compile(model, backend=options.compile_backend) if spec.compiled else model
+    forward = torch.compile(model, backend=options.compile_backend) if spec.mode == "compiled" else model
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         output = forward(inputs)
@@ -245,7 +253,53 @@ def build_run(
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    return model, optimizer, step
+    return model, optimizer, cuda_graphed(step, device) if spec.mode == "graphed" else step
+
+
+# [Note: graphed runs] A `graphed` run is an eager run without its host time: its step (forward,
+# backward, optimizer) is captured in one CUDA graph and replayed, as a user of an eager model
+# would do with torch.cuda.graphs to remove launch overhead. The first GRAPH_WARMUP_STEPS steps
+# run eagerly on a side stream (what capture needs: lazy initialisation, cuBLAS workspaces, the
+# optimizer's states), the next one is captured and then replayed with its batch copied into the
+# graph's input tensors, so every call still trains one step on its own batch. AdamW is made
+# `capturable`. Everything the step runs must be capturable: no host syncs, no host-to-device
+# copies of pageable memory; quant-core's operators are (their pointer tables are cached, [Note:
+# pointer tables]). The cuda tests check that a graphed run trains bit for bit like the eager one.
+GRAPH_WARMUP_STEPS = 2
+
+
+def cuda_graphed(
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], device: torch.device
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`step(inputs, targets) -> loss`, run eagerly for GRAPH_WARMUP_STEPS calls, then captured in
+    a CUDA graph and replayed ([Note: graphed runs]); the returned loss is a copy."""
+    side = torch.cuda.Stream(device)
+    graph: torch.cuda.CUDAGraph | None = None
+    static: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    eager_calls = 0
+
+    def graphed(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        nonlocal graph, static, eager_calls
+        if eager_calls < GRAPH_WARMUP_STEPS:
+            eager_calls += 1
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                loss = step(inputs, targets)
+            torch.cuda.current_stream(device).wait_stream(side)
+            return loss
+        if graph is None:
+            static_inputs, static_targets = inputs.clone(), targets.clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_loss = step(static_inputs, static_targets)
+            static = (static_inputs, static_targets, static_loss)
+        assert static is not None
+        static[0].copy_(inputs)
+        static[1].copy_(targets)
+        graph.replay()
+        return static[2].clone()
+
+    return graphed
 
 
 def free_memory(device: torch.device) -> None:

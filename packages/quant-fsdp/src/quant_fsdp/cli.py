@@ -266,7 +266,7 @@ def _add_e2e_arguments(bench: argparse.ArgumentParser) -> None:
     e2e = bench.add_argument_group("end to end (with --e2e)")
     e2e.add_argument(
         "--runs",
-        help="comma-separated globs on run names <base>[:hp|qw]:eager|compiled, e.g. 'bf16,fp8', '*:compiled', "
+        help="comma-separated globs on run names <base>[:hp|qw]:eager|compiled|graphed, e.g. 'bf16,fp8', '*:compiled', "
         "'fp8:qw', 'all' (default: every eager run plus bf16, torchao tensorwise and fp8 compiled; with "
         "--fidelity: bf16:eager and every recipe's hp:eager)",
     )
