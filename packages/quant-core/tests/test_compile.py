@@ -76,6 +76,15 @@ def _blockwise(block_shape: tuple[int, int]) -> Callable[[torch.Tensor, torch.Te
     return run
 
 
+def _quantize_many(x: torch.Tensor, seed: torch.Tensor) -> object:
+    # Refills in place: the operator's buffer lists are graph inputs mutated, as for one tensor.
+    mxfp8 = [quant_core.quantize_mxfp8(x * 0, columnwise=True), quant_core.quantize_mxfp8(x[:3].float() * 0)]
+    quant_core.quantize_mxfp8_many([x, x[:3].float()], mxfp8)
+    blockwise = [quant_core.quantize_fp8_blockwise(x.t() * 0, (128, 128), E5M2, rowwise=False, columnwise=True)]
+    quant_core.quantize_fp8_blockwise_many([x.t()], blockwise, (128, 128), E5M2)
+    return mxfp8, blockwise
+
+
 def _nvfp4(block_shape: tuple[int, int], stochastic_rounding: bool) -> Callable[[torch.Tensor, torch.Tensor], object]:
     def run(x: torch.Tensor, seed: torch.Tensor) -> object:
         q = quant_core.quantize_nvfp4(
@@ -116,6 +125,7 @@ CASES: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
     "mxfp8": _mxfp8,
     "blockwise_1x128": _blockwise((1, 128)),
     "blockwise_128x128": _blockwise((128, 128)),
+    "quantize_many": _quantize_many,
     "nvfp4_1x16": _nvfp4((1, 16), False),
     "nvfp4_16x16_stochastic": _nvfp4((16, 16), True),
     "nvfp4_hadamard": _nvfp4_hadamard,

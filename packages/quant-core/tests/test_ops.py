@@ -43,6 +43,14 @@ def _empty_like_result(q: quant_core.BlockQuantized) -> tuple[torch.Tensor | Non
     return tuple(None if b is None else _sentinel(tuple(b.shape), b.dtype) for b in _buffers(q))
 
 
+def _many_buffers(results: list[quant_core.BlockQuantized]) -> tuple[list, ...]:
+    """The multi-tensor quantize operators' usage flags and lists of the buffers present (fresh
+    ones, see _sentinel) for these results' tensors: (rowwise, columnwise, four buffer lists)."""
+    buffers = [_empty_like_result(q) for q in results]
+    flags = ([b[0] is not None for b in buffers], [b[2] is not None for b in buffers])
+    return *flags, *([b[k] for b in buffers if b[k] is not None] for k in range(4))
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).contiguous().view(torch.uint8)
 
@@ -58,6 +66,17 @@ def _cases() -> dict[str, tuple[torch._ops.OpOverload, tuple]]:
     nv = quant_core.quantize_nvfp4(x, (16, 16), columnwise=True)
     x_hadamard = _x((12, 48)).t()  # (48, 12) with strides (1, 48): M a multiple of 16, a partial block along K
     nv_hadamard = quant_core.quantize_nvfp4(x_hadamard, columnwise=True, hadamard_seed=-(2**62) + 1)
+    x_rows = x.float()[::2]  # (3, 48) with strides (96, 1)
+    empty = torch.empty(0, 40)
+    mx_many = [mx, quant_core.quantize_mxfp8(x), quant_core.quantize_mxfp8(x_rows, rowwise=False, columnwise=True)]
+    bw_many = [
+        quant_core.quantize_fp8_blockwise(t, fp8_dtype=torch.float8_e5m2, power_2_scales=False, **usage)
+        for t, usage in [
+            (x_strided, {"columnwise": True}),
+            (empty, {"rowwise": False, "columnwise": True}),
+            (x_rows, {}),
+        ]
+    ]
     seed = torch.tensor(-7, dtype=torch.int64)
     params = [torch.randn(5), torch.randn(3, 7)]
     one = torch.tensor(1.0)
@@ -125,6 +144,11 @@ def _cases() -> dict[str, tuple[torch._ops.OpOverload, tuple]]:
         "dequantize_fp8": (OPS.dequantize_fp8.default, (fp8.columnwise_data, fp8.scale_inv, torch.float16)),
         "transpose_bytes": (OPS.transpose_bytes.default, (fp8.rowwise_data.view(torch.uint8)[:, 3:],)),
         "quantize_mxfp8": (OPS.quantize_mxfp8.default, (x_strided, *_empty_like_result(mx))),
+        "quantize_mxfp8_many": (OPS.quantize_mxfp8_many.default, ([x_strided, x, x_rows], *_many_buffers(mx_many))),
+        "quantize_fp8_blockwise_many": (
+            OPS.quantize_fp8_blockwise_many.default,
+            ([x_strided, empty, x_rows], 1, torch.float8_e5m2, False, *_many_buffers(bw_many)),
+        ),
         "dequantize_mxfp8": (
             OPS.dequantize_mxfp8.default,
             (mx.columnwise_data, mx.columnwise_scale_inv, torch.float32),

@@ -91,6 +91,7 @@ from quant_core._nvfp4 import (
     quantize_nvfp4_reference,
     transpose_nvfp4,
 )
+from quant_core._quantize_many import quantize_fp8_blockwise_many, quantize_mxfp8_many
 from quant_core._version import __version__
 
 __all__ = [
@@ -144,12 +145,14 @@ __all__ = [
     "dequantize_mxfp8",
     "dequantize_mxfp8_reference",
     "quantize_mxfp8",
+    "quantize_mxfp8_many",
     "quantize_mxfp8_reference",
     # blockwise FP8
     "BLOCKWISE_BLOCK",
     "dequantize_fp8_blockwise",
     "dequantize_fp8_blockwise_reference",
     "quantize_fp8_blockwise",
+    "quantize_fp8_blockwise_many",
     "quantize_fp8_blockwise_reference",
     "transpose_fp8_blockwise",
     # NVFP4

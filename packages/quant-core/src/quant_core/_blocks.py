@@ -75,11 +75,11 @@ def check_block_shape(block_shape: object, allowed: tuple[BlockShape, ...], form
     return tuple(block_shape)  # type: ignore[return-value]
 
 
-def check_quantize_input(x: torch.Tensor, format_name: str) -> torch.Tensor:
-    """Checks x for a block quantizer: fp32/bf16/fp16 with at least one dim."""
-    check_float_input(x)
+def check_quantize_input(x: torch.Tensor, format_name: str, name: str = "x") -> torch.Tensor:
+    """Checks x (called `name` in errors) for a block quantizer: fp32/bf16/fp16 with at least one dim."""
+    check_float_input(x, name)
     if x.dim() == 0:
-        raise ValueError(f"x is 0-d; {format_name} needs a last dim to lay blocks along (reshape it to (1,))")
+        raise ValueError(f"{name} is 0-d; {format_name} needs a last dim to lay blocks along (reshape it to (1,))")
     return x
 
 
@@ -105,13 +105,45 @@ def quantize_blocks(
     """
     if not (rowwise or columnwise):
         raise ValueError("ask for at least one usage: rowwise=True and/or columnwise=True")
-    x_MK = as_2d(x)
-    M, K = x_MK.shape
+    buffers = block_buffers(
+        x,
+        block_shape,
+        rowwise=rowwise,
+        columnwise=columnwise,
+        data_dtype=data_dtype,
+        scale_dtype=scale_dtype,
+        codes_per_byte=codes_per_byte,
+        out=out,
+    )
+    rowwise_data, rowwise_scale, columnwise_data, columnwise_scale = buffers
+    rowwise_MK = None if rowwise_data is None else as_2d(rowwise_data)
+    getattr(torch.ops.quant_core, op)(
+        as_2d(x), *kernel_args, rowwise_MK, rowwise_scale, columnwise_data, columnwise_scale
+    )
+    return BlockQuantized(*buffers, amax)
+
+
+def block_buffers(
+    x: torch.Tensor,
+    block_shape: BlockShape,
+    *,
+    rowwise: bool,
+    columnwise: bool,
+    data_dtype: torch.dtype,
+    scale_dtype: torch.dtype,
+    codes_per_byte: int,
+    out: BlockQuantized | None,
+    out_name: str = "out",
+) -> tuple[torch.Tensor | None, ...]:
+    """(rowwise data, rowwise scales, columnwise data, columnwise scales) of quantizing x, None
+    for a usage not asked for: `out`'s buffers after checking them ([Note: block layouts]), or
+    new ones where `out` is None or holds none. `out_name` names `out` in errors."""
+    M, K = as_2d(x).shape
     two_d = block_shape[0] > 1
     device = x.device
 
     def get(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return output_buffer(None if out is None else getattr(out, name), f"out.{name}", shape, dtype, device)
+        return output_buffer(None if out is None else getattr(out, name), f"{out_name}.{name}", shape, dtype, device)
 
     rowwise_data = rowwise_scale = columnwise_data = columnwise_scale = None
     if rowwise:
@@ -121,9 +153,7 @@ def quantize_blocks(
         columnwise_data = get("columnwise_data", (K, M // codes_per_byte), data_dtype)
         columnwise_shape = scale_shape(K, M, block_shape[::-1] if two_d else block_shape)
         columnwise_scale = get("columnwise_scale_inv", columnwise_shape, scale_dtype)
-    rowwise_MK = None if rowwise_data is None else as_2d(rowwise_data)
-    getattr(torch.ops.quant_core, op)(x_MK, *kernel_args, rowwise_MK, rowwise_scale, columnwise_data, columnwise_scale)
-    return BlockQuantized(rowwise_data, rowwise_scale, columnwise_data, columnwise_scale, amax)
+    return rowwise_data, rowwise_scale, columnwise_data, columnwise_scale
 
 
 def run_quantize_kernel(op: str, x_MK: torch.Tensor, *args: object) -> None:

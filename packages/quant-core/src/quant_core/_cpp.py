@@ -18,6 +18,7 @@ from quant_core._backend import register_kernel
 from quant_core._checks import as_2d
 from quant_core._numerics import to_output_dtype
 from quant_core._nvfp4 import NVFP4_BLOCK, hadamard_signs
+from quant_core._quantize_many import each_tensor
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _FP8_FORMAT_CODES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
@@ -136,6 +137,11 @@ def _quantize_fp8_blockwise(
         *_outputs(*buffers),
         torch.get_num_threads(),
     )
+
+
+# One GIL-free call per tensor: a CPU quantize's host time is small next to its work.
+register_kernel("quantize_mxfp8_many", "cpp")(each_tensor("quantize_mxfp8", "cpp"))
+register_kernel("quantize_fp8_blockwise_many", "cpp")(each_tensor("quantize_fp8_blockwise", "cpp"))
 
 
 @register_kernel("quantize_nvfp4", "cpp")

@@ -1,7 +1,8 @@
 """The Triton backend (CUDA tensors): Adam, the non-finite check and the amaxes of many tensors
 here; importing this module also registers the quantize, dequantize and transpose kernels of
-every format (`_triton_fp8`, `_triton_blocks`, `_triton_nvfp4`, sharing `_triton_numerics`), so
-every op has a Triton kernel.
+every format (`_triton_fp8`, `_triton_blocks`, `_triton_blocks_many`, `_triton_nvfp4`, sharing
+`_triton_numerics`), so every op has a Triton kernel. Multi-tensor launches read their tensors
+from tables (`_triton_tables`, [Note: pointer tables]).
 
 [Note: exact Triton arithmetic] By default Triton contracts `a * b + c` into a fused
 multiply-add and lowers `/` and `sqrt` to approximate instructions; libdevice's explicitly
@@ -27,6 +28,7 @@ import quant_core._triton_scale  # noqa: F401  (registers the FP8 scale kernels)
 from quant_core import (  # noqa: F401  (register their kernels)
     _adam_capturable,
     _triton_blocks,
+    _triton_blocks_many,
     _triton_fp8,
     _triton_nvfp4,
 )
@@ -35,6 +37,7 @@ from quant_core._backend import register_kernel
 from quant_core._checks import FLOAT_DTYPES
 from quant_core._triton_launch import cdiv, launch
 from quant_core._triton_numerics import finite_abs
+from quant_core._triton_tables import pointer_table, program_table
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _CHUNK = 16384  # elements per program: BLOCK-sized steps over one chunk of one tensor
@@ -46,63 +49,7 @@ _NO_DECAY, _DECOUPLED, _L2 = 0, 1, 2
 def _chunk_table(numels: tuple[int, ...], device: torch.device, *, at_least_one: bool = False) -> torch.Tensor:
     """(tensor index, chunk index) of every program of a multi-tensor launch, as int32 (n, 2);
     with `at_least_one`, an empty tensor gets one program too."""
-    key = (numels, device, at_least_one)
-    table = _chunk_tables.get(key)
-    if table is None:
-        rows = [(t, c) for t, n in enumerate(numels) for c in range(max(cdiv(n, _CHUNK), int(at_least_one)))]
-        table = _to_device(torch.tensor(rows, dtype=torch.int32).reshape(-1, 2), device)
-        if len(_chunk_tables) > 64:  # shapes of one model: a handful of keys; bound it anyway
-            _chunk_tables.clear()
-        _chunk_tables[key] = table
-    return table
-
-
-_chunk_tables: dict[tuple[tuple[int, ...], torch.device, bool], torch.Tensor] = {}
-
-
-def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host-made table on `device`: from pinned memory without waiting for the copy (the
-    caching host allocator keeps the pinned block until the copy is done). Refused while a CUDA
-    graph is being captured: the graph would replay a copy from a host buffer that is reused."""
-    if device.type != "cuda":
-        return table.to(device)
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "a quant_core multi-tensor kernel needs a new pointer table while a CUDA graph is being captured: the "
-            "tensors' storages (or sizes) differ from every eager call. Run the same call once before capturing "
-            "(a warm-up step) and keep its tensors, gradients included, in the memory the graph captured"
-        )
-    return table.pin_memory().to(device, non_blocking=True)
-
-
-def _pointer_table(*lists: Sequence[torch.Tensor], extra: Sequence[int] = ()) -> torch.Tensor:
-    """int64 (len(lists) + 1 + len(extra), T) on the tensors' device ([Note: pointer tables]): row c
-    holds the data pointers of list c, then a row of numels (of lists[0]), then `extra`'s rows
-    (one int per tensor each, flattened)."""
-    columns = [t.data_ptr() for tensors in lists for t in tensors]
-    columns += [t.numel() for t in lists[0]]
-    columns += extra
-    key = (lists[0][0].device, len(lists[0]), *columns)
-    table = _pointer_tables.get(key)
-    if table is None:
-        table = _to_device(torch.tensor(columns, dtype=torch.int64).reshape(-1, len(lists[0])), lists[0][0].device)
-        if len(_pointer_tables) >= 32:  # the oldest out: a model has few distinct calls per step
-            del _pointer_tables[next(iter(_pointer_tables))]
-        _pointer_tables[key] = table
-    else:  # most recent last
-        _pointer_tables[key] = _pointer_tables.pop(key)
-    return table
-
-
-# [Note: pointer tables] A multi-tensor kernel reads the addresses of its tensors from an int64
-# table on the device. Building it costs a host-to-device copy; a table depends only on its
-# content (addresses and sizes), so tables are cached keyed by it: while the storages of a call's
-# tensors stay the same (parameters, optimizer states; gradients that torch accumulates into the
-# same memory), a call copies nothing and no CUDA graph replay depends on host memory. Tensors
-# whose storage changes every call (FSDP2 hands fresh gradients per step) cost one
-# non-blocking copy from pinned memory per call. The table is struct-of-arrays: row c is list c,
-# so a row is contiguous.
-_pointer_tables: dict[tuple[object, ...], torch.Tensor] = {}
+    return program_table(tuple(max(cdiv(n, _CHUNK), int(at_least_one)) for n in numels), device)
 
 
 @triton.jit
@@ -198,7 +145,7 @@ def _adam_step(
     launch(
         _adam_kernel,
         (len(chunks),),
-        _pointer_table(params, grads, exp_avgs, exp_avg_sqs),
+        pointer_table(params, grads, exp_avgs, exp_avg_sqs),
         len(params),
         chunks,
         amax if amax is not None else chunks,  # never touched without AMAX
@@ -367,7 +314,7 @@ def _adam_step_capturable(
     device = params[0].device
     amax = torch.zeros(len(params) if compute_amax else 0, dtype=torch.float32, device=device)
     lists = (params, grads, exp_avgs, exp_avg_sqs, steps, *((outs,) if outs else ()))
-    pointers = _pointer_table(*lists)
+    pointers = pointer_table(*lists)
     tickets = _tickets.get(pointers)
     if tickets is None:  # one per table: a table is one call's tensors ([Note: pointer tables])
         tickets = _tickets[pointers] = torch.zeros(len(params), dtype=torch.int32, device=device)
@@ -445,7 +392,7 @@ def _has_non_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         launch(
             _non_finite_kernel,
             (len(chunks),),
-            _pointer_table(same),
+            pointer_table(same),
             len(same),
             chunks,
             found,
@@ -494,7 +441,7 @@ def _amax_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     chunks = _chunk_table(tuple(t.numel() for t in flat), device)
     if len(chunks) == 0:  # every tensor is empty
         return amax
-    pointers = _pointer_table(flat, extra=[FLOAT_DTYPES.index(t.dtype) for t in flat])
+    pointers = pointer_table(flat, extra=[FLOAT_DTYPES.index(t.dtype) for t in flat])
     # Nothing to fuse (abs and max only); stated because Triton 3.9 warns when it is left unset.
     launch(
         _amax_many_kernel,

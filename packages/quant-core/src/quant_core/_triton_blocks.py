@@ -9,6 +9,9 @@ memory; a 128 x 128 tile has one scale for both. Scales are stored as the refere
 fp32 `scale_inv` (blockwise), E8M0 bytes (MXFP8). 1 x b blocks can also take the two-pass kernel
 ([Note: two-pass block quantize]): `_CK` is a chunk of rows of one block of rows by the program's
 columns, `_SK` a step of the second pass, `_CB` a chunk's rowwise blocks, `_K` one per column.
+Each kernel maps its program to a tile and runs a tile body (`_quantize_tile`,
+`_quantize_two_pass_tile`) that the multi-tensor kernels share ([Note: multi-tensor block
+quantize] in `_triton_blocks_many`).
 
 [Note: two-pass block quantize] A columnwise 1 x b code needs the amax of its column over b rows
 first. `_quantize_blocks_kernel` reduces a whole tile along both axes: it keeps the tile, two
@@ -31,6 +34,7 @@ SASS for sm_90 (Triton 3.9, bf16): 55 -> 26-32 instructions per element for MXFP
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -166,10 +170,40 @@ def _quantize_blocks_kernel(
     TILE_K: tl.constexpr,
     HARDWARE: tl.constexpr,
 ):
-    """One tile of x: its codes and scales in every usage asked for (2-D tiles, reshaped into blocks)."""
+    """Tile `program_id` of x, in row-major order of tiles (`_quantize_tile`)."""
     col_tiles = tl.cdiv(K, TILE_K)
-    tile_m = tl.program_id(0) // col_tiles
-    tile_k = tl.program_id(0) % col_tiles
+    _quantize_tile(
+        x_ptr, M, K, stride_m, stride_k, rowwise_ptr, rowwise_scale_ptr, columnwise_ptr, columnwise_scale_ptr,
+        tl.program_id(0) // col_tiles, tl.program_id(0) % col_tiles,
+        ROWWISE, COLUMNWISE, BLOCK, TWO_D, SCALE_RULE, E4M3, TILE_M, TILE_K, HARDWARE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _quantize_tile(
+    x_ptr,
+    M,
+    K,
+    stride_m,
+    stride_k,
+    rowwise_ptr,
+    rowwise_scale_ptr,
+    columnwise_ptr,
+    columnwise_scale_ptr,
+    tile_m,
+    tile_k,
+    ROWWISE: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TWO_D: tl.constexpr,
+    SCALE_RULE: tl.constexpr,
+    E4M3: tl.constexpr,
+    TILE_M: tl.constexpr,
+    TILE_K: tl.constexpr,
+    HARDWARE: tl.constexpr,
+):
+    """Tile (tile_m, tile_k) of x: its codes and scales in every usage asked for (2-D tiles,
+    reshaped into blocks). The body of the single- and the multi-tensor kernel."""
     rows = (tile_m * TILE_M + tl.arange(0, TILE_M)).to(tl.int64)
     cols = (tile_k * TILE_K + tl.arange(0, TILE_K)).to(tl.int64)
     mask_MK = (rows < M)[:, None] & (cols < K)[None, :]
@@ -350,11 +384,46 @@ def _quantize_two_pass_kernel(
     MASKED: tl.constexpr,
     EARLY_NAN: tl.constexpr,
 ):
-    """BLOCKS_M blocks of rows x TILE_K columns of x, 1 x BLOCK blocks, in two passes per block of
-    rows ([Note: two-pass block quantize])."""
+    """Tile `program_id` of x, in row-major order of tiles (`_quantize_two_pass_tile`)."""
     col_tiles = tl.cdiv(K, TILE_K)
-    tile_m = tl.program_id(0) // col_tiles
-    tile_k = tl.program_id(0) % col_tiles
+    _quantize_two_pass_tile(
+        x_ptr, M, K, stride_m, stride_k, rowwise_ptr, rowwise_scale_ptr, columnwise_ptr, columnwise_scale_ptr,
+        tl.program_id(0) // col_tiles, tl.program_id(0) % col_tiles,
+        ROWWISE, COLUMNWISE, BLOCK, SCALE_RULE, E4M3, BLOCKS_M, TILE_K, CHUNK_M, STORE_M, UNROLL, HARDWARE, MASKED,
+        EARLY_NAN,
+    )  # fmt: skip
+
+
+@triton.jit
+def _quantize_two_pass_tile(
+    x_ptr,
+    M,
+    K,
+    stride_m,
+    stride_k,
+    rowwise_ptr,
+    rowwise_scale_ptr,
+    columnwise_ptr,
+    columnwise_scale_ptr,
+    tile_m,
+    tile_k,
+    ROWWISE: tl.constexpr,
+    COLUMNWISE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SCALE_RULE: tl.constexpr,
+    E4M3: tl.constexpr,
+    BLOCKS_M: tl.constexpr,
+    TILE_K: tl.constexpr,
+    CHUNK_M: tl.constexpr,
+    STORE_M: tl.constexpr,
+    UNROLL: tl.constexpr,
+    HARDWARE: tl.constexpr,
+    MASKED: tl.constexpr,
+    EARLY_NAN: tl.constexpr,
+):
+    """Tile (tile_m, tile_k) of x: BLOCKS_M blocks of rows x TILE_K columns, 1 x BLOCK blocks, in
+    two passes per block of rows ([Note: two-pass block quantize]). The body of the single- and
+    the multi-tensor kernel."""
     cols = (tile_k * TILE_K + tl.arange(0, TILE_K)).to(tl.int64)
     block_cols = tile_k * (TILE_K // BLOCK) + tl.arange(0, TILE_K // BLOCK)
     Mb = tl.cdiv(M, BLOCK)
@@ -397,6 +466,50 @@ def _quantize_two_pass_kernel(
                     )  # fmt: skip
 
 
+def _tile_shape(tiles: Tiles | TwoPassTiles, block: int) -> tuple[int, int]:
+    """(rows, columns) of x that one program of a launch with these tiles quantizes."""
+    if isinstance(tiles, TwoPassTiles):
+        return tiles.blocks_m * block, tiles.tile_k
+    return tiles.tile_m, tiles.tile_k
+
+
+def _launch_options(
+    tiles: Tiles | TwoPassTiles,
+    *,
+    block: int,
+    two_d: bool,
+    scale_rule: int,
+    fp8_dtype: torch.dtype,
+    rowwise: bool,
+    columnwise: bool,
+    masked: bool,
+) -> dict[str, object]:
+    """The constexprs and launch options of a quantize with these tiles: `_quantize_two_pass_kernel`'s
+    for TwoPassTiles (`masked`: some tile is partial), else `_quantize_blocks_kernel`'s."""
+    e4m3 = fp8_dtype == torch.float8_e4m3fn
+    common = dict(
+        BLOCK=block, SCALE_RULE=scale_rule, E4M3=e4m3, HARDWARE=HARDWARE_FP8, ROWWISE=rowwise, COLUMNWISE=columnwise
+    )
+    if isinstance(tiles, TwoPassTiles):
+        assert not two_d, "128 x 128 tiles take _quantize_blocks_kernel"
+        assert tiles.tile_k % block == 0, tiles
+        assert block % tiles.chunk_m == 0, tiles
+        assert block % tiles.store_m == 0, tiles
+        return dict(
+            BLOCKS_M=tiles.blocks_m,
+            TILE_K=tiles.tile_k,
+            CHUNK_M=tiles.chunk_m,
+            STORE_M=tiles.store_m,
+            UNROLL=tiles.unroll,
+            MASKED=masked,
+            EARLY_NAN=tiles.early_nan and e4m3 and HARDWARE_FP8,
+            num_warps=tiles.num_warps,
+            **common,
+            **EXACT,
+        )
+    return dict(TWO_D=two_d, TILE_M=tiles.tile_m, TILE_K=tiles.tile_k, num_warps=tiles.num_warps, **common, **EXACT)
+
+
 def _launch_quantize(
     x_MK: torch.Tensor,
     buffers: tuple[torch.Tensor | None, ...],
@@ -409,61 +522,50 @@ def _launch_quantize(
 ) -> None:
     rowwise, rowwise_scale, columnwise, columnwise_scale = buffers
     M, K = x_MK.shape
-    e4m3 = fp8_dtype == torch.float8_e4m3fn
-    usage = dict(ROWWISE=rowwise is not None, COLUMNWISE=columnwise is not None)
-    common = dict(BLOCK=block, SCALE_RULE=scale_rule, E4M3=e4m3, HARDWARE=HARDWARE_FP8, **usage, **EXACT)
-    pointers = (x_MK, M, K, *x_MK.stride(), rowwise, rowwise_scale, columnwise, columnwise_scale)
-    if isinstance(tiles, TwoPassTiles):
-        assert not two_d, "128 x 128 tiles take _quantize_blocks_kernel"
-        assert tiles.tile_k % block == 0, tiles
-        assert block % tiles.chunk_m == 0, tiles
-        assert block % tiles.store_m == 0, tiles
-        tile_m = tiles.blocks_m * block
-        grid = (cdiv(M, tile_m) * cdiv(K, tiles.tile_k),)
-        launch(
-            _quantize_two_pass_kernel,
-            grid,
-            *pointers,
-            BLOCKS_M=tiles.blocks_m,
-            TILE_K=tiles.tile_k,
-            CHUNK_M=tiles.chunk_m,
-            STORE_M=tiles.store_m,
-            UNROLL=tiles.unroll,
-            MASKED=M % tile_m != 0 or K % tiles.tile_k != 0,
-            EARLY_NAN=tiles.early_nan and e4m3 and HARDWARE_FP8,
-            num_warps=tiles.num_warps,
-            **common,
-        )
-        return
-    grid = (cdiv(M, tiles.tile_m) * cdiv(K, tiles.tile_k),)
-    launch(
-        _quantize_blocks_kernel,
-        grid,
-        *pointers,
-        TWO_D=two_d,
-        TILE_M=tiles.tile_m,
-        TILE_K=tiles.tile_k,
-        num_warps=tiles.num_warps,
-        **common,
+    tile_m, tile_k = _tile_shape(tiles, block)
+    options = _launch_options(
+        tiles,
+        block=block,
+        two_d=two_d,
+        scale_rule=scale_rule,
+        fp8_dtype=fp8_dtype,
+        rowwise=rowwise is not None,
+        columnwise=columnwise is not None,
+        masked=M % tile_m != 0 or K % tile_k != 0,
     )
+    kernel = _quantize_two_pass_kernel if isinstance(tiles, TwoPassTiles) else _quantize_blocks_kernel
+    grid = (cdiv(M, tile_m) * cdiv(K, tile_k),)
+    launch(kernel, grid, x_MK, M, K, *x_MK.stride(), rowwise, rowwise_scale, columnwise, columnwise_scale, **options)
+
+
+@functools.cache
+def blockwise_format(block_rows: int, fp8_dtype: torch.dtype, power_2_scales: bool) -> tuple[str, dict[str, object]]:
+    """(`_tiles_for`'s format, `_launch_quantize`'s format arguments) of a blockwise FP8 quantize
+    (one object per configuration: read it, never change it)."""
+    two_d = block_rows > 1
+    rule = _POWER_OF_TWO if power_2_scales else _FMAX_OVER_AMAX
+    return "128x128" if two_d else "1x128", dict(block=128, two_d=two_d, scale_rule=rule, fp8_dtype=fp8_dtype)
+
+
+MXFP8_FORMAT: tuple[str, dict[str, object]] = (
+    "mxfp8",
+    dict(block=32, two_d=False, scale_rule=_MXFP8, fp8_dtype=torch.float8_e4m3fn),
+)
 
 
 @register_kernel("quantize_fp8_blockwise", "triton", traceable=True)
 def _quantize_fp8_blockwise(
     x_MK: torch.Tensor, block_rows: int, fp8_dtype: torch.dtype, power_2_scales: bool, *buffers: torch.Tensor | None
 ) -> None:
-    two_d = block_rows > 1
-    tiles = _tiles_for("128x128" if two_d else "1x128", buffers[2] is not None, x_MK.dtype)
-    rule = _POWER_OF_TWO if power_2_scales else _FMAX_OVER_AMAX
-    _launch_quantize(x_MK, buffers, block=128, two_d=two_d, scale_rule=rule, fp8_dtype=fp8_dtype, tiles=tiles)
+    tiles_format, launch_format = blockwise_format(block_rows, fp8_dtype, power_2_scales)
+    tiles = _tiles_for(tiles_format, buffers[2] is not None, x_MK.dtype)
+    _launch_quantize(x_MK, buffers, tiles=tiles, **launch_format)
 
 
 @register_kernel("quantize_mxfp8", "triton", traceable=True)
 def _quantize_mxfp8(x_MK: torch.Tensor, *buffers: torch.Tensor | None) -> None:
-    tiles = _tiles_for("mxfp8", buffers[2] is not None, x_MK.dtype)
-    _launch_quantize(
-        x_MK, buffers, block=32, two_d=False, scale_rule=_MXFP8, fp8_dtype=torch.float8_e4m3fn, tiles=tiles
-    )
+    tiles_format, launch_format = MXFP8_FORMAT
+    _launch_quantize(x_MK, buffers, tiles=_tiles_for(tiles_format, buffers[2] is not None, x_MK.dtype), **launch_format)
 
 
 @triton.jit

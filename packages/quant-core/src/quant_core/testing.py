@@ -32,6 +32,7 @@ __all__ = [
     "adversarial_amaxes",
     "kernel_backends",
     "no_host_syncs",
+    "quantize_many_inputs",
     "raw_bits",
     "run_ranks",
     "run_shared_world",
@@ -65,6 +66,35 @@ def adversarial(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, seed
     positions = torch.randperm(n, generator=generator)[: min(n, len(_SPECIALS))]
     x[positions] = torch.tensor(_SPECIALS[: len(positions)])
     return x.reshape(shape).to(dtype)
+
+
+# (shape, usages) of a list a multi-tensor block quantize must get right in one call: several
+# tiles and partial edge blocks of every format in both directions, tiles dividing x (no masks),
+# one row, empty, 1-D and 3-D, each usage alone and both (usages differ within the list).
+_MANY_CASES: tuple[tuple[tuple[int, ...], bool, bool], ...] = (
+    ((129, 140), True, True),
+    ((1, 33), True, False),
+    ((0, 64), True, True),
+    ((128, 256), True, True),
+    ((3, 5, 41), False, True),
+    ((7,), True, True),
+    ((64, 128), True, False),
+    ((40, 48), False, True),
+)
+
+
+def quantize_many_inputs(
+    dtype: torch.dtype = torch.float32, seed: int = 0
+) -> list[tuple[torch.Tensor, dict[str, bool]]]:
+    """(tensor, {"rowwise": .., "columnwise": ..}) pairs for one multi-tensor quantize call
+    (`quantize_mxfp8_many`, `quantize_fp8_blockwise_many`): `adversarial` values of `dtype` in the
+    shapes above, and a transposed (non-contiguous) view with both usages."""
+    pairs = [
+        (adversarial(shape, dtype, seed=seed + i), {"rowwise": rowwise, "columnwise": columnwise})
+        for i, (shape, rowwise, columnwise) in enumerate(_MANY_CASES)
+    ]
+    pairs.append((adversarial((160, 96), dtype, seed=seed + len(pairs)).t(), {"rowwise": True, "columnwise": True}))
+    return pairs
 
 
 # Amaxes every scale kernel must get right: zeros, fp32 subnormals (the scale overflows and is

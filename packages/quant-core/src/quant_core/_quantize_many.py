@@ -1,0 +1,236 @@
+"""Many tensors quantized into their existing buffers in one operator call (FusedAdam's requantize
+of every block-format weight after a step): MXFP8 and blockwise FP8, each tensor's bytes those the
+single-tensor quantize writes into the same buffers, bit for bit.
+
+One operator per format, as for one tensor, so a call takes one format configuration (a weight
+quantizer's); usages are per tensor (the buffers present), shapes, strides and input dtypes may
+differ, the device may not. Kernels: the reference and C++ ones run the format's single-tensor
+kernel on each tensor in turn (C++: one GIL-free call per tensor; its host time is small next to
+a CPU quantize); the Triton one quantizes all of them in one launch per group of tensors sharing
+its compile-time constants ([Note: multi-tensor block quantize] in `_triton_blocks_many`).
+
+Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
+- `torch.ops.quant_core.quantize_mxfp8_many(xs, rowwise, columnwise, rowwise_data,
+  rowwise_scale_inv, columnwise_data, columnwise_scale_inv)`: xs 2-D (M, K) views, fp32/bf16/fp16,
+  any strides, empty ones allowed, on one device; `rowwise`, `columnwise` one bool per tensor
+  (at least one True each); each buffer list holds the buffers of the tensors with that usage,
+  in order, as [Note: block operators] lays them out for the tensor's (M, K). Lists of the
+  present buffers rather than None entries: torch.compile's functionalization refuses None in a
+  mutated `Tensor?[]` (torch 2.13).
+- `torch.ops.quant_core.quantize_fp8_blockwise_many(xs, block_rows, fp8_dtype, power_2_scales,
+  rowwise, columnwise, rowwise_data, ...)`: likewise, with `quantize_fp8_blockwise`'s format
+  arguments.
+Kernels take (xs, *format args, four lists with one buffer or None per tensor), non-empty xs only.
+Every operator bumps the version counter of each buffer given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from quant_core._backend import Backend, backend_kernel, kernel, register_kernel
+from quant_core._blocks import BlockQuantized, BlockShape, block_buffers, check_block_shape, check_quantize_input
+from quant_core._blockwise import BLOCKWISE_BLOCK, BLOCKWISE_SHAPES
+from quant_core._checks import as_2d, check_fp8_dtype
+from quant_core._mxfp8 import MXFP8_BLOCK
+from quant_core._ops import define_op
+
+_BUFFERS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+
+
+def quantize_mxfp8_many(xs: Sequence[torch.Tensor], outs: Sequence[BlockQuantized]) -> None:
+    """Refills outs[i] in place with the MXFP8 quantization of xs[i], for every i: the bytes
+    `quantize_mxfp8(xs[i], out=outs[i])` writes with the usages outs[i] holds, in one kernel call.
+
+    Args:
+        xs: fp32/bf16/fp16 tensors of any shapes (at least one dim) and strides, on one device.
+        outs: one BlockQuantized per tensor (a previous result of `quantize_mxfp8`), whose present
+            buffers (rowwise and/or columnwise, data with its scales) are refilled.
+    """
+    _quantize_many(
+        "quantize_mxfp8_many",
+        xs,
+        outs,
+        (1, MXFP8_BLOCK),
+        data_dtype=torch.float8_e4m3fn,
+        scale_dtype=torch.uint8,
+        kernel_args=(),
+        format_name="MXFP8",
+    )
+
+
+def quantize_fp8_blockwise_many(
+    xs: Sequence[torch.Tensor],
+    outs: Sequence[BlockQuantized],
+    block_shape: BlockShape = (1, BLOCKWISE_BLOCK),
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    *,
+    power_2_scales: bool = True,
+) -> None:
+    """Refills outs[i] in place with the blockwise FP8 quantization of xs[i], for every i: the bytes
+    `quantize_fp8_blockwise(xs[i], block_shape, fp8_dtype, power_2_scales=..., out=outs[i])` writes
+    with the usages outs[i] holds, in one kernel call. xs and outs as in `quantize_mxfp8_many`; the
+    format arguments as in `quantize_fp8_blockwise`, one configuration for every tensor."""
+    block_shape = check_block_shape(block_shape, BLOCKWISE_SHAPES, "blockwise FP8")
+    _quantize_many(
+        "quantize_fp8_blockwise_many",
+        xs,
+        outs,
+        block_shape,
+        data_dtype=check_fp8_dtype(fp8_dtype),
+        scale_dtype=torch.float32,
+        kernel_args=(block_shape[0], fp8_dtype, power_2_scales),
+        format_name="blockwise FP8",
+    )
+
+
+def _quantize_many(
+    op: str,
+    xs: Sequence[torch.Tensor],
+    outs: Sequence[BlockQuantized],
+    block_shape: BlockShape,
+    *,
+    data_dtype: torch.dtype,
+    scale_dtype: torch.dtype,
+    kernel_args: tuple[object, ...],
+    format_name: str,
+) -> None:
+    """Checks every (x, out) pair as the single-tensor quantize checks its own, then calls operator
+    `op` once: op(xs as (M, K) views, *kernel_args, usages, the four lists of buffers present)."""
+    if isinstance(xs, torch.Tensor) or isinstance(outs, BlockQuantized):
+        raise TypeError(f"{op} takes a sequence of tensors and one of BlockQuantized outs; wrap a single pair in lists")
+    if len(xs) != len(outs):
+        raise ValueError(f"{op} got {len(xs)} tensors but {len(outs)} outs; pass one out (BlockQuantized) per tensor")
+    if len(xs) == 0:
+        return
+    device = check_quantize_input(xs[0], format_name, "xs[0]").device
+    x_MKs: list[torch.Tensor] = []
+    usages: tuple[list[bool], list[bool]] = ([], [])
+    buffer_lists: tuple[list[torch.Tensor], ...] = ([], [], [], [])
+    for i, (x, out) in enumerate(zip(xs, outs, strict=True)):
+        if isinstance(x, torch.Tensor) and x.device != device:
+            raise ValueError(
+                f"xs[{i}] is on {x.device} but xs[0] is on {device}; {op} quantizes on one device per call: call it "
+                "once per device"
+            )
+        check_quantize_input(x, format_name, f"xs[{i}]")
+        rowwise, columnwise = _usages_of(out, f"outs[{i}]")
+        buffers = block_buffers(
+            x,
+            block_shape,
+            rowwise=rowwise,
+            columnwise=columnwise,
+            data_dtype=data_dtype,
+            scale_dtype=scale_dtype,
+            codes_per_byte=1,
+            out=out,
+            out_name=f"outs[{i}]",
+        )
+        x_MKs.append(as_2d(x))
+        usages[0].append(rowwise)
+        usages[1].append(columnwise)
+        buffers = (None if buffers[0] is None else as_2d(buffers[0]), *buffers[1:])
+        for buffer_list, buffer in zip(buffer_lists, buffers, strict=True):
+            if buffer is not None:
+                buffer_list.append(buffer)
+    getattr(torch.ops.quant_core, op)(x_MKs, *kernel_args, *usages, *buffer_lists)
+
+
+def _usages_of(out: object, name: str) -> tuple[bool, bool]:
+    """(rowwise, columnwise): the usages a refill of `out` writes, those whose data and scales it holds."""
+    if not isinstance(out, BlockQuantized):
+        raise TypeError(f"{name} must be a BlockQuantized (a previous quantize's result), got {type(out).__name__}")
+    usages = []
+    for usage in ("rowwise", "columnwise"):
+        data, scales = getattr(out, f"{usage}_data"), getattr(out, f"{usage}_scale_inv")
+        if (data is None) != (scales is None):
+            raise ValueError(
+                f"{name} holds {usage}_data or {usage}_scale_inv but not both; a refill writes the data with its "
+                "scales: pass both buffers, or neither"
+            )
+        usages.append(data is not None)
+    if not any(usages):
+        raise ValueError(f"{name} holds no usage (no rowwise nor columnwise data) to refill")
+    return usages[0], usages[1]
+
+
+def _run_many_kernel(
+    op: str,
+    xs: list[torch.Tensor],
+    format_args: tuple[object, ...],
+    usages: tuple[list[bool], list[bool]],
+    buffer_lists: tuple[list[torch.Tensor], ...],
+) -> None:
+    """The body of every multi-tensor quantize operator: `op`'s kernel on the non-empty tensors (an
+    empty tensor's buffers are empty too) as kernel(xs, *format_args, four lists with one buffer
+    or None per tensor)."""
+    rowwise, columnwise = usages
+    per_tensor = [
+        _spread(flags, buffers)
+        for flags, buffers in zip((rowwise, rowwise, columnwise, columnwise), buffer_lists, strict=True)
+    ]
+    kept = [i for i, x in enumerate(xs) if x.numel() > 0]
+    if not kept:
+        return
+    if len(kept) < len(xs):
+        xs, per_tensor = [xs[i] for i in kept], [[buffers[i] for i in kept] for buffers in per_tensor]
+    kernel(op, xs[0].device)(xs, *format_args, *per_tensor)
+
+
+def _spread(present: list[bool], buffers: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """One entry per tensor: the next of `buffers` where `present`, else None."""
+    given = iter(buffers)
+    return [next(given) if wanted else None for wanted in present]
+
+
+@define_op("quantize_mxfp8_many", mutates_args=_BUFFERS)
+def _quantize_mxfp8_many_op(
+    xs: list[torch.Tensor],
+    rowwise: list[bool],
+    columnwise: list[bool],
+    rowwise_data: list[torch.Tensor],
+    rowwise_scale_inv: list[torch.Tensor],
+    columnwise_data: list[torch.Tensor],
+    columnwise_scale_inv: list[torch.Tensor],
+) -> None:
+    buffer_lists = (rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv)
+    _run_many_kernel("quantize_mxfp8_many", xs, (), (rowwise, columnwise), buffer_lists)
+
+
+@define_op("quantize_fp8_blockwise_many", mutates_args=_BUFFERS)
+def _quantize_fp8_blockwise_many_op(
+    xs: list[torch.Tensor],
+    block_rows: int,
+    fp8_dtype: torch.dtype,
+    power_2_scales: bool,
+    rowwise: list[bool],
+    columnwise: list[bool],
+    rowwise_data: list[torch.Tensor],
+    rowwise_scale_inv: list[torch.Tensor],
+    columnwise_data: list[torch.Tensor],
+    columnwise_scale_inv: list[torch.Tensor],
+) -> None:
+    buffer_lists = (rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv)
+    format_args = (block_rows, fp8_dtype, power_2_scales)
+    _run_many_kernel("quantize_fp8_blockwise_many", xs, format_args, (rowwise, columnwise), buffer_lists)
+
+
+def each_tensor(op: str, backend: Backend) -> Callable[..., None]:
+    """A multi-tensor kernel that runs `backend`'s kernel of the single-tensor quantize `op` on each
+    tensor in turn (the reference and C++ kernels of the operators above)."""
+    single = backend_kernel(op, backend)
+
+    def run(xs: Sequence[torch.Tensor], *args: object) -> None:
+        *format_args, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv = args
+        for i, x_MK in enumerate(xs):
+            single(
+                x_MK, *format_args, rowwise_data[i], rowwise_scale_inv[i], columnwise_data[i], columnwise_scale_inv[i]
+            )
+
+    return run
+
+
+register_kernel("quantize_mxfp8_many", "reference")(each_tensor("quantize_mxfp8", "reference"))
+register_kernel("quantize_fp8_blockwise_many", "reference")(each_tensor("quantize_fp8_blockwise", "reference"))
