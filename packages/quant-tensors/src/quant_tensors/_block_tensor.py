@@ -53,6 +53,12 @@ class BlockScaledTensor(QuantizedTensor):
         """True for b x b tiles (columnwise = exact transpose), False for 1 x b blocks."""
         return self.block_shape[0] > 1
 
+    def _block_quantized(self) -> quant_core.BlockQuantized:
+        """The four buffers as quant-core's BlockQuantized (what its quantize functions refill)."""
+        return quant_core.BlockQuantized(
+            self.rowwise_data, self.rowwise_scale_inv, self.columnwise_data, self.columnwise_scale_inv
+        )
+
     def update_usage(self, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
         for wanted, present, usage in (
             (columnwise, self.columnwise_data, "columnwise"),
@@ -156,10 +162,18 @@ class BlockQuantizer(Quantizer):
     ) -> quant_core.BlockQuantized:
         raise NotImplementedError
 
-    def _quantize(self, x, *, out, amax, state, usages):
-        if out is not None and tuple(out.block_shape) != self.block_shape:
+    def _check_out(self, src: torch.Tensor, out: QuantizedTensor) -> None:
+        super()._check_out(src, out)
+        if tuple(out.block_shape) != self.block_shape:
             raise ValueError(f"quantize_ into {out.block_shape} blocks with a {self.block_shape} quantizer")
-        core_out = None if out is None else quant_core.BlockQuantized(*_contiguous_buffers(out))
+        if any(b is not None and not b.is_contiguous() for b in out.buffers().values()):
+            raise ValueError(
+                f"quantize_ needs contiguous destination buffers; this {type(out).__name__} is a slice whose "
+                "columnwise buffers are views (quantize the whole tensor instead)"
+            )
+
+    def _quantize(self, x, *, out, amax, state, usages):
+        core_out = None if out is None else out._block_quantized()
         result = self._quantize_core(x, *usages, core_out, amax, state)
         per_tensor = [name for name in ("amax", "columnwise_amax") if name in self.tensor_class._buffer_names]
         if out is not None:
@@ -179,13 +193,3 @@ class BlockQuantizer(Quantizer):
             **extra,
             **self._metadata(),
         )
-
-
-def _contiguous_buffers(t: BlockScaledTensor) -> tuple[torch.Tensor | None, ...]:
-    buffers = (t.rowwise_data, t.rowwise_scale_inv, t.columnwise_data, t.columnwise_scale_inv)
-    if any(b is not None and not b.is_contiguous() for b in buffers):
-        raise ValueError(
-            f"quantize_ needs contiguous destination buffers; this {type(t).__name__} is a slice whose columnwise "
-            "buffers are views (quantize the whole tensor instead)"
-        )
-    return buffers

@@ -67,3 +67,12 @@ class Float8BlockQuantizer(BlockQuantizer):
             columnwise=columnwise,
             out=out,
         )
+
+    def _quantize_many(self, srcs, outs):
+        quant_core.quantize_fp8_blockwise_many(
+            srcs,
+            [out._block_quantized() for out in outs],
+            self.block_shape,
+            self.fp8_dtype,
+            power_2_scales=self.power_2_scales,
+        )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -160,12 +161,32 @@ class Quantizer:
     ) -> QuantizedTensor:
         """Requantizes `src` into `out`'s existing buffers (the usages `out` holds), in place."""
         self._check_input(src)
-        if type(out) is not self.tensor_class or tuple(out.shape) != tuple(src.shape):
-            raise ValueError(
-                f"quantize_ into {type(out).__name__}{tuple(out.shape)} from a {tuple(src.shape)} source with "
-                f"{type(self).__name__}: `out` must be a {self.tensor_class.__name__} of the source's shape"
-            )
+        self._check_out(src, out)
         return self._quantize(src, out=out, amax=amax, state=self._state_for(src, state), usages=out.usages)
+
+    def quantize_many_(self, srcs: Sequence[torch.Tensor], outs: Sequence[QuantizedTensor]) -> None:
+        """Requantizes every srcs[i] into outs[i]'s existing buffers, in place: the bytes of
+        `quantize_(srcs[i], outs[i])`, bit for bit (each source's own amax, agreed over
+        `amax_group` where one is bound; the bound state). MXFP8 and blockwise FP8 do it in one
+        quant-core call (on CUDA one Triton launch per group of like tensors); other formats loop.
+        Every pair is checked before anything is written; one device per call."""
+        if isinstance(srcs, torch.Tensor) or isinstance(outs, torch.Tensor):
+            raise TypeError("quantize_many_ takes a sequence of sources and one of outs; for one pair call quantize_")
+        if len(srcs) != len(outs):
+            raise ValueError(f"quantize_many_ got {len(srcs)} sources but {len(outs)} outs; pass one out per source")
+        for i, (src, out) in enumerate(zip(srcs, outs, strict=True)):
+            try:
+                self._check_input(src)
+                self._check_out(src, out)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"srcs[{i}], outs[{i}]: {error}") from None
+            if src.device != srcs[0].device or out.device != srcs[0].device:
+                raise ValueError(
+                    f"srcs[{i}] is on {src.device} and outs[{i}] on {out.device}, but srcs[0] is on {srcs[0].device}; "
+                    "quantize_many_ quantizes on one device per call: call it once per device"
+                )
+        if srcs:
+            self._quantize_many(srcs, outs)
 
     def new_state(self, device: torch.device | str | None = None) -> torch.Tensor | None:
         """A fresh state for this quantizer (None for stateless formats), on `device` (default cpu)."""
@@ -262,6 +283,12 @@ class Quantizer:
         """(M, K) multiples a tensor needs for the quantized GEMM and all-gather."""
         raise NotImplementedError
 
+    def _quantize_many(self, srcs: Sequence[torch.Tensor], outs: Sequence[QuantizedTensor]) -> None:
+        """Requantizes checked (src, out) pairs as `quantize_` would: here one `_quantize` per pair;
+        formats with a multi-tensor kernel override it."""
+        for src, out in zip(srcs, outs, strict=True):
+            self._quantize(src, out=out, amax=None, state=self._state_for(src, None), usages=out.usages)
+
     def _quantize(
         self,
         x: torch.Tensor,
@@ -283,6 +310,14 @@ class Quantizer:
         return {}
 
     # ---- shared checks -------------------------------------------------------------------------
+
+    def _check_out(self, src: torch.Tensor, out: QuantizedTensor) -> None:
+        """Checks that `out` can take a requantize of src: this format's tensor, of src's shape."""
+        if type(out) is not self.tensor_class or tuple(out.shape) != tuple(src.shape):
+            raise ValueError(
+                f"quantize_ into {type(out).__name__}{tuple(getattr(out, 'shape', ()))} from a {tuple(src.shape)} "
+                f"source with {type(self).__name__}: `out` must be a {self.tensor_class.__name__} of the source's shape"
+            )
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
