@@ -138,22 +138,40 @@ def block_buffers(
     """(rowwise data, rowwise scales, columnwise data, columnwise scales) of quantizing x, None
     for a usage not asked for: `out`'s buffers after checking them ([Note: block layouts]), or
     new ones where `out` is None or holds none. `out_name` names `out` in errors."""
-    M, K = as_2d(x).shape
-    two_d = block_shape[0] > 1
+    shapes = buffer_shapes(x.shape, block_shape, codes_per_byte)
     device = x.device
 
-    def get(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return output_buffer(None if out is None else getattr(out, name), f"{out_name}.{name}", shape, dtype, device)
+    def get(k: int, dtype: torch.dtype) -> torch.Tensor:
+        name = _BUFFER_NAMES[k]
+        return output_buffer(
+            None if out is None else getattr(out, name), f"{out_name}.{name}", shapes[k], dtype, device
+        )
 
     rowwise_data = rowwise_scale = columnwise_data = columnwise_scale = None
     if rowwise:
-        rowwise_data = get("rowwise_data", (*x.shape[:-1], K // codes_per_byte), data_dtype)
-        rowwise_scale = get("rowwise_scale_inv", scale_shape(M, K, block_shape), scale_dtype)
+        rowwise_data, rowwise_scale = get(0, data_dtype), get(1, scale_dtype)
     if columnwise:
-        columnwise_data = get("columnwise_data", (K, M // codes_per_byte), data_dtype)
-        columnwise_shape = scale_shape(K, M, block_shape[::-1] if two_d else block_shape)
-        columnwise_scale = get("columnwise_scale_inv", columnwise_shape, scale_dtype)
+        columnwise_data, columnwise_scale = get(2, data_dtype), get(3, scale_dtype)
     return rowwise_data, rowwise_scale, columnwise_data, columnwise_scale
+
+
+_BUFFER_NAMES = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+
+
+def buffer_shapes(shape: tuple[int, ...], block_shape: BlockShape, codes_per_byte: int) -> tuple[tuple[int, ...], ...]:
+    """The shapes of (rowwise data, rowwise scales, columnwise data, columnwise scales) of a tensor
+    of `shape` ([Note: block layouts]). On every quantize's host path: plain int arithmetic."""
+    K = shape[-1]
+    M = shape[0] if len(shape) == 2 else math.prod(shape[:-1])
+    rows, cols = block_shape
+    # Columnwise scales: of x^T in the transposed tiles, or in 1 x b blocks along M.
+    columnwise_scales = (-(-K // cols), -(-M // rows)) if rows > 1 else (K, -(-M // cols))
+    return (
+        (*shape[:-1], K // codes_per_byte),
+        (-(-M // rows), -(-K // cols)),
+        (K, M // codes_per_byte),
+        columnwise_scales,
+    )
 
 
 def run_quantize_kernel(op: str, x_MK: torch.Tensor, *args: object) -> None:

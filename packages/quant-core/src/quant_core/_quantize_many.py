@@ -27,13 +27,21 @@ Every operator bumps the version counter of each buffer given.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 import torch
 
 from quant_core._backend import Backend, backend_kernel, kernel, register_kernel
-from quant_core._blocks import BlockQuantized, BlockShape, block_buffers, check_block_shape, check_quantize_input
+from quant_core._blocks import (
+    BlockQuantized,
+    BlockShape,
+    block_buffers,
+    buffer_shapes,
+    check_block_shape,
+    check_quantize_input,
+)
 from quant_core._blockwise import BLOCKWISE_BLOCK, BLOCKWISE_SHAPES
-from quant_core._checks import as_2d, check_fp8_dtype
+from quant_core._checks import FLOAT_DTYPES, as_2d, check_fp8_dtype
 from quant_core._mxfp8 import MXFP8_BLOCK
 from quant_core._ops import define_op
 
@@ -106,36 +114,87 @@ def _quantize_many(
     if len(xs) == 0:
         return
     device = check_quantize_input(xs[0], format_name, "xs[0]").device
+    layout = (block_shape, data_dtype, scale_dtype)
     x_MKs: list[torch.Tensor] = []
     usages: tuple[list[bool], list[bool]] = ([], [])
     buffer_lists: tuple[list[torch.Tensor], ...] = ([], [], [], [])
     for i, (x, out) in enumerate(zip(xs, outs, strict=True)):
-        if isinstance(x, torch.Tensor) and x.device != device:
-            raise ValueError(
-                f"xs[{i}] is on {x.device} but xs[0] is on {device}; {op} quantizes on one device per call: call it "
-                "once per device"
-            )
-        check_quantize_input(x, format_name, f"xs[{i}]")
-        rowwise, columnwise = _usages_of(out, f"outs[{i}]")
-        buffers = block_buffers(
-            x,
-            block_shape,
-            rowwise=rowwise,
-            columnwise=columnwise,
-            data_dtype=data_dtype,
-            scale_dtype=scale_dtype,
-            codes_per_byte=1,
-            out=out,
-            out_name=f"outs[{i}]",
-        )
+        buffers = _fitting_buffers(x, out, device, *layout)
+        if buffers is None:
+            _explain_misfit(op, format_name, i, x, out, device, *layout)
         x_MKs.append(as_2d(x))
-        usages[0].append(rowwise)
-        usages[1].append(columnwise)
-        buffers = (None if buffers[0] is None else as_2d(buffers[0]), *buffers[1:])
+        usages[0].append(buffers[0] is not None)
+        usages[1].append(buffers[2] is not None)
         for buffer_list, buffer in zip(buffer_lists, buffers, strict=True):
             if buffer is not None:
                 buffer_list.append(buffer)
     getattr(torch.ops.quant_core, op)(x_MKs, *kernel_args, *usages, *buffer_lists)
+
+
+def _fitting_buffers(
+    x: object,
+    out: object,
+    device: torch.device,
+    block_shape: BlockShape,
+    data_dtype: torch.dtype,
+    scale_dtype: torch.dtype,
+) -> tuple[torch.Tensor | None, ...] | None:
+    """out's four buffers (rowwise data as its (M, K) view) where (x, out) is a pair the operator
+    takes, else None (then `_explain_misfit` says why). The checks of the single-tensor quantize,
+    on its fast path: a few comparisons per buffer."""
+    if not (
+        isinstance(x, torch.Tensor)
+        and isinstance(out, BlockQuantized)
+        and x.dtype in FLOAT_DTYPES
+        and x.dim() > 0
+        and x.device == device
+    ):
+        return None
+    buffers = (out.rowwise_data, out.rowwise_scale_inv, out.columnwise_data, out.columnwise_scale_inv)
+    if (buffers[0] is None) != (buffers[1] is None) or (buffers[2] is None) != (buffers[3] is None):
+        return None
+    if buffers[0] is None and buffers[2] is None:
+        return None
+    shapes = buffer_shapes(x.shape, block_shape, 1)
+    for buffer, shape, dtype in zip(buffers, shapes, (data_dtype, scale_dtype, data_dtype, scale_dtype), strict=True):
+        if buffer is not None and not (
+            buffer.shape == shape and buffer.dtype == dtype and buffer.device == device and buffer.is_contiguous()
+        ):
+            return None
+    return (None if buffers[0] is None else as_2d(buffers[0]), *buffers[1:])
+
+
+def _explain_misfit(
+    op: str,
+    format_name: str,
+    i: int,
+    x: object,
+    out: object,
+    device: torch.device,
+    block_shape: BlockShape,
+    data_dtype: torch.dtype,
+    scale_dtype: torch.dtype,
+) -> NoReturn:
+    """Raises the error that says what is wrong with pair i (x, out) and how to fix it."""
+    if isinstance(x, torch.Tensor) and x.device != device:
+        raise ValueError(
+            f"xs[{i}] is on {x.device} but xs[0] is on {device}; {op} quantizes on one device per call: call it "
+            "once per device"
+        )
+    check_quantize_input(x, format_name, f"xs[{i}]")
+    rowwise, columnwise = _usages_of(out, f"outs[{i}]")
+    block_buffers(
+        x,
+        block_shape,
+        rowwise=rowwise,
+        columnwise=columnwise,
+        data_dtype=data_dtype,
+        scale_dtype=scale_dtype,
+        codes_per_byte=1,
+        out=out,
+        out_name=f"outs[{i}]",
+    )
+    raise AssertionError(f"{op}: pair {i} failed the fast checks but passed the detailed ones")
 
 
 def _usages_of(out: object, name: str) -> tuple[bool, bool]:

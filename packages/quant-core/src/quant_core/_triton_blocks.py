@@ -473,6 +473,7 @@ def _tile_shape(tiles: Tiles | TwoPassTiles, block: int) -> tuple[int, int]:
     return tiles.tile_m, tiles.tile_k
 
 
+@functools.cache  # on every launch's host path; a handful of distinct calls per model
 def _launch_options(
     tiles: Tiles | TwoPassTiles,
     *,
@@ -485,7 +486,8 @@ def _launch_options(
     masked: bool,
 ) -> dict[str, object]:
     """The constexprs and launch options of a quantize with these tiles: `_quantize_two_pass_kernel`'s
-    for TwoPassTiles (`masked`: some tile is partial), else `_quantize_blocks_kernel`'s."""
+    for TwoPassTiles (`masked`: some tile is partial), else `_quantize_blocks_kernel`'s. One dict
+    per distinct call: read it, never change it."""
     e4m3 = fp8_dtype == torch.float8_e4m3fn
     common = dict(
         BLOCK=block, SCALE_RULE=scale_rule, E4M3=e4m3, HARDWARE=HARDWARE_FP8, ROWWISE=rowwise, COLUMNWISE=columnwise

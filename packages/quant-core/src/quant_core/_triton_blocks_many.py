@@ -23,6 +23,8 @@ one for the weights of a model whose dims are multiples of 16 and masters of one
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -41,12 +43,12 @@ from quant_core._triton_blocks import (
     blockwise_format,
 )
 from quant_core._triton_launch import cdiv, launch
-from quant_core._triton_tables import pointer_table, program_table
+from quant_core._triton_tables import int_table, program_table
 
-# Rows of a launch's pointer table: the addresses of the inputs and of the four buffers, numels
-# (unused), then the int rows (`extra`). Kernels read them as constants.
+# Rows of a launch's pointer table (one column per tensor): the addresses of the inputs and of
+# the four buffers, then M, K and the strides of each input's (M, K) view.
 _ROWWISE, _ROWWISE_SCALE, _COLUMNWISE, _COLUMNWISE_SCALE = (tl.constexpr(row) for row in (1, 2, 3, 4))
-_M, _K, _STRIDE_M, _STRIDE_K = (tl.constexpr(row) for row in (6, 7, 8, 9))
+_M, _K, _STRIDE_M, _STRIDE_K = (tl.constexpr(row) for row in (5, 6, 7, 8))
 
 
 @triton.jit
@@ -173,15 +175,6 @@ def _quantize_two_pass_many_kernel(
     )  # fmt: skip
 
 
-def _aligned(x_MK: torch.Tensor, buffers: Sequence[torch.Tensor | None]) -> bool:
-    """Whether an ALIGNED launch may take x ([Note: multi-tensor block quantize])."""
-    M, K = x_MK.shape
-    stride_m, stride_k = x_MK.stride()
-    if stride_k != 1 or M % 16 or K % 16 or stride_m % 16:
-        return False
-    return all(b is None or b.data_ptr() % 16 == 0 for b in (x_MK, *buffers))
-
-
 def _launch_quantize_many(
     xs: Sequence[torch.Tensor],
     buffer_lists: Sequence[Sequence[torch.Tensor | None]],
@@ -191,35 +184,39 @@ def _launch_quantize_many(
     """Quantizes every xs[i] into (rowwise data, rowwise scales, columnwise data, columnwise scales)
     = buffer_lists[0..3][i], one launch per group ([Note: multi-tensor block quantize])."""
     block = format_args["block"]
-    groups: dict[tuple[object, ...], list[int]] = {}
-    for i, x_MK in enumerate(xs):
-        buffers = [buffer_list[i] for buffer_list in buffer_lists]
-        columnwise = buffers[2] is not None
+    # key -> the group's tensors as (x, buffers, its table column, its number of tiles)
+    groups: dict[tuple[object, ...], list[tuple[torch.Tensor, tuple, tuple[int, ...], int]]] = {}
+    for x_MK, rowwise_data, rowwise_scale, columnwise_data, columnwise_scale in zip(xs, *buffer_lists, strict=True):
+        buffers = (rowwise_data, rowwise_scale, columnwise_data, columnwise_scale)
+        M, K = x_MK.shape
+        stride_m, stride_k = x_MK.stride()
+        x_address = x_MK.data_ptr()
+        # A usage not asked for: x's address holds its place (the kernel never reads it).
+        addresses = [x_address if b is None else b.data_ptr() for b in buffers]
+        column = (x_address, *addresses, M, K, stride_m, stride_k)
+        # ALIGNED: rows contiguous; addresses, M, K and the row stride multiples of 16 (all are iff their OR is).
+        aligned = stride_k == 1 and functools.reduce(operator.or_, column[:-1]) % 16 == 0
+        columnwise = columnwise_data is not None
         tiles = _tiles_for(tiles_format, columnwise, x_MK.dtype)
         tile_m, tile_k = _tile_shape(tiles, block)
-        masked = isinstance(tiles, TwoPassTiles) and (x_MK.shape[0] % tile_m != 0 or x_MK.shape[1] % tile_k != 0)
-        key = (x_MK.dtype, buffers[0] is not None, columnwise, masked, _aligned(x_MK, buffers))
-        groups.setdefault(key, []).append(i)
-    for (dtype, rowwise, columnwise, masked, aligned), indices in groups.items():
+        masked = isinstance(tiles, TwoPassTiles) and (M % tile_m != 0 or K % tile_k != 0)
+        key = (x_MK.dtype, rowwise_data is not None, columnwise, masked, aligned)
+        groups.setdefault(key, []).append((x_MK, buffers, column, cdiv(M, tile_m) * cdiv(K, tile_k)))
+    for (dtype, rowwise, columnwise, masked, aligned), members in groups.items():
         tiles = _tiles_for(tiles_format, columnwise, dtype)
-        tile_m, tile_k = _tile_shape(tiles, block)
         options = _launch_options(tiles, **format_args, rowwise=rowwise, columnwise=columnwise, masked=masked)
         kernel = _quantize_two_pass_many_kernel if isinstance(tiles, TwoPassTiles) else _quantize_blocks_many_kernel
-        group = [xs[i] for i in indices]
-        wanted = (rowwise, rowwise, columnwise, columnwise)
-        # A usage not asked for: the inputs' addresses hold its place (the kernel never reads them).
-        buffers = [[b[i] for i in indices] if w else group for b, w in zip(buffer_lists, wanted, strict=True)]
-        sizes = [x.shape[0] for x in group] + [x.shape[1] for x in group]
-        strides = [x.stride(0) for x in group] + [x.stride(1) for x in group]
-        counts = tuple(cdiv(x.shape[0], tile_m) * cdiv(x.shape[1], tile_k) for x in group)
+        x_like, buffers_like = members[0][0], members[0][1]
+        counts = tuple(member[3] for member in members)
+        rows = [value for row in zip(*(member[2] for member in members), strict=True) for value in row]
         launch(
             kernel,
             (sum(counts),),
-            pointer_table(group, *buffers, extra=sizes + strides),
-            len(group),
-            program_table(counts, group[0].device),
-            group[0],
-            *(b[0] for b in buffers),
+            int_table(rows, len(members), x_like.device),
+            len(members),
+            program_table(counts, x_like.device),
+            x_like,
+            *(x_like if b is None else b for b in buffers_like),
             ALIGNED=aligned,
             **options,
         )

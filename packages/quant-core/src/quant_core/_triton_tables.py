@@ -46,10 +46,16 @@ def pointer_table(*lists: Sequence[torch.Tensor], extra: Sequence[int] = ()) -> 
     columns = [t.data_ptr() for tensors in lists for t in tensors]
     columns += [t.numel() for t in lists[0]]
     columns += extra
-    key = (lists[0][0].device, len(lists[0]), *columns)
+    return int_table(columns, len(lists[0]), lists[0][0].device)
+
+
+def int_table(values: Sequence[int], width: int, device: torch.device) -> torch.Tensor:
+    """int64 (len(values) / width, width) on `device` holding `values` row after row, cached by
+    content ([Note: pointer tables]): what `pointer_table` builds, for callers that have the ints."""
+    key = (device, width, *values)
     table = _pointer_tables.get(key)
     if table is None:
-        table = to_device(torch.tensor(columns, dtype=torch.int64).reshape(-1, len(lists[0])), lists[0][0].device)
+        table = to_device(torch.tensor(values, dtype=torch.int64).reshape(-1, width), device)
         if len(_pointer_tables) >= 32:  # the oldest out: a model has few distinct calls per step
             del _pointer_tables[next(iter(_pointer_tables))]
         _pointer_tables[key] = table
