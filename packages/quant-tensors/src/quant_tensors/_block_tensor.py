@@ -166,11 +166,12 @@ class BlockQuantizer(Quantizer):
         super()._check_out(src, out)
         if tuple(out.block_shape) != self.block_shape:
             raise ValueError(f"quantize_ into {out.block_shape} blocks with a {self.block_shape} quantizer")
-        if any(b is not None and not b.is_contiguous() for b in out.buffers().values()):
-            raise ValueError(
-                f"quantize_ needs contiguous destination buffers; this {type(out).__name__} is a slice whose "
-                "columnwise buffers are views (quantize the whole tensor instead)"
-            )
+        for buffer in (out.rowwise_data, out.rowwise_scale_inv, out.columnwise_data, out.columnwise_scale_inv):
+            if buffer is not None and not buffer.is_contiguous():
+                raise ValueError(
+                    f"quantize_ needs contiguous destination buffers; this {type(out).__name__} is a slice whose "
+                    "columnwise buffers are views (quantize the whole tensor instead)"
+                )
 
     def _quantize(self, x, *, out, amax, state, usages):
         core_out = None if out is None else out._block_quantized()

@@ -174,19 +174,21 @@ class Quantizer:
             raise TypeError("quantize_many_ takes a sequence of sources and one of outs; for one pair call quantize_")
         if len(srcs) != len(outs):
             raise ValueError(f"quantize_many_ got {len(srcs)} sources but {len(outs)} outs; pass one out per source")
+        if not srcs:
+            return
+        device = srcs[0].device if isinstance(srcs[0], torch.Tensor) else None
         for i, (src, out) in enumerate(zip(srcs, outs, strict=True)):
             try:
                 self._check_input(src)
                 self._check_out(src, out)
             except (TypeError, ValueError) as error:
                 raise type(error)(f"srcs[{i}], outs[{i}]: {error}") from None
-            if src.device != srcs[0].device or out.device != srcs[0].device:
+            if src.device != device or out.device != device:
                 raise ValueError(
-                    f"srcs[{i}] is on {src.device} and outs[{i}] on {out.device}, but srcs[0] is on {srcs[0].device}; "
+                    f"srcs[{i}] is on {src.device} and outs[{i}] on {out.device}, but srcs[0] is on {device}; "
                     "quantize_many_ quantizes on one device per call: call it once per device"
                 )
-        if srcs:
-            self._quantize_many(srcs, outs)
+        self._quantize_many(srcs, outs)
 
     def new_state(self, device: torch.device | str | None = None) -> torch.Tensor | None:
         """A fresh state for this quantizer (None for stateless formats), on `device` (default cpu)."""
@@ -313,7 +315,7 @@ class Quantizer:
 
     def _check_out(self, src: torch.Tensor, out: QuantizedTensor) -> None:
         """Checks that `out` can take a requantize of src: this format's tensor, of src's shape."""
-        if type(out) is not self.tensor_class or tuple(out.shape) != tuple(src.shape):
+        if type(out) is not self.tensor_class or out.shape != src.shape:
             raise ValueError(
                 f"quantize_ into {type(out).__name__}{tuple(getattr(out, 'shape', ()))} from a {tuple(src.shape)} "
                 f"source with {type(self).__name__}: `out` must be a {self.tensor_class.__name__} of the source's shape"
