@@ -6,6 +6,7 @@ steps with a caller's found_inf. On CUDA the same step runs the Triton kernel
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -157,3 +158,65 @@ def test_capturable_refuses_what_reads_the_verdict_on_the_host(kwargs, message):
     p = qt.nn.quantized_parameter(torch.randn(32, 32), qt.recipe_from_name(recipe).quantizer("weight"))
     with pytest.raises(ValueError, match=message):
         FusedAdam([p], capturable=True, **kwargs)
+
+
+def block_model(device: str) -> list[torch.nn.Parameter]:
+    """Block-format weights in three configurations (MXFP8, blockwise 128 x 128, blockwise 1 x 128),
+    two of them twice, shapes not multiples of every block, between fp32 and bf16 parameters."""
+    generator = torch.Generator().manual_seed(7)
+
+    def values(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=generator).to(device)
+
+    mxfp8 = qt.MXFP8BlockScaling().quantizer("weight")
+    tiled, rows = qt.Float8BlockScaling().quantizer("weight"), qt.Float8BlockScaling().quantizer("input")
+    return [
+        qt.nn.quantized_parameter(values(96, 160), mxfp8),
+        torch.nn.Parameter(values(50)),
+        qt.nn.quantized_parameter(values(130, 256), tiled),
+        qt.nn.quantized_parameter(values(64, 200), rows),
+        qt.nn.quantized_parameter(values(33, 64), copy.deepcopy(mxfp8)),  # an equal quantizer, another object
+        torch.nn.Parameter(values(40, 8).to(torch.bfloat16)),
+        qt.nn.quantized_parameter(values(128, 128), tiled),
+    ]
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
+        ),
+    ],
+)
+def test_block_weights_of_one_configuration_requantize_in_one_call_as_a_loop_would(device, monkeypatch):
+    # Bitwise what requantizing weight by weight gives (quantize_ per weight, as before
+    # quantize_many_), over four steps with a skipped third one; one call per configuration.
+    def loop(quantizer: qt.Quantizer, srcs: list[torch.Tensor], outs: list[qt.QuantizedTensor]) -> None:
+        for src, out in zip(srcs, outs, strict=True):
+            quantizer.quantize_(src, out)
+
+    batched, sizes = qt.Quantizer.quantize_many_, []
+
+    def counted(quantizer: qt.Quantizer, srcs: list[torch.Tensor], outs: list[qt.QuantizedTensor]) -> None:
+        sizes.append(len(srcs))
+        batched(quantizer, srcs, outs)
+
+    runs = {}
+    for name, requantize in (("loop", loop), ("many", counted)):
+        monkeypatch.setattr(qt.Quantizer, "quantize_many_", requantize)
+        params = block_model(device)
+        optimizer = FusedAdam(params, lr=1e-2, weight_decay=0.01, capturable=device == "cpu")
+        for step in range(4):
+            generator = torch.Generator().manual_seed(100 + step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=generator).to(device=device, dtype=p.dtype)
+            if step == 2:
+                params[-1].grad[3, 5] = float("nan")
+            optimizer.step()
+            assert optimizer.last_step_skipped == (step == 2)
+        runs[name] = bits(params, optimizer)
+    assert same(runs["loop"], runs["many"])
+    assert sizes == [2, 2, 1] * 4  # MXFP8, 128 x 128, 1 x 128, in the parameters' order

@@ -10,9 +10,11 @@ from the host, so a training loop never waits for the optimizer and a CUDA graph
   the step);
 - bf16/fp16 parameters are written from their fp32 master in the same pass (the kernel's `outs`);
   without a master the kernel updates them itself (in fp32, stored rounded);
-- a quantized parameter is requantized from its master every step, skipped or not. When the step
-  was skipped, the master is unchanged and the kernel still returns its amax, so the requantize
-  writes the bytes it wrote last time: a stateless quantizer's bytes are a function of the master
+- a quantized parameter is requantized from its master every step, skipped or not (block formats
+  with one `quantize_many_` per quantizer configuration and device: one launch for all those
+  weights rather than ~90 us of host time per weight on an H100 VM). When the step was skipped,
+  the master is unchanged and the kernel still returns its amax, so the requantize writes the
+  bytes it wrote last time: a stateless quantizer's bytes are a function of the master
   and the agreed amax. That holds only where the bytes are the master's quantization already:
   after this optimizer wrote them (their buffers' version counters as it left them). Where it
   does not hold (the first step, bytes written by a load or by hand), and for what would change
@@ -88,6 +90,9 @@ class _Requantize:
     written: list[tuple[int | None, ...] | None]
     """[its buffers' versions when this optimizer last wrote them from the master, or None]: the
     optimizer's record for this weight (`written_record`), shared with every plan that holds it."""
+    like: int | None = None
+    """Block formats: the number of its (quantizer configuration, device) among the plan's; the
+    weights of one number are requantized by one `quantize_many_` call (`number_block_weights`)."""
 
 
 @dataclass(eq=False)
@@ -165,9 +170,30 @@ def build_plan(
                     written_record(optimizer._requantized_bytes, local),
                 )
             )
+    number_block_weights(requantize)
     devices = {key[-1] for key in buckets}
     first = next(iter(buckets))[-1] if buckets else torch.device("cpu")
     return _Plan(list(buckets.values()), requantize, fp8_slots, first, len(devices) == 1)
+
+
+def number_block_weights(requantize: list[_Requantize]) -> None:
+    """Sets `like` of every block-format weight: equal for weights on one device whose quantizers
+    quantize alike (`Quantizer.quantizes_like`: the same configuration, stateless), so that one
+    `quantize_many_` call requantizes them all (on CUDA one Triton launch, not one per weight)."""
+    firsts: list[_Requantize] = []  # the first weight of each number
+    for r in requantize:
+        if r.local.quantizer.per_tensor_amax:
+            continue
+        r.like = next(
+            (
+                number
+                for number, first in enumerate(firsts)
+                if first.local.device == r.local.device and first.local.quantizer.quantizes_like(r.local.quantizer)
+            ),
+            len(firsts),
+        )
+        if r.like == len(firsts):
+            firsts.append(r)
 
 
 def written_record(records: WeakIdKeyDictionary, local: qt.QuantizedTensor) -> list[tuple[int | None, ...] | None]:
@@ -203,15 +229,18 @@ def step(optimizer: FusedAdam, plan: _Plan, grads: list[torch.Tensor], found_inf
     # One view op per bucket that returned amaxes, not one per weight.
     rows = [a.unbind() if b.compute_amax else None for a, b in zip(amaxes, plan.buckets, strict=True)]
     pending = []
+    alike: dict[int, list[_Requantize]] = {}
     for r in written:
         quantizer = r.local.quantizer
-        if not quantizer.per_tensor_amax:  # a block-scaled format: its own scales
-            quantizer.quantize_(r.master, r.local)
+        if not quantizer.per_tensor_amax:  # a block-scaled format: its own scales, alike ones in one call below
+            alike.setdefault(r.like, []).append(r)
         elif r.groups:  # agreed over the shard group first, in one all-reduce for all of them
             apply = functools.partial(requantize_into, quantizer, r.master, r.local)
             pending.append(PendingAmax(r.groups, rows[r.bucket][r.position], apply))
         else:
             quantizer.quantize_(r.master, r.local, amax=rows[r.bucket][r.position])
+    for same in alike.values():
+        same[0].local.quantizer.quantize_many_([r.master for r in same], [r.local for r in same])
     if proceed and plan.fp8_slots:
         values = [getattr(s.bucket, f"{s.key}s")[s.position] for s in plan.fp8_slots]
         for slot, value, amax in zip(plan.fp8_slots, values, quant_core.amax_many(values), strict=True):
