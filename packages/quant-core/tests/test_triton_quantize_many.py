@@ -170,6 +170,24 @@ def test_tensors_are_grouped_by_what_the_single_launch_specializes_on(launches, 
     assert launches[2].pointers[5:].tolist() == [[96, 3], [160, 33], [1, 33], [96, 1]]  # M, K, strides
 
 
+def test_large_mxfp8_tensors_take_their_own_single_launch(launches, monkeypatch):
+    # MXFP8 tensors from MXFP8_SINGLE_LAUNCH_NUMEL elements on launch the single-tensor kernel
+    # (its speed at 1e9 parameters); the rest share one launch. Blockwise FP8 keeps every size.
+    singles = []
+    monkeypatch.setattr(tbm, "_launch_quantize", lambda x, buffers, **kwargs: singles.append(x))
+    monkeypatch.setattr(tbm, "MXFP8_SINGLE_LAUNCH_NUMEL", 128 * 128)
+    xs = [torch.randn(64, 128), torch.randn(128, 128), torch.randn(32, 64), torch.randn(256, 128)]
+    tbm._quantize_mxfp8_many(xs, *_buffers(quant_core.quantize_mxfp8, xs, rowwise=True, columnwise=True))
+    assert [x.data_ptr() for x in singles] == [xs[1].data_ptr(), xs[3].data_ptr()]
+    (launch,) = launches
+    assert launch.pointers[0].tolist() == [xs[0].data_ptr(), xs[2].data_ptr()]
+    singles.clear()
+    launches.clear()
+    tbm._quantize_fp8_blockwise_many(xs, 1, E4M3, True, *_buffers(quant_core.quantize_fp8_blockwise, xs))
+    assert singles == []
+    assert sum(launch.num_tensors for launch in launches) == 4
+
+
 def test_repeated_calls_reuse_their_tables(launches):
     # [Note: pointer tables]: the same storages copy nothing; new storages only a new pointer table.
     xs = [torch.randn(64, 128), torch.randn(32, 64)]

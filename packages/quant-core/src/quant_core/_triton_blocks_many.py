@@ -19,6 +19,11 @@ every address a multiple of 16 bytes and M, K and the row stride multiples of 16
 that of a single launch's arguments and vectorizes loads and stores; values read from a table
 carry no such facts, so an ALIGNED launch states them (`tl.multiple_of`). One launch per group:
 one for the weights of a model whose dims are multiples of 16 and masters of one dtype.
+Large MXFP8 tensors take the single-tensor launch instead (`MXFP8_SINGLE_LAUNCH_NUMEL`): with its
+small fp32 tiles (32 x 64, 2 warps) the table reads cost ~2% of the kernel time, measured on an
+H100 at 1e9 parameters (FusedAdam MXFP8 12.7-12.8 ms per step in one launch, 12.5 ms with a
+launch per weight; docs/benchmarks.md), while a launch's host time is hidden behind a kernel of
+that size. Blockwise FP8 ran faster in one launch at every size (12.1 vs 12.3 ms).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from quant_core._triton_blocks import (
     MXFP8_FORMAT,
     TwoPassTiles,
     _launch_options,
+    _launch_quantize,
     _quantize_tile,
     _quantize_two_pass_tile,
     _tile_shape,
@@ -49,6 +55,9 @@ from quant_core._triton_tables import int_table, program_table
 # the four buffers, then M, K and the strides of each input's (M, K) view.
 _ROWWISE, _ROWWISE_SCALE, _COLUMNWISE, _COLUMNWISE_SCALE = (tl.constexpr(row) for row in (1, 2, 3, 4))
 _M, _K, _STRIDE_M, _STRIDE_K = (tl.constexpr(row) for row in (5, 6, 7, 8))
+# MXFP8 tensors of at least this many elements are quantized by their own single-tensor launch
+# ([Note: multi-tensor block quantize]); tests set it to route tensors either way.
+MXFP8_SINGLE_LAUNCH_NUMEL = 1 << 24
 
 
 @triton.jit
@@ -184,10 +193,16 @@ def _launch_quantize_many(
     """Quantizes every xs[i] into (rowwise data, rowwise scales, columnwise data, columnwise scales)
     = buffer_lists[0..3][i], one launch per group ([Note: multi-tensor block quantize])."""
     block = format_args["block"]
+    single_from = MXFP8_SINGLE_LAUNCH_NUMEL if tiles_format == MXFP8_FORMAT[0] else None
     # key -> the group's tensors as (x, buffers, its table column, its number of tiles)
     groups: dict[tuple[object, ...], list[tuple[torch.Tensor, tuple, tuple[int, ...], int]]] = {}
     for x_MK, rowwise_data, rowwise_scale, columnwise_data, columnwise_scale in zip(xs, *buffer_lists, strict=True):
         buffers = (rowwise_data, rowwise_scale, columnwise_data, columnwise_scale)
+        columnwise = columnwise_data is not None
+        tiles = _tiles_for(tiles_format, columnwise, x_MK.dtype)
+        if single_from is not None and x_MK.numel() >= single_from:
+            _launch_quantize(x_MK, buffers, tiles=tiles, **format_args)
+            continue
         M, K = x_MK.shape
         stride_m, stride_k = x_MK.stride()
         x_address = x_MK.data_ptr()
@@ -196,8 +211,6 @@ def _launch_quantize_many(
         column = (x_address, *addresses, M, K, stride_m, stride_k)
         # ALIGNED: rows contiguous; addresses, M, K and the row stride multiples of 16 (all are iff their OR is).
         aligned = stride_k == 1 and functools.reduce(operator.or_, column[:-1]) % 16 == 0
-        columnwise = columnwise_data is not None
-        tiles = _tiles_for(tiles_format, columnwise, x_MK.dtype)
         tile_m, tile_k = _tile_shape(tiles, block)
         masked = isinstance(tiles, TwoPassTiles) and (M % tile_m != 0 or K % tile_k != 0)
         key = (x_MK.dtype, rowwise_data is not None, columnwise, masked, aligned)
