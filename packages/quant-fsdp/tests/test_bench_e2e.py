@@ -38,6 +38,14 @@ def test_run_filters_select_by_glob_and_by_name_prefix():
     assert _names("fp8:hp") == ["fp8:hp:eager", "fp8:hp:compiled", "fp8:hp:graphed"]
     assert _names("fp8:qw:*d, bf16:eager") == ["bf16:eager", "fp8:qw:compiled", "fp8:qw:graphed"]
     assert _names("torchao-*:compiled") == ["torchao-tensorwise:compiled", "torchao-rowwise:compiled"]
+    assert _names("fp8:hp,bf16") == [  # graphed runs last (what a capture leaves would count in later peaks)
+        "bf16:eager",
+        "bf16:compiled",
+        "fp8:hp:eager",
+        "fp8:hp:compiled",
+        "bf16:graphed",
+        "fp8:hp:graphed",
+    ]
     named = [r for r in RECIPES if r not in OPT_IN_RECIPES]  # what globs select
     assert _names("*:hp:eager") == [f"{r}:hp:eager" for r in named]
     assert len(_names("all")) == 3 + 2 * 3 + 2 * 3 * len(named)
