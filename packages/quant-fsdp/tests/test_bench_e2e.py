@@ -11,6 +11,7 @@ import torch
 from rich.console import Console
 
 import quant_tensors as qt
+from quant_fsdp import _bench_e2e as bench_e2e
 from quant_fsdp._bench_e2e import (
     DEFAULT_FIDELITY_RUNS,
     DEFAULT_RUNS,
@@ -77,19 +78,31 @@ def test_a_graphed_run_needs_cuda():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("run", ["bf16", *(f"{r}:hp" for r in RECIPES), "fp8:qw", "fp8-delayed:qw", "nvfp4:qw"])
-def test_a_graphed_run_trains_like_the_eager_run_bit_for_bit(run):
+def test_a_graphed_run_trains_like_the_eager_run_bit_for_bit(run, monkeypatch):
     """[Note: graphed runs]: eager warm-up steps, then one captured step replayed for the rest;
     losses, parameters and module buffers (delayed-scaling histories, stochastic-rounding
     counters) equal the eager run's after every replayed step."""
     options = E2EOptions(config="tiny", device="cuda", model_source="builtin")
     device = torch.device("cuda")
     batches = markov_batches(options.decoder, GRAPH_WARMUP_STEPS + 3).to(device)
+    python_steps = []  # the graphed run's Python step runs for the warm-up and the capture only
+    graphed = bench_e2e.cuda_graphed
+
+    def counted(step, device):
+        def counting_step(inputs, targets):
+            python_steps.append(1)
+            return step(inputs, targets)
+
+        return graphed(counting_step, device)
+
+    monkeypatch.setattr(bench_e2e, "cuda_graphed", counted)
     trained = {}
     for mode in ("eager", "graphed"):
         model, _, step = build_run(select_runs(f"{run}:{mode}")[0], options, device, "builtin")
         losses = torch.stack([step(b[:, :-1], b[:, 1:]) for b in batches])
         state = {name: local_bytes(t) for name, t in model.state_dict().items()}
         trained[mode] = (losses, state)
+    assert len(python_steps) == GRAPH_WARMUP_STEPS + 1  # 5 steps trained, 2 of them replays
     (eager_losses, eager_state), (graphed_losses, graphed_state) = trained["eager"], trained["graphed"]
     assert torch.equal(graphed_losses, eager_losses), (graphed_losses, eager_losses)
     assert graphed_state.keys() == eager_state.keys()

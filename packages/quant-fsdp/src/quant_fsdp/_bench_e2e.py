@@ -222,9 +222,9 @@ def _optimizer_step(
     """(optimizer, step): AdamW over the parameters, or over the fp32 masters of quantized weights."""
     masters = MasterWeights(model) if spec.quantized_weights else None
     parameters = model.parameters() if masters is None else masters.parameters
-    fused = device.type == "cuda"
+    fused, capturable = device.type == "cuda", spec.mode == "graphed"
     optimizer = torch.optim.AdamW(
-        parameters, lr=options.learning_rate, weight_decay=0.0, fused=fused, capturable=spec.mode == "graphed"
+        parameters, lr=options.learning_rate, weight_decay=0.0, fused=fused, capturable=capturable
     )
     return optimizer, optimizer.step if masters is None else lambda: masters.step(optimizer)
 
@@ -285,12 +285,11 @@ def cuda_graphed(
     """`step(inputs, targets) -> loss`, run eagerly for GRAPH_WARMUP_STEPS calls, then captured in
     a CUDA graph and replayed ([Note: graphed runs]); the returned loss is a copy."""
     side = _side_stream(device)
-    graph: torch.cuda.CUDAGraph | None = None
-    static: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     eager_calls = 0
+    captured: tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def graphed(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        nonlocal graph, static, eager_calls
+        nonlocal eager_calls, captured
         if eager_calls < GRAPH_WARMUP_STEPS:
             eager_calls += 1
             side.wait_stream(torch.cuda.current_stream(device))
@@ -298,17 +297,16 @@ def cuda_graphed(
                 loss = step(inputs, targets)
             torch.cuda.current_stream(device).wait_stream(side)
             return loss
-        if graph is None:
-            static_inputs, static_targets = inputs.clone(), targets.clone()
-            graph = torch.cuda.CUDAGraph()
+        if captured is None:  # graph inputs: the first captured call's batch, refilled below
+            graph, static_inputs, static_targets = torch.cuda.CUDAGraph(), inputs.clone(), targets.clone()
             with torch.cuda.graph(graph):
                 static_loss = step(static_inputs, static_targets)
-            static = (static_inputs, static_targets, static_loss)
-        assert static is not None
-        static[0].copy_(inputs)
-        static[1].copy_(targets)
+            captured = (graph, static_inputs, static_targets, static_loss)
+        graph, static_inputs, static_targets, static_loss = captured
+        static_inputs.copy_(inputs)
+        static_targets.copy_(targets)
         graph.replay()
-        return static[2].clone()
+        return static_loss.clone()
 
     return graphed
 

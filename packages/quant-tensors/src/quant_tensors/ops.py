@@ -17,6 +17,7 @@ result is cast. `scaled_mm_path` says which one runs.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Literal
 
 import torch
@@ -154,7 +155,7 @@ def _bf16_tensor_core_product(
         return torch.mm(a_values, b_values.t())
     product = torch.mm(a_values, b_values.t(), out_dtype=torch.float32)
     out = torch.empty(product.shape, dtype=out_dtype, device=product.device)
-    factor = factors[0] * factors[1] if len(factors) == 2 else factors[0] if factors else None
+    factor = functools.reduce(operator.mul, factors) if factors else None
     if bias is None:  # one pass: fp32 product times the factor, rounded into `out`
         return torch.mul(product, factor, out=out) if factor is not None else out.copy_(product)
     if factor is not None:
