@@ -266,6 +266,58 @@ def test_nvfp4_dequantize_known_answer(backend):
     assert c.tolist() == [[0.5, 1.0] * 8] * 16
 
 
+@pytest.mark.parametrize("backend", quant_core.available_backends())
+def test_nvfp4_dequantize_without_tensor_scale_known_answer(backend):
+    # global_amax None: the block values q * s alone (S = 1), whatever the amax was.
+    data = torch.tensor([[0x72, 0xF9, 0, 0, 0, 0, 0, 0]], dtype=torch.uint8)  # [1, 6, -0.5, -6, 0...]
+    s_1625 = torch.tensor([[0x3D]], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    tile = torch.full((16, 8), 0x21, dtype=torch.uint8)  # 16 x 16 tile of [0.5, 1.0, ...]
+    s_448 = torch.tensor([[0x7E]], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    with quant_core.use_backend(backend):
+        a = quant_core.dequantize_nvfp4(data, s_1625, None, (1, 16), torch.float32)
+        b = quant_core.dequantize_nvfp4(tile, s_448, None, (16, 16), torch.bfloat16)
+    assert a.tolist() == [[1.625, 9.75, -0.8125, -9.75] + [0.0] * 12]
+    assert b.dtype == torch.bfloat16
+    assert b.float().tolist() == [[224.0, 448.0] * 8] * 16
+
+
+# Backends with a kernel for nvfp4_gemm_output on the CPU: the reference (the op serves CUDA's
+# emulated GEMM; its Triton kernel is checked in test_triton_nvfp4.py).
+def test_nvfp4_gemm_output_known_answers():
+    product = torch.tensor([[1.0, -3.0, 2.0**100], [0.375, NAN, -INF]])
+    bias = torch.tensor([0.5, 1.0, -2.0], dtype=torch.bfloat16)
+    # amaxes 5376 and 672: S_a = 0.5, S_b = 4, so the factor is 2 * 0.25 = 0.5.
+    scaled = quant_core.nvfp4_gemm_output(product, amax(5376.0), amax(672.0), dtype=torch.float32)
+    assert scaled[0].tolist() == [0.5, -1.5, 2.0**99]
+    assert scaled[1, 0] == 0.1875
+    assert math.isnan(scaled[1, 1])
+    assert scaled[1, 2] == -INF
+    # amaxes 0 and 2688: S = 1 for both; the bias is added in fp32 before the one rounding to bf16.
+    plain = quant_core.nvfp4_gemm_output(product, amax(0.0), amax(2688.0), bias, torch.bfloat16)
+    assert plain.dtype == torch.bfloat16
+    assert plain[0].float().tolist() == [1.5, -2.0, 2.0**100]  # the bias is below 2^100's fp32 ulp
+    # 0.375 + 0.5 = 0.875 exactly; 1 + 2^-9 (not a bf16) + 0 rounds to even once: 1.0.
+    assert plain[1, 0].item() == 0.875
+    one_ulp = quant_core.nvfp4_gemm_output(torch.tensor([[1.0 + 2**-9]]), amax(0.0), amax(0.0), None, torch.bfloat16)
+    assert one_ulp.item() == 1.0
+    # A tiny amax: S clamps to the largest fp32, whose reciprocal rounds to the subnormal 2^-128
+    # (not flushed to 0).
+    tiny = quant_core.nvfp4_gemm_output(torch.tensor([[2.0**100]]), amax(1.0e-38), amax(2688.0), None, torch.float32)
+    assert tiny.item() == 2.0**-28
+
+
+def test_nvfp4_gemm_output_checks_its_inputs():
+    product = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="2-D float32"):
+        quant_core.nvfp4_gemm_output(product.bfloat16(), amax(1.0), amax(1.0))
+    with pytest.raises(ValueError, match="b_global_amax must be a one-element float32"):
+        quant_core.nvfp4_gemm_output(product, amax(1.0), torch.ones(2))
+    with pytest.raises(ValueError, match=r"bias must have shape \(3,\)"):
+        quant_core.nvfp4_gemm_output(product, amax(1.0), amax(1.0), torch.zeros(2))
+    with pytest.raises(ValueError, match="dtype must be"):
+        quant_core.nvfp4_gemm_output(product, amax(1.0), amax(1.0), None, torch.int8)
+
+
 # ---- stochastic rounding -----------------------------------------------------------------------
 
 

@@ -59,6 +59,7 @@ def assert_bitwise(got: torch.Tensor | None, want: torch.Tensor | None, what: st
         "hadamard_transform_16",
         "hadamard_inverse_16",
         "hadamard_amaxes",
+        "nvfp4_gemm_output",
     ],
 )
 def test_triton_runs_every_nvfp4_op(op):
@@ -241,6 +242,19 @@ for block_rows, dtype in [(1, torch.float32), (16, torch.bfloat16), (1, torch.fl
     kernels.launch_dequantize(q.rowwise_data, q.rowwise_scale_inv, block_rows, amax, got, "pairs", kernels.Tiles(16, 32, 2))
     width = {{4: torch.int32, 2: torch.int16}}[got.element_size()]
     assert torch.equal(got.view(width), want.view(width)), (block_rows, dtype)
+    want = quant_core.dequantize_nvfp4_reference(q.rowwise_data, q.rowwise_scale_inv, None, (block_rows, 16), dtype)
+    kernels.launch_dequantize(q.rowwise_data, q.rowwise_scale_inv, block_rows, None, got, "pairs", kernels.Tiles(16, 32, 2))
+    assert torch.equal(got.view(width), want.view(width)), (block_rows, dtype, "without the tensor scale")
+kernels.GEMM_OUTPUT_TILES = kernels.Tiles(1, 64, 2)  # 34 x 50 = 1700 elements: 27 programs, the last partial
+product = adversarial((34, 50), torch.float32, seed=5)
+bias = adversarial((50,), torch.bfloat16, seed=6)
+for a_amax, b_amax, with_bias, dtype in [(3.0e3, 1.0e-3, True, torch.bfloat16), (0.0, 7.5, False, torch.float16)]:
+    a_amax, b_amax = torch.tensor(a_amax), torch.tensor(b_amax)
+    b = bias if with_bias else None
+    want = quant_core.nvfp4_gemm_output_reference(product, a_amax, b_amax, b, dtype)
+    got = torch.empty(want.shape, dtype=dtype)
+    kernels._nvfp4_gemm_output(product, a_amax, b_amax, b, got)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (a_amax, b_amax, with_bias, dtype)
 """
 
 
@@ -291,6 +305,32 @@ def test_every_dequantize_variant_equals_reference(variant, tiles):
             data, scale = q.rowwise_data.to(CUDA), q.rowwise_scale_inv.to(CUDA)
             _triton_nvfp4.launch_dequantize(data, scale, block_rows, amax.to(CUDA), got, variant, tiles)
             assert_bitwise(got, want, f"{shape} {dtype}")
+            want = quant_core.dequantize_nvfp4_reference(
+                q.rowwise_data, q.rowwise_scale_inv, None, (block_rows, 16), dtype
+            )
+            _triton_nvfp4.launch_dequantize(data, scale, block_rows, None, got, variant, tiles)
+            assert_bitwise(got, want, f"{shape} {dtype} without the tensor scale")
+
+
+# (a_global_amax, b_global_amax): S = 1, S from ordinary amaxes, 0 (S = 1), S clamped (tiny amax).
+GEMM_OUTPUT_AMAXES = [(2688.0, 2688.0), (3.0e3, 1.7e-2), (0.0, 41.0), (1.0e-38, 6.0e4)]
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("shape", [(34, 50), (130, 258), (1, 4097), (2048, 1024)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemm_output_equals_reference(shape, with_bias):
+    product = adversarial(shape, torch.float32, seed=sum(shape))
+    bias = adversarial(shape[1:], torch.bfloat16, seed=7) if with_bias else None
+    for a_amax, b_amax in GEMM_OUTPUT_AMAXES:
+        a_amax, b_amax = torch.tensor(a_amax), torch.tensor(b_amax)
+        for dtype in FLOAT_DTYPES:
+            got = quant_core.nvfp4_gemm_output(
+                product.to(CUDA), a_amax.to(CUDA), b_amax.to(CUDA), None if bias is None else bias.to(CUDA), dtype
+            )
+            want = quant_core.nvfp4_gemm_output_reference(product, a_amax, b_amax, bias, dtype)
+            assert_bitwise(got, want, f"{shape} amaxes {a_amax.item()}, {b_amax.item()} {dtype}")
 
 
 # ---- the Hadamard-transformed columnwise usage ([Note: NVFP4 random Hadamard transform]) ------------

@@ -89,3 +89,50 @@ def test_linear_on_cuda_matches_cpu_emulation(recipe):
     # then round to bf16: a few bf16 ulps at most.
     for got, want in ((y_gpu, y_cpu), (x_gpu.grad, x_cpu.grad), (gpu.weight.grad, cpu.weight.grad)):
         assert _relative(got.cpu(), want) < 1e-2
+
+
+RECIPES = {
+    "mxfp8": qt.MXFP8BlockScaling,
+    "nvfp4": qt.NVFP4BlockScaling,
+    "nvfp4-rht": lambda: qt.NVFP4BlockScaling(random_hadamard_transform=True),
+}
+
+
+@pytest.mark.parametrize(
+    ("recipe", "a_role", "b_role", "a_usage", "b_usage"),
+    [
+        (recipe, *gemm)
+        for recipe in ("mxfp8", "nvfp4")
+        for gemm in (
+            ("input", "weight", "rowwise", "rowwise"),  # fprop
+            ("grad_output", "weight", "rowwise", "columnwise"),  # dgrad
+            ("grad_output", "input", "columnwise", "columnwise"),  # wgrad
+        )
+    ]
+    + [("nvfp4-rht", "grad_output", "input", "columnwise", "columnwise")],
+)
+def test_emulated_bf16_gemm_is_the_fp32_emulation_rounded_once(recipe, a_role, b_role, a_usage, b_usage):
+    """The bf16 tensor-core emulation ([Note: exact bf16 operands]) against the fp32 one: each
+    element within one bf16 rounding of it, plus what fp32 accumulation order can move (K * 2^-23
+    of the sum of |products|). The operands' magnitudes differ by 10^4, so swapping or dropping a
+    per-tensor factor (NVFP4's 1 / S) is off by orders of magnitude."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    r = RECIPES[recipe]()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = {"input": (512, 768), "weight": (384, 768), "grad_output": (512, 384)}
+    magnitudes = {"input": 100.0, "weight": 0.01, "grad_output": 0.01}
+    a_high, b_high = (
+        (torch.randn(*shapes[role], device="cuda", generator=g) * magnitudes[role]).bfloat16()
+        for role in (a_role, b_role)
+    )
+    a = r.quantizer(a_role).quantize(a_high, rowwise=True, columnwise=True)
+    b = r.quantizer(b_role).quantize(b_high, rowwise=True, columnwise=True)
+    bias = torch.randn(b_high.shape[0], device="cuda", generator=g).bfloat16() if b_usage == "rowwise" else None
+    assert qt.ops.scaled_mm_path(a, b, a_usage=a_usage, b_usage=b_usage) == "emulated"
+    got = qt.ops.scaled_mm(a, b, torch.bfloat16, a_usage=a_usage, b_usage=b_usage, bias=bias)
+    a_values, b_values = operand_values(a, a_usage), operand_values(b, b_usage)
+    want = torch.matmul(a_values, b_values.t()) + (0.0 if bias is None else bias.float())
+    accumulation = a_values.shape[1] * 2.0**-23 * torch.matmul(a_values.abs(), b_values.abs().t())
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - want).abs() <= want.abs() * 2.0**-8 + accumulation).all()

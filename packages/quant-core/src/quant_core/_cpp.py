@@ -16,7 +16,7 @@ from quant_core import _C
 from quant_core._adam import AdamScalars
 from quant_core._backend import register_kernel
 from quant_core._checks import as_2d
-from quant_core._numerics import to_output_dtype
+from quant_core._numerics import E2M1_MAX, E4M3_MAX, to_output_dtype
 from quant_core._nvfp4 import NVFP4_BLOCK, hadamard_signs
 from quant_core._quantize_many import each_tensor
 
@@ -219,9 +219,15 @@ def _dequantize_fp8_blockwise(
 
 @register_kernel("dequantize_nvfp4", "cpp")
 def _dequantize_nvfp4(
-    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, global_amax: torch.Tensor, out_2d: torch.Tensor
+    data_2d: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block_rows: int,
+    global_amax: torch.Tensor | None,
+    out_2d: torch.Tensor,
 ) -> None:
     R, C = out_2d.shape
+    if global_amax is None:  # the block values alone: the amax whose tensor scale S is exactly 1
+        global_amax = torch.full((), E4M3_MAX * E2M1_MAX)
     _C.dequantize_nvfp4(
         data_2d.data_ptr(),
         R,

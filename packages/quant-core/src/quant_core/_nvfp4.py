@@ -38,7 +38,10 @@ Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
   or an int in int64 range (`signed64`): the columnwise usage is then T(x^T), which needs
   block_rows 1 and M a multiple of 16 ([Note: NVFP4 random Hadamard transform]).
 - `torch.ops.quant_core.dequantize_nvfp4(data_2d, scale_inv, block_rows, global_amax, dtype)`:
-  [Note: block operators], packed data (R, C/2), E4M3 scales, global_amax as above.
+  [Note: block operators], packed data (R, C/2), E4M3 scales, global_amax as above or None (the
+  block values without the tensor scale).
+- `torch.ops.quant_core.nvfp4_gemm_output(product, a_global_amax, b_global_amax, bias, dtype)
+  -> Tensor`: [Note: NVFP4 GEMM output]; see `_nvfp4_gemm_output_op` for its contract.
 - `torch.ops.quant_core.transpose_nvfp4(packed_MK) -> Tensor`: rowwise 16 x 16 data (M, K/2)
   uint8 with M even, any strides. Returns the packed codes of x^T, contiguous (K, M/2).
 - `torch.ops.quant_core.hadamard_transform_16(x_MK, seed) -> Tensor`: x_MK 2-D fp32/bf16/fp16
@@ -367,34 +370,41 @@ def _quantize_nvfp4_reference_kernel(
 def dequantize_nvfp4_reference(
     data: torch.Tensor,
     scale_inv: torch.Tensor,
-    global_amax: torch.Tensor,
+    global_amax: torch.Tensor | None,
     block_shape: BlockShape = (1, NVFP4_BLOCK),
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Plain-torch NVFP4 dequantize: fp32(q) * (fp32(s) / S) with S from global_amax."""
+    """Plain-torch NVFP4 dequantize: fp32(q) * (fp32(s) / S) with S from global_amax; the block
+    values fp32(q) * fp32(s) alone (S = 1) when global_amax is None."""
     packed = as_2d(data)
-    values = _dequantize_with_tensor_scale_reference(packed, scale_inv, nvfp4_tensor_scale(global_amax), block_shape)
+    S = None if global_amax is None else nvfp4_tensor_scale(global_amax)
+    values = _dequantize_with_tensor_scale_reference(packed, scale_inv, S, block_shape)
     return to_output_dtype(values, dtype).reshape(*data.shape[:-1], values.shape[1])
 
 
 def _dequantize_with_tensor_scale_reference(
-    packed: torch.Tensor, scale_inv: torch.Tensor, S: torch.Tensor, block_shape: BlockShape
+    packed: torch.Tensor, scale_inv: torch.Tensor, S: torch.Tensor | None, block_shape: BlockShape
 ) -> torch.Tensor:
     codes = unpack_nibbles(packed)
-    factor = scale_inv.float() / S
+    factor = scale_inv.float() if S is None else scale_inv.float() / S
     return decode_e2m1(codes) * expand_blocks(factor, block_shape, *codes.shape)
 
 
 def dequantize_nvfp4(
     data: torch.Tensor,
     scale_inv: torch.Tensor,
-    global_amax: torch.Tensor,
+    global_amax: torch.Tensor | None,
     block_shape: BlockShape = (1, NVFP4_BLOCK),
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """NVFP4 values of rowwise (last dim K/2) or columnwise ((K, M/2)) data; the last dim doubles."""
+    """NVFP4 values of rowwise (last dim K/2) or columnwise ((K, M/2)) data; the last dim doubles.
+
+    With global_amax None: the block values without the tensor scale, fp32(q) * fp32(s), which
+    bf16 holds exactly (what the emulated GEMM multiplies: `nvfp4_gemm_output` applies 1 / S).
+    """
     block_shape = check_block_shape(block_shape, NVFP4_SHAPES, "NVFP4")
-    check_scalar(global_amax, "global_amax", data.device)
+    if global_amax is not None:
+        global_amax = check_scalar(global_amax, "global_amax", data.device).reshape(())
     return dequantize_blocks(
         "dequantize_nvfp4",
         data,
@@ -404,25 +414,117 @@ def dequantize_nvfp4(
         data_dtype=torch.uint8,
         scale_dtype=torch.float8_e4m3fn,
         codes_per_byte=2,
-        kernel_args=(block_shape[0], global_amax.reshape(())),
+        kernel_args=(block_shape[0], global_amax),
         format_name="NVFP4",
     )
 
 
 @define_op("dequantize_nvfp4", fake=dequantize_fake(codes_per_byte=2))
 def _dequantize_nvfp4_op(
-    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, global_amax: torch.Tensor, dtype: torch.dtype
+    data_2d: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block_rows: int,
+    global_amax: torch.Tensor | None,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
     return run_dequantize_kernel("dequantize_nvfp4", 2, data_2d, scale_inv, block_rows, global_amax, dtype)
 
 
 @register_kernel("dequantize_nvfp4", "reference")
 def _dequantize_nvfp4_reference_kernel(
-    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, global_amax: torch.Tensor, out_2d: torch.Tensor
+    data_2d: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block_rows: int,
+    global_amax: torch.Tensor | None,
+    out_2d: torch.Tensor,
 ) -> None:
-    S = nvfp4_tensor_scale(global_amax)
+    S = None if global_amax is None else nvfp4_tensor_scale(global_amax)
     values = _dequantize_with_tensor_scale_reference(data_2d, scale_inv, S, (block_rows, NVFP4_BLOCK))
     out_2d.copy_(to_output_dtype(values, out_2d.dtype))
+
+
+# ---- the output of an emulated GEMM ---------------------------------------------------------------
+
+
+def nvfp4_gemm_output_reference(
+    product: torch.Tensor,
+    a_global_amax: torch.Tensor,
+    b_global_amax: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Plain-torch [Note: NVFP4 GEMM output]: dtype(product * (1/S_a * 1/S_b) + fp32(bias))."""
+    factor = torch.reciprocal(nvfp4_tensor_scale(a_global_amax)) * torch.reciprocal(nvfp4_tensor_scale(b_global_amax))
+    values = product * factor
+    if bias is not None:
+        values = values + bias.float()
+    return to_output_dtype(values, dtype)
+
+
+def nvfp4_gemm_output(
+    product: torch.Tensor,
+    a_global_amax: torch.Tensor,
+    b_global_amax: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The output of an emulated NVFP4 GEMM from the fp32 product of its operands' block values.
+
+    [Note: NVFP4 GEMM output] A @ B^T of two NVFP4 operands is (A_b @ B_b^T) / (S_a S_b), A_b and
+    B_b the block values (`dequantize_nvfp4(..., None)`: exact in bf16, so bf16 tensor cores with
+    fp32 accumulation multiply them). Given that fp32 (M, N) product, this returns
+    dtype(product * f + fp32(bias)) with f = fp32(1 / S_a) * fp32(1 / S_b), S from each operand's
+    global amax (`nvfp4_tensor_scale`), bias (N,) optional: one fp32 multiply, one fp32 add, one
+    rounding (no fused multiply-add). On CUDA one kernel, which computes f itself from the two
+    amaxes (no scale ops on the host's stream).
+    """
+    if not isinstance(product, torch.Tensor) or product.dtype != torch.float32 or product.dim() != 2:
+        got = f"{product.dtype} of shape {tuple(product.shape)}" if isinstance(product, torch.Tensor) else type(product)
+        raise ValueError(f"product must be a 2-D float32 tensor (the fp32 GEMM product), got {got}")
+    check_scalar(a_global_amax, "a_global_amax", product.device)
+    check_scalar(b_global_amax, "b_global_amax", product.device)
+    if bias is not None and (bias.shape != product.shape[1:] or bias.device != product.device):
+        raise ValueError(
+            f"bias must have shape ({product.shape[1]},) on {product.device} (one per output column), got "
+            f"shape {tuple(bias.shape)} on {bias.device}"
+        )
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    return torch.ops.quant_core.nvfp4_gemm_output(
+        product.contiguous(), a_global_amax.reshape(()), b_global_amax.reshape(()), bias, dtype
+    )
+
+
+def _nvfp4_gemm_output_fake(
+    product: torch.Tensor, a_global_amax: torch.Tensor, b_global_amax: torch.Tensor, bias: object, dtype: torch.dtype
+) -> torch.Tensor:
+    return product.new_empty(product.shape, dtype=dtype)
+
+
+@define_op("nvfp4_gemm_output", fake=_nvfp4_gemm_output_fake)
+def _nvfp4_gemm_output_op(
+    product: torch.Tensor,
+    a_global_amax: torch.Tensor,
+    b_global_amax: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Contract: product contiguous 2-D fp32, amaxes 0-d fp32 and bias None or (N,), all on one device."""
+    out = torch.empty(product.shape, dtype=dtype, device=product.device)
+    if out.numel() > 0:
+        kernel("nvfp4_gemm_output", product.device)(product, a_global_amax, b_global_amax, bias, out)
+    return out
+
+
+@register_kernel("nvfp4_gemm_output", "reference")
+def _nvfp4_gemm_output_reference_kernel(
+    product: torch.Tensor,
+    a_global_amax: torch.Tensor,
+    b_global_amax: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    out.copy_(nvfp4_gemm_output_reference(product, a_global_amax, b_global_amax, bias, out.dtype))
 
 
 def transpose_nvfp4(data: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

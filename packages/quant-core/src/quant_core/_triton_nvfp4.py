@@ -77,6 +77,8 @@ QUANTIZE_TILES = Tiles(32, 64, 4)
 DEQUANTIZE_VARIANT = "pairs"
 DEQUANTIZE_PAIRS_TILES = Tiles(8, 512, 4)
 DEQUANTIZE_TILES = Tiles(8, 512, 4)
+# nvfp4_gemm_output: an elementwise pass, tile_k elements per program (not swept).
+GEMM_OUTPUT_TILES = Tiles(1, 4096, 8)
 TRANSPOSE_TILES = Tiles(128, 256, 8)
 HADAMARD_TILES = Tiles(16, 128, 4)
 # The amaxes of x and of T(x^T): swept, no tile more than 2% faster (93.8-100.4 us at 8192^2).
@@ -542,6 +544,15 @@ def _decode_e2m1(codes):
 
 
 @triton.jit
+def _block_factor(stored, amax_ptr, TENSOR_SCALE: tl.constexpr, HARDWARE: tl.constexpr):
+    """fp32(s) / S for E4M3 block-scale bytes `stored`, or fp32(s) alone without TENSOR_SCALE."""
+    s = decode_fp8(stored, True, HARDWARE)
+    if TENSOR_SCALE:
+        s = tl.div_rn(s, tensor_scale(amax_ptr))
+    return s
+
+
+@triton.jit
 def _dequantize_nvfp4_kernel(
     data_ptr,
     scale_ptr,
@@ -550,11 +561,13 @@ def _dequantize_nvfp4_kernel(
     R,
     C,
     BLOCK_ROWS: tl.constexpr,
+    TENSOR_SCALE: tl.constexpr,
     TILE_R: tl.constexpr,
     TILE_C: tl.constexpr,
     HARDWARE: tl.constexpr,
 ):
-    """out = e2m1(q) * (fp32(s) / S) for a TILE_R x TILE_C tile of (R, C) codes packed as (R, C/2).
+    """out = e2m1(q) * (fp32(s) / S) for a TILE_R x TILE_C tile of (R, C) codes packed as (R, C/2)
+    (without TENSOR_SCALE: e2m1(q) * fp32(s), and amax_ptr is not read).
 
     Element-wise: each element reads its byte (nibble c & 1) and its block's scale; neighbours
     share them, so the repeated reads hit the cache, and no tile is reshaped or joined."""
@@ -566,7 +579,7 @@ def _dequantize_nvfp4_kernel(
     codes = (packed.to(tl.int32) >> ((cols & 1) * 4).to(tl.int32)[None, :]) & 0xF
     scale_offsets = ((rows // BLOCK_ROWS) * tl.cdiv(C, 16))[:, None] + (cols // 16)[None, :]
     stored = as_bytes(tl.load(scale_ptr + scale_offsets, mask=mask))
-    factor = tl.div_rn(decode_fp8(stored, True, HARDWARE), tensor_scale(amax_ptr))
+    factor = _block_factor(stored, amax_ptr, TENSOR_SCALE, HARDWARE)
     store_values(out_ptr, (rows * C)[:, None] + cols[None, :], _decode_e2m1(codes) * factor, mask)
 
 
@@ -588,6 +601,7 @@ def _dequantize_nvfp4_pairs_kernel(
     R,
     C,
     BLOCK_ROWS: tl.constexpr,
+    TENSOR_SCALE: tl.constexpr,
     TILE_R: tl.constexpr,
     TILE_C: tl.constexpr,
     HARDWARE: tl.constexpr,
@@ -607,7 +621,7 @@ def _dequantize_nvfp4_pairs_kernel(
     Cb = tl.cdiv(C, 16)
     blocks = groups // 2
     stored = as_bytes(tl.load(scale_ptr + (rows // BLOCK_ROWS) * Cb + blocks, mask=(rows < R) & (blocks < Cb)))
-    factor = tl.div_rn(decode_fp8(stored, True, HARDWARE), tensor_scale(amax_ptr))
+    factor = _block_factor(stored, amax_ptr, TENSOR_SCALE, HARDWARE)
     codes = packed.to(tl.int32)
     values = tl.join(_decode_nibbles(codes) * factor, _decode_nibbles(codes >> 4) * factor)
     rows_R = tl.reshape(rows, (TILE_R, 1))
@@ -619,12 +633,12 @@ def launch_dequantize(
     data_2d: torch.Tensor,
     scale_inv: torch.Tensor,
     block_rows: int,
-    global_amax: torch.Tensor,
+    global_amax: torch.Tensor | None,
     out_2d: torch.Tensor,
     variant: str,
     tiles: Tiles,
 ) -> None:
-    """Runs dequantize kernel `variant`: "pairs" or "elementwise"."""
+    """Runs dequantize kernel `variant`: "pairs" or "elementwise"; global_amax None: S = 1."""
     assert variant in ("pairs", "elementwise"), variant
     R, C = out_2d.shape
     kernel = _dequantize_nvfp4_pairs_kernel if variant == "pairs" else _dequantize_nvfp4_kernel
@@ -633,11 +647,12 @@ def launch_dequantize(
         (cdiv(R, tiles.tile_m) * cdiv(C, tiles.tile_k),),
         data_2d,
         scale_inv,
-        global_amax,
+        scale_inv if global_amax is None else global_amax,  # not read without TENSOR_SCALE
         out_2d,
         R,
         C,
         BLOCK_ROWS=block_rows,
+        TENSOR_SCALE=global_amax is not None,
         TILE_R=tiles.tile_m,
         TILE_C=tiles.tile_k,
         HARDWARE=HARDWARE_FP8,
@@ -648,10 +663,54 @@ def launch_dequantize(
 
 @register_kernel("dequantize_nvfp4", "triton", traceable=True)
 def _dequantize_nvfp4(
-    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, global_amax: torch.Tensor, out_2d: torch.Tensor
+    data_2d: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block_rows: int,
+    global_amax: torch.Tensor | None,
+    out_2d: torch.Tensor,
 ) -> None:
     tiles = DEQUANTIZE_PAIRS_TILES if DEQUANTIZE_VARIANT == "pairs" else DEQUANTIZE_TILES
     launch_dequantize(data_2d, scale_inv, block_rows, global_amax, out_2d, DEQUANTIZE_VARIANT, tiles)
+
+
+@triton.jit
+def _nvfp4_gemm_output_kernel(
+    product_ptr, a_amax_ptr, b_amax_ptr, bias_ptr, out_ptr, numel, N, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+):
+    """[Note: NVFP4 GEMM output] for BLOCK consecutive elements of the contiguous (numel / N, N) product."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    factor = tl.div_rn(1.0, tensor_scale(a_amax_ptr)) * tl.div_rn(1.0, tensor_scale(b_amax_ptr))
+    values = tl.load(product_ptr + offsets, mask=mask, other=0.0) * factor
+    if HAS_BIAS:
+        values = values + tl.load(bias_ptr + offsets % N, mask=mask, other=0.0).to(tl.float32)
+    store_values(out_ptr, offsets, values, mask)
+
+
+@register_kernel("nvfp4_gemm_output", "triton", traceable=True)
+def _nvfp4_gemm_output(
+    product: torch.Tensor,
+    a_global_amax: torch.Tensor,
+    b_global_amax: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    numel, N = product.numel(), product.shape[1]
+    launch(
+        _nvfp4_gemm_output_kernel,
+        (cdiv(numel, GEMM_OUTPUT_TILES.tile_k),),
+        product,
+        a_global_amax,
+        b_global_amax,
+        product if bias is None else bias.contiguous(),  # not read without HAS_BIAS
+        out,
+        numel,
+        N,
+        HAS_BIAS=bias is not None,
+        BLOCK=GEMM_OUTPUT_TILES.tile_k,
+        num_warps=GEMM_OUTPUT_TILES.num_warps,
+        **EXACT,
+    )
 
 
 @triton.jit

@@ -143,9 +143,16 @@ def _bf16_tensor_core_product(
     The fp32 accumulator is rounded once to `out_dtype` after the per-tensor factors and the bias
     (in fp32). Without either the GEMM writes bf16 itself; otherwise it writes fp32 and one
     elementwise pass scales, adds and rounds (an fp32 product is 4 bytes per element written and
-    read again: for MXFP8 on Hopper these passes were ~10 ms of a 0.67B Llama training step)."""
+    read again: for MXFP8 on Hopper these passes were ~10 ms of a 0.67B Llama training step).
+    NVFP4's pass is quant-core's `nvfp4_gemm_output`, which takes 1 / S from the two global amaxes
+    in its kernel: no scale ops per GEMM on the host."""
     if a.device.type != "cuda":
         return None
+    if isinstance(a, NVFP4Tensor) and isinstance(b, NVFP4Tensor):
+        product = torch.mm(
+            _nvfp4_block_values(a, a_usage), _nvfp4_block_values(b, b_usage).t(), out_dtype=torch.float32
+        )
+        return quant_core.nvfp4_gemm_output(product, a.amax_of(a_usage), b.amax_of(b_usage), bias, out_dtype)
     a_values, a_factor = bf16_operand(a, a_usage)
     b_values, b_factor = bf16_operand(b, b_usage)
     if a_values is None or b_values is None:
@@ -163,6 +170,12 @@ def _bf16_tensor_core_product(
     return torch.add(product, bias, out=out)
 
 
+def _nvfp4_block_values(t: NVFP4Tensor, usage: Usage) -> torch.Tensor:
+    """The bf16 block values (codes times E4M3 block scales, without 1 / S) of a usage of t."""
+    data, scale_inv = _operand_buffers(t, usage)
+    return quant_core.dequantize_nvfp4(data, scale_inv, None, t.block_shape, torch.bfloat16)
+
+
 # [Note: exact bf16 operands] bf16 holds 8 significant bits. E4M3/E5M2 codes (<= 4), codes times a
 # power of two (MXFP8's E8M0 scales, blockwise FP8 with power-of-two scales) and E2M1 codes times
 # E4M3 block scales (NVFP4 without its tensor scale: <= 5 bits) are exact in bf16 (short of
@@ -173,20 +186,14 @@ def _bf16_tensor_core_product(
 # rounding to bf16).
 def bf16_operand(t: QuantizedTensor, usage: Usage) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(bf16 values of a usage of t, per-tensor fp32 factor or None), or (None, None) where the
-    values are not exact in bf16 ([Note: exact bf16 operands])."""
+    values are not exact in bf16 ([Note: exact bf16 operands]); NVFP4 operands go through
+    `_nvfp4_block_values` and quant-core's `nvfp4_gemm_output` instead (None, None here)."""
     data, scale_inv = _operand_buffers(t, usage)
     if isinstance(t, Float8Tensor):
         return data.to(torch.bfloat16), scale_inv
-    if isinstance(t, NVFP4Tensor):
-        unit_scale_amax = torch.full((), _NVFP4_UNIT_SCALE_AMAX, device=t.device)  # S = 1
-        values = quant_core.dequantize_nvfp4(data, scale_inv, unit_scale_amax, t.block_shape, torch.bfloat16)
-        return values, torch.reciprocal(quant_core.nvfp4_tensor_scale(t.amax_of(usage)))
     if isinstance(t, MXFP8Tensor) or (isinstance(t, Float8BlockwiseTensor) and t.quantizer.power_2_scales):
         return t._dequantize_buffers(data, scale_inv, torch.bfloat16), None
     return None, None
-
-
-_NVFP4_UNIT_SCALE_AMAX = 448.0 * 6.0  # the global amax whose tensor scale S is exactly 1
 
 
 def operand_k(t: QuantizedTensor, usage: Usage) -> int:
