@@ -4,7 +4,8 @@
     python3 scripts/profile_gpu.py ops [RECIPE ...]    # torch.profiler: ops and launches per fwd+bwd
     python3 scripts/profile_gpu.py parts               # host us of each piece of an fp8 fwd+bwd, timed alone
     python3 scripts/profile_gpu.py kernels [CASE ...]  # each quantize twice at bf16 8192^2 (under ncu)
-    python3 scripts/profile_gpu.py e2e [RUN ...]       # GPU time per e2e training step, by kernel
+    python3 scripts/profile_gpu.py e2e [--config NAME] [RUN ...]  # GPU time per e2e training step, by kernel
+    python3 scripts/profile_gpu.py memory [--config NAME] [RUN ...]  # peak memory per phase of an e2e step
     python3 scripts/profile_gpu.py optim [KIND ...]    # GPU time per FusedAdam step at ~1e9 params, by kernel
     python3 scripts/profile_gpu.py optim-1e7 [KIND ...]  # host time of FusedAdam vs AdamW + requantize at 1e7
 
@@ -177,12 +178,13 @@ def _kernel_group(name: str) -> str:
     return "other"
 
 
-def e2e(runs: list[str]) -> None:
-    """GPU time of one training step of the e2e model, by kernel group and top kernels, per run."""
+def e2e(runs: list[str], config: str = "default") -> None:
+    """GPU time of one training step of the e2e model (`config`: a `quant-fsdp bench --e2e
+    --config` name), by kernel group and top kernels, per run."""
     from quant_fsdp._bench_e2e import E2EOptions, build_run, free_memory, markov_batches, select_runs
     from quant_fsdp._e2e_model import resolve_model_source
 
-    options = E2EOptions(device="cuda")
+    options = E2EOptions(device="cuda", config=config)
     batches = markov_batches(options.decoder, 8).cuda()
     for spec in select_runs(",".join(runs)):
         _, _, step = build_run(spec, options, torch.device("cuda"), resolve_model_source("auto"))
@@ -208,6 +210,72 @@ def e2e(runs: list[str]) -> None:
         for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]:
             print(f"  {e.count / steps:5.0f}x {e.self_device_time_total / steps / 1e3:7.2f} ms  {e.key[:110]}")
         del step
+        free_memory(torch.device("cuda"))
+
+
+def _saved_bytes(t: torch.Tensor) -> tuple[str, int]:
+    """(kind, bytes) of a tensor autograd saves: QuantizedTensors by their buffers."""
+    if isinstance(t, qt.QuantizedTensor):
+        inner = [getattr(t, name) for name in t.__tensor_flatten__()[0]]
+        return type(t).__name__, sum(b.numel() * b.element_size() for b in inner)
+    return str(t.dtype), t.untyped_storage().nbytes() if t.numel() else 0
+
+
+def _counting(saved: dict[str, int]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A pack hook that adds each saved tensor's bytes to saved[kind], each storage once (a
+    QuantizedTensor's storage is its first data buffer's: the columnwise-only wrappers that sibling
+    layers save of one shared input count once)."""
+    seen: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            kind, size = _saved_bytes(t)
+            saved[kind] = saved.get(kind, 0) + size
+        return t
+
+    return pack
+
+
+def memory(runs: list[str], config: str = "default") -> None:
+    """Per run (hp weights or bf16): GiB allocated before the step, peak in the forward, backward and
+    optimizer step, and what the forward saves for backward by kind (storages counted once)."""
+    from quant_fsdp._bench_e2e import E2EOptions, build_run, free_memory, markov_batches, select_runs
+    from quant_fsdp._e2e_model import resolve_model_source
+
+    options = E2EOptions(device="cuda", config=config)
+    batches = markov_batches(options.decoder, 4).cuda()
+    gib = 2.0**30
+    for spec in select_runs(",".join(runs)):
+        model, optimizer, step = build_run(spec, options, torch.device("cuda"), resolve_model_source("auto"))
+        for i in range(3):
+            step(batches[i, :, :-1], batches[i, :, 1:])
+        torch.cuda.synchronize()
+        inputs, targets = batches[3, :, :-1], batches[3, :, 1:]
+        saved: dict[str, int] = {}
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.autograd.graph.saved_tensors_hooks(_counting(saved), lambda t: t):
+            logits = model(inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        forward_peak, after_forward = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss.backward()
+        del logits, loss
+        backward_peak = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        optimizer.step()
+        optimizer_peak = torch.cuda.max_memory_allocated()
+        optimizer.zero_grad(set_to_none=True)
+        print(
+            f"\n=== {spec.name} ({config}): start {start / gib:.2f} GiB, forward peak {forward_peak / gib:.2f} "
+            f"(after {after_forward / gib:.2f}), backward peak {backward_peak / gib:.2f}, optimizer peak "
+            f"{optimizer_peak / gib:.2f}"
+        )
+        for kind, size in sorted(saved.items(), key=lambda kv: -kv[1]):
+            print(f"  saved for backward: {kind:22s} {size / gib:6.2f} GiB")
+        del model, optimizer, step
         free_memory(torch.device("cuda"))
 
 
@@ -305,7 +373,12 @@ if __name__ == "__main__":
         optim_1e7(sys.argv[2:] or ["fp8", "mxfp8", "nvfp4"])
     elif sys.argv[1] == "optim":
         optim(sys.argv[2:] or ["fp32", "fp8", "mxfp8", "fp8-block", "nvfp4"])
-    elif sys.argv[1] == "e2e":
-        e2e(sys.argv[2:] or ["bf16:eager", "fp8:hp:compiled", "torchao-tensorwise:compiled"])
+    elif sys.argv[1] in ("e2e", "memory"):
+        config = sys.argv[3] if sys.argv[2:3] == ["--config"] else "default"
+        runs = sys.argv[4:] if sys.argv[2:3] == ["--config"] else sys.argv[2:]
+        if sys.argv[1] == "e2e":
+            e2e(runs or ["bf16:eager", "fp8:hp:compiled", "torchao-tensorwise:compiled"], config)
+        else:
+            memory(runs or ["bf16:eager", "fp8:hp:eager"], config)
     else:
         kernels(sys.argv[2:])
