@@ -311,3 +311,6 @@ def test_operators_handle_empty_inputs():
         torch.empty(0, 32, dtype=E4M3), torch.empty(0, 1, dtype=torch.uint8), torch.float32
     ).shape == (0, 32)
     OPS.quantize_mxfp8(empty, torch.empty(0, 32, dtype=E4M3), torch.empty(0, 1, dtype=torch.uint8), None, None)
+    one = torch.ones(())
+    output = OPS.nvfp4_gemm_output(empty, one, one, torch.zeros(32), torch.bfloat16)
+    assert (output.shape, output.dtype) == ((0, 32), torch.bfloat16)
