@@ -114,8 +114,9 @@ RECIPES = {
 def test_emulated_bf16_gemm_is_the_fp32_emulation_rounded_once(recipe, a_role, b_role, a_usage, b_usage):
     """The bf16 tensor-core emulation ([Note: exact bf16 operands]) against the fp32 one: each
     element within one bf16 rounding of it, plus what fp32 accumulation order can move (K * 2^-23
-    of the sum of |products|). The operands' magnitudes differ by 10^4, so swapping or dropping a
-    per-tensor factor (NVFP4's 1 / S) is off by orders of magnitude."""
+    of the sum of |products|). The operands' magnitudes differ by 10^4, so dropping a per-tensor
+    factor (NVFP4's 1 / S) or applying one operand's for both is off by orders of magnitude, and a
+    dropped bias (~1 against a bound of ~0.1) fails too."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     r = RECIPES[recipe]()
