@@ -272,6 +272,58 @@ def test_schema_declares_exactly_the_buffers_written(name):
         assert (t._version > version) == (i in written), (op._schema.arguments[i].name, "version")
 
 
+@pytest.mark.parametrize("name", sorted(_cases()))
+def test_call_gives_what_the_operator_gives(name):
+    """`_ops.call` ([Note: eager operator calls]): the same outputs, bytes written and version bumps."""
+    op, args = _cases()[name]
+    copies = [tuple(_copy(a) for a in args) for _ in range(2)]
+    versions = [[t._version for _, t in _tensors(c)] for c in copies]
+    want = op(*copies[0])
+    got = quant_core._ops.call(op._schema.name.removeprefix("quant_core::"), *copies[1])
+    for a, b in zip(_tensors((want,)), _tensors((got,)), strict=True):
+        assert torch.equal(_bytes(a[1]), _bytes(b[1]))
+    for (_, a), (_, b), va, vb in zip(_tensors(copies[0]), _tensors(copies[1]), *versions, strict=True):
+        assert torch.equal(_bytes(a), _bytes(b))
+        assert (a._version > va) == (b._version > vb)
+
+
+def _copy(arg):
+    if isinstance(arg, torch.Tensor):
+        return arg.clone()
+    return [_copy(a) for a in arg] if isinstance(arg, list) else arg
+
+
+class _Marked(torch.Tensor):
+    """A tensor subclass with no behaviour of its own: the dispatcher, not `call`, must see it."""
+
+
+def test_call_runs_the_implementation_directly_only_in_plain_eager_code(monkeypatch):
+    x = _x((4, 32), torch.float32)
+    kernel, operator = quant_core._ops._operators["amax"]
+    direct = []
+    monkeypatch.setitem(quant_core._ops._operators, "amax", (lambda *a: direct.append(1) or kernel(*a), operator))
+
+    class Seen(torch.utils._python_dispatch.TorchDispatchMode):
+        ops: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    want = OPS.amax(x)
+    assert torch.equal(quant_core._ops.call("amax", x), want) and direct == [1]
+    with Seen():
+        assert torch.equal(quant_core._ops.call("amax", x), want)
+    assert "quant_core.amax.default" in Seen.ops
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        quant_core._ops.call("amax", x)
+    assert any(e.key == "quant_core::amax" for e in profile.key_averages())
+    quant_core._ops.call("amax", x.as_subclass(_Marked))
+    assert direct == [1]  # none of the three took the direct path
+    quant_core._ops.call("amax", torch.nn.Parameter(x))
+    assert direct == [1, 1]
+
+
 def test_operators_do_not_record_autograd_history():
     x = _x((4, 32), torch.float32).requires_grad_()
     with quant_core.use_backend("reference"):  # torch ops inside: they would record without no_grad

@@ -56,3 +56,28 @@ def test_a_constexpr_passed_by_position_is_refused():
     out = torch.empty(1, device="cuda")
     with pytest.raises(TypeError, match="by keyword"):
         launch(_triton_fp8._amax_kernel, (1, 1), x, out, 4, 4, 4, 1, 1, True, TILE_M=4, TILE_K=4)
+
+
+def test_a_launch_hook_set_by_a_user_sees_cached_launches():
+    """The cached path passes no hooks while none is set ([Note: Triton launches]); one a profiler adds
+    (Triton's `knobs.runtime.launch_enter_hook`) is still called, with the kernel's metadata."""
+    from triton import knobs
+
+    x = torch.randn(64, 256, device="cuda")
+    _partial_amaxes(x, 16, 64)  # compiled and cached
+    seen: list[str] = []
+    record = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731
+    chain = knobs.runtime.launch_enter_hook
+    try:
+        if hasattr(chain, "add"):  # a HookChain
+            chain.add(record)
+        else:  # a Triton whose hook is a plain attribute
+            knobs.runtime.launch_enter_hook = record
+        _partial_amaxes(x, 16, 64)
+    finally:
+        if hasattr(chain, "remove"):
+            chain.remove(record)
+        else:
+            knobs.runtime.launch_enter_hook = chain
+    _partial_amaxes(x, 16, 64)
+    assert seen == ["_amax_kernel"]

@@ -44,7 +44,7 @@ import torch
 from quant_core._backend import kernel, register_kernel
 from quant_core._checks import FLOAT_DTYPES, check_float_input
 from quant_core._fp8 import amax_reference
-from quant_core._ops import define_op
+from quant_core._ops import call, define_op
 
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -132,9 +132,7 @@ def adam_step_(
     if not all(map(_is_plain, (*params, *grads, *exp_avgs, *exp_avg_sqs))):  # see _is_plain
         with torch.no_grad():
             return adam_step_reference(params, grads, exp_avgs, exp_avg_sqs, scalars, compute_amax)
-    amaxes = torch.ops.quant_core.adam_step(
-        params, grads, exp_avgs, exp_avg_sqs, list(dataclasses.astuple(scalars)), compute_amax
-    )
+    amaxes = call("adam_step", params, grads, exp_avgs, exp_avg_sqs, list(dataclasses.astuple(scalars)), compute_amax)
     return amaxes if compute_amax else None
 
 
@@ -175,7 +173,7 @@ def has_non_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32)
     if not all(map(_is_plain, tensors)):
         return has_non_finite_reference(tensors)
-    return torch.ops.quant_core.has_non_finite(list(tensors))
+    return call("has_non_finite", list(tensors))
 
 
 def _has_non_finite_fake(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -40,7 +40,7 @@ from quant_core._adam import MOMENT_DTYPES, AdamScalars, adam_step_reference
 from quant_core._backend import kernel, register_kernel
 from quant_core._checks import FLOAT_DTYPES
 from quant_core._fp8 import amax_reference
-from quant_core._ops import define_op
+from quant_core._ops import call, define_op
 
 
 def adam_step_capturable_(
@@ -76,7 +76,8 @@ def adam_step_capturable_(
     if isinstance(lr, torch.Tensor) and lr.device != device:  # a CPU tensor: reading it syncs nothing
         lr = lr.item()
     lr_tensor = lr if isinstance(lr, torch.Tensor) else None
-    amaxes = torch.ops.quant_core.adam_step_capturable(
+    amaxes = call(
+        "adam_step_capturable",
         list(params),
         list(grads),
         list(exp_avgs),

@@ -20,7 +20,7 @@ import torch
 from quant_core._backend import kernel, register_kernel
 from quant_core._checks import check_float_input
 from quant_core._fp8 import amax_reference
-from quant_core._ops import define_op
+from quant_core._ops import call, define_op
 
 
 def amax_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -42,7 +42,7 @@ def amax_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
                 f"tensors[{i}] is on {t.device} but tensors[0] is on {device}; amax_many reads one device "
                 "per call: call it once per device, or move the tensors there"
             )
-    return torch.ops.quant_core.amax_many.default(list(tensors))
+    return call("amax_many", list(tensors))
 
 
 def _amax_many_fake(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -36,6 +36,7 @@ import torch
 from quant_core._backend import kernel
 from quant_core._checks import FLOAT_DTYPES, as_2d, check_float_input, output_buffer, with_shape
 from quant_core._numerics import finite_abs
+from quant_core._ops import call
 
 # (rows, cols) of a 2-D block, e.g. (1, 32) or (128, 128).
 BlockShape = tuple[int, int]
@@ -117,9 +118,7 @@ def quantize_blocks(
     )
     rowwise_data, rowwise_scale, columnwise_data, columnwise_scale = buffers
     rowwise_MK = None if rowwise_data is None else as_2d(rowwise_data)
-    getattr(torch.ops.quant_core, op)(
-        as_2d(x), *kernel_args, rowwise_MK, rowwise_scale, columnwise_data, columnwise_scale
-    )
+    call(op, as_2d(x), *kernel_args, rowwise_MK, rowwise_scale, columnwise_data, columnwise_scale)
     return BlockQuantized(*buffers, amax)
 
 
@@ -306,5 +305,5 @@ def dequantize_blocks(
             f"{scale_dtype} tensor of shape {expected} on {data.device}, got {scale_inv.dtype} of shape "
             f"{tuple(scale_inv.shape)} on {scale_inv.device}"
         )
-    out_2d = getattr(torch.ops.quant_core, op)(data_2d, scale_inv, *kernel_args, dtype)
+    out_2d = call(op, data_2d, scale_inv, *kernel_args, dtype)
     return with_shape(out_2d, (*data.shape[:-1], C))

@@ -27,7 +27,7 @@ import torch
 from quant_core._backend import kernel, register_kernel
 from quant_core._checks import as_2d, check_float_input, check_fp8_dtype, check_scalar, output_buffer, with_shape
 from quant_core._numerics import encode_fp8, finite_abs, to_output_dtype
-from quant_core._ops import define_op
+from quant_core._ops import call, define_op
 
 # ---- amax ------------------------------------------------------------------------------------
 
@@ -35,7 +35,7 @@ from quant_core._ops import define_op
 def amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| over the finite elements of x as an fp32 0-d tensor (0 if none is finite)."""
     check_float_input(x)
-    return torch.ops.quant_core.amax(as_2d(x))
+    return call("amax", as_2d(x))
 
 
 def _amax_fake(x_MK: torch.Tensor) -> torch.Tensor:
@@ -97,7 +97,7 @@ def cast_to_fp8(
         x, fp8_dtype, rowwise, columnwise, rowwise_out, columnwise_out
     )
     check_scalar(scale, "scale", x.device)
-    torch.ops.quant_core.cast_to_fp8(x_MK, scale, fp8_dtype, rowwise_MK, columnwise_KM)
+    call("cast_to_fp8", x_MK, scale, fp8_dtype, rowwise_MK, columnwise_KM)
     return rowwise_data, columnwise_KM
 
 
@@ -169,7 +169,7 @@ def dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dty
     check_scalar(scale_inv, "scale_inv", data.device)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be float32, bfloat16 or float16 for the dequantized values, got {dtype}")
-    return with_shape(torch.ops.quant_core.dequantize_fp8(as_2d(data), scale_inv, dtype), data.shape)
+    return with_shape(call("dequantize_fp8", as_2d(data), scale_inv, dtype), data.shape)
 
 
 def _dequantize_fp8_fake(data_MK: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -202,7 +202,7 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"data must be FP8 data with at least one dim, got {getattr(data, 'dtype', type(data).__name__)}"
         )
-    return torch.ops.quant_core.transpose_bytes(as_2d(data))
+    return call("transpose_bytes", as_2d(data))
 
 
 def _transpose_bytes_fake(data_MK: torch.Tensor) -> torch.Tensor:

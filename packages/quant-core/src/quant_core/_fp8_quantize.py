@@ -43,7 +43,7 @@ from quant_core._fp8_scale import (
     delayed_fp8_scale_reference,
     fp8_scale_reference,
 )
-from quant_core._ops import define_op
+from quant_core._ops import call, define_op
 
 
 @dataclass(frozen=True)
@@ -108,9 +108,7 @@ def quantize_fp8(
     amax = _checked_amax(amax, x.device)
     scale, scale_inv = new_scalar(x.device), new_scalar(x.device)
     amax_out = new_scalar(x.device) if amax is None else None
-    torch.ops.quant_core.quantize_fp8.default(
-        x_MK, amax, fp8_dtype, power_2_scales, rowwise_MK, columnwise_KM, scale_inv, scale, amax_out
-    )
+    call("quantize_fp8", x_MK, amax, fp8_dtype, power_2_scales, rowwise_MK, columnwise_KM, scale_inv, scale, amax_out)
     return Float8Quantized(rowwise_data, columnwise_KM, scale, scale_inv, amax if amax_out is None else amax_out)
 
 
@@ -138,9 +136,7 @@ def quantize_fp8_into(
     """
     x_MK, rowwise_MK, columnwise_KM = _checked_into(x, fp8_dtype, rowwise_out, columnwise_out, scale_inv_out)
     amax = _checked_amax(amax, x.device)
-    torch.ops.quant_core.quantize_fp8.default(
-        x_MK, amax, fp8_dtype, power_2_scales, rowwise_MK, columnwise_KM, scale_inv_out, None, None
-    )
+    call("quantize_fp8", x_MK, amax, fp8_dtype, power_2_scales, rowwise_MK, columnwise_KM, scale_inv_out, None, None)
 
 
 @define_op("quantize_fp8", mutates_args=("rowwise_MK", "columnwise_KM", "scale_inv", "scale", "amax_out"))
@@ -250,7 +246,8 @@ def quantize_fp8_delayed(
     amax = _checked_amax(amax, x.device)
     scale, scale_inv = new_scalar(x.device), new_scalar(x.device)
     amax_out = new_scalar(x.device) if amax is None else None
-    torch.ops.quant_core.quantize_fp8_delayed.default(
+    call(
+        "quantize_fp8_delayed",
         x_MK,
         amax,
         amax_history,
@@ -285,7 +282,8 @@ def quantize_fp8_delayed_into(
     x_MK, rowwise_MK, columnwise_KM = _checked_into(x, fp8_dtype, rowwise_out, columnwise_out, scale_inv_out)
     _check_delayed(x, amax_history, margin, amax_compute_algo)
     amax = _checked_amax(amax, x.device)
-    torch.ops.quant_core.quantize_fp8_delayed.default(
+    call(
+        "quantize_fp8_delayed",
         x_MK,
         amax,
         amax_history,

@@ -32,7 +32,7 @@ import torch
 from quant_core._backend import kernel, register_kernel
 from quant_core._checks import check_fp8_dtype, check_scalar
 from quant_core._numerics import FLOAT32_MAX, divide
-from quant_core._ops import define_op
+from quant_core._ops import call, define_op
 
 AmaxComputeAlgo = Literal["max", "most_recent"]
 # The largest finite value of each FP8 dtype (torch.finfo(dtype).max, looked up without finfo).
@@ -120,7 +120,7 @@ def fp8_scale(
     check_margin(margin)
     if not isinstance(amax, torch.Tensor):
         raise ValueError(f"amax must be a tensor, got {type(amax).__name__}")
-    return torch.ops.quant_core.fp8_scale.default(amax.float(), FP8_MAX[fp8_dtype], margin, power_2_scales)
+    return call("fp8_scale", amax.float(), FP8_MAX[fp8_dtype], margin, power_2_scales)
 
 
 def _fp8_scale_fake(
@@ -230,9 +230,7 @@ def delayed_fp8_scale_(
     check_fp8_dtype(fp8_dtype)
     check_margin(margin)
     check_amax_compute_algo(amax_compute_algo)
-    return torch.ops.quant_core.delayed_fp8_scale.default(
-        amax_history, amax, FP8_MAX[fp8_dtype], margin, power_2_scales, amax_compute_algo
-    )
+    return call("delayed_fp8_scale", amax_history, amax, FP8_MAX[fp8_dtype], margin, power_2_scales, amax_compute_algo)
 
 
 def _delayed_fp8_scale_fake(

@@ -94,7 +94,7 @@ from quant_core._numerics import (
     to_output_dtype,
     unpack_nibbles,
 )
-from quant_core._ops import define_op
+from quant_core._ops import call, define_op
 
 NVFP4_BLOCK = 16
 NVFP4_SHAPES: tuple[BlockShape, ...] = ((1, NVFP4_BLOCK), (NVFP4_BLOCK, NVFP4_BLOCK))
@@ -490,8 +490,8 @@ def nvfp4_gemm_output(
         )
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
-    return torch.ops.quant_core.nvfp4_gemm_output(
-        product.contiguous(), a_global_amax.reshape(()), b_global_amax.reshape(()), bias, dtype
+    return call(
+        "nvfp4_gemm_output", product.contiguous(), a_global_amax.reshape(()), b_global_amax.reshape(()), bias, dtype
     )
 
 
@@ -547,7 +547,7 @@ def transpose_nvfp4(data: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.
             f"scale_inv of 16 x 16 tiles for data of shape {tuple(data.shape)} must have shape {expected}, got "
             f"{tuple(scale_inv.shape)} (1 x 16 data cannot be transposed losslessly: quantize x^T instead)"
         )
-    return torch.ops.quant_core.transpose_nvfp4(packed), scale_inv.t().contiguous()
+    return call("transpose_nvfp4", packed), scale_inv.t().contiguous()
 
 
 def _transposed_packed_shape(packed_MK: torch.Tensor) -> tuple[int, int]:
@@ -601,7 +601,7 @@ def hadamard_transform_16(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
     check_float_input(x)
     if x.dim() == 0 or x.shape[-1] % NVFP4_BLOCK:
         raise ValueError(f"the Hadamard transform mixes groups of 16 along the last dim; got shape {tuple(x.shape)}")
-    return with_shape(torch.ops.quant_core.hadamard_transform_16(as_2d(x), signed64(int(seed))), x.shape)
+    return with_shape(call("hadamard_transform_16", as_2d(x), signed64(int(seed))), x.shape)
 
 
 def _hadamard_fake(x_MK: torch.Tensor, seed: int) -> torch.Tensor:
@@ -641,7 +641,7 @@ def hadamard_inverse_16(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
     check_float_input(x)
     if x.dim() == 0 or x.shape[-1] % NVFP4_BLOCK:
         raise ValueError(f"the Hadamard transform mixes groups of 16 along the last dim; got shape {tuple(x.shape)}")
-    return with_shape(torch.ops.quant_core.hadamard_inverse_16(as_2d(x), signed64(int(seed))), x.shape)
+    return with_shape(call("hadamard_inverse_16", as_2d(x), signed64(int(seed))), x.shape)
 
 
 @define_op("hadamard_inverse_16", fake=_hadamard_fake)
@@ -673,7 +673,7 @@ def hadamard_amaxes(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
     in fp32. Both amaxes ignore NaN and +-Inf (0 if nothing is finite).
     """
     check_float_input(x)
-    return torch.ops.quant_core.hadamard_amaxes(as_2d(x), signed64(int(seed)))
+    return call("hadamard_amaxes", as_2d(x), signed64(int(seed)))
 
 
 def _hadamard_amaxes_fake(x_MK: torch.Tensor, seed: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ these operators as opaque nodes (their fake implementations give output shapes a
 exactly those as mutated and return nothing; the others return new tensors.
 
 The public functions (`quant_core.quantize_fp8`, ...) check their arguments once and call these
-operators. The operators themselves are the unchecked fast entry points for callers that have
+operators through `call` ([Note: eager operator calls]). The operators themselves are the unchecked fast entry points for callers that have
 validated already: each one's docstring states its contract (what the caller guarantees); an
 operator called outside its contract may write out of bounds.
 
@@ -38,6 +38,8 @@ _library = torch.library.Library(NAMESPACE, "DEF")
 # Every operator defined, in definition order: the kernel registry's op names, and the operators
 # that run several kernels in one dispatch ([Note: fused FP8 quantize] in `_fp8_quantize`).
 OPERATORS: list[str] = []
+# name -> (the implementation the dispatcher runs, the operator's default overload), for `call`
+_operators: dict[str, tuple[Callable[..., Any], Any]] = {}
 
 
 def define_op(
@@ -48,24 +50,60 @@ def define_op(
     The schema is inferred from the annotations, `mutates_args` naming the arguments written in
     place. `fake` computes output metadata under torch.compile (default: no outputs, for operators
     that only fill buffers). Returns the implementation unchanged; call the operator as
-    `torch.ops.quant_core.<name>` (the implementation alone would bypass tracing).
+    `call(name, ...)` or `torch.ops.quant_core.<name>` (the implementation alone would bypass tracing).
     """
 
     def decorate(impl: Callable[..., Any]) -> Callable[..., Any]:
         schema = torch.library.infer_schema(impl, mutates_args=tuple(mutates_args))
         _library.define(name + schema)
-        _library.impl(
-            name, _bumping_versions(impl, mutates_args) if mutates_args else impl, "CompositeExplicitAutograd"
-        )
+        kernel = _bumping_versions(impl, mutates_args) if mutates_args else impl
+        _library.impl(name, kernel, "CompositeExplicitAutograd")
         _library.impl(name, torch.library.fallthrough_kernel, "Autograd")
         torch.library.register_fake(f"{NAMESPACE}::{name}", fake or _no_outputs, lib=_library)
         torch.library.register_torch_dispatch(
             f"{NAMESPACE}::{name}", FunctionalTensorMode, _traced_where_traceable(name, impl), lib=_library
         )
         OPERATORS.append(name)
+        _operators[name] = (kernel, getattr(torch.ops.quant_core, name).default)
         return impl
 
     return decorate
+
+
+# [Note: eager operator calls] A call through torch.ops costs the dispatcher's host time: ~2 us on
+# this project's CI machine, 13-28 us per call on an H100 VM's host (docs/benchmarks.md), where a
+# training step's Linear runs 3-15 quant_core operators and each of their kernels takes tens of us
+# of GPU time. So `call` runs the implementation the dispatcher would run (version-counter bumps
+# included) directly, but only when nothing could tell the two apart: no torch.compile tracing, no
+# dispatch or torch-function mode (fake tensors, functionalization, op counters), no functorch
+# transform, no profiler (its traces name the operator), and only plain tensors among the arguments
+# (a subclass's __torch_dispatch__ would handle the operator). The operators record no autograd
+# history either way (the Autograd key falls through). Otherwise the call goes through torch.ops.
+def call(name: str, *args: Any) -> Any:
+    """`torch.ops.quant_core.<name>(*args)`, run directly in eager code ([Note: eager operator calls])."""
+    kernel, operator = _operators[name]
+    if (
+        torch.compiler.is_compiling()  # first: dynamo folds it to True and never reaches the C calls below
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._are_functorch_transforms_active()
+        or torch._C._autograd._profiler_enabled()
+        or not _plain(args)
+    ):
+        return operator(*args)
+    return kernel(*args)
+
+
+def _plain(args: Sequence[Any]) -> bool:
+    """No tensor subclass among args (lists of tensors included); nn.Parameter counts as plain."""
+    for arg in args:
+        kind = type(arg)
+        if kind is list:
+            if not _plain(arg):
+                return False
+        elif isinstance(arg, torch.Tensor) and kind is not torch.Tensor and kind is not torch.nn.Parameter:
+            return False
+    return True
 
 
 def _bumping_versions(impl: Callable[..., Any], mutates_args: Sequence[str]) -> Callable[..., Any]:

@@ -43,7 +43,7 @@ from quant_core._blocks import (
 from quant_core._blockwise import BLOCKWISE_BLOCK, BLOCKWISE_SHAPES
 from quant_core._checks import FLOAT_DTYPES, as_2d, check_fp8_dtype
 from quant_core._mxfp8 import MXFP8_BLOCK
-from quant_core._ops import define_op
+from quant_core._ops import call, define_op
 
 _BUFFERS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
 
@@ -128,7 +128,7 @@ def _quantize_many(
         for buffer_list, buffer in zip(buffer_lists, buffers, strict=True):
             if buffer is not None:
                 buffer_list.append(buffer)
-    getattr(torch.ops.quant_core, op)(x_MKs, *kernel_args, *usages, *buffer_lists)
+    call(op, x_MKs, *kernel_args, *usages, *buffer_lists)
 
 
 def _fitting_buffers(

@@ -105,7 +105,7 @@ def scaled_mm(
     if scaled_mm_path(a, b, a_usage=a_usage, b_usage=b_usage) == "torch._scaled_mm":
         return _hardware_scaled_mm(a, b, a_data, a_scale, b_data, b_scale, out_dtype, bias)
     if out_dtype != torch.float32:
-        out = _bf16_tensor_core_product(a, b, a_usage, b_usage, out_dtype, bias)
+        out = _bf16_tensor_core_product(a, b, (a_data, a_scale), (b_data, b_scale), a_usage, b_usage, out_dtype, bias)
         if out is not None:
             return out
     product = torch.matmul(operand_values(a, a_usage), operand_values(b, b_usage).t())
@@ -131,13 +131,15 @@ def _check_same_transform(a: QuantizedTensor, b: QuantizedTensor, a_usage: Usage
 def _bf16_tensor_core_product(
     a: QuantizedTensor,
     b: QuantizedTensor,
+    a_buffers: tuple[torch.Tensor, torch.Tensor],
+    b_buffers: tuple[torch.Tensor, torch.Tensor],
     a_usage: Usage,
     b_usage: Usage,
     out_dtype: torch.dtype,
     bias: torch.Tensor | None,
 ) -> torch.Tensor | None:
     """A @ B^T (+ bias) in `out_dtype` (bf16 or fp16) from bf16 tensor cores with fp32
-    accumulation, on CUDA, where both operands' values are exact in bf16 ([Note: exact bf16
+    accumulation (the buffers: `_operand_buffers` of each operand's usage), on CUDA, where both operands' values are exact in bf16 ([Note: exact bf16
     operands]); None elsewhere (the caller multiplies in fp32).
 
     The fp32 accumulator is rounded once to `out_dtype` after the per-tensor factors and the bias
@@ -150,11 +152,11 @@ def _bf16_tensor_core_product(
         return None
     if isinstance(a, NVFP4Tensor) and isinstance(b, NVFP4Tensor):
         product = torch.mm(
-            _nvfp4_block_values(a, a_usage), _nvfp4_block_values(b, b_usage).t(), out_dtype=torch.float32
+            _nvfp4_block_values(a, *a_buffers), _nvfp4_block_values(b, *b_buffers).t(), out_dtype=torch.float32
         )
         return quant_core.nvfp4_gemm_output(product, a.amax_of(a_usage), b.amax_of(b_usage), bias, out_dtype)
-    a_values, a_factor = bf16_operand(a, a_usage)
-    b_values, b_factor = bf16_operand(b, b_usage)
+    a_values, a_factor = bf16_operand(a, *a_buffers)
+    b_values, b_factor = bf16_operand(b, *b_buffers)
     if a_values is None or b_values is None:
         return None
     factors = [f for f in (a_factor, b_factor) if f is not None]
@@ -170,9 +172,8 @@ def _bf16_tensor_core_product(
     return torch.add(product, bias, out=out)
 
 
-def _nvfp4_block_values(t: NVFP4Tensor, usage: Usage) -> torch.Tensor:
-    """The bf16 block values (codes times E4M3 block scales, without 1 / S) of a usage of t."""
-    data, scale_inv = _operand_buffers(t, usage)
+def _nvfp4_block_values(t: NVFP4Tensor, data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """The bf16 block values (codes times E4M3 block scales, without 1 / S) of t's buffers of one usage."""
     return quant_core.dequantize_nvfp4(data, scale_inv, None, t.block_shape, torch.bfloat16)
 
 
@@ -184,11 +185,12 @@ def _nvfp4_block_values(t: NVFP4Tensor, usage: Usage) -> torch.Tensor:
 # multiplied together and applied to the fp32 product. It differs from the fp32 emulation by
 # accumulation order and the rounding of those factors (within a few fp32 ulps before the final
 # rounding to bf16).
-def bf16_operand(t: QuantizedTensor, usage: Usage) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(bf16 values of a usage of t, per-tensor fp32 factor or None), or (None, None) where the
-    values are not exact in bf16 ([Note: exact bf16 operands]); NVFP4 operands go through
+def bf16_operand(
+    t: QuantizedTensor, data: torch.Tensor, scale_inv: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(bf16 values of t's buffers of one usage, per-tensor fp32 factor or None), or (None, None)
+    where the values are not exact in bf16 ([Note: exact bf16 operands]); NVFP4 operands go through
     `_nvfp4_block_values` and quant-core's `nvfp4_gemm_output` instead (None, None here)."""
-    data, scale_inv = _operand_buffers(t, usage)
     if isinstance(t, Float8Tensor):
         return data.to(torch.bfloat16), scale_inv
     if isinstance(t, MXFP8Tensor) or (isinstance(t, Float8BlockwiseTensor) and t.quantizer.power_2_scales):
