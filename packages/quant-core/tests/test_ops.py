@@ -153,6 +153,10 @@ def _cases() -> dict[str, tuple[torch._ops.OpOverload, tuple]]:
             OPS.dequantize_mxfp8.default,
             (mx.columnwise_data, mx.columnwise_scale_inv, torch.float32),
         ),
+        "dequantize_mxfp8_pair": (
+            OPS.dequantize_mxfp8_pair.default,
+            (mx.columnwise_data, mx.columnwise_scale_inv, mx.rowwise_data, mx.rowwise_scale_inv, torch.bfloat16),
+        ),
         "quantize_fp8_blockwise": (
             OPS.quantize_fp8_blockwise.default,
             (x, 128, E4M3, True, *_empty_like_result(bw)),
@@ -181,6 +185,10 @@ def _cases() -> dict[str, tuple[torch._ops.OpOverload, tuple]]:
         "dequantize_nvfp4": (
             OPS.dequantize_nvfp4.default,
             (nv.rowwise_data, nv.rowwise_scale_inv, 16, nv.amax, torch.float32),
+        ),
+        "dequantize_nvfp4_pair": (
+            OPS.dequantize_nvfp4_pair.default,
+            (*_buffers(nv), 16, nv.amax, 16, None, torch.float16),
         ),
         "nvfp4_gemm_output": (
             OPS.nvfp4_gemm_output.default,
@@ -303,18 +311,19 @@ def test_call_runs_the_implementation_directly_only_in_plain_eager_code(monkeypa
     direct = []
     monkeypatch.setitem(quant_core._ops._operators, "amax", (lambda *a: direct.append(1) or kernel(*a), operator))
 
-    class Seen(torch.utils._python_dispatch.TorchDispatchMode):
-        ops: list = []
+    seen: list[str] = []
 
+    class Seen(torch.utils._python_dispatch.TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
+            seen.append(str(func))
             return func(*args, **(kwargs or {}))
 
     want = OPS.amax(x)
-    assert torch.equal(quant_core._ops.call("amax", x), want) and direct == [1]
+    assert torch.equal(quant_core._ops.call("amax", x), want)
+    assert direct == [1]
     with Seen():
         assert torch.equal(quant_core._ops.call("amax", x), want)
-    assert "quant_core.amax.default" in Seen.ops
+    assert "quant_core.amax.default" in seen
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         quant_core._ops.call("amax", x)
     assert any(e.key == "quant_core::amax" for e in profile.key_averages())

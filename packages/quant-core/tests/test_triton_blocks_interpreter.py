@@ -1,4 +1,5 @@
-"""The two-pass block quantize kernel ([Note: two-pass block quantize]) in Triton's CPU interpreter.
+"""The two-pass block quantize kernel ([Note: two-pass block quantize]) and the two-operand
+dequantize kernel in Triton's CPU interpreter.
 
 Checks indexing on every machine: partial tiles (masks), tiles that divide x (no masks), several
 blocks of rows per program, rolled loops, a transposed view, each usage alone and both, against
@@ -24,6 +25,7 @@ import triton.language as tl
 import quant_core
 from quant_core import _triton_blocks as tb
 from quant_core._triton_blocks import TwoPassTiles
+from quant_core._triton_numerics import Tiles
 from quant_core.testing import adversarial
 
 FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
@@ -91,6 +93,20 @@ check("blockwise", TwoPassTiles(tile_k=128, chunk_m=32, store_m=64, num_warps=4)
 check("blockwise", TwoPassTiles(tile_k=256, chunk_m=32, store_m=128, num_warps=4, unroll=False), blockwise.t(), True, True, fp8_dtype=e5m2, power_2_scales=True)
 check("blockwise", TwoPassTiles(tile_k=128, chunk_m=64, store_m=128, num_warps=4), blockwise, False, True, fp8_dtype=e4m3, power_2_scales=False)
 check("blockwise", TwoPassTiles(tile_k=128, chunk_m=32, store_m=128, num_warps=4), adversarial((128, 256), seed=4), True, False, fp8_dtype=e4m3, power_2_scales=True)
+
+# Two operands in one launch ([Note: dequantizing two operands]): A's programs, then B's, with
+# partial tiles on both sides and an empty A; the values those of the reference, bit for bit.
+tb.DEQUANTIZE_TILES = Tiles(16, 64, 2)
+q = quant_core.quantize_mxfp8_reference(adversarial((40, 100), seed=5), rowwise=True, columnwise=True)
+empty = quant_core.quantize_mxfp8_reference(torch.empty(0, 64))
+buffers = [(q.rowwise_data, q.rowwise_scale_inv), (q.columnwise_data, q.columnwise_scale_inv), (empty.rowwise_data, empty.rowwise_scale_inv)]
+operands = [(data.contiguous(), scale.contiguous()) for data, scale in buffers]  # as the operator passes them
+for a, b in [(operands[0], operands[1]), (operands[1], operands[0]), (operands[2], operands[1])]:
+    outs = [torch.empty(data.shape, dtype=torch.float32) for data, _ in (a, b)]
+    tb._dequantize_mxfp8_pair(*a, *b, *outs)
+    for (data, scale), out in zip((a, b), outs):
+        want = quant_core.dequantize_mxfp8_reference(data, scale, torch.float32)
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (data.shape, out.shape)
 """
 
 

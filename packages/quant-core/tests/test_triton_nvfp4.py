@@ -245,6 +245,18 @@ for block_rows, dtype in [(1, torch.float32), (16, torch.bfloat16), (1, torch.fl
     want = quant_core.dequantize_nvfp4_reference(q.rowwise_data, q.rowwise_scale_inv, None, (block_rows, 16), dtype)
     kernels.launch_dequantize(q.rowwise_data, q.rowwise_scale_inv, block_rows, None, got, "pairs", kernels.Tiles(16, 32, 2))
     assert torch.equal(got.view(width), want.view(width)), (block_rows, dtype, "without the tensor scale")
+# Two operands in one launch: A's programs, then B's (partial tiles both sides, an empty A).
+kernels.DEQUANTIZE_PAIRS_TILES = kernels.Tiles(16, 32, 2)
+tiled = quant_core.quantize_nvfp4_reference(x, (16, 16), global_amax=amax)
+blocks = quant_core.quantize_nvfp4_reference(x, (1, 16), global_amax=amax)
+empty = quant_core.quantize_nvfp4_reference(torch.empty(0, 32))
+operands = [(tiled.rowwise_data, tiled.rowwise_scale_inv, 16, amax), (blocks.rowwise_data, blocks.rowwise_scale_inv, 1, None), (empty.rowwise_data, empty.rowwise_scale_inv, 1, None)]
+for a, b in [(operands[0], operands[1]), (operands[1], operands[0]), (operands[2], operands[0])]:
+    outs = [torch.empty(op[0].shape[0], 2 * op[0].shape[1]) for op in (a, b)]
+    kernels._dequantize_nvfp4_pair(a[0], a[1], b[0], b[1], a[2], a[3], b[2], b[3], *outs)
+    for (data, scale, rows, global_amax), out in zip((a, b), outs):
+        want = quant_core.dequantize_nvfp4_reference(data, scale, global_amax, (rows, 16), torch.float32)
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (data.shape, rows, global_amax)
 kernels.GEMM_OUTPUT_TILES = kernels.Tiles(1, 64, 2)  # 34 x 50 = 1700 elements: 27 programs, the last partial
 product = adversarial((34, 50), torch.float32, seed=5)
 bias = adversarial((50,), torch.bfloat16, seed=6)

@@ -71,6 +71,7 @@ from quant_core._fp8_scale import (
 from quant_core._mxfp8 import (
     MXFP8_BLOCK,
     dequantize_mxfp8,
+    dequantize_mxfp8_pair,
     dequantize_mxfp8_reference,
     quantize_mxfp8,
     quantize_mxfp8_reference,
@@ -78,6 +79,7 @@ from quant_core._mxfp8 import (
 from quant_core._nvfp4 import (
     NVFP4_BLOCK,
     dequantize_nvfp4,
+    dequantize_nvfp4_pair,
     dequantize_nvfp4_reference,
     hadamard_amaxes,
     hadamard_amaxes_reference,
@@ -145,6 +147,7 @@ __all__ = [
     # MXFP8
     "MXFP8_BLOCK",
     "dequantize_mxfp8",
+    "dequantize_mxfp8_pair",
     "dequantize_mxfp8_reference",
     "quantize_mxfp8",
     "quantize_mxfp8_many",
@@ -160,6 +163,7 @@ __all__ = [
     # NVFP4
     "NVFP4_BLOCK",
     "dequantize_nvfp4",
+    "dequantize_nvfp4_pair",
     "dequantize_nvfp4_reference",
     "hadamard_amaxes",
     "hadamard_amaxes_reference",

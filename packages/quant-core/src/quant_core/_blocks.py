@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -190,11 +191,69 @@ def run_dequantize_kernel(
     return out_2d
 
 
+# [Note: dequantizing two operands] The emulated GEMMs on CUDA ([Note: exact bf16 operands] in
+# quant_tensors.ops) dequantize both operands of every GEMM to bf16 before cuBLAS runs. Each public
+# call costs tens of us of host time on an H100 VM (checks, operator, allocation, Triton launch),
+# more than the GPU time of dequantizing a small weight, so the two-operand operators
+# (`dequantize_mxfp8_pair`, `dequantize_nvfp4_pair`) take both operands in one call and, on CUDA,
+# one launch: the grid's first programs dequantize A's tiles, the rest B's, each through the same
+# tile code as the single-operand kernel (bit for bit the same values). Operator arguments: (a_data_2d,
+# a_scale_inv, b_data_2d, b_scale_inv, *A's format args, *B's format args, dtype) -> (a_out, b_out).
+def run_dequantize_pair_kernel(
+    op: str,
+    codes_per_byte: int,
+    a_data_2d: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b_data_2d: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    *args: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The body of every two-operand dequantize operator ([Note: dequantizing two operands]): args
+    are the format's, then the output dtype; the kernel gets (a_data_2d, a_scale_inv, b_data_2d,
+    b_scale_inv, *format args, a_out_2d, b_out_2d)."""
+    *kernel_args, dtype = args
+    outs = [
+        torch.empty((d.shape[0], d.shape[1] * codes_per_byte), dtype=dtype, device=d.device)  # type: ignore[arg-type]
+        for d in (a_data_2d, b_data_2d)
+    ]
+    if outs[0].numel() > 0 or outs[1].numel() > 0:
+        operands = (a_data_2d.contiguous(), a_scale_inv.contiguous(), b_data_2d.contiguous(), b_scale_inv.contiguous())
+        kernel(op, a_data_2d.device)(*operands, *kernel_args, *outs)
+    return outs[0], outs[1]
+
+
+def pair_of(single: Callable[..., None], args_per_operand: int = 0) -> Callable[..., None]:
+    """A two-operand dequantize kernel that runs a single-operand kernel of the same backend on
+    each operand holding elements (backends without a two-operand kernel: C++, reference). Its
+    arguments: (a_data, a_scale, b_data, b_scale, *a's format args, *b's format args, a_out, b_out)."""
+
+    def run(*args: Any) -> None:
+        n = args_per_operand
+        a_data, a_scale, b_data, b_scale = args[:4]
+        a_args, b_args, (a_out, b_out) = args[4 : 4 + n], args[4 + n : 4 + 2 * n], args[4 + 2 * n :]
+        for data, scale, own_args, out in ((a_data, a_scale, a_args, a_out), (b_data, b_scale, b_args, b_out)):
+            if out.numel() > 0:
+                single(data, scale, *own_args, out)
+
+    return run
+
+
 def dequantize_fake(codes_per_byte: int) -> Callable[..., torch.Tensor]:
     """The fake of a block dequantize operator (output metadata for torch.compile)."""
 
     def fake(data_2d: torch.Tensor, scale_inv: torch.Tensor, *args: object) -> torch.Tensor:
         return data_2d.new_empty((data_2d.shape[0], data_2d.shape[1] * codes_per_byte), dtype=args[-1])
+
+    return fake
+
+
+def dequantize_pair_fake(codes_per_byte: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The fake of a two-operand dequantize operator."""
+
+    def fake(a_data_2d: torch.Tensor, a_scale_inv: torch.Tensor, b_data_2d: torch.Tensor, *args: object):
+        return tuple(
+            d.new_empty((d.shape[0], d.shape[1] * codes_per_byte), dtype=args[-1]) for d in (a_data_2d, b_data_2d)
+        )
 
     return fake
 
@@ -291,8 +350,28 @@ def dequantize_blocks(
     kernel(data_2d, scale_inv, *kernel_args, out_2d) with contiguous 2-D operands; columnwise
     data is x^T's rowwise layout, so one kernel serves both usages.
     """
+    check_output_dtype(dtype)
+    format_ = (data_dtype, scale_dtype, codes_per_byte, format_name)
+    data_2d = checked_dequantize_operand(data, scale_inv, block_shape, *format_)
+    out_2d = call(op, data_2d, scale_inv, *kernel_args, dtype)
+    return with_shape(out_2d, (*data.shape[:-1], out_2d.shape[1]))
+
+
+def check_output_dtype(dtype: torch.dtype) -> None:
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"dtype must be one of {FLOAT_DTYPES} for the dequantized values, got {dtype}")
+
+
+def checked_dequantize_operand(
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block_shape: BlockShape,
+    data_dtype: torch.dtype,
+    scale_dtype: torch.dtype,
+    codes_per_byte: int,
+    format_name: str,
+) -> torch.Tensor:
+    """The (R, C / codes per byte) view of `data` after checking it and its scales' dtype, shape and device."""
     if not isinstance(data, torch.Tensor) or data.dtype != data_dtype or data.dim() == 0:
         got = f"{data.dtype} of shape {tuple(data.shape)}" if isinstance(data, torch.Tensor) else type(data).__name__
         raise ValueError(f"{format_name} data must be a {data_dtype} tensor with at least one dim, got {got}")
@@ -305,5 +384,4 @@ def dequantize_blocks(
             f"{scale_dtype} tensor of shape {expected} on {data.device}, got {scale_inv.dtype} of shape "
             f"{tuple(scale_inv.shape)} on {scale_inv.device}"
         )
-    out_2d = call(op, data_2d, scale_inv, *kernel_args, dtype)
-    return with_shape(out_2d, (*data.shape[:-1], C))
+    return data_2d

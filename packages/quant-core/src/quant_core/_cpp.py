@@ -15,6 +15,7 @@ import torch
 from quant_core import _C
 from quant_core._adam import AdamScalars
 from quant_core._backend import register_kernel
+from quant_core._blocks import pair_of
 from quant_core._checks import as_2d
 from quant_core._numerics import E2M1_MAX, E4M3_MAX, to_output_dtype
 from quant_core._nvfp4 import NVFP4_BLOCK, hadamard_signs
@@ -199,6 +200,9 @@ def _dequantize_mxfp8(data_2d: torch.Tensor, scale_inv: torch.Tensor, out_2d: to
     )
 
 
+register_kernel("dequantize_mxfp8_pair", "cpp")(pair_of(_dequantize_mxfp8))
+
+
 @register_kernel("dequantize_fp8_blockwise", "cpp")
 def _dequantize_fp8_blockwise(
     data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, out_2d: torch.Tensor
@@ -239,6 +243,9 @@ def _dequantize_nvfp4(
         _out_dtype_code(out_2d),
         torch.get_num_threads(),
     )
+
+
+register_kernel("dequantize_nvfp4_pair", "cpp")(pair_of(_dequantize_nvfp4, 2))
 
 
 @register_kernel("transpose_bytes", "cpp")

@@ -6,7 +6,9 @@ e4m3(code) * 2^e. Rowwise blocks run along K, columnwise blocks along M ([Note: 
 
 Operators ([Note: block operators]; no format arguments): `torch.ops.quant_core.quantize_mxfp8(
 x_MK, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv)` with E4M3 data and
-uint8 E8M0 scales; `torch.ops.quant_core.dequantize_mxfp8(data_2d, scale_inv, dtype)`.
+uint8 E8M0 scales; `torch.ops.quant_core.dequantize_mxfp8(data_2d, scale_inv, dtype)`;
+`torch.ops.quant_core.dequantize_mxfp8_pair(a_data_2d, a_scale_inv, b_data_2d, b_scale_inv, dtype)
+-> (Tensor, Tensor)` ([Note: dequantizing two operands]).
 """
 
 from __future__ import annotations
@@ -17,19 +19,24 @@ from quant_core._backend import register_kernel
 from quant_core._blocks import (
     BlockQuantized,
     block_amax,
+    check_output_dtype,
     check_quantize_input,
+    checked_dequantize_operand,
     copy_into,
     dequantize_blocks,
     dequantize_fake,
+    dequantize_pair_fake,
     expand_blocks,
+    pair_of,
     quantize_blocks,
     quantize_blocks_reference,
     run_dequantize_kernel,
+    run_dequantize_pair_kernel,
     run_quantize_kernel,
 )
-from quant_core._checks import as_2d
+from quant_core._checks import as_2d, with_shape
 from quant_core._numerics import E4M3_MAX, encode_fp8, max_exponent_within, power_of_two, to_output_dtype
-from quant_core._ops import define_op
+from quant_core._ops import call, define_op
 
 MXFP8_BLOCK = 32
 _BLOCK_SHAPE = (1, MXFP8_BLOCK)
@@ -126,3 +133,35 @@ def _dequantize_mxfp8_op(data_2d: torch.Tensor, scale_inv: torch.Tensor, dtype: 
 @register_kernel("dequantize_mxfp8", "reference")
 def _dequantize_mxfp8_reference_kernel(data_2d: torch.Tensor, scale_inv: torch.Tensor, out_2d: torch.Tensor) -> None:
     out_2d.copy_(dequantize_mxfp8_reference(data_2d, scale_inv, out_2d.dtype))
+
+
+def dequantize_mxfp8_pair(
+    a_data: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`dequantize_mxfp8` of two operands (e.g. a GEMM's) in one call, one launch on CUDA ([Note:
+    dequantizing two operands]): the same values as two calls."""
+    check_output_dtype(dtype)
+    a_2d = checked_dequantize_operand(a_data, a_scale_inv, _BLOCK_SHAPE, torch.float8_e4m3fn, torch.uint8, 1, "MXFP8")
+    b_2d = checked_dequantize_operand(b_data, b_scale_inv, _BLOCK_SHAPE, torch.float8_e4m3fn, torch.uint8, 1, "MXFP8")
+    if a_data.device != b_data.device:
+        raise ValueError(f"the two operands are on {a_data.device} and {b_data.device}; dequantize them on one device")
+    a_out, b_out = call("dequantize_mxfp8_pair", a_2d, a_scale_inv, b_2d, b_scale_inv, dtype)
+    return with_shape(a_out, a_data.shape), with_shape(b_out, b_data.shape)
+
+
+@define_op("dequantize_mxfp8_pair", fake=dequantize_pair_fake(codes_per_byte=1))
+def _dequantize_mxfp8_pair_op(
+    a_data_2d: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b_data_2d: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return run_dequantize_pair_kernel("dequantize_mxfp8_pair", 1, a_data_2d, a_scale_inv, b_data_2d, b_scale_inv, dtype)
+
+
+register_kernel("dequantize_mxfp8_pair", "reference")(pair_of(_dequantize_mxfp8_reference_kernel))

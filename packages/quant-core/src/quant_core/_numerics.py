@@ -119,7 +119,7 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """(R, C/2) bytes -> (R, C) 4-bit codes."""
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], 2 * packed.shape[1])
 
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:

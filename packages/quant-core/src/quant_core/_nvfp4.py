@@ -40,6 +40,9 @@ Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
 - `torch.ops.quant_core.dequantize_nvfp4(data_2d, scale_inv, block_rows, global_amax, dtype)`:
   [Note: block operators], packed data (R, C/2), E4M3 scales, global_amax as above or None (the
   block values without the tensor scale).
+- `torch.ops.quant_core.dequantize_nvfp4_pair(a_data_2d, a_scale_inv, b_data_2d, b_scale_inv,
+  a_block_rows, a_global_amax, b_block_rows, b_global_amax, dtype) -> (Tensor, Tensor)`: each
+  operand as `dequantize_nvfp4`'s, one device ([Note: dequantizing two operands]).
 - `torch.ops.quant_core.nvfp4_gemm_output(product, a_global_amax, b_global_amax, bias, dtype)
   -> Tensor`: [Note: NVFP4 GEMM output]; see `_nvfp4_gemm_output_op` for its contract.
 - `torch.ops.quant_core.transpose_nvfp4(packed_MK) -> Tensor`: rowwise 16 x 16 data (M, K/2)
@@ -64,15 +67,20 @@ from quant_core._blocks import (
     BlockShape,
     block_amax,
     check_block_shape,
+    check_output_dtype,
     check_quantize_input,
+    checked_dequantize_operand,
     copy_into,
     dequantize_blocks,
     dequantize_fake,
+    dequantize_pair_fake,
     element_index,
     expand_blocks,
+    pair_of,
     quantize_blocks,
     quantize_blocks_reference,
     run_dequantize_kernel,
+    run_dequantize_pair_kernel,
     run_quantize_kernel,
 )
 from quant_core._checks import as_2d, check_float_input, check_scalar, with_shape
@@ -441,6 +449,59 @@ def _dequantize_nvfp4_reference_kernel(
     S = None if global_amax is None else nvfp4_tensor_scale(global_amax)
     values = _dequantize_with_tensor_scale_reference(data_2d, scale_inv, S, (block_rows, NVFP4_BLOCK))
     out_2d.copy_(to_output_dtype(values, out_2d.dtype))
+
+
+def dequantize_nvfp4_pair(
+    a_data: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    a_global_amax: torch.Tensor | None,
+    b_data: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    b_global_amax: torch.Tensor | None,
+    *,
+    a_block_shape: BlockShape = (1, NVFP4_BLOCK),
+    b_block_shape: BlockShape = (1, NVFP4_BLOCK),
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`dequantize_nvfp4` of two operands (e.g. a GEMM's) in one call, one launch on CUDA ([Note:
+    dequantizing two operands]): the same values as two calls."""
+    check_output_dtype(dtype)
+    operands = []
+    for data, scale_inv, global_amax, block_shape in (
+        (a_data, a_scale_inv, a_global_amax, a_block_shape),
+        (b_data, b_scale_inv, b_global_amax, b_block_shape),
+    ):
+        block_shape = check_block_shape(block_shape, NVFP4_SHAPES, "NVFP4")
+        if global_amax is not None:
+            global_amax = check_scalar(global_amax, "global_amax", data.device).reshape(())
+        data_2d = checked_dequantize_operand(data, scale_inv, block_shape, torch.uint8, torch.float8_e4m3fn, 2, "NVFP4")
+        operands.append((data_2d, scale_inv, block_shape[0], global_amax))
+    (a_2d, a_scale, a_rows, a_amax), (b_2d, b_scale, b_rows, b_amax) = operands
+    if a_data.device != b_data.device:
+        raise ValueError(f"the two operands are on {a_data.device} and {b_data.device}; dequantize them on one device")
+    a_out, b_out = call("dequantize_nvfp4_pair", a_2d, a_scale, b_2d, b_scale, a_rows, a_amax, b_rows, b_amax, dtype)
+    return with_shape(a_out, (*a_data.shape[:-1], a_out.shape[1])), with_shape(
+        b_out, (*b_data.shape[:-1], b_out.shape[1])
+    )
+
+
+@define_op("dequantize_nvfp4_pair", fake=dequantize_pair_fake(codes_per_byte=2))
+def _dequantize_nvfp4_pair_op(
+    a_data_2d: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b_data_2d: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    a_block_rows: int,
+    a_global_amax: torch.Tensor | None,
+    b_block_rows: int,
+    b_global_amax: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    args = (a_block_rows, a_global_amax, b_block_rows, b_global_amax, dtype)
+    return run_dequantize_pair_kernel("dequantize_nvfp4_pair", 2, a_data_2d, a_scale_inv, b_data_2d, b_scale_inv, *args)
+
+
+register_kernel("dequantize_nvfp4_pair", "reference")(pair_of(_dequantize_nvfp4_reference_kernel, 2))
 
 
 # ---- the output of an emulated GEMM ---------------------------------------------------------------

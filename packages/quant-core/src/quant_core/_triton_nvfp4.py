@@ -594,7 +594,8 @@ def _decode_nibbles(codes):
 
 
 @triton.jit
-def _dequantize_nvfp4_pairs_kernel(
+def _dequantize_nvfp4_pairs_tile(
+    tile,
     data_ptr,
     scale_ptr,
     amax_ptr,
@@ -607,14 +608,14 @@ def _dequantize_nvfp4_pairs_kernel(
     TILE_C: tl.constexpr,
     HARDWARE: tl.constexpr,
 ):
-    """`_dequantize_nvfp4_kernel`'s contract, each byte read once: the tile's bytes are loaded as
-    (TILE_R, TILE_C / 8, 4), so a thread's 4 bytes decode to 8 consecutive outputs (one 16-byte
-    bf16 store, no layout conversion), with the scale of their half block; the values of the low
-    and high nibbles are joined into the (TILE_R, TILE_C) output."""
+    """`_dequantize_nvfp4_kernel`'s contract for tile `tile`, each byte read once: the tile's bytes
+    are loaded as (TILE_R, TILE_C / 8, 4), so a thread's 4 bytes decode to 8 consecutive outputs
+    (one 16-byte bf16 store, no layout conversion), with the scale of their half block; the values
+    of the low and high nibbles are joined into the (TILE_R, TILE_C) output."""
     G: tl.constexpr = TILE_C // 8
     col_tiles = tl.cdiv(C, TILE_C)
-    tile_r = tl.program_id(0) // col_tiles
-    tile_c = tl.program_id(0) % col_tiles
+    tile_r = tile // col_tiles
+    tile_c = tile % col_tiles
     rows = (tile_r * TILE_R + tl.arange(0, TILE_R)).to(tl.int64)[:, None, None]
     groups = tile_c * G + tl.arange(0, G)[None, :, None]
     byte_cols = 4 * groups + tl.arange(0, 4)[None, None, :]
@@ -628,6 +629,94 @@ def _dequantize_nvfp4_pairs_kernel(
     rows_R = tl.reshape(rows, (TILE_R, 1))
     cols = tile_c * TILE_C + tl.arange(0, TILE_C)[None, :]
     store_values(out_ptr, rows_R * C + cols, tl.reshape(values, (TILE_R, TILE_C)), (rows_R < R) & (cols < C))
+
+
+@triton.jit
+def _dequantize_nvfp4_pairs_kernel(
+    data_ptr,
+    scale_ptr,
+    amax_ptr,
+    out_ptr,
+    R,
+    C,
+    BLOCK_ROWS: tl.constexpr,
+    TENSOR_SCALE: tl.constexpr,
+    TILE_R: tl.constexpr,
+    TILE_C: tl.constexpr,
+    HARDWARE: tl.constexpr,
+):
+    """One program per tile of `_dequantize_nvfp4_pairs_tile`."""
+    _dequantize_nvfp4_pairs_tile(
+        tl.program_id(0),
+        data_ptr,
+        scale_ptr,
+        amax_ptr,
+        out_ptr,
+        R,
+        C,
+        BLOCK_ROWS,
+        TENSOR_SCALE,
+        TILE_R,
+        TILE_C,
+        HARDWARE,
+    )
+
+
+@triton.jit
+def _dequantize_nvfp4_operand_pair_kernel(
+    a_data_ptr,
+    a_scale_ptr,
+    a_amax_ptr,
+    a_out_ptr,
+    a_R,
+    a_C,
+    b_data_ptr,
+    b_scale_ptr,
+    b_amax_ptr,
+    b_out_ptr,
+    b_R,
+    b_C,
+    A_BLOCK_ROWS: tl.constexpr,
+    B_BLOCK_ROWS: tl.constexpr,
+    A_TENSOR_SCALE: tl.constexpr,
+    B_TENSOR_SCALE: tl.constexpr,
+    TILE_R: tl.constexpr,
+    TILE_C: tl.constexpr,
+    HARDWARE: tl.constexpr,
+):
+    """A's tiles, then B's ([Note: dequantizing two operands] in quant_core._blocks)."""
+    a_tiles = tl.cdiv(a_R, TILE_R) * tl.cdiv(a_C, TILE_C)
+    tile = tl.program_id(0)
+    if tile < a_tiles:
+        _dequantize_nvfp4_pairs_tile(
+            tile,
+            a_data_ptr,
+            a_scale_ptr,
+            a_amax_ptr,
+            a_out_ptr,
+            a_R,
+            a_C,
+            A_BLOCK_ROWS,
+            A_TENSOR_SCALE,
+            TILE_R,
+            TILE_C,
+            HARDWARE,
+        )
+    else:
+        _dequantize_nvfp4_pairs_tile(
+            tile - a_tiles,
+            b_data_ptr,
+            b_scale_ptr,
+            b_amax_ptr,
+            b_out_ptr,
+            b_R,
+            b_C,
+            B_BLOCK_ROWS,
+            B_TENSOR_SCALE,
+            TILE_R,
+            TILE_C,
+            HARDWARE,
+        )
 
 
 def launch_dequantize(
@@ -672,6 +761,49 @@ def _dequantize_nvfp4(
 ) -> None:
     tiles = DEQUANTIZE_PAIRS_TILES if DEQUANTIZE_VARIANT == "pairs" else DEQUANTIZE_TILES
     launch_dequantize(data_2d, scale_inv, block_rows, global_amax, out_2d, DEQUANTIZE_VARIANT, tiles)
+
+
+@register_kernel("dequantize_nvfp4_pair", "triton", traceable=True)
+def _dequantize_nvfp4_pair(
+    a_data_2d: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b_data_2d: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    a_block_rows: int,
+    a_global_amax: torch.Tensor | None,
+    b_block_rows: int,
+    b_global_amax: torch.Tensor | None,
+    a_out_2d: torch.Tensor,
+    b_out_2d: torch.Tensor,
+) -> None:
+    """Both operands in one launch of the "pairs" kernel's tiles (DEQUANTIZE_PAIRS_TILES)."""
+    tiles = DEQUANTIZE_PAIRS_TILES
+    (a_R, a_C), (b_R, b_C) = a_out_2d.shape, b_out_2d.shape
+    launch(
+        _dequantize_nvfp4_operand_pair_kernel,
+        (cdiv(a_R, tiles.tile_m) * cdiv(a_C, tiles.tile_k) + cdiv(b_R, tiles.tile_m) * cdiv(b_C, tiles.tile_k),),
+        a_data_2d,
+        a_scale_inv,
+        a_scale_inv if a_global_amax is None else a_global_amax,  # not read without A_TENSOR_SCALE
+        a_out_2d,
+        a_R,
+        a_C,
+        b_data_2d,
+        b_scale_inv,
+        b_scale_inv if b_global_amax is None else b_global_amax,
+        b_out_2d,
+        b_R,
+        b_C,
+        A_BLOCK_ROWS=a_block_rows,
+        B_BLOCK_ROWS=b_block_rows,
+        A_TENSOR_SCALE=a_global_amax is not None,
+        B_TENSOR_SCALE=b_global_amax is not None,
+        TILE_R=tiles.tile_m,
+        TILE_C=tiles.tile_k,
+        HARDWARE=HARDWARE_FP8,
+        num_warps=tiles.num_warps,
+        **EXACT,
+    )
 
 
 @triton.jit

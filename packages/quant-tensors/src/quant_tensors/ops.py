@@ -139,8 +139,10 @@ def _bf16_tensor_core_product(
     bias: torch.Tensor | None,
 ) -> torch.Tensor | None:
     """A @ B^T (+ bias) in `out_dtype` (bf16 or fp16) from bf16 tensor cores with fp32
-    accumulation (the buffers: `_operand_buffers` of each operand's usage), on CUDA, where both operands' values are exact in bf16 ([Note: exact bf16
-    operands]); None elsewhere (the caller multiplies in fp32).
+    accumulation (the buffers: `_operand_buffers` of each operand's usage), on CUDA, where both
+    operands' values are exact in bf16 ([Note: exact bf16 operands]); None elsewhere (the caller
+    multiplies in fp32). Two MXFP8 or two NVFP4 operands are dequantized in one quant-core call
+    (quant-core's [Note: dequantizing two operands]).
 
     The fp32 accumulator is rounded once to `out_dtype` after the per-tensor factors and the bias
     (in fp32). Without either the GEMM writes bf16 itself; otherwise it writes fp32 and one
@@ -150,13 +152,24 @@ def _bf16_tensor_core_product(
     in its kernel: no scale ops per GEMM on the host."""
     if a.device.type != "cuda":
         return None
-    if isinstance(a, NVFP4Tensor) and isinstance(b, NVFP4Tensor):
-        product = torch.mm(
-            _nvfp4_block_values(a, *a_buffers), _nvfp4_block_values(b, *b_buffers).t(), out_dtype=torch.float32
+    if isinstance(a, NVFP4Tensor) and isinstance(b, NVFP4Tensor):  # the block values, without 1 / S
+        a_values, b_values = quant_core.dequantize_nvfp4_pair(
+            *a_buffers,
+            None,
+            *b_buffers,
+            None,
+            a_block_shape=a.block_shape,
+            b_block_shape=b.block_shape,
+            dtype=torch.bfloat16,
         )
+        product = torch.mm(a_values, b_values.t(), out_dtype=torch.float32)
         return quant_core.nvfp4_gemm_output(product, a.amax_of(a_usage), b.amax_of(b_usage), bias, out_dtype)
-    a_values, a_factor = bf16_operand(a, *a_buffers)
-    b_values, b_factor = bf16_operand(b, *b_buffers)
+    if isinstance(a, MXFP8Tensor) and isinstance(b, MXFP8Tensor):
+        a_values, b_values = quant_core.dequantize_mxfp8_pair(*a_buffers, *b_buffers, torch.bfloat16)
+        a_factor = b_factor = None
+    else:
+        a_values, a_factor = bf16_operand(a, *a_buffers)
+        b_values, b_factor = bf16_operand(b, *b_buffers)
     if a_values is None or b_values is None:
         return None
     factors = [f for f in (a_factor, b_factor) if f is not None]
@@ -172,11 +185,6 @@ def _bf16_tensor_core_product(
     return torch.add(product, bias, out=out)
 
 
-def _nvfp4_block_values(t: NVFP4Tensor, data: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """The bf16 block values (codes times E4M3 block scales, without 1 / S) of t's buffers of one usage."""
-    return quant_core.dequantize_nvfp4(data, scale_inv, None, t.block_shape, torch.bfloat16)
-
-
 # [Note: exact bf16 operands] bf16 holds 8 significant bits. E4M3/E5M2 codes (<= 4), codes times a
 # power of two (MXFP8's E8M0 scales, blockwise FP8 with power-of-two scales) and E2M1 codes times
 # E4M3 block scales (NVFP4 without its tensor scale: <= 5 bits) are exact in bf16 (short of
@@ -190,7 +198,7 @@ def bf16_operand(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(bf16 values of t's buffers of one usage, per-tensor fp32 factor or None), or (None, None)
     where the values are not exact in bf16 ([Note: exact bf16 operands]); NVFP4 operands go through
-    `_nvfp4_block_values` and quant-core's `nvfp4_gemm_output` instead (None, None here)."""
+    quant-core's `dequantize_nvfp4_pair` and `nvfp4_gemm_output` instead (None, None here)."""
     if isinstance(t, Float8Tensor):
         return data.to(torch.bfloat16), scale_inv
     if isinstance(t, MXFP8Tensor) or (isinstance(t, Float8BlockwiseTensor) and t.quantizer.power_2_scales):
