@@ -18,3 +18,21 @@ def test_every_layer_kind_gets_a_host_time():
         assert math.isfinite(r.host_us)
         assert r.host_us > 0
     assert next(r for r in results if r.layer == "nn.Linear").vs_nn_linear == 1.0
+
+
+def test_each_step_quantizes_a_new_input(monkeypatch):
+    """As in training: a step whose input was quantized already (qt.nn's sibling cache) would skip
+    the input's quantize and time less than a training step's layer costs."""
+    import quant_tensors.nn as qt_nn
+
+    seen: list[bool] = []
+    quantize_input = qt_nn._quantize_input
+
+    def recording(x, *args, **kwargs):
+        seen.append(x in qt_nn._quantized_inputs)
+        return quantize_input(x, *args, **kwargs)
+
+    monkeypatch.setattr(qt_nn, "_quantize_input", recording)
+    benchmark_linear_host(torch.device("cpu"), size=128, iterations=3, repeats=2, compile=False)
+    assert seen
+    assert not any(seen)

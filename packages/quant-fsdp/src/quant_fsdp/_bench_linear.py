@@ -85,7 +85,7 @@ def benchmark_linear_host(
     device: torch.device, *, size: int = 256, iterations: int = 50, repeats: int = 5, compile: bool = True
 ) -> list[LinearHostResult]:
     """Host time per fwd + bwd of every layer kind on `device` (eager, and compiled if asked)."""
-    x = torch.randn(size, size, device=device, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     dy = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     measured: list[tuple[str, bool, float, str]] = []
     for name, build in _layers(size, device).items():
@@ -96,7 +96,10 @@ def benchmark_linear_host(
                 forward = torch.compile(layer) if compiled else layer
 
                 def step(forward=forward) -> None:
-                    forward(x).backward(dy)
+                    # A new input object each step, as in training: the same one would find its
+                    # quantization in qt.nn's sibling cache ([Note: sibling layers share one
+                    # quantized input]) and skip the input's quantize.
+                    forward(x.detach().requires_grad_(True)).backward(dy)
 
                 measured.append((name, compiled, _host_us(step, device, iterations, repeats), ""))
             except Exception as error:  # one failing layer kind must not hide the others
