@@ -480,9 +480,8 @@ def dequantize_nvfp4_pair(
     if a_data.device != b_data.device:
         raise ValueError(f"the two operands are on {a_data.device} and {b_data.device}; dequantize them on one device")
     a_out, b_out = call("dequantize_nvfp4_pair", a_2d, a_scale, b_2d, b_scale, a_rows, a_amax, b_rows, b_amax, dtype)
-    return with_shape(a_out, (*a_data.shape[:-1], a_out.shape[1])), with_shape(
-        b_out, (*b_data.shape[:-1], b_out.shape[1])
-    )
+    a_values = with_shape(a_out, (*a_data.shape[:-1], a_out.shape[1]))
+    return a_values, with_shape(b_out, (*b_data.shape[:-1], b_out.shape[1]))
 
 
 @define_op("dequantize_nvfp4_pair", fake=dequantize_pair_fake(codes_per_byte=2))

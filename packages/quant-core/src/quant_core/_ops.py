@@ -9,9 +9,10 @@ these operators as opaque nodes (their fake implementations give output shapes a
 exactly those as mutated and return nothing; the others return new tensors.
 
 The public functions (`quant_core.quantize_fp8`, ...) check their arguments once and call these
-operators through `call` ([Note: eager operator calls]). The operators themselves are the unchecked fast entry points for callers that have
-validated already: each one's docstring states its contract (what the caller guarantees); an
-operator called outside its contract may write out of bounds.
+operators through `call` ([Note: eager operator calls]). The operators themselves are the
+unchecked fast entry points for callers that have validated already: each one's docstring states
+its contract (what the caller guarantees); an operator called outside its contract may write out
+of bounds.
 
 Why `torch.library.Library.define` + `impl` rather than `torch.library.custom_op`: the same
 schema, fake kernels and tracing, but custom_op's Python wrappers (autograd, version counters)
