@@ -42,13 +42,15 @@ def _layer(name: str) -> torch.nn.Module:
 
 def _warm_layers(recipes: list[str]) -> Iterator[tuple[str, Callable[[], None]]]:
     """(name, step) per recipe, each layer warmed up: step() runs one fwd+bwd at SIZE^3."""
-    x = torch.randn(SIZE, SIZE, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(SIZE, SIZE, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(SIZE, SIZE, device="cuda", dtype=torch.bfloat16)
     for name in recipes:
         layer = _layer(name)
 
         def step(layer=layer) -> None:
-            layer(x).backward(dy)
+            # A new input object each step, as in training (the same one would hit qt.nn's
+            # sibling cache and skip the input's quantize).
+            layer(x.detach().requires_grad_(True)).backward(dy)
 
         for _ in range(5):
             step()
@@ -68,7 +70,22 @@ def host(recipes: list[str]) -> None:
         stats = pstats.Stats(profiler)
         calls = sum(entry[1] for entry in stats.stats.values()) / steps  # type: ignore[attr-defined]
         print(f"\n=== {name}: {stats.total_tt / steps * 1e6:.0f} us/step under cProfile, {calls:.0f} calls/step")  # type: ignore[attr-defined]
+        print(
+            "own time by where the code lives (us/step): "
+            + ", ".join(f"{k} {v / steps * 1e6:.0f}" for k, v in _by_package(stats))
+        )
         stats.sort_stats("tottime").print_stats(28)
+
+
+def _by_package(stats: pstats.Stats) -> list[tuple[str, float]]:
+    """Own (tottime) seconds summed by where the function lives, largest first: our three
+    packages, Triton, torch's Python, C functions (torch ops, launches: "C"), the rest."""
+    totals: dict[str, float] = {}
+    for (path, _, _), (_, _, own, _, _) in stats.stats.items():  # type: ignore[attr-defined]
+        where = next((p for p in ("quant_core", "quant_tensors", "quant_fsdp", "triton", "torch") if p in path), None)
+        key = where or ("C" if path == "~" else "other")
+        totals[key] = totals.get(key, 0.0) + own
+    return sorted(totals.items(), key=lambda item: -item[1])
 
 
 def ops(recipes: list[str]) -> None:

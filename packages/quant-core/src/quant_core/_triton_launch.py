@@ -61,7 +61,9 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any
     if _INTERPRETED:
         kernel[grid](*args, **kwargs)
         return
-    if any(isinstance(a, FunctionalTensor) for a in args):  # [Note: traced Triton kernels] in quant_core._ops
+    # [Note: traced Triton kernels] in quant_core._ops: functional tensors only come with their
+    # mode on the dispatch stack, so eager launches skip the scan of their arguments.
+    if torch._C._len_torch_dispatch_stack() and any(isinstance(a, FunctionalTensor) for a in args):
         wrap_triton(kernel)[grid](*args, **kwargs)
         return
     # torch's own calls behind Triton's driver.active.get_current_device / get_current_stream
