@@ -93,12 +93,18 @@ def test_pairs_refuse_bad_operands_naming_the_problem():
         quant_core.dequantize_mxfp8_pair(a_data, a_scale, b_data.view(torch.uint8), b_scale)
     with pytest.raises(ValueError, match="dtype must be one of"):
         quant_core.dequantize_mxfp8_pair(a_data, a_scale, b_data, b_scale, torch.int32)
+    with pytest.raises(ValueError, match="the two operands are on meta and cpu; dequantize them on one device"):
+        quant_core.dequantize_mxfp8_pair(a_data.to("meta"), a_scale.to("meta"), b_data, b_scale)
     (x_data, x_scale, x_amax, _), (w_data, w_scale, _, w_shape) = _nvfp4_operands("cpu")[0], _nvfp4_operands("cpu")[2]
     with pytest.raises(ValueError, match=r"in \(1, 16\) blocks"):  # a tiled weight's scales read as 1 x 16 blocks
         quant_core.dequantize_nvfp4_pair(x_data, x_scale, x_amax, w_data, w_scale, None)
     with pytest.raises(ValueError, match="global_amax must be a one-element float32 tensor"):
         quant_core.dequantize_nvfp4_pair(
             x_data, x_scale, x_amax, w_data, w_scale, x_amax.double(), b_block_shape=w_shape
+        )
+    with pytest.raises(ValueError, match="the two operands are on cpu and meta"):
+        quant_core.dequantize_nvfp4_pair(
+            x_data, x_scale, x_amax, w_data.to("meta"), w_scale.to("meta"), None, b_block_shape=w_shape
         )
 
 

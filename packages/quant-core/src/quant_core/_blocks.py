@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from quant_core._backend import kernel
-from quant_core._checks import FLOAT_DTYPES, as_2d, check_float_input, output_buffer, with_shape
+from quant_core._checks import as_2d, check_float_input, check_output_dtype, output_buffer, with_shape
 from quant_core._numerics import finite_abs
 from quant_core._ops import call
 
@@ -357,11 +357,6 @@ def dequantize_blocks(
     return with_shape(out_2d, (*data.shape[:-1], out_2d.shape[1]))
 
 
-def check_output_dtype(dtype: torch.dtype) -> None:
-    if dtype not in FLOAT_DTYPES:
-        raise ValueError(f"dtype must be one of {FLOAT_DTYPES} for the dequantized values, got {dtype}")
-
-
 def checked_dequantize_operand(
     data: torch.Tensor,
     scale_inv: torch.Tensor,
@@ -385,3 +380,9 @@ def checked_dequantize_operand(
             f"{tuple(scale_inv.shape)} on {scale_inv.device}"
         )
     return data_2d
+
+
+def check_pair_device(a_data: torch.Tensor, b_data: torch.Tensor) -> None:
+    """The two operands of a two-operand dequantize ([Note: dequantizing two operands]) share a device."""
+    if a_data.device != b_data.device:
+        raise ValueError(f"the two operands are on {a_data.device} and {b_data.device}; dequantize them on one device")

@@ -34,6 +34,13 @@ def check_fp8_dtype(fp8_dtype: object) -> torch.dtype:
     return fp8_dtype  # type: ignore[return-value]
 
 
+def check_output_dtype(dtype: object) -> torch.dtype:
+    """Checks the dtype asked for an op's floating-point output (dequantized values, a GEMM's output)."""
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype must be one of {FLOAT_DTYPES} for the output values, got {dtype}")
+    return dtype  # type: ignore[return-value]
+
+
 def check_scalar(t: object, name: str, device: torch.device) -> torch.Tensor:
     """Checks a per-tensor fp32 scale/amax: one element, float32, on `device`."""
     if not isinstance(t, torch.Tensor) or t.numel() != 1 or t.dtype != torch.float32:

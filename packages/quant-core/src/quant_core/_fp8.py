@@ -25,7 +25,15 @@ from __future__ import annotations
 import torch
 
 from quant_core._backend import kernel, register_kernel
-from quant_core._checks import as_2d, check_float_input, check_fp8_dtype, check_scalar, output_buffer, with_shape
+from quant_core._checks import (
+    as_2d,
+    check_float_input,
+    check_fp8_dtype,
+    check_output_dtype,
+    check_scalar,
+    output_buffer,
+    with_shape,
+)
 from quant_core._numerics import encode_fp8, finite_abs, to_output_dtype
 from quant_core._ops import call, define_op
 
@@ -167,8 +175,7 @@ def dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dty
     if not isinstance(data, torch.Tensor) or data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise ValueError(f"data must have an FP8 dtype, got {getattr(data, 'dtype', type(data).__name__)}")
     check_scalar(scale_inv, "scale_inv", data.device)
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"dtype must be float32, bfloat16 or float16 for the dequantized values, got {dtype}")
+    check_output_dtype(dtype)
     return with_shape(call("dequantize_fp8", as_2d(data), scale_inv, dtype), data.shape)
 
 

@@ -19,7 +19,7 @@ from quant_core._backend import register_kernel
 from quant_core._blocks import (
     BlockQuantized,
     block_amax,
-    check_output_dtype,
+    check_pair_device,
     check_quantize_input,
     checked_dequantize_operand,
     copy_into,
@@ -34,7 +34,7 @@ from quant_core._blocks import (
     run_dequantize_pair_kernel,
     run_quantize_kernel,
 )
-from quant_core._checks import as_2d, with_shape
+from quant_core._checks import as_2d, check_output_dtype, with_shape
 from quant_core._numerics import E4M3_MAX, encode_fp8, max_exponent_within, power_of_two, to_output_dtype
 from quant_core._ops import call, define_op
 
@@ -147,8 +147,7 @@ def dequantize_mxfp8_pair(
     check_output_dtype(dtype)
     a_2d = checked_dequantize_operand(a_data, a_scale_inv, _BLOCK_SHAPE, torch.float8_e4m3fn, torch.uint8, 1, "MXFP8")
     b_2d = checked_dequantize_operand(b_data, b_scale_inv, _BLOCK_SHAPE, torch.float8_e4m3fn, torch.uint8, 1, "MXFP8")
-    if a_data.device != b_data.device:
-        raise ValueError(f"the two operands are on {a_data.device} and {b_data.device}; dequantize them on one device")
+    check_pair_device(a_data, b_data)
     a_out, b_out = call("dequantize_mxfp8_pair", a_2d, a_scale_inv, b_2d, b_scale_inv, dtype)
     return with_shape(a_out, a_data.shape), with_shape(b_out, b_data.shape)
 

@@ -67,7 +67,7 @@ from quant_core._blocks import (
     BlockShape,
     block_amax,
     check_block_shape,
-    check_output_dtype,
+    check_pair_device,
     check_quantize_input,
     checked_dequantize_operand,
     copy_into,
@@ -83,7 +83,7 @@ from quant_core._blocks import (
     run_dequantize_pair_kernel,
     run_quantize_kernel,
 )
-from quant_core._checks import as_2d, check_float_input, check_scalar, with_shape
+from quant_core._checks import as_2d, check_float_input, check_output_dtype, check_scalar, with_shape
 from quant_core._fp8 import amax, amax_reference
 from quant_core._numerics import (
     E2M1_MAX,
@@ -477,8 +477,7 @@ def dequantize_nvfp4_pair(
         data_2d = checked_dequantize_operand(data, scale_inv, block_shape, torch.uint8, torch.float8_e4m3fn, 2, "NVFP4")
         operands.append((data_2d, scale_inv, block_shape[0], global_amax))
     (a_2d, a_scale, a_rows, a_amax), (b_2d, b_scale, b_rows, b_amax) = operands
-    if a_data.device != b_data.device:
-        raise ValueError(f"the two operands are on {a_data.device} and {b_data.device}; dequantize them on one device")
+    check_pair_device(a_data, b_data)
     a_out, b_out = call("dequantize_nvfp4_pair", a_2d, a_scale, b_2d, b_scale, a_rows, a_amax, b_rows, b_amax, dtype)
     a_values = with_shape(a_out, (*a_data.shape[:-1], a_out.shape[1]))
     return a_values, with_shape(b_out, (*b_data.shape[:-1], b_out.shape[1]))
@@ -548,8 +547,7 @@ def nvfp4_gemm_output(
             f"bias must have shape ({product.shape[1]},) on {product.device} (one per output column), got "
             f"shape {tuple(bias.shape)} on {bias.device}"
         )
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    check_output_dtype(dtype)
     return call(
         "nvfp4_gemm_output", product.contiguous(), a_global_amax.reshape(()), b_global_amax.reshape(()), bias, dtype
     )

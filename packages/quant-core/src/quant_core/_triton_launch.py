@@ -80,7 +80,10 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any
         return
     compiled, constexprs = entry
     stream = torch._C._cuda_getCurrentRawStream(device)
-    enter_hook, exit_hook = _set(knobs.runtime.launch_enter_hook), _set(knobs.runtime.launch_exit_hook)
+    enter_hook, exit_hook = (
+        _hook_or_none(knobs.runtime.launch_enter_hook),
+        _hook_or_none(knobs.runtime.launch_exit_hook),
+    )
     hooked = enter_hook is not None or exit_hook is not None
     metadata = compiled.launch_metadata(grid, stream, *args, *constexprs) if hooked else None
     compiled.run(
@@ -98,6 +101,6 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any
     )
 
 
-def _set(hook: Any) -> Any:
+def _hook_or_none(hook: Any) -> Any:
     """A launch hook, or None where none is set (an empty `HookChain`, or None in older Tritons)."""
     return None if hook is None or getattr(hook, "calls", None) == [] else hook
