@@ -3,6 +3,7 @@
     python3 scripts/profile_gpu.py host [RECIPE ...]   # cProfile of qt.nn.Linear fwd+bwd, bf16 256^3
     python3 scripts/profile_gpu.py ops [RECIPE ...]    # torch.profiler: ops and launches per fwd+bwd
     python3 scripts/profile_gpu.py parts               # host us of each piece of an fp8 fwd+bwd, timed alone
+    python3 scripts/profile_gpu.py accumulation        # fp8 forward GEMMs with and without fast accumulation
     python3 scripts/profile_gpu.py kernels [CASE ...]  # each quantize twice at bf16 8192^2 (under ncu)
     python3 scripts/profile_gpu.py e2e [--config NAME] [RUN ...]  # GPU time per e2e training step, by kernel
     python3 scripts/profile_gpu.py memory [--config NAME] [RUN ...]  # peak memory per phase of an e2e step
@@ -20,6 +21,8 @@ then the one ncu should profile: `ncu --launch-skip` per kernel name, see gpu-su
 from __future__ import annotations
 
 import cProfile
+import functools
+import os
 import pstats
 import sys
 import time
@@ -224,10 +227,52 @@ def e2e(runs: list[str], config: str = "default") -> None:
         )
         for group, us in sorted(groups.items(), key=lambda kv: -kv[1]):
             print(f"  {group:14s} {us / 1e3:8.2f} ms {us / total:6.1%}")
-        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]:
+        ranked = sorted(kernels, key=lambda e: -e.self_device_time_total)
+        for e in ranked[:25]:
             print(f"  {e.count / steps:5.0f}x {e.self_device_time_total / steps / 1e3:7.2f} ms  {e.key[:110]}")
+        if os.environ.get("OUT"):  # every kernel, for diffing two runs offline
+            path = os.path.join(os.environ["OUT"], f"kernels_{spec.name.replace(':', '_')}.tsv")
+            with open(path, "w") as out:
+                for e in ranked:
+                    group = _kernel_group(e.key)
+                    out.write(f"{e.count / steps:.0f}\t{e.self_device_time_total / steps:.1f}\t{group}\t{e.key}\n")
         del step
         free_memory(torch.device("cuda"))
+
+
+def accumulation() -> None:
+    """The forward GEMMs of the e2e models (tokens 8192) with and without fast accumulation ([Note:
+    fast accumulation] in quant_tensors.ops): CUDA-event time of each and the relative L2 error
+    against the fp32 product of the same FP8 operands (fp32 outputs for the error, bf16 for the time)."""
+    recipe = qt.Float8CurrentScaling()
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    print(
+        f"{'M x N x K':>20s} {'promoted us':>12s} {'fast us':>9s} {'fast/promoted':>14s} {'error promoted':>15s} {'error fast':>11s}"
+    )
+    for n, k in ((2048, 2048), (8192, 2048), (2048, 8192), (4096, 4096), (14336, 4096), (4096, 14336)):
+        x = recipe.quantizer("input").quantize(torch.randn(8192, k, device="cuda", generator=generator).bfloat16())
+        w = recipe.quantizer("weight").quantize(
+            (torch.randn(n, k, device="cuda", generator=generator) * 0.02).bfloat16()
+        )
+        exact = torch.matmul(qt.ops.operand_values(x, "rowwise"), qt.ops.operand_values(w, "rowwise").t())
+        row = []
+        for fast in (False, True):
+            product = qt.ops.scaled_mm(x, w, torch.float32, fast_accumulation=fast)  # no bf16 rounding in the error
+            error = float((product - exact).norm() / exact.norm())
+            gemm = functools.partial(qt.ops.scaled_mm, x, w, torch.bfloat16, fast_accumulation=fast)
+            for _ in range(3):
+                gemm()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(50):
+                gemm()
+            end.record()
+            end.synchronize()
+            row.append((start.elapsed_time(end) / 50 * 1e3, error))
+        (slow_us, slow_error), (fast_us, fast_error) = row
+        print(
+            f"{f'8192 x {n} x {k}':>20s} {slow_us:12.1f} {fast_us:9.1f} {fast_us / slow_us:14.3f} {slow_error:15.2e} {fast_error:11.2e}"
+        )
 
 
 def _saved_bytes(t: torch.Tensor) -> tuple[str, int]:
@@ -386,6 +431,8 @@ if __name__ == "__main__":
         ops(recipes)
     elif sys.argv[1] == "parts":
         parts()
+    elif sys.argv[1] == "accumulation":
+        accumulation()
     elif sys.argv[1] == "optim-1e7":
         optim_1e7(sys.argv[2:] or ["fp8", "mxfp8", "nvfp4"])
     elif sys.argv[1] == "optim":

@@ -361,3 +361,24 @@ def test_copy_from_another_format_raises():
     other = qt.MXFP8BlockScaling().quantizer("weight").quantize(torch.randn(128, 128))
     with pytest.raises(ValueError, match="raw copies need the same format"):
         weight.copy_(other)
+
+
+@pytest.mark.parametrize(("name", "fast"), [("fp8", True), ("fp8", False), ("fp8-delayed", True), ("mxfp8", False)])
+def test_only_the_forward_gemm_takes_the_recipes_fast_accumulation(monkeypatch, name, fast):
+    recipe = qt.recipe_from_name(name)
+    if recipe.fprop_fast_accumulation != fast:
+        recipe = dataclasses.replace(recipe, fprop_fast_accumulation=fast)
+    layer = qt.nn.Linear(64, 32, recipe=recipe, dtype=torch.bfloat16)
+    seen = []
+
+    def spy(a, b, out_dtype, *, a_usage="rowwise", b_usage="rowwise", bias=None, fast_accumulation=False):
+        seen.append((a_usage, b_usage, fast_accumulation))
+        return qt.ops.scaled_mm(a, b, out_dtype, a_usage=a_usage, b_usage=b_usage, bias=bias)
+
+    monkeypatch.setattr(qt.nn, "scaled_mm", spy)
+    layer(torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)).sum().backward()
+    assert seen == [
+        ("rowwise", "rowwise", fast),  # fprop
+        ("rowwise", "columnwise", False),  # dgrad
+        ("columnwise", "columnwise", False),  # wgrad
+    ]

@@ -189,7 +189,7 @@ def test_fp32_layer_with_bias_runs_on_cuda():
     y.sum().backward()
     qx = layer.input_quantizer.quantize(x.detach(), columnwise=False)
     qw = layer.weight_quantizer.quantize(layer.weight.detach(), columnwise=False)
-    without_bias = qt.ops.scaled_mm(qx, qw, torch.float32)
+    without_bias = qt.ops.scaled_mm(qx, qw, torch.float32, fast_accumulation=layer.recipe.fprop_fast_accumulation)
     torch.testing.assert_close(y, without_bias + layer.bias, rtol=0, atol=1e-5)
     assert torch.equal(layer.bias.grad, torch.full_like(layer.bias, 64.0))  # sum of a ones gradient
     assert x.grad.shape == x.shape

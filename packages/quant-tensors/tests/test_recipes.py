@@ -166,3 +166,19 @@ def test_encodes_like_compares_the_byte_layout_not_the_scales():
     assert not qt.Float8BlockScaling().quantizer("input").encodes_like(qt.Float8BlockScaling().quantizer("weight"))
     assert not mxfp8.quantizer("input").encodes_like(fp8.quantizer("input"))
     assert mxfp8.quantizer("input").encodes_like(mxfp8.quantizer("grad_output"))
+
+
+def test_fprop_fast_accumulation_defaults_and_refusals():
+    # Off by default (the precision costs more than the step gains, [Note: fast accumulation]); a
+    # per-tensor FP8 recipe takes True, a recipe whose GEMMs accumulate in fp32 refuses it and names the fix.
+    for cls in (qt.Float8CurrentScaling, qt.Float8DelayedScaling):
+        assert not cls().fprop_fast_accumulation
+        assert cls(fprop_fast_accumulation=True).fprop_fast_accumulation
+    for cls in (qt.MXFP8BlockScaling, qt.Float8BlockScaling, qt.NVFP4BlockScaling):
+        assert not cls().fprop_fast_accumulation
+        with pytest.raises(
+            ValueError,
+            match=rf"{cls.__name__}\(fprop_fast_accumulation=True\): its GEMMs have no fast-accumulation mode .* "
+            r"leave it False, or use a per-tensor FP8 recipe",
+        ):
+            cls(fprop_fast_accumulation=True)

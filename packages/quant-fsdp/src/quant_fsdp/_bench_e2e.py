@@ -61,9 +61,15 @@ from quant_fsdp._e2e_model import (
 )
 from quant_tensors.demo import MarkovTask, MasterWeights
 
-RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4", "nvfp4-rht")
-# Runs of these recipes are chosen only by a --runs pattern that names them ("nvfp4-rht", not "*").
-OPT_IN_RECIPES = ("nvfp4-rht",)
+# Variants of the named recipes, each run only when a --runs pattern names it ("nvfp4-rht", not "*"):
+# NVFP4 with the random Hadamard transform on its wgrad operands ([Note: NVFP4 random Hadamard
+# transform] in quant_core); fp8 whose forward GEMM accumulates without promotion, as torchao's
+# does ([Note: fast accumulation] in quant_tensors.ops).
+OPT_IN_RECIPES: dict[str, Callable[[], qt.Recipe]] = {
+    "nvfp4-rht": lambda: qt.NVFP4BlockScaling(random_hadamard_transform=True),
+    "fp8-fast": lambda: qt.Float8CurrentScaling(fprop_fast_accumulation=True),
+}
+RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4", *OPT_IN_RECIPES)
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
 MODES = ("eager", "compiled", "graphed")
 # Every eager run and the compiled runs the issue-16 targets compare (~7 min on one H100).
@@ -205,10 +211,9 @@ def torchao_missing() -> str:
 
 
 def recipe_of(base: str) -> qt.Recipe:
-    """The recipe of a run's base: `qt.recipe_from_name`, and "nvfp4-rht": NVFP4 with the random
-    Hadamard transform on its wgrad operands ([Note: NVFP4 random Hadamard transform] in quant_core)."""
-    if base == "nvfp4-rht":
-        return qt.NVFP4BlockScaling(random_hadamard_transform=True)
+    """The recipe of a run's base: `qt.recipe_from_name`, or one of OPT_IN_RECIPES."""
+    if base in OPT_IN_RECIPES:
+        return OPT_IN_RECIPES[base]()
     return qt.recipe_from_name(base)
 
 

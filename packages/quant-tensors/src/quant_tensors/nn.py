@@ -94,6 +94,7 @@ class _QuantizedLinearFunction(torch.autograd.Function):
         weight_quantizer: Quantizer,
         grad_output_quantizer: Quantizer,
         grad_enabled: bool,
+        fprop_fast_accumulation: bool,
     ) -> torch.Tensor:
         # Only operands a gradient needs get columnwise data: none under no_grad (inference).
         needs_dgrad, needs_wgrad = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
@@ -105,7 +106,7 @@ class _QuantizedLinearFunction(torch.autograd.Function):
             qw = weight
         else:
             qw = weight_quantizer.quantize(weight, state=weight_state, rowwise=True, columnwise=needs_dgrad)
-        y = scaled_mm(qx, qw, x.dtype, bias=bias)
+        y = scaled_mm(qx, qw, x.dtype, bias=bias, fast_accumulation=fprop_fast_accumulation)
         # Saved for backward: the columnwise data only (wgrad's input, dgrad's weight), as new
         # wrappers: a shared input ([Note: sibling layers share one quantized input]) and a
         # quantized parameter keep their usages.
@@ -147,7 +148,7 @@ class _QuantizedLinearFunction(torch.autograd.Function):
                     "holds; add the bias outside the layer (as QuantRowwiseParallel does) or pass a plain gradient"
                 )
             db = dy.reshape(-1, dy.shape[-1]).sum(dim=0)
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 class Linear(torch.nn.Linear):
@@ -204,6 +205,7 @@ class Linear(torch.nn.Linear):
             self.weight_quantizer,
             self.grad_output_quantizer,
             torch.is_grad_enabled(),  # needs_input_grad ignores no_grad
+            self.recipe.fprop_fast_accumulation,
         )
 
     # ---- quantizer states ([Note: quantizer configuration and bindings]) -----------------------

@@ -91,8 +91,14 @@ def scaled_mm(
     a_usage: Usage = "rowwise",
     b_usage: Usage = "rowwise",
     bias: torch.Tensor | None = None,
+    fast_accumulation: bool = False,
 ) -> torch.Tensor:
-    """A @ B^T (+ bias) in `out_dtype`, A and B the chosen usages of a and b ([Note: GEMM operands])."""
+    """A @ B^T (+ bias) in `out_dtype`, A and B the chosen usages of a and b ([Note: GEMM operands]).
+
+    `fast_accumulation`: per-tensor FP8 operands on the `torch._scaled_mm` path accumulate without
+    promoting the tensor cores' partial sums to fp32 (its `use_fast_accum`; [Note: fast
+    accumulation]); every other path accumulates in fp32 and ignores it.
+    """
     if not isinstance(a, QuantizedTensor) or not isinstance(b, QuantizedTensor):
         raise TypeError(f"scaled_mm takes two QuantizedTensors, got {type(a).__name__} and {type(b).__name__}")
     a_data, a_scale = _operand_buffers(a, a_usage)
@@ -103,7 +109,7 @@ def scaled_mm(
         raise ValueError(f"scaled_mm reduction dims differ: A is (*, {a_k}) ({a_usage}), B is (*, {b_k}) ({b_usage})")
     _check_same_transform(a, b, a_usage, b_usage)
     if scaled_mm_path(a, b, a_usage=a_usage, b_usage=b_usage) == "torch._scaled_mm":
-        return _hardware_scaled_mm(a, b, a_data, a_scale, b_data, b_scale, out_dtype, bias)
+        return _hardware_scaled_mm(a, b, a_data, a_scale, b_data, b_scale, out_dtype, bias, fast_accumulation)
     if out_dtype != torch.float32:
         out = _bf16_tensor_core_product(a, b, (a_data, a_scale), (b_data, b_scale), a_usage, b_usage, out_dtype, bias)
         if out is not None:
@@ -212,7 +218,17 @@ def operand_k(t: QuantizedTensor, usage: Usage) -> int:
     return t.shape[-1] if usage == "rowwise" else M
 
 
-def _hardware_scaled_mm(a, b, a_data, a_scale, b_data, b_scale, out_dtype, bias):
+# [Note: fast accumulation] Hopper's FP8 tensor cores sum products in a narrow accumulator (about
+# 14 mantissa bits); cuBLAS by default adds it into an fp32 sum every few K-steps (a "split
+# accumulator"). `use_fast_accum=True` skips that promotion. Measured on an H100
+# (docs/benchmarks.md, tenth session; `scripts/profile_gpu.py accumulation`): the e2e models'
+# forward GEMMs take 0.94-0.98x the time (one large shape 1.05x), the relative error against the
+# fp32 product grows from 1.3e-4 to 0.9e-3-2.9e-3 with K, and the e2e step does not move (fp8
+# compiled 129.5k vs 129.4k tokens/s). TransformerEngine (fprop `use_split_accumulator=False`) and
+# torchao (`gemm_config_output.use_fast_accum=True`) run their forward GEMM this way; ours does
+# where a per-tensor FP8 recipe asks (`fprop_fast_accumulation=True`), off by default: the
+# precision costs more than the step gains.
+def _hardware_scaled_mm(a, b, a_data, a_scale, b_data, b_scale, out_dtype, bias, fast_accumulation):
     if isinstance(a, Float8Tensor):
         # torch._scaled_mm refuses a bias with fp32 output: that bias is added afterwards, in fp32.
         fused_bias = bias if out_dtype != torch.float32 else None
@@ -223,6 +239,7 @@ def _hardware_scaled_mm(a, b, a_data, a_scale, b_data, b_scale, out_dtype, bias)
             scale_b=b_scale.reshape(()),
             bias=fused_bias,
             out_dtype=out_dtype,
+            use_fast_accum=fast_accumulation,
         )
         return out if bias is None or fused_bias is not None else out + bias
     # Blockwise on Hopper (FACTS.md): scale_a (M, K/128) stored K-block-major, i.e. strides (1, M);

@@ -50,10 +50,21 @@ class Recipe:
     """Weights keep rowwise data only and derive columnwise for each dgrad GEMM (half the weight
     memory); True needs weights whose columnwise data is a lossless transpose (every recipe but
     MXFP8). None: as the QUANT_TENSORS_COLUMNWISE_ON_DEMAND environment variable says (off unless set)."""
+    fprop_fast_accumulation: bool = False
+    """The forward GEMM sums FP8 products without promoting them to fp32 on the way, as
+    TransformerEngine and torchao run it ([Note: fast accumulation] in quant_tensors.ops); only
+    per-tensor FP8 recipes have such a GEMM. The gradient GEMMs always promote."""
 
     name: ClassVar[str]
+    _has_fast_accumulation: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
+        if self.fprop_fast_accumulation and not self._has_fast_accumulation:
+            raise ValueError(
+                f"{type(self).__name__}(fprop_fast_accumulation=True): its GEMMs have no fast-accumulation mode "
+                "(they accumulate in fp32); leave it False, or use a per-tensor FP8 recipe (Float8CurrentScaling, "
+                "Float8DelayedScaling)"
+            )
         if not self.weight_columnwise_on_demand:
             return
         weight = self.quantizer("weight")
@@ -90,6 +101,7 @@ class Float8CurrentScaling(Recipe):
     """Round every scale down to a power of two."""
 
     name = "fp8"
+    _has_fast_accumulation = True
 
     def __post_init__(self) -> None:
         _check_fp8_format(self.fp8_format)
@@ -118,6 +130,7 @@ class Float8DelayedScaling(Recipe):
     """Headroom: scales are divided by 2^margin."""
 
     name = "fp8-delayed"
+    _has_fast_accumulation = True
 
     def __post_init__(self) -> None:
         _check_fp8_format(self.fp8_format)
