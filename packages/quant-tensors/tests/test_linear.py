@@ -175,13 +175,57 @@ def test_an_input_modified_in_place_is_quantized_again(monkeypatch):
     assert torch.equal(y, layers[1](x.clone()))
 
 
-def test_the_saved_weight_holds_its_columnwise_data_only():
-    """A high-precision weight's quantized copy is saved for the dgrad GEMM without the rowwise
-    data the forward used (one byte per weight element instead of two)."""
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_high_precision_weight_is_saved_as_itself(name):
+    """[Note: weights recast in backward]: no quantized copy of a high-precision weight lives from
+    forward to backward; what is saved besides the parameter and the input's columnwise data is a
+    few 0-d tensors (the recast key), and the weight's gradients stay those of the by-hand math
+    (test_linear_matches_hand_computation)."""
+    layer = qt.nn.Linear(256, 128, recipe=qt.recipe_from_name(name))
+    y = layer(torch.randn(64, 256, requires_grad=True))
+    saved_x, saved_weight, *key = y.grad_fn.saved_tensors
+    assert saved_weight.data_ptr() == layer.weight.data_ptr()
+    assert not isinstance(saved_weight, qt.QuantizedTensor)
+    assert saved_x.usages == (False, True)
+    assert all(t.dim() == 0 for t in key)
+    assert len(key) == {"fp8": 2, "fp8-delayed": 2, "nvfp4": 1}.get(name, 0)
+
+
+def test_a_weight_changed_before_backward_is_refused():
     layer = qt.nn.Linear(256, 128, recipe=qt.Float8CurrentScaling())
     y = layer(torch.randn(64, 256, requires_grad=True))
-    saved_weight = y.grad_fn.saved_tensors[1]
-    assert saved_weight.usages == (False, True)
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recast_columnwise_is_the_forwards_columnwise_quantization(name):
+    """recast_columnwise after quantize_recastable: the bytes and scales of quantizing both usages
+    at once, bit for bit; delayed scaling's history advances once, as for one quantize."""
+    recipe = qt.recipe_from_name(name)
+    once, recastable = recipe.quantizer("weight"), recipe.quantizer("weight")
+    if once.state is not None:  # a history with an amax that the current weight's would not reproduce
+        for quantizer in (once, recastable):
+            quantizer.state.copy_(torch.arange(quantizer.state.numel(), dtype=torch.float32) + 3.0)
+    w = torch.randn(256, 128, generator=gen(0)).bfloat16()
+    both = once.quantize(w, rowwise=True, columnwise=True)
+    rowwise, key = recastable.quantize_recastable(w)
+    columnwise = recastable.recast_columnwise(w, key)
+    assert rowwise.usages == (True, False)
+    assert columnwise.usages == (False, True)
+
+    def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+    for buffer in both.__tensor_flatten__()[0]:
+        want = getattr(both, buffer)
+        assert same_bits(want, getattr(columnwise if buffer.startswith("columnwise") else rowwise, buffer)), buffer
+        if not buffer.startswith("rowwise"):  # scales and amaxes: the columnwise tensor holds them too
+            assert same_bits(want, getattr(columnwise, buffer)), buffer
+    if once.state is not None:
+        assert torch.equal(once.state, recastable.state)
 
 
 def test_prequantized_input_without_what_the_gemms_need_is_refused():

@@ -154,21 +154,38 @@ def test_inference_quantizes_only_forward_operands_for_any_token_count(name, tok
 def test_inference_and_frozen_weights_skip_the_columnwise_quantization(monkeypatch):
     layer = qt.nn.Linear(64, 32, recipe=qt.Float8CurrentScaling())
     requested = []
-    original = type(layer.input_quantizer).quantize
+    quantizer_class = type(layer.input_quantizer)
+    original = quantizer_class.quantize, quantizer_class.quantize_recastable, quantizer_class.recast_columnwise
 
-    def spy(self, x, **kwargs):
+    def quantize(self, x, **kwargs):
         requested.append((kwargs.get("rowwise"), kwargs.get("columnwise")))
-        return original(self, x, **kwargs)
+        return original[0](self, x, **kwargs)
 
-    monkeypatch.setattr(type(layer.input_quantizer), "quantize", spy)
+    def quantize_recastable(self, x, **kwargs):
+        requested.append("weight rowwise, recastable")
+        return original[1](self, x, **kwargs)
+
+    def recast_columnwise(self, x, key):
+        requested.append("weight columnwise, recast")
+        return original[2](self, x, key)
+
+    monkeypatch.setattr(quantizer_class, "quantize", quantize)
+    monkeypatch.setattr(quantizer_class, "quantize_recastable", quantize_recastable)
+    monkeypatch.setattr(quantizer_class, "recast_columnwise", recast_columnwise)
     with torch.no_grad():
         layer(torch.randn(4, 64))
     assert requested == [(True, False), (True, False)]  # input, weight: rowwise only
     requested.clear()
     layer.weight.requires_grad_(False)
     layer(torch.randn(4, 64, requires_grad=True)).sum().backward()
-    # input rowwise only (no wgrad), weight both (dgrad), grad_output rowwise only (no wgrad)
-    assert requested == [(True, False), (True, True), (True, False)]
+    # input rowwise only (no wgrad); the weight's columnwise data for dgrad, recast in backward
+    # ([Note: weights recast in backward]); grad_output rowwise only (no wgrad)
+    assert requested == [
+        (True, False),
+        "weight rowwise, recastable",
+        "weight columnwise, recast",
+        (True, False),
+    ]
 
 
 def test_torch_optimizer_on_quantized_weights_names_fused_adam():

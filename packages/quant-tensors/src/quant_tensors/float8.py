@@ -107,14 +107,7 @@ class Float8Quantizer(Quantizer):
         amax = self._measured_amax(x, amax) if amax is not None or self.amax_group is not None else None
         if out is None:
             quantized = self._quantize_fp8(x, amax, state, usages)
-            return Float8Tensor(
-                x.shape,
-                x.dtype,
-                rowwise_data=quantized.rowwise_data,
-                columnwise_data=quantized.columnwise_data,
-                scale_inv=quantized.scale_inv,
-                quantizer=self,
-            )
+            return self._tensor(x, quantized.rowwise_data, quantized.columnwise_data, quantized.scale_inv)
         if out.fp8_dtype != self.fp8_dtype:
             raise ValueError(f"quantize_ into a {out.fp8_dtype} Float8Tensor with a {self.fp8_dtype} quantizer")
         self._quantize_fp8_into(
@@ -126,6 +119,34 @@ class Float8Quantizer(Quantizer):
             scale_inv_out=out.scale_inv,
         )
         return out
+
+    @property
+    def recasts_columnwise(self) -> bool:
+        return True  # with the forward's scale, whatever the amax history did since
+
+    def quantize_recastable(
+        self, x: torch.Tensor, *, state: torch.Tensor | None = None
+    ) -> tuple[QuantizedTensor, tuple[torch.Tensor, ...]]:
+        # [Note: weights recast in backward]: the key is the scale (and its inverse) x was cast with.
+        self._check_input(x)
+        amax = self._measured_amax(x, None) if self.amax_group is not None else None
+        quantized = self._quantize_fp8(x, amax, self._state_for(x, state), (True, False))
+        return self._tensor(x, quantized.rowwise_data, None, quantized.scale_inv), (quantized.scale, quantized.scale_inv)
+
+    def recast_columnwise(self, x: torch.Tensor, key: tuple[torch.Tensor, ...]) -> QuantizedTensor:
+        scale, scale_inv = key
+        _, columnwise = quant_core.cast_to_fp8(x, scale, self.fp8_dtype, rowwise=False, columnwise=True)
+        return self._tensor(x, None, columnwise, scale_inv)
+
+    def _tensor(self, x, rowwise_data, columnwise_data, scale_inv) -> Float8Tensor:
+        return Float8Tensor(
+            x.shape,
+            x.dtype,
+            rowwise_data=rowwise_data,
+            columnwise_data=columnwise_data,
+            scale_inv=scale_inv,
+            quantizer=self,
+        )
 
     def _quantize_fp8(self, x, amax, state, usages) -> quant_core.Float8Quantized:
         rowwise, columnwise = usages

@@ -4,9 +4,11 @@ fprop  y  = x W^T      : input rowwise      x weight rowwise
 dgrad  dx = dy W       : grad_output rowwise x weight columnwise
 wgrad  dW = dy^T x     : grad_output columnwise x input columnwise
 ([Note: GEMM operands] in quant_tensors.ops). The bias stays in high precision. The weight may be
-a high-precision parameter (quantized every forward) or a QuantizedTensor parameter (quantized
-primary weights, see `qt.convert(..., quantized_weights=True)`). A 2-D-scaled weight kept
-rowwise-only gets its columnwise data just for the dgrad GEMM and drops it again.
+a high-precision parameter (quantized rowwise every forward, saved as itself, and its dgrad
+operand recast in backward: [Note: weights recast in backward] in quant_tensors.quantizer) or a
+QuantizedTensor parameter (quantized primary weights, see `qt.convert(..., quantized_weights=True)`).
+A 2-D-scaled quantized weight kept rowwise-only gets its columnwise data just for the dgrad GEMM
+and drops it again.
 
 Fallback policy: a weight shape the recipe cannot quantize (`quantizer.is_quantizable` false,
 e.g. in_features=100 for 128 x 128 blocks) makes the layer compute in high precision, with one
@@ -102,17 +104,24 @@ class _QuantizedLinearFunction(torch.autograd.Function):
             qx = _prequantized(x, "input", rowwise=True, columnwise=needs_wgrad)
         else:
             qx = _quantize_input(x, input_quantizer, input_state, columnwise=needs_wgrad)
+        # dgrad's weight operand: a quantized parameter as it is; a high-precision one saved as
+        # itself and recast in backward ([Note: weights recast in backward]) where its quantizer
+        # can, else its columnwise data saved from here.
+        recast, recast_key = False, ()
         if isinstance(weight, QuantizedTensor):
-            qw = weight
+            qw = saved_w = weight
+        elif needs_dgrad and weight_quantizer.recasts_columnwise:
+            qw, recast_key = weight_quantizer.quantize_recastable(weight, state=weight_state)
+            saved_w, recast = weight, True
         else:
             qw = weight_quantizer.quantize(weight, state=weight_state, rowwise=True, columnwise=needs_dgrad)
+            saved_w = _columnwise_only(qw)
         y = scaled_mm(qx, qw, x.dtype, bias=bias, fast_accumulation=fprop_fast_accumulation)
-        # Saved for backward: the columnwise data only (wgrad's input, dgrad's weight), as new
-        # wrappers: a shared input ([Note: sibling layers share one quantized input]) and a
-        # quantized parameter keep their usages.
+        # Saved for backward: columnwise data only (wgrad's input), as a new wrapper: a shared
+        # input keeps its usages ([Note: sibling layers share one quantized input]).
         saved_x = _columnwise_only(qx) if needs_wgrad else None
-        saved_w = (_columnwise_only(qw) if qw is not weight else qw) if needs_dgrad else None
-        ctx.save_for_backward(saved_x, saved_w)
+        ctx.save_for_backward(saved_x, saved_w if needs_dgrad else None, *recast_key)
+        ctx.weight_recast, ctx.weight_quantizer = recast, weight_quantizer
         # Not saved for backward: the state is meant to change in place (other layers sharing a
         # quantizer's state, e.g. tensor-parallel gathers, advance it before this backward runs).
         ctx.grad_output_state = grad_output_state
@@ -123,8 +132,10 @@ class _QuantizedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        qx, qw = ctx.saved_tensors
+        qx, qw, *recast_key = ctx.saved_tensors
         needs_dgrad, needs_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if ctx.weight_recast:
+            qw = ctx.weight_quantizer.recast_columnwise(qw, tuple(recast_key))
         if isinstance(dy, QuantizedTensor):  # e.g. gathered quantized by a row-parallel sequence-parallel layer
             qdy = _prequantized(dy, "gradient", rowwise=needs_dgrad, columnwise=needs_wgrad)
         else:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 import quant_core
 from quant_tensors._block_tensor import BlockQuantizer, BlockScaledTensor
+from quant_tensors._tensor import QuantizedTensor
 
 
 class NVFP4Tensor(BlockScaledTensor):
@@ -148,6 +149,11 @@ class NVFP4Quantizer(BlockQuantizer):
 
     def new_state(self, device: torch.device | str | None = None) -> torch.Tensor | None:
         return torch.zeros((), dtype=torch.int64, device=device) if self.stochastic_rounding else None
+
+    def _recast_key(self, quantized: QuantizedTensor) -> tuple[torch.Tensor, ...]:
+        if self.random_hadamard_transform:  # the columnwise usage has an amax of its own, unknown yet
+            return ()
+        return (quantized.amax,)
 
     def _metadata(self) -> dict[str, object]:
         return {**super()._metadata(), "hadamard_seed": self.hadamard_seed if self.random_hadamard_transform else None}

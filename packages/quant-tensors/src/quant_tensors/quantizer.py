@@ -190,6 +190,41 @@ class Quantizer:
                 )
         self._quantize_many(srcs, outs)
 
+    # [Note: weights recast in backward] A Linear with a high-precision weight needs the weight's
+    # columnwise data only in backward (dgrad). Saving it from the forward keeps a quantized copy
+    # of every weight alive from forward to backward, which bf16's nn.Linear does not (it saves the
+    # parameter itself, alive anyway); on the e2e models that copy put every FP8 recipe's peak
+    # memory above bf16's. So the forward quantizes rowwise only and keeps a small key (a few 0-d
+    # tensors), and the backward remakes the columnwise data from the saved parameter: the bytes
+    # and scales quantizing both usages in the forward would have given (the parameter is unchanged
+    # meanwhile; autograd's version check refuses it otherwise). Per-tensor FP8 casts with the
+    # forward's scale (delayed scaling's history has moved on since), NVFP4 scales with the
+    # forward's global amax (no second all-reduce for shards), the other formats quantize again
+    # (their blocks depend on nothing else). Stateful quantizers other than FP8's (a stochastic
+    # stream) cannot, and report it in `recasts_columnwise`.
+
+    @property
+    def recasts_columnwise(self) -> bool:
+        """Whether `recast_columnwise` can remake what `quantize_recastable` left out, bit for bit."""
+        return self.stateless
+
+    def quantize_recastable(
+        self, x: torch.Tensor, *, state: torch.Tensor | None = None
+    ) -> tuple[QuantizedTensor, tuple[torch.Tensor, ...]]:
+        """x quantized rowwise only, and the key with which `recast_columnwise(x, key)` later makes
+        the columnwise data that `quantize(x, state=state, rowwise=True, columnwise=True)` would
+        have made now ([Note: weights recast in backward])."""
+        quantized = self.quantize(x, state=state, rowwise=True, columnwise=False)
+        return quantized, self._recast_key(quantized)
+
+    def recast_columnwise(self, x: torch.Tensor, key: tuple[torch.Tensor, ...]) -> QuantizedTensor:
+        """x quantized columnwise only, with `key` from `quantize_recastable(x)`; reads and advances no state."""
+        return self.quantize(x, amax=key[0] if key else None, rowwise=False, columnwise=True)
+
+    def _recast_key(self, quantized: QuantizedTensor) -> tuple[torch.Tensor, ...]:
+        """What `recast_columnwise` needs of a rowwise quantization: the per-tensor amax where the format has one."""
+        return ()
+
     def new_state(self, device: torch.device | str | None = None) -> torch.Tensor | None:
         """A fresh state for this quantizer (None for stateless formats), on `device` (default cpu)."""
         return None
