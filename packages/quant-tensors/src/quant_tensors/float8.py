@@ -131,7 +131,8 @@ class Float8Quantizer(Quantizer):
         self._check_input(x)
         amax = self._measured_amax(x, None) if self.amax_group is not None else None
         quantized = self._quantize_fp8(x, amax, self._state_for(x, state), (True, False))
-        return self._tensor(x, quantized.rowwise_data, None, quantized.scale_inv), (quantized.scale, quantized.scale_inv)
+        rowwise = self._tensor(x, quantized.rowwise_data, None, quantized.scale_inv)
+        return rowwise, (quantized.scale, quantized.scale_inv)
 
     def recast_columnwise(self, x: torch.Tensor, key: tuple[torch.Tensor, ...]) -> QuantizedTensor:
         scale, scale_inv = key
