@@ -426,3 +426,24 @@ def test_only_the_forward_gemm_takes_the_recipes_fast_accumulation(monkeypatch, 
         ("rowwise", "columnwise", False),  # dgrad
         ("columnwise", "columnwise", False),  # wgrad
     ]
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_scaled_mm_hands_fast_accumulation_to_torch_scaled_mm(monkeypatch, fast):
+    # The hardware path on this CPU machine (torch._scaled_mm runs on CPU tensors too): the flag
+    # reaches the kernel call for per-tensor FP8, and its result is the call's.
+    calls = []
+    original = torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["use_fast_accum"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(qt.ops, "scaled_mm_path", lambda *args, **kwargs: "torch._scaled_mm")
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    recipe = qt.Float8CurrentScaling()
+    a = recipe.quantizer("input").quantize(torch.randn(32, 64, generator=gen(0)))
+    b = recipe.quantizer("weight").quantize(torch.randn(48, 64, generator=gen(1)))
+    out = qt.ops.scaled_mm(a, b, torch.bfloat16, fast_accumulation=fast)
+    assert calls == [fast]
+    assert out.shape == (32, 48)

@@ -77,6 +77,7 @@ def test_fast_accumulation_stays_within_its_tolerance(k):
     promoted = qt.ops.scaled_mm(x, w, torch.float32)
     assert _relative(promoted, emulated) < TOLERANCE
     assert _relative(fast, emulated) < FAST_TOLERANCE
+    assert not torch.equal(fast, promoted)  # the flag reached the GEMM
 
 
 def test_tiled_operand_with_an_unaligned_reduction_dim_is_emulated():

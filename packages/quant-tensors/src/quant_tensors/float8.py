@@ -102,9 +102,7 @@ class Float8Quantizer(Quantizer):
         return {"fp8_dtype": self.fp8_dtype}
 
     def _quantize(self, x, *, out, amax, state, usages):
-        # The amax to scale with: given, or agreed over `amax_group`; None lets quant-core's one
-        # fused operator measure it ([Note: fused FP8 quantize] in quant_core).
-        amax = self._measured_amax(x, amax) if amax is not None or self.amax_group is not None else None
+        amax = self._amax_to_scale_with(x, amax)
         if out is None:
             quantized = self._quantize_fp8(x, amax, state, usages)
             return self._tensor(x, quantized.rowwise_data, quantized.columnwise_data, quantized.scale_inv)
@@ -129,8 +127,7 @@ class Float8Quantizer(Quantizer):
     ) -> tuple[QuantizedTensor, tuple[torch.Tensor, ...]]:
         # [Note: weights recast in backward]: the key is the scale (and its inverse) x was cast with.
         self._check_input(x)
-        amax = self._measured_amax(x, None) if self.amax_group is not None else None
-        quantized = self._quantize_fp8(x, amax, self._state_for(x, state), (True, False))
+        quantized = self._quantize_fp8(x, self._amax_to_scale_with(x, None), self._state_for(x, state), (True, False))
         rowwise = self._tensor(x, quantized.rowwise_data, None, quantized.scale_inv)
         return rowwise, (quantized.scale, quantized.scale_inv)
 
@@ -138,6 +135,11 @@ class Float8Quantizer(Quantizer):
         scale, scale_inv = key
         _, columnwise = quant_core.cast_to_fp8(x, scale, self.fp8_dtype, rowwise=False, columnwise=True)
         return self._tensor(x, None, columnwise, scale_inv)
+
+    def _amax_to_scale_with(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor | None:
+        """The amax given, or x's agreed over `amax_group`; None lets quant-core's one fused
+        operator measure it ([Note: fused FP8 quantize] in quant_core)."""
+        return self._measured_amax(x, amax) if amax is not None or self.amax_group is not None else None
 
     def _tensor(self, x, rowwise_data, columnwise_data, scale_inv) -> Float8Tensor:
         return Float8Tensor(
