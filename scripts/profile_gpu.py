@@ -5,7 +5,7 @@
     python3 scripts/profile_gpu.py parts               # host us of each piece of an fp8 fwd+bwd, timed alone
     python3 scripts/profile_gpu.py accumulation        # fp8 forward GEMMs with and without fast accumulation
     python3 scripts/profile_gpu.py kernels [CASE ...]  # each quantize twice at bf16 8192^2 (under ncu)
-    python3 scripts/profile_gpu.py e2e [--config NAME] [RUN ...]  # GPU time per e2e training step, by kernel
+    python3 scripts/profile_gpu.py e2e [--config NAME] [RUN ...]  # GPU time per e2e training step, by kernel (PROFILE_HOST=1: and host ops)
     python3 scripts/profile_gpu.py memory [--config NAME] [RUN ...]  # peak memory per phase of an e2e step
     python3 scripts/profile_gpu.py optim [KIND ...]    # GPU time per FusedAdam step at ~1e9 params, by kernel
     python3 scripts/profile_gpu.py optim-1e7 [KIND ...]  # host time of FusedAdam vs AdamW + requantize at 1e7
@@ -27,6 +27,7 @@ import pstats
 import sys
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -212,11 +213,17 @@ def e2e(runs: list[str], config: str = "default") -> None:
             step(batches[i, :, :-1], batches[i, :, 1:])
         torch.cuda.synchronize()
         steps = 3
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        activities = [torch.profiler.ProfilerActivity.CUDA]
+        if os.environ.get("PROFILE_HOST"):
+            activities.append(torch.profiler.ProfilerActivity.CPU)
+        wall = time.perf_counter()
+        with torch.profiler.profile(activities=activities) as profile:
             for i in range(4, 4 + steps):
                 step(batches[i, :, :-1], batches[i, :, 1:])
             torch.cuda.synchronize()
-        kernels = [e for e in profile.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        wall = (time.perf_counter() - wall) / steps
+        events = profile.key_averages()
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         groups: dict[str, float] = {}
         for e in kernels:
             groups[_kernel_group(e.key)] = groups.get(_kernel_group(e.key), 0.0) + e.self_device_time_total / steps
@@ -230,6 +237,8 @@ def e2e(runs: list[str], config: str = "default") -> None:
         ranked = sorted(kernels, key=lambda e: -e.self_device_time_total)
         for e in ranked[:25]:
             print(f"  {e.count / steps:5.0f}x {e.self_device_time_total / steps / 1e3:7.2f} ms  {e.key[:110]}")
+        if os.environ.get("PROFILE_HOST"):
+            _host_ops(events, steps, wall)
         if os.environ.get("OUT"):  # every kernel, for diffing two runs offline
             path = os.path.join(os.environ["OUT"], f"kernels_{spec.name.replace(':', '_')}.tsv")
             with open(path, "w") as out:
@@ -238,6 +247,16 @@ def e2e(runs: list[str], config: str = "default") -> None:
                     out.write(f"{e.count / steps:.0f}\t{e.self_device_time_total / steps:.1f}\t{group}\t{e.key}\n")
         del step
         free_memory(torch.device("cuda"))
+
+
+def _host_ops(events: Any, steps: int, wall: float) -> None:
+    """PROFILE_HOST=1: the step's host side, per step: wall time under the profiler, the CPU ops'
+    count and self time (cudaLaunchKernel, allocator calls and syncs show up by name), top 30."""
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    calls = sum(e.count for e in cpu) / steps
+    print(f"  host: {wall * 1e3:.1f} ms wall per step under the profiler, {calls:.0f} CPU op calls per step")
+    for e in sorted(cpu, key=lambda e: -e.self_cpu_time_total)[:30]:
+        print(f"  {e.count / steps:7.0f}x {e.self_cpu_time_total / steps / 1e3:7.2f} ms self  {e.key[:90]}")
 
 
 def accumulation() -> None:
