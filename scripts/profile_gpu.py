@@ -187,7 +187,8 @@ def kernels(names: list[str]) -> None:
 
 
 def _kernel_group(name: str) -> str:
-    lowered = name.lower()
+    # aten's strided elementwise kernels are named "gpu_kernel_impl_nocast": not a cast
+    lowered = name.lower().replace("impl_nocast", "impl")
     if any(k in lowered for k in ("gemm", "sm90_xmma", "cutlass", "nvjet", "matmul", "_scaled_mm")):
         return "GEMM"
     if "flash" in lowered or "fmha" in lowered or "attention" in lowered:
