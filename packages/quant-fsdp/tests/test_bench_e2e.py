@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -108,6 +109,71 @@ def test_a_graphed_run_trains_like_the_eager_run_bit_for_bit(run, monkeypatch):
     assert graphed_state.keys() == eager_state.keys()
     for name, buffers in eager_state.items():
         assert all(torch.equal(a, b) for a, b in zip(graphed_state[name], buffers, strict=True)), name
+
+
+def _trained(run: str, options: E2EOptions, device: torch.device, steps: int = 2) -> tuple[torch.Tensor, dict]:
+    model, _, step = build_run(select_runs(run)[0], options, device, "builtin")
+    losses = torch.stack([step(b[:, :-1], b[:, 1:]) for b in markov_batches(options.decoder, steps).to(device)])
+    return losses, {name: local_bytes(t) for name, t in model.state_dict().items()}
+
+
+def _same_training(a: tuple[torch.Tensor, dict], b: tuple[torch.Tensor, dict]) -> bool:
+    (losses_a, state_a), (losses_b, state_b) = a, b
+    return (
+        torch.equal(losses_a, losses_b)
+        and state_a.keys() == state_b.keys()
+        and all(all(map(torch.equal, state_a[k], state_b[k])) for k in state_a)
+    )
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "mxfp8", "nvfp4"])
+def test_micro_batches_with_the_weight_cache_train_like_without_it(recipe, monkeypatch):
+    """Stateless recipes: quantizing each weight once per step gives the same bytes as once per micro-batch."""
+    forwards, blocks = [], []
+    monkeypatch.setattr(Decoder, "forward", _counting(Decoder.forward, forwards))
+    monkeypatch.setattr(qt.nn, "weight_cache", _counting(qt.nn.weight_cache, blocks))
+    options = E2EOptions(config="tiny", device="cpu", model_source="builtin", micro_batches=2)
+    uncached = _trained(f"{recipe}:hp:eager", options, torch.device("cpu"))
+    assert forwards == [(1, 64)] * 4  # two steps of two micro-batches of one sequence
+    assert blocks == []
+    cached = _trained(f"{recipe}:hp:eager", replace(options, weight_cache=True), torch.device("cpu"))
+    assert len(blocks) == 2  # one block per step
+    assert _same_training(uncached, cached)
+
+
+def _counting(function, calls: list):
+    """`function`, recording the shape (or the type) of its second argument, else of its first, per call."""
+
+    def counted(*args, **kwargs):
+        first = args[1] if len(args) > 1 else args[0]
+        calls.append(tuple(first.shape) if isinstance(first, torch.Tensor) else type(first))
+        return function(*args, **kwargs)
+
+    return counted
+
+
+def test_micro_batches_must_divide_the_batch(capsys):
+    with pytest.raises(ValueError, match="micro-batches must divide the batch of 2 sequences"):
+        E2EOptions(config="tiny", micro_batches=3)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--e2e", "--config", "tiny", "--micro-batches", "3"])
+    assert exit_info.value.code == 2
+    assert "micro-batches must divide" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("run", ["fp8:hp", "fp8-delayed:hp", "mxfp8:hp"])
+def test_a_graphed_run_with_the_weight_cache_trains_like_the_eager_run(run):
+    """The cache's block lies inside the captured step: replays quantize each weight in the first
+    micro-batch again, so a replayed step trains like an eager one, bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run scripts/gpu-suite.sh on a GPU machine)")
+    options = E2EOptions(config="tiny", device="cuda", model_source="builtin", micro_batches=2, weight_cache=True)
+    device = torch.device("cuda")
+    steps = GRAPH_WARMUP_STEPS + 3
+    assert _same_training(
+        _trained(f"{run}:eager", options, device, steps), _trained(f"{run}:graphed", options, device, steps)
+    )
 
 
 def test_builtin_decoder_has_the_configured_parameter_count():

@@ -28,6 +28,7 @@ eager's (quant_fsdp._e2e_fidelity).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fnmatch
 import functools
@@ -118,6 +119,11 @@ class E2EOptions:
     """AdamW's learning rate (the fidelity runs reach it after a linear warm-up)."""
     init_seed: int = SEED
     """Seed of the initial weights (the batches stay the same): run-to-run spread of a recipe."""
+    micro_batches: int = 1
+    """Micro-batches per step: the batch split by sequences, gradients accumulated over them."""
+    weight_cache: bool = False
+    """Recipes with high-precision weights quantize each weight once per step, inside
+    `qt.nn.weight_cache` around the micro-batches, instead of once per micro-batch."""
     command: str = ""
     """The command line, for the report."""
 
@@ -130,6 +136,11 @@ class E2EOptions:
             raise ValueError(f"need steps >= 1 and warmup >= 0, got {self.num_steps} and {self.num_warmup}")
         if self.model_source not in MODEL_SOURCES:
             raise ValueError(f"model must be one of {', '.join(MODEL_SOURCES)}, got {self.model_source!r}")
+        batch = self.decoder.batch_size
+        if self.micro_batches < 1 or batch % self.micro_batches:
+            raise ValueError(
+                f"micro-batches must divide the batch of {batch} sequences ({self.config} config), got {self.micro_batches}"
+            )
 
     @property
     def decoder(self) -> DecoderConfig:
@@ -252,15 +263,21 @@ def build_run(
         raise ValueError(f"{spec.name} captures CUDA graphs: run it with --device cuda")
     optimizer, optimizer_step = _optimizer_step(model, spec, options, device)
     forward = torch.compile(model, backend=options.compile_backend) if spec.mode == "compiled" else model
+    cached = options.weight_cache and spec.base in RECIPES and not spec.quantized_weights
+    parts = options.micro_batches
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        output = forward(inputs)
-        logits = getattr(output, "logits", output)  # transformers returns an output object
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        loss.backward()
+        losses = []
+        with qt.nn.weight_cache(model) if cached else contextlib.nullcontext():
+            for part_inputs, part_targets in zip(inputs.chunk(parts), targets.chunk(parts), strict=True):
+                output = forward(part_inputs)
+                logits = getattr(output, "logits", output)  # transformers returns an output object
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), part_targets.flatten())
+                (loss / parts if parts > 1 else loss).backward()
+                losses.append(loss.detach())
         optimizer_step()
         optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return losses[0] if parts == 1 else torch.stack(losses).mean()
 
     return model, optimizer, cuda_graphed(step, device) if spec.mode == "graphed" else step
 
@@ -431,6 +448,8 @@ def environment(options: E2EOptions, device: torch.device, source: str) -> dict[
         "compile_backend": options.compile_backend,
         "learning_rate": options.learning_rate,
         "init_seed": options.init_seed,
+        "micro_batches": options.micro_batches,
+        "weight_cache": options.weight_cache,
     }
 
 
@@ -443,8 +462,20 @@ def header_lines(report: dict) -> list[str]:
         f"- Model: {report['model']}, {format_count(report['num_parameters'])} parameters (vocab {c['vocab_size']}, "
         f"hidden {c['hidden_size']}, intermediate {c['intermediate_size']}, {c['num_layers']} layers, "
         f"{c['num_heads']} heads), bf16 parameters, lm_head never quantized; batch {c['batch_size']} x "
-        f"{c['sequence_length']} tokens; initial weights from seed {report['init_seed']}.",
+        f"{c['sequence_length']} tokens; initial weights from seed {report['init_seed']}." + _micro_batching(report),
     ]
+
+
+def _micro_batching(report: dict) -> str:
+    parts = report.get("micro_batches", 1)  # absent from reports written before micro-batching
+    if parts == 1:
+        return ""
+    cache = (
+        "each weight quantized once per step (qt.nn.weight_cache)"
+        if report["weight_cache"]
+        else "weights quantized every micro-batch"
+    )
+    return f" {parts} micro-batches per step, gradients accumulated; {cache}."
 
 
 def format_count(n: int) -> str:

@@ -108,6 +108,8 @@ _E2E_OPTIONS = (
     "fidelity",
     "lr",
     "init_seed",
+    "micro_batches",
+    "weight_cache",
     "baseline",
 )
 
@@ -284,6 +286,19 @@ def _add_e2e_arguments(bench: argparse.ArgumentParser) -> None:
         "--init-seed", type=_seed, help="seed of the initial weights; the batches stay the same (default 0)"
     )
     e2e.add_argument(
+        "--micro-batches",
+        type=_positive,
+        metavar="N",
+        help="split each step's batch into N micro-batches and accumulate their gradients (default 1)",
+    )
+    e2e.add_argument(
+        "--weight-cache",
+        action="store_true",
+        default=None,
+        help="with high-precision weights, quantize each weight once per step (qt.nn.weight_cache around the "
+        "micro-batches) instead of once per micro-batch",
+    )
+    e2e.add_argument(
         "--fidelity",
         type=_positive,
         metavar="STEPS",
@@ -312,6 +327,8 @@ def _e2e_command(parser: argparse.ArgumentParser, args: argparse.Namespace, argv
             "compile_backend": args.compile_backend,
             "learning_rate": args.lr,
             "init_seed": args.init_seed,
+            "micro_batches": args.micro_batches,
+            "weight_cache": args.weight_cache,
         }
         options = E2EOptions(
             **{k: v for k, v in settings.items() if v is not None},

@@ -7,6 +7,8 @@ wgrad  dW = dy^T x     : grad_output columnwise x input columnwise
 a high-precision parameter (quantized rowwise every forward, saved as itself, and its dgrad
 operand recast in backward: [Note: weights recast in backward] in quant_tensors.quantizer) or a
 QuantizedTensor parameter (quantized primary weights, see `qt.convert(..., quantized_weights=True)`).
+With gradient accumulation, `weight_cache(model)` quantizes each high-precision weight once per
+step rather than once per micro-batch ([Note: weight cache across micro-batches]).
 A 2-D-scaled quantized weight kept rowwise-only gets its columnwise data just for the dgrad GEMM
 and drops it again.
 
@@ -17,11 +19,14 @@ warning when the layer is built. Token counts need no alignment: kernels take pa
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from quant_tensors._tensor import QuantizedTensor, local_quantized, local_shard, shard_like
@@ -89,6 +94,7 @@ class _QuantizedLinearFunction(torch.autograd.Function):
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
+        cached_weight: QuantizedTensor | None,
         input_state: torch.Tensor | None,
         weight_state: torch.Tensor | None,
         grad_output_state: torch.Tensor | None,
@@ -104,12 +110,15 @@ class _QuantizedLinearFunction(torch.autograd.Function):
             qx = _prequantized(x, "input", rowwise=True, columnwise=needs_wgrad)
         else:
             qx = _quantize_input(x, input_quantizer, input_state, columnwise=needs_wgrad)
-        # dgrad's weight operand: a quantized parameter as it is; a high-precision one saved as
-        # itself and recast in backward ([Note: weights recast in backward]) where its quantizer
-        # can, else its columnwise data saved from here.
+        # dgrad's weight operand: a quantized parameter as it is (or the quantization of a
+        # high-precision one that `weight_cache` holds); a high-precision one saved as itself and
+        # recast in backward ([Note: weights recast in backward]) where its quantizer can, else its
+        # columnwise data saved from here.
         recast, recast_key = False, ()
         if isinstance(weight, QuantizedTensor):
             qw = saved_w = weight
+        elif cached_weight is not None:
+            qw = saved_w = cached_weight
         elif needs_dgrad and weight_quantizer.recasts_columnwise:
             qw, recast_key = weight_quantizer.quantize_recastable(weight, state=weight_state)
             saved_w, recast = weight, True
@@ -159,11 +168,14 @@ class _QuantizedLinearFunction(torch.autograd.Function):
                     "holds; add the bias outside the layer (as QuantRowwiseParallel does) or pass a plain gradient"
                 )
             db = dy.reshape(-1, dy.shape[-1]).sum(dim=0)
-        return dx, dw, db, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None
 
 
 class Linear(torch.nn.Linear):
     """nn.Linear with quantized fprop, dgrad and wgrad GEMMs under `recipe`."""
+
+    _weight_cache: dict[str, Any] | None = None
+    """While `weight_cache` is active: its entry for this layer ({} until the first forward)."""
 
     def __init__(
         self,
@@ -205,10 +217,16 @@ class Linear(torch.nn.Linear):
             weight = weight.dequantize(x.dtype) if isinstance(weight, QuantizedTensor) else weight
             return torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
         states = self._buffers
+        # is_compiling first: dynamo folds it, so compiled code never reads the cache (its graph quantizes)
+        cached = None
+        if not torch.compiler.is_compiling() and self._weight_cache is not None and weight is self.weight:
+            columnwise = torch.is_grad_enabled() and x.requires_grad  # dgrad's operand
+            cached = _cached_quantization(self._weight_cache, weight, self.weight_quantizer, states, columnwise)
         return _QuantizedLinearFunction.apply(
             x,
             weight,
             bias,
+            cached,
             states.get("input_quantizer_state"),
             states.get("weight_quantizer_state"),
             states.get("grad_output_quantizer_state"),
@@ -282,6 +300,77 @@ class Linear(torch.nn.Linear):
     def extra_repr(self) -> str:
         mode = f", high precision: {self.high_precision_reason}" if self.high_precision_reason else ""
         return f"{super().extra_repr()}, recipe={type(self.recipe).__name__}{mode}"
+
+
+# [Note: weight cache across micro-batches] With gradient accumulation every micro-batch's
+# forward would quantize each high-precision weight again and its backward recast the dgrad
+# operand, though the weights only change at the optimizer step: for per-tensor FP8 three passes
+# over every weight (~8 bytes of traffic per element) and two quantize calls per Linear per
+# micro-batch. Inside `weight_cache(module)` each qt.nn.Linear of the module quantizes its weight
+# at the first forward (both usages while grad is enabled, rowwise only under no_grad) and reuses
+# that while the weight's version counter stays the same: an optimizer step or any in-place write
+# makes the next forward quantize again. Consequences, all deliberate:
+# - Memory: the block holds each weight's quantization (FP8: 2 bytes per element, both usages)
+#   from the first forward to the block's exit, which the recast saves otherwise; so the cache is
+#   opt-in and scoped, and it drops everything on exit.
+# - A stateful weight quantizer (delayed scaling) records one amax per weight version, not one per
+#   forward. Stateless quantizers give the same bytes as quantizing every time.
+# - Eager code only: under torch.compile the graph quantizes (the cache is never read, no guard).
+# - DTensor weights (FSDP2, tensor parallel) are refused at entry: the forward sees a gathered or
+#   local tensor the layer does not own, which the version counter cannot vouch for.
+
+
+@contextlib.contextmanager
+def weight_cache(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Quantize each high-precision weight of `module`'s qt.nn.Linear layers once per weight
+    version inside the block ([Note: weight cache across micro-batches]):
+
+        with qt.nn.weight_cache(model):
+            for inputs, targets in micro_batches:
+                loss_fn(model(inputs), targets).backward()
+        optimizer.step()
+    """
+    layers = [(name, m) for name, m in module.named_modules() if isinstance(m, Linear)]
+    for name, layer in layers:
+        where = f"qt.nn.weight_cache: layer {name!r}" if name else "qt.nn.weight_cache: the layer"
+        if layer._weight_cache is not None:
+            raise RuntimeError(f"{where} is already inside a weight_cache block; enter one block per module")
+        if isinstance(layer.weight, DTensor):
+            raise ValueError(
+                f"{where} has a DTensor weight (FSDP2 or tensor parallel), which its forward sees gathered or as a "
+                "local shard; use the cache on unsharded models (FSDP2 can gather quantized weights instead: "
+                "quant_fsdp.fully_shard(..., quantize_on_gather=True))"
+            )
+    for _, layer in layers:
+        layer._weight_cache = {}
+    try:
+        yield module
+    finally:
+        for _, layer in layers:
+            layer._weight_cache = None
+
+
+def _cached_quantization(
+    entry: dict[str, Any],
+    weight: torch.Tensor,
+    quantizer: Quantizer,
+    states: dict[str, torch.Tensor | None],
+    columnwise: bool,
+) -> QuantizedTensor | None:
+    """The layer's weight quantized for this forward (with columnwise data if asked), from `entry`
+    (the layer's cache) or made and kept there; None for a QuantizedTensor weight (used as it is)."""
+    if isinstance(weight, QuantizedTensor):
+        return None
+    kept = entry.get("weight")
+    if kept is not None and entry["version"] == weight._version and kept.usages[1] >= columnwise:
+        return kept
+    entry.clear()  # frees the stale quantization before the new one is made
+    with torch.no_grad():
+        kept = quantizer.quantize(
+            weight, state=states.get("weight_quantizer_state"), rowwise=True, columnwise=columnwise
+        )
+    entry.update(weight=kept, version=weight._version)
+    return kept
 
 
 # [Note: sibling layers share one quantized input] A transformer block feeds one tensor to
