@@ -4,8 +4,9 @@
     python3 scripts/profile_gpu.py ops [RECIPE ...]    # torch.profiler: ops and launches per fwd+bwd
     python3 scripts/profile_gpu.py parts               # host us of each piece of an fp8 fwd+bwd, timed alone
     python3 scripts/profile_gpu.py accumulation        # fp8 forward GEMMs with and without fast accumulation
+    python3 scripts/profile_gpu.py weight-cache [RECIPE ...]  # host us per 4-micro-batch step, with and without qt.nn.weight_cache
     python3 scripts/profile_gpu.py kernels [CASE ...]  # each quantize twice at bf16 8192^2 (under ncu)
-    python3 scripts/profile_gpu.py e2e [--config NAME] [RUN ...]  # GPU time per e2e training step, by kernel (PROFILE_HOST=1: and host ops)
+    python3 scripts/profile_gpu.py e2e [--config NAME] [RUN ...]  # GPU time per e2e training step, by kernel (PROFILE_HOST=1: and host ops; MICRO_BATCHES=N [WEIGHT_CACHE=1])
     python3 scripts/profile_gpu.py memory [--config NAME] [RUN ...]  # peak memory per phase of an e2e step
     python3 scripts/profile_gpu.py optim [KIND ...]    # GPU time per FusedAdam step at ~1e9 params, by kernel
     python3 scripts/profile_gpu.py optim-1e7 [KIND ...]  # host time of FusedAdam vs AdamW + requantize at 1e7
@@ -20,6 +21,7 @@ then the one ncu should profile: `ncu --launch-skip` per kernel name, see gpu-su
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import functools
 import os
@@ -206,7 +208,9 @@ def e2e(runs: list[str], config: str = "default") -> None:
     from quant_fsdp._bench_e2e import E2EOptions, build_run, free_memory, markov_batches, select_runs
     from quant_fsdp._e2e_model import resolve_model_source
 
-    options = E2EOptions(device="cuda", config=config)
+    # MICRO_BATCHES=N [WEIGHT_CACHE=1]: the bench's --micro-batches N [--weight-cache]
+    micro_batches, weight_cache = int(os.environ.get("MICRO_BATCHES", "1")), bool(os.environ.get("WEIGHT_CACHE"))
+    options = E2EOptions(device="cuda", config=config, micro_batches=micro_batches, weight_cache=weight_cache)
     batches = markov_batches(options.decoder, 8).cuda()
     for spec in select_runs(",".join(runs)):
         _, _, step = build_run(spec, options, torch.device("cuda"), resolve_model_source("auto"))
@@ -258,6 +262,42 @@ def _host_ops(events: Any, steps: int, wall: float) -> None:
     print(f"  host: {wall * 1e3:.1f} ms wall per step under the profiler, {calls:.0f} CPU op calls per step")
     for e in sorted(cpu, key=lambda e: -e.self_cpu_time_total)[:30]:
         print(f"  {e.count / steps:7.0f}x {e.self_cpu_time_total / steps / 1e3:7.2f} ms self  {e.key[:90]}")
+
+
+def weight_cache(recipes: list[str]) -> None:
+    """Host us per step of MICRO micro-batches through one Linear (fwd+bwd each, bf16 SIZE^3: the
+    GPU idles, so a step costs its host time), with and without `qt.nn.weight_cache` around them;
+    the two alternate round by round (the VM's host speed drifts), medians of 7 rounds of 100 steps."""
+    micro = 4
+    x = torch.randn(SIZE, SIZE, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(SIZE, SIZE, device="cuda", dtype=torch.bfloat16)
+    for name in recipes:
+        layer = _layer(name)
+
+        def step(cached: bool, layer=layer) -> None:
+            with qt.nn.weight_cache(layer) if cached else contextlib.nullcontext():
+                for _ in range(micro):
+                    layer(x.detach().requires_grad_(True)).backward(dy)
+            with torch.no_grad():
+                layer.weight.add_(0.0)  # the optimizer step: a new weight version
+
+        samples: dict[bool, list[float]] = {False: [], True: []}
+        for cached in (False, True):
+            for _ in range(5):
+                step(cached)
+        for _ in range(7):
+            for cached in (False, True):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(100):
+                    step(cached)
+                samples[cached].append((time.perf_counter() - start) / 100 * 1e6)
+        torch.cuda.synchronize()
+        plain, cached_us = (sorted(samples[c])[3] for c in (False, True))
+        print(
+            f"{name}: {micro} micro-batches per step, host us per step {plain:.0f} -> {cached_us:.0f} with "
+            f"weight_cache ({cached_us / plain:.2f}x); per micro-batch {plain / micro:.0f} -> {cached_us / micro:.0f}"
+        )
 
 
 def accumulation() -> None:
@@ -453,6 +493,8 @@ if __name__ == "__main__":
         parts()
     elif sys.argv[1] == "accumulation":
         accumulation()
+    elif sys.argv[1] == "weight-cache":
+        weight_cache(sys.argv[2:] or ["fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4"])
     elif sys.argv[1] == "optim-1e7":
         optim_1e7(sys.argv[2:] or ["fp8", "mxfp8", "nvfp4"])
     elif sys.argv[1] == "optim":
