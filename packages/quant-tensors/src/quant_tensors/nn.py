@@ -307,9 +307,10 @@ class Linear(torch.nn.Linear):
 # operand, though the weights only change at the optimizer step: for per-tensor FP8 three passes
 # over every weight (~8 bytes of traffic per element) and two quantize calls per Linear per
 # micro-batch. Inside `weight_cache(module)` each qt.nn.Linear of the module quantizes its weight
-# at the first forward (both usages while grad is enabled, rowwise only under no_grad) and reuses
-# that while the weight's version counter stays the same: an optimizer step or any in-place write
-# makes the next forward quantize again. Consequences, all deliberate:
+# at the first forward (with columnwise data when a dgrad will need it, else rowwise only, made
+# again with both if a later forward needs them) and reuses that while the weight's version
+# counter stays the same: an optimizer step or any in-place write makes the next forward quantize
+# again. dgrad then uses that quantization, not a recast. Consequences, all deliberate:
 # - Memory: the block holds each weight's quantization (FP8: 2 bytes per element, both usages)
 #   from the first forward to the block's exit, which the recast saves otherwise; so the cache is
 #   opt-in and scoped, and it drops everything on exit.
