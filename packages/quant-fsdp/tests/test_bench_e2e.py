@@ -21,6 +21,8 @@ from quant_fsdp._bench_e2e import (
     RECIPES,
     E2EOptions,
     build_run,
+    environment,
+    header_lines,
     markov_batches,
     recipe_of,
     run_e2e,
@@ -150,6 +152,20 @@ def _counting(function, calls: list):
         return function(*args, **kwargs)
 
     return counted
+
+
+def test_the_report_names_the_micro_batches_and_the_weight_cache():
+    options = E2EOptions(config="tiny", device="cpu", model_source="builtin", micro_batches=2)
+    lines = {
+        cache: "\n".join(
+            header_lines(environment(replace(options, weight_cache=cache), torch.device("cpu"), "builtin"))
+        )
+        for cache in (False, True)
+    }
+    assert "2 micro-batches per step, gradients accumulated; weights quantized every micro-batch." in lines[False]
+    assert "high-precision weights quantized once per step (qt.nn.weight_cache" in lines[True]
+    plain = header_lines(environment(replace(options, micro_batches=1), torch.device("cpu"), "builtin"))
+    assert "micro-batch" not in "\n".join(plain)
 
 
 def test_micro_batches_must_divide_the_batch(capsys):

@@ -471,7 +471,8 @@ def _micro_batching(report: dict) -> str:
     if parts == 1:
         return ""
     cache = (
-        "each weight quantized once per step (qt.nn.weight_cache)"
+        "recipes' high-precision weights quantized once per step (qt.nn.weight_cache; compiled graphs quantize per "
+        "micro-batch)"
         if report["weight_cache"]
         else "weights quantized every micro-batch"
     )
