@@ -137,6 +137,17 @@ def test_no_grad_keeps_rowwise_only_until_a_gradient_needs_columnwise():
     assert torch.equal(model[0].weight.grad, reference[0].weight.grad)
 
 
+def test_an_inference_loop_quantizes_each_weight_once(monkeypatch):
+    model = _model("nvfp4")
+    x = torch.randn(4, 128)
+    expected = model(x).detach()
+    calls = _count_weight_quantizations(monkeypatch, model)
+    with qt.nn.weight_cache(model), torch.inference_mode():
+        outputs = [model(x) for _ in range(3)]
+    assert calls[0] == 2  # two layers, once each
+    assert all(torch.equal(y, expected) for y in outputs)
+
+
 def test_quantized_weights_are_used_as_they_are():
     model = _model("fp8", quantized_weights=True)
     with qt.nn.weight_cache(model):
