@@ -5,6 +5,7 @@
     python3 scripts/profile_gpu.py parts               # host us of each piece of an fp8 fwd+bwd, timed alone
     python3 scripts/profile_gpu.py accumulation        # fp8 forward GEMMs with and without fast accumulation
     python3 scripts/profile_gpu.py weight-cache [RECIPE ...]  # host us per 4-micro-batch step, with and without qt.nn.weight_cache
+    python3 scripts/profile_gpu.py decode [RECIPE ...]  # ms per generated token, with and without qt.nn.weight_cache
     python3 scripts/profile_gpu.py kernels [CASE ...]  # each quantize twice at bf16 8192^2 (under ncu)
     python3 scripts/profile_gpu.py e2e [--config NAME] [RUN ...]  # GPU time per e2e training step, by kernel (PROFILE_HOST=1: and host ops; MICRO_BATCHES=N [WEIGHT_CACHE=1])
     python3 scripts/profile_gpu.py memory [--config NAME] [RUN ...]  # peak memory per phase of an e2e step
@@ -300,6 +301,47 @@ def weight_cache(recipes: list[str]) -> None:
         )
 
 
+def decode(recipes: list[str]) -> None:
+    """Greedy decoding with the e2e default model (transformers' LlamaForCausalLM, key/value cache
+    on, batch 1, a 128-token prompt, 64 new tokens): ms per new token for bf16 and each recipe with
+    high-precision weights, without and with `qt.nn.weight_cache` around `generate` (alternating,
+    median of 3 rounds). Each decoding step is host-bound: every Linear quantizes its weight again
+    unless the block holds it."""
+    from quant_fsdp._bench_e2e import recipe_of
+    from quant_fsdp._e2e_model import CONFIGS, build_decoder
+
+    device = torch.device("cuda")
+    prompt = torch.randint(0, CONFIGS["default"].vocab_size, (1, 128), device=device)
+    new_tokens = 64
+    for name in ["bf16", *recipes]:
+        torch.manual_seed(0)
+        model = build_decoder(CONFIGS["default"], device, "transformers").eval()
+        model.config.use_cache = True
+        if name != "bf16":
+            qt.convert(model, recipe_of(name), module_filter_fn=lambda _, fqn: fqn != "lm_head")
+
+        def generate(cached: bool, model=model) -> float:
+            with qt.nn.weight_cache(model) if cached else contextlib.nullcontext(), torch.no_grad():
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+                torch.cuda.synchronize()
+            return (time.perf_counter() - start) / new_tokens * 1e3
+
+        generate(False), generate(True)  # warm-up
+        samples: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(3):
+            for cached in (False, True):
+                samples[cached].append(generate(cached))
+        plain, cached_ms = (sorted(samples[c])[1] for c in (False, True))
+        print(
+            f"{name}: {plain:.2f} ms per token, with weight_cache {cached_ms:.2f} ({cached_ms / plain:.2f}x)",
+            flush=True,
+        )
+        del model
+        torch.cuda.empty_cache()
+
+
 def accumulation() -> None:
     """The forward GEMMs of the e2e models (tokens 8192) with and without fast accumulation ([Note:
     fast accumulation] in quant_tensors.ops): CUDA-event time of each and the relative L2 error
@@ -493,6 +535,8 @@ if __name__ == "__main__":
         parts()
     elif sys.argv[1] == "accumulation":
         accumulation()
+    elif sys.argv[1] == "decode":
+        decode(sys.argv[2:] or ["fp8", "mxfp8", "fp8-block", "nvfp4"])
     elif sys.argv[1] == "weight-cache":
         weight_cache(sys.argv[2:] or ["fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4"])
     elif sys.argv[1] == "optim-1e7":
