@@ -56,7 +56,10 @@ def scaled_mm_path(
         return "emulated"
     if isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor):
         both_e5m2 = a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2
-        return "emulated" if both_e5m2 or not _dims_ok(a, b, a_usage, b_usage, 16) else "torch._scaled_mm"
+        # torch._scaled_mm's conditions: K and B's rows in multiples of 16, any number of A's rows
+        # (a decoding step's one token among them).
+        dims_ok = _dims_ok(a, b, a_usage, b_usage, 16, a_rows=False)
+        return "emulated" if both_e5m2 or not dims_ok else "torch._scaled_mm"
     if isinstance(a, Float8BlockwiseTensor) and isinstance(b, Float8BlockwiseTensor):
         # Hopper's kernels: A in 1 x 128 blocks, B in 128 x 128 tiles or 1 x 128 blocks. With
         # 128 x 128 tiles, torch 2.11's kernel returns wrong results (silently, ~50% error) unless
@@ -73,9 +76,15 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-def _dims_ok(a: QuantizedTensor, b: QuantizedTensor, a_usage: Usage, b_usage: Usage, multiple: int) -> bool:
-    """Whether both operand matrices' rows and the reduction dim are multiples of `multiple`."""
-    sizes = (operand_k(a, a_usage), operand_k(a, _other(a_usage)), operand_k(b, _other(b_usage)))
+def _dims_ok(
+    a: QuantizedTensor, b: QuantizedTensor, a_usage: Usage, b_usage: Usage, multiple: int, *, a_rows: bool = True
+) -> bool:
+    """Whether the reduction dim, B's rows and (if `a_rows`) A's rows are multiples of `multiple`."""
+    sizes = (
+        operand_k(a, a_usage),
+        operand_k(b, _other(b_usage)),
+        *((operand_k(a, _other(a_usage)),) if a_rows else ()),
+    )
     return all(size % multiple == 0 for size in sizes)
 
 
