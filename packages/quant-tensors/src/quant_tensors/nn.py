@@ -219,7 +219,12 @@ class Linear(torch.nn.Linear):
         states = self._buffers
         # is_compiling first: dynamo folds it, so compiled code never reads the cache (its graph quantizes)
         cached = None
-        if not torch.compiler.is_compiling() and self._weight_cache is not None and weight is self.weight:
+        if (
+            not torch.compiler.is_compiling()
+            and self._weight_cache is not None
+            and weight is self.weight
+            and not isinstance(weight, QuantizedTensor)  # a quantized parameter is used as it is
+        ):
             columnwise = torch.is_grad_enabled() and x.requires_grad  # dgrad's operand
             cached = _cached_quantization(self._weight_cache, weight, self.weight_quantizer, states, columnwise)
         return _QuantizedLinearFunction.apply(
@@ -357,11 +362,9 @@ def _cached_quantization(
     quantizer: Quantizer,
     states: dict[str, torch.Tensor | None],
     columnwise: bool,
-) -> QuantizedTensor | None:
-    """The layer's weight quantized for this forward (with columnwise data if asked), from `entry`
-    (the layer's cache) or made and kept there; None for a QuantizedTensor weight (used as it is)."""
-    if isinstance(weight, QuantizedTensor):
-        return None
+) -> QuantizedTensor:
+    """The layer's high-precision weight quantized for this forward (with columnwise data if
+    asked), from `entry` (the layer's cache) or made and kept there."""
     kept = entry.get("weight")
     if kept is not None and entry["version"] == weight._version and kept.usages[1] >= columnwise:
         return kept
