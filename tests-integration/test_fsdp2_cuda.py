@@ -66,7 +66,10 @@ def _train_and_gather(rank: int, world_size: int, mode: str) -> None:
             expected = quantizers[i].quantize(full, amax=full.abs().max() if quantizers[i].per_tensor_amax else None)
             layer.unshard()
             gathered = layer.weight
-            expected.update_usage(columnwise=gathered.usages[1])
+            # A forward unshard gathers rowwise; MXFP8's columnwise comes with the backward's, into
+            # buffers the tensor holds already ([Note: refilled unsharded buffers]).
+            assert gathered.usages[0]
+            expected.update_usage(columnwise=False)
             for name, buffer in expected.buffers().items():
                 if buffer is not None:
                     got = getattr(gathered, name)

@@ -91,7 +91,8 @@ def _gathered_equals_unsharded(rank: int, world_size: int, mode: str) -> None:
             quant_fsdp.fully_shard(layer, quantize_on_gather=mode == "quantize-on-gather")
         quant_fsdp.fully_shard(model, quantize_on_gather=mode == "quantize-on-gather")
         masters = MasterWeights(model)
-        optimizer = torch.optim.AdamW(masters.parameters, lr=1e-2)
+        # foreach: the step torch's optimizers take on CUDA, writing a list of shards at once.
+        optimizer = torch.optim.AdamW(masters.parameters, lr=1e-2, foreach=True)
         for _ in range(2):  # after steps, so the shards were requantized (mode 1) or changed (mode 2)
             one_step(model, rank)
             # The quantizers as they are before quantizing this step's weights (delayed scaling's

@@ -146,6 +146,20 @@ def test_writes_through_views_requantize_the_shard():
     assert torch.equal(after[:32], before[:32])
 
 
+def test_foreach_writes_requantize_every_shard():
+    # torch's optimizers step CUDA parameters with foreach ops (a list of tensors written at once);
+    # each shard written must quantize again at its next gather, not send the bytes of before.
+    quantizer = qt.Float8CurrentScaling().quantizer("weight")
+    shards = [quant_fsdp.QuantizeOnGatherTensor(torch.randn(64, 32), quantizer) for _ in range(3)]
+    before = [s._quantize_shard().dequantize() for s in shards]
+    with torch.no_grad():
+        torch._foreach_mul_(shards[:2], 2.0)
+    for shard, old in zip(shards[:2], before[:2], strict=True):
+        assert torch.equal(shard._quantize_shard().dequantize(), quantizer.quantize(shard._data.clone()).dequantize())
+        assert not torch.equal(shard._quantize_shard().dequantize(), old)
+    assert torch.equal(shards[2]._quantize_shard().dequantize(), before[2])  # not written: not requantized
+
+
 # Not "fp8-delayed" here: in one process the shards share one quantizer, whose amax history each
 # shard's quantization advances (each rank has its own; tests-integration covers it).
 @pytest.mark.parametrize("recipe_name", ["fp8", "mxfp8", "fp8-block", "nvfp4"])

@@ -240,19 +240,19 @@ class QuantizeOnGatherTensor(torch.Tensor):
 
 
 def _count_writes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Bumps the version counter of each wrapped tensor `func` writes to, and of the tensor it is a
-    view of ([Note: versions through views]). Inside __torch_dispatch__ autograd's version bump
+    """Bumps the version counter of each wrapped tensor `func` writes to (a foreach op writes a
+    list of them), and of the tensor it is a view of ([Note: versions through views]). Inside __torch_dispatch__ autograd's version bump
     has already happened, on the wrapper only; the quantized-shard cache keys on the shard's version."""
     for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
         value = args[position] if position < len(args) else kwargs.get(argument.name)
-        if (
-            argument.alias_info is not None
-            and argument.alias_info.is_write
-            and isinstance(value, QuantizeOnGatherTensor)
-        ):
-            torch.autograd.graph.increment_version(value._data)
-            if value._version_source is not value._data:
-                torch.autograd.graph.increment_version(value._version_source)
+        # One tensor, or a list of them: the foreach ops torch's optimizers run on CUDA by default.
+        for written in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(written, QuantizeOnGatherTensor):
+                torch.autograd.graph.increment_version(written._data)
+                if written._version_source is not written._data:
+                    torch.autograd.graph.increment_version(written._version_source)
 
 
 def _padded_shard(shard: torch.Tensor, padded_shape: tuple[int, ...]) -> torch.Tensor:
