@@ -15,17 +15,28 @@ World size 1 is left to the single-process compile tests (packages/quant-tensors
 and the FSDP2 training tests (world size 1 equals no FSDP bitwise): world size 2 is the case with
 real collectives, MXFP8's split gathers (rowwise in the forward, columnwise in the backward) and
 the explicit fallback (blockwise FP8's 128-row blocks do not fit 64-row shards).
+
+torchtitan's full layout (fp32 parameters, `layer.compile()` before `fully_shard(layer,
+mp_policy=MixedPrecisionPolicy(bf16, fp32))`, FusedAdam for quantized weights) on the e2e
+decoder: no graph break in any layer and no graph compiled after warm-up (a guard failing every
+step), every recipe and weight mode.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.nn.functional as F
 from torch._dynamo.backends.debugging import aot_eager
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import quant_fsdp
 import quant_tensors as qt
 from quant_core.testing import run_ranks
+from quant_fsdp._e2e_model import CONFIGS, build_decoder
 from quant_fsdp.testing import local_bytes, train_data_parallel
+from quant_optim import FusedAdam
 from quant_tensors.testing import MarkovTask, TinyTransformer, TransformerConfig
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
@@ -83,3 +94,70 @@ def _compiled_blocks_train_like_eager(rank: int, world_size: int) -> None:
 
 def test_per_block_compile_trains_bitwise_like_eager():
     run_ranks(_compiled_blocks_train_like_eager, 2)
+
+
+# ---- torchtitan's layout: graph breaks and recompiles counted ------------------------------------
+
+WEIGHTS = ("hp", "qw")
+WARMUP_STEPS = 2
+
+
+def _train_compiled(recipe_name: str, weights: str, rank: int) -> tuple[int, int, list[str]]:
+    """(graph breaks in all steps, graphs compiled after warm-up, break reasons) of one configuration."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = CONFIGS["tiny"]
+    model = build_decoder(config, torch.device("cpu"), "builtin").float()
+    qt.convert(
+        model,
+        qt.recipe_from_name(recipe_name),
+        quantized_weights=weights == "qw",
+        module_filter_fn=lambda _, name: "lm_head" not in name,
+    )
+    mesh = init_device_mesh("cpu", (2,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        layer.compile(backend="aot_eager")
+        quant_fsdp.fully_shard(layer, mesh=mesh, mp_policy=policy, quantize_on_gather=weights == "hp")
+    quant_fsdp.fully_shard(model, mesh=mesh, mp_policy=policy, quantize_on_gather=weights == "hp")
+    optimizer = (
+        FusedAdam(model.parameters(), lr=1e-3) if weights == "qw" else torch.optim.AdamW(model.parameters(), lr=1e-3)
+    )
+    shape = (config.batch_size, config.sequence_length + 1)
+    tokens = torch.randint(0, config.vocab_size, shape, generator=torch.Generator().manual_seed(rank))
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    graphs_after_warmup = 0
+    for step in range(WARMUP_STEPS + STEPS):
+        if step == WARMUP_STEPS:
+            graphs_after_warmup = -counters["stats"]["unique_graphs"]
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert torch.isfinite(loss)
+    graphs_after_warmup += counters["stats"]["unique_graphs"]
+    reasons = list(counters["graph_break"])
+    return sum(counters["graph_break"].values()), graphs_after_warmup, reasons
+
+
+def _every_configuration(rank: int, world_size: int, out: str) -> None:
+    counts = {(r, w): _train_compiled(r, w, rank) for r in RECIPES for w in WEIGHTS}
+    if rank == 0:
+        torch.save(counts, out)
+
+
+@pytest.fixture(scope="module")
+def compile_counts(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("compile") / "counts.pt"
+    run_ranks(_every_configuration, 2, str(out))
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_compiled_layers_trace_whole_under_fsdp2(compile_counts, recipe_name, weights):
+    graph_breaks, graphs_after_warmup, reasons = compile_counts[(recipe_name, weights)]
+    assert graph_breaks == 0, reasons[:3]
+    assert graphs_after_warmup == 0

@@ -3,6 +3,8 @@ as its reader and writer use them (the multi-rank loads: tests-integration/test_
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -58,7 +60,9 @@ def test_dcp_writer_saves_the_weight_itself():
 
 def test_a_staged_per_tensor_weight_waits_and_a_later_write_wins():
     local = weight("fp8")  # per-tensor: quantizing the staged value needs the shards' amax
-    local.quantizer.bind(amax_group=object())  # as fully_shard binds it (never reached here)
+    local.quantizer.bind(
+        amax_group=types.SimpleNamespace(group_name="7")
+    )  # as fully_shard binds it (never reached here)
     values = torch.randn(256, 128)
     local.__get_tensor_shard__(MetadataIndex("w")).copy_(values)
     assert _checkpoint.pending()

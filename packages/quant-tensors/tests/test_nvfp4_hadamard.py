@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import copy
 import io
+import types
 
 import pytest
 import torch
 
 import quant_core
 import quant_tensors as qt
+import quant_tensors.quantizer
 from quant_tensors.ops import scaled_mm
 
 SEED = 2**63 + 77  # any int: its low 64 bits pick the signs
@@ -238,7 +240,9 @@ def test_amax_group_agrees_on_both_amaxes_in_one_all_reduce(monkeypatch):
         tensor.mul_(2.0)  # as if another rank held twice the values
 
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
-    quantizer = qt.NVFP4BlockScaling(random_hadamard_transform=True).quantizer("input").bind(amax_group=object())
+    group = types.SimpleNamespace(group_name="7")  # stands in for a ProcessGroup
+    monkeypatch.setattr(quant_tensors.quantizer, "_resolve_process_group", {"7": group}.__getitem__)
+    quantizer = qt.NVFP4BlockScaling(random_hadamard_transform=True).quantizer("input").bind(amax_group=group)
     x = gaussian(64, 96)
     t = quantizer.quantize(x)
     (reduced,) = calls

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import pickle
+import types
 
 import pytest
 import torch
 
 import quant_core
 import quant_tensors as qt
+import quant_tensors.quantizer
 from quant_tensors._tensor import _EXTENSION_METHODS
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
@@ -345,10 +348,15 @@ def test_row_alignment_is_the_block_rows_a_shard_must_start_on(name, role, align
         assert quantizer.with_usage(columnwise=False).row_alignment == 1
 
 
-def test_quantizer_pickles_and_copies_without_its_process_group():
+def test_quantizer_pickles_and_copies_without_its_process_group(monkeypatch):
+    group = types.SimpleNamespace(group_name="7")  # stands in for a ProcessGroup, which neither pickles nor deep-copies
+    monkeypatch.setattr(quant_tensors.quantizer, "_resolve_process_group", {"7": group}.__getitem__)
     quantizer = qt.Float8DelayedScaling().quantizer("weight")
-    group = object()  # stands in for a ProcessGroup, which neither pickles nor deep-copies
     quantizer.bind(amax_group=group)
+    assert quantizer.amax_group is group
+    # Its fields hold the group's name, not the group: torch.compile rebuilds a quantizer passed
+    # into a graph from its fields, and torch 2.11 cannot carry a ProcessGroup there.
+    assert [f.name for f in dataclasses.fields(quantizer) if getattr(quantizer, f.name) is group] == []
     quantizer.quantize(torch.randn(16, 16), amax=torch.tensor(3.0))  # a given amax needs no group
     restored = pickle.loads(pickle.dumps(quantizer))
     assert restored.amax_group is None

@@ -401,7 +401,7 @@ def _quantize_input(
             if (
                 version == x._version
                 and maker.quantizes_like(quantizer)
-                and maker.amax_group is quantizer.amax_group
+                and maker.amax_group_name == quantizer.amax_group_name
                 and qx.usages[1] >= columnwise
             ):
                 return qx

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 import quant_core
 from quant_tensors._tensor import QuantizedTensor
@@ -53,11 +54,11 @@ class Quantizer:
     """Produce columnwise data (the backward GEMMs' operand)."""
     columnwise_on_demand: bool = False
     """Leave columnwise out of `quantize`; derive it with update_usage ([Note: on-demand columnwise])."""
-    amax_group: Any = field(default=None, repr=False, compare=False)
-    """Binding: process group over which formats with a per-tensor amax (per-tensor FP8, NVFP4)
-    all-reduce (MAX) the amax they measure, so that the shards of one tensor share one scale.
-    quant-fsdp binds it for sharded weights. An `amax=` passed to `quantize` is used as given.
-    Not pickled."""
+    amax_group_name: str | None = field(default=None, repr=False, compare=False)
+    """Binding: the name of `amax_group` (`ProcessGroup.group_name`), set by `bind`. A name rather
+    than the group: torch.compile rebuilds a quantizer passed into a graph from its fields, and
+    torch 2.11's dynamo cannot carry a ProcessGroup there (a graph break at every qt.nn.Linear of
+    a sharded model). Not pickled."""
     state: torch.Tensor | None = field(default=None, repr=False, compare=False)
     """Binding: the per-step state of a stateful quantizer (None for stateless ones); made by
     `new_state` when not given."""
@@ -229,11 +230,19 @@ class Quantizer:
         """A fresh state for this quantizer (None for stateless formats), on `device` (default cpu)."""
         return None
 
-    def bind(self, *, amax_group: Any = None, state: torch.Tensor | None = None) -> Quantizer:
+    @property
+    def amax_group(self) -> dist.ProcessGroup | None:
+        """Binding: process group over which formats with a per-tensor amax (per-tensor FP8, NVFP4)
+        all-reduce (MAX) the amax they measure, so that the shards of one tensor share one scale.
+        quant-fsdp binds it for sharded weights. An `amax=` passed to `quantize` is used as given."""
+        name = self.amax_group_name
+        return None if name is None else _resolve_process_group(name)
+
+    def bind(self, *, amax_group: dist.ProcessGroup | None = None, state: torch.Tensor | None = None) -> Quantizer:
         """Sets the bindings given (not None) in place and returns self
         ([Note: quantizer configuration and bindings])."""
         if amax_group is not None:
-            object.__setattr__(self, "amax_group", amax_group)
+            object.__setattr__(self, "amax_group_name", amax_group.group_name)
         if state is not None:
             if self.state is None:
                 raise ValueError(f"{type(self).__name__} keeps no state; there is nothing to bind")
@@ -304,13 +313,13 @@ class Quantizer:
     # ---- pickling and copies: a process group is neither picklable nor copyable ----------------
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "amax_group": None}
+        return {**self.__dict__, "amax_group_name": None}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Quantizer:
         clone = object.__new__(type(self))
         memo[id(self)] = clone
         for name, value in self.__dict__.items():  # the group is shared, everything else copied
-            object.__setattr__(clone, name, value if name == "amax_group" else copy.deepcopy(value, memo))
+            object.__setattr__(clone, name, value if name == "amax_group_name" else copy.deepcopy(value, memo))
         return clone
 
     # ---- what every format provides ----------------------------------------------------------
