@@ -180,7 +180,7 @@ class _QuantizedTarget:
         self.rows_missing -= rows
         if self.rows_missing == 0:
             del _TARGETS[self.local]
-            if self.local.quantizer.amax_group is None:  # no per-tensor amax to agree on: now
+            if self.local.quantizer.amax_group_name is None:  # no per-tensor amax to agree on: now
                 self.local.quantizer.quantize_(self.values, self.local)
             else:
                 _PENDING[self.fqn] = _Pending(self.local, self.values, _versions(self.local))
