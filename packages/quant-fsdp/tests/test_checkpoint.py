@@ -67,7 +67,7 @@ def test_a_staged_per_tensor_weight_waits_and_a_later_write_wins():
     local.__get_tensor_shard__(MetadataIndex("w")).copy_(values)
     assert _checkpoint.pending()
     requantized = torch.randn(256, 128)
-    object.__setattr__(local.quantizer, "amax_group", None)
+    object.__setattr__(local.quantizer, "amax_group_name", None)
     local.quantizer.quantize_(requantized, local)  # FusedAdam's requantize from the master
     _checkpoint.requantize_pending()
     assert not _checkpoint.pending()
