@@ -17,14 +17,13 @@ from build import ProjectBuilder
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("quant-core", "quant-tensors", "quant-fsdp", "quant-optim")
-# Allowed members, as paths inside the sdist's top folder: these files at the top (.gitignore is
+# Allowed members, as paths inside the sdist's top folder (engineer notes, NOTES.md, stay out): these files at the top (.gitignore is
 # the monorepo's, which hatchling ships so a build from the sdist drops the same files)...
 TOP_LEVEL_FILES = {
     "PKG-INFO",
     "pyproject.toml",
     "README.md",
     "CHANGELOG.md",
-    "NOTES.md",
     ".gitignore",
     "CMakeLists.txt",
 }
@@ -51,7 +50,7 @@ def _module(package: str) -> str:
 
 
 def _plant_junk(package_dir: pathlib.Path, module: str) -> None:
-    """Build outputs where a developer's checkout has them (issue #18 found the first one shipped)."""
+    """Build outputs where a developer's checkout has them (an sdist once shipped one)."""
     junk = (
         "build/cp311-cp311-linux_x86_64/CMakeFiles/_C.dir/csrc/adam.cpp.o",
         "build/junk.o",

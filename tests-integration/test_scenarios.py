@@ -1,4 +1,4 @@
-"""A table of named training scenarios over gloo (issue #18): recipe x weight mode x world size x
+"""A table of named training scenarios over gloo: recipe x weight mode x world size x
 layout x resume, a pairwise cover rather than the full product.
 
 27 rows (SCENARIOS): every recipe in every layout (25), and every recipe at world size 1, where
@@ -66,8 +66,8 @@ CONFIG = TransformerConfig(vocab=128, hidden=128, layers=2, heads=2, sequence=32
 # 4 heads split over TP=4.
 TP_CONFIG = TransformerConfig(vocab=128, hidden=256, layers=2, heads=4, sequence=32)
 BATCH, STEPS, SAVE_AFTER = 8, 6, 3
-LR = 3e-4  # issue #5's parity tests: at 1e-3 NVFP4 amplifies summation-order noise (NOTES)
-# Relative, at every step (issue #5; quant-fsdp NOTES "Numerics under data parallelism"): runs
+LR = 3e-4  # as the parity tests: at 1e-3 NVFP4 amplifies summation-order noise (NOTES)
+# Relative, at every step (quant-fsdp NOTES "Numerics under data parallelism"): runs
 # that differ only in the order gradients are summed drift 0.20% apart within 50 steps at lr 3e-4
 # (NVFP4, batch 16); here 6 steps. Observed maxima are printed with -s.
 LOSS_TOLERANCE = 5e-3

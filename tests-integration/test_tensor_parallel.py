@@ -2,7 +2,7 @@
 
 Training parity: a small transformer whose block Linears are QuantColwiseParallel /
 QuantRowwiseParallel with sequence parallelism (embedding, norms and head use torch's own
-styles) trains to the losses of the same model in one process, within issue #5's tolerance, for
+styles) trains to the losses of the same model in one process, within the parity tests' tolerance, for
 every recipe: TP=2 + SP on 2 gloo ranks, TP=2 + SP x FSDP2=2 on 4. (TP=2 without SP trained
 within 1.1e-4, 5.0e-4 for NVFP4, measured on 2026-11-23; left out of CI for time.) Per layer:
 forward and backward equal the unsharded layer's slices, with and without SP, on 2 and 4 ranks.
@@ -34,8 +34,8 @@ from quant_optim import FusedAdam
 from quant_tensors.testing import MarkovTask, TransformerConfig
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
-LOSS_TOLERANCE = 5e-3  # relative, at every step (issue #5)
-LR = 3e-4  # as issue #5's parity tests
+LOSS_TOLERANCE = 5e-3  # relative, at every step, as the parity tests
+LR = 3e-4  # as the parity tests
 CONFIG = TransformerConfig(vocab=256, hidden=256, layers=2, heads=4, sequence=64)
 STEPS, BATCH = 10, 8
 TASK = MarkovTask(CONFIG.vocab)

@@ -283,7 +283,7 @@ def test_many_small_tensors_in_one_call(config):
 @needs_cuda
 @pytest.mark.parametrize("config", ["mxfp8", "128x128-pow2-e4m3"])
 def test_a_captured_call_replays_with_new_values(config):
-    # The tables are cached by content: after one eager call a CUDA graph captures the launch
+    # The tables are cached by content: after one eager launch a CUDA graph captures the launch
     # without a host-to-device copy, and its replays quantize what the inputs hold then.
     single, many = _config(config)
     xs = [torch.randn(256, 512, device=CUDA), torch.randn(128, 384, device=CUDA), torch.randn(7, 40, device=CUDA)]

@@ -87,7 +87,7 @@ def test_demo_on_one_rank_gathers_nothing(tmp_path):
 
 
 def test_demo_training_passes_on_demand_columnwise_on_the_recipes_not_the_environment(tmp_path, monkeypatch):
-    # Options pass as arguments, never through os.environ (issue #18). The rank work runs here, in
+    # Options pass as arguments, never through os.environ. The rank work runs here, in
     # this process, as the one rank of a gloo group.
     monkeypatch.delenv(qt.COLUMNWISE_ON_DEMAND_ENV_VAR, raising=False)
     environment = dict(os.environ)

@@ -1,4 +1,4 @@
-"""Single-process training parity (issue #5): every recipe trains TinyTransformer like bf16 does.
+"""Single-process training parity: every recipe trains TinyTransformer like bf16 does.
 
 200 AdamW steps (4 sequences of 64 tokens each) on the synthetic Markov task, same seeds (initial weights and batches) for every
 run. The final loss (mean of the last 10 steps) must be within 3% of the bf16 run for the FP8

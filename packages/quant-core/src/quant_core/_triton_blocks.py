@@ -91,7 +91,7 @@ TWO_D_TILES: Tiles = Tiles(128, 128, 8)
 DEQUANTIZE_TILES = Tiles(16, 256, 4)
 # fp32 inputs (FusedAdam requantizes weights from their fp32 master weights; a tile holds twice
 # the bytes of a bf16 one), from `python3 scripts/sweep_blocks.py --dtype float32` on an H100
-# (docs/benchmarks.md, sixth session): MXFP8 with both usages runs fastest as one 2-D tile
+# (docs/benchmarks.md, kernels): MXFP8 with both usages runs fastest as one 2-D tile
 # (163.5 vs 189.4 us two-pass at 8192^2), 1 x 128 with NaN handled early (186.8 vs 215.7). fp16
 # inputs take the bf16 choices; MXFP8 rowwise only has one for every dtype (the sweep has no case
 # for it). `_tiles_for` says which constant each quantize reads.

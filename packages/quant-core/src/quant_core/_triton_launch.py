@@ -3,7 +3,7 @@
 [Note: Triton launches] `JITFunction.run` binds the arguments, computes their specialization and
 the compiled kernel's cache key on every launch: tens of microseconds of Python per launch on an
 H100 VM's host, more than the GPU time of a quantize at the sizes of a training step's Linear
-layers (docs/benchmarks.md, issue #14). `launch` keys its own cache of compiled kernels on what
+layers (docs/benchmarks.md, host time per Linear). `launch` keys its own cache of compiled kernels on what
 Triton specializes on (per positional tensor: dtype and 16-byte alignment; per positional int:
 == 1, divisibility by 16, 32-bit range; bools and None by value; the constexprs, which must be
 passed by keyword, and the launch options by value; the current device), a superset of Triton's

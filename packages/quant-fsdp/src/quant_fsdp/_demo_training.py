@@ -33,7 +33,7 @@ from quant_tensors.demo import MarkovTask, MasterWeights, TinyTransformer, Trans
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 BATCH = 8  # sequences per global batch, split evenly over the ranks
-# Bound on |final loss / bf16's final loss - 1| (issue #5's parity bounds).
+# Bound on |final loss / bf16's final loss - 1| (the single-process parity bounds of test_training.py).
 LOSS_BOUND = {"fp8": 0.03, "fp8-delayed": 0.03, "mxfp8": 0.03, "fp8-block": 0.03, "nvfp4": 0.06}
 FINAL_WINDOW = 10  # the final loss is the mean of the last FINAL_WINDOW steps' losses
 LEARNING_RATE = 1e-3
@@ -280,7 +280,7 @@ def print_training_table(console: Console, result: TrainingResult, options: Demo
     for line in (
         f"final loss: {final_loss_definition(options.num_steps)} (cross-entropy, nats per token, global batch); "
         "the progress bars show the same mean.",
-        "vs bf16: final loss / bf16's final loss - 1. verdict: PASS when within ± bound (issue #5's parity bounds).",
+        "vs bf16: final loss / bf16's final loss - 1. verdict: PASS when within ± bound (the training parity bounds).",
         f"The task's loss floor is {result.loss_floor:.3f}: the entropy of its Markov chain, the lowest loss any "
         f"model can reach (bf16 is {bf16_final - result.loss_floor:.3f} above it after {options.num_steps} steps).",
         "tokens/s: the global batch's tokens / the median step time (step ms), all ranks together.",

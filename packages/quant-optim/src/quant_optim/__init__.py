@@ -1,7 +1,7 @@
 """quant-optim: FusedAdam with fp32 master weights for quantized, DTensor-sharded parameters.
 
-Issue #7 in progress: the plain-torch FusedAdam step (quant_optim._adam) is here; DTensor states,
-fused kernels and the batched amax all-reduce follow.
+FusedAdam (quant_optim._adam) steps fp32 masters with quant-core's fused Adam kernels (C++ on CPU,
+Triton on CUDA), keeps DTensor states and agrees per-tensor amaxes in one all-reduce per step.
 """
 
 from quant_optim._adam import FusedAdam

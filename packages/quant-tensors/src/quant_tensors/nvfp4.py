@@ -103,8 +103,8 @@ class NVFP4Tensor(BlockScaledTensor):
 class NVFP4Quantizer(BlockQuantizer):
     """NVFP4 quantizer; the global amax is the input's own unless one is passed (shards).
 
-    With stochastic rounding the state is an int64 0-d counter of the quantizations made: call n
-    rounds with the stream `seed + n`, and the counter advances in place, so two steps never reuse
+    With stochastic rounding the state is an int64 0-d counter of the quantizations made: the n-th
+    quantization rounds with the stream `seed + n`, and the counter advances in place, so two steps never reuse
     a stream and a layer loaded from a state dict continues where it stopped
     ([Note: quantizer configuration and bindings]). With the random Hadamard transform the
     columnwise usage holds T(x^T) ([Note: NVFP4 wgrad operands with the random Hadamard transform]).
@@ -115,7 +115,7 @@ class NVFP4Quantizer(BlockQuantizer):
     stochastic_rounding: bool = False
     """Round E2M1 stochastically (gradients); each call draws from a new counter stream."""
     seed: int = 0
-    """Base of the stochastic-rounding streams; call n uses seed + n."""
+    """Base of the stochastic-rounding streams; the n-th quantization uses seed + n."""
     random_hadamard_transform: bool = False
     """Quantize the columnwise usage as T(x^T), the 16 x 16 random Hadamard transform along M (1 x 16 blocks only)."""
     hadamard_seed: int = 0

@@ -230,7 +230,7 @@ def operand_k(t: QuantizedTensor, usage: Usage) -> int:
 # [Note: fast accumulation] Hopper's FP8 tensor cores sum products in a narrow accumulator (about
 # 14 mantissa bits); cuBLAS by default adds it into an fp32 sum every few K-steps (a "split
 # accumulator"). `use_fast_accum=True` skips that promotion. Measured on an H100
-# (docs/benchmarks.md, tenth session; `scripts/profile_gpu.py accumulation`): the e2e models'
+# (docs/benchmarks.md; `scripts/profile_gpu.py accumulation`): the e2e models'
 # forward GEMMs take 0.94-0.98x the time (one large shape 1.05x), the relative error against the
 # fp32 product grows from 1.3e-4 to 0.9e-3-2.9e-3 with K, and the e2e step does not move (fp8
 # compiled 129.5k vs 129.4k tokens/s). TransformerEngine (fprop `use_split_accumulator=False`) and
