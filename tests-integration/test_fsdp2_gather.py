@@ -90,6 +90,10 @@ def _gathered_equals_unsharded(rank: int, world_size: int, mode: str) -> None:
         for layer in model.layers:
             quant_fsdp.fully_shard(layer, quantize_on_gather=mode == "quantize-on-gather")
         quant_fsdp.fully_shard(model, quantize_on_gather=mode == "quantize-on-gather")
+        for layer in model.layers:  # a shard keeps no columnwise copy that its gather can derive
+            shard = layer.weight._local_tensor
+            if isinstance(shard, qt.QuantizedTensor):
+                assert shard.usages == (True, not shard.quantizer.can_derive_columnwise), recipe_name
         masters = MasterWeights(model)
         # foreach: the step torch's optimizers take on CUDA, writing a list of shards at once.
         optimizer = torch.optim.AdamW(masters.parameters, lr=1e-2, foreach=True)

@@ -74,9 +74,16 @@ def fixed_batch_loss(model: torch.nn.Module) -> float:
 
 
 def entry_bytes(value: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Every buffer of a state-dict entry as raw bytes: a QuantizedTensor's by name, a plain tensor's own."""
+    """Every buffer of a state-dict entry as raw bytes: a QuantizedTensor's by name, a plain tensor's own.
+    Columnwise data that is the lossless transpose of rowwise data is left out: a sharded weight
+    keeps none (its gather derives it), an unsharded one may hold it."""
     if isinstance(value, qt.QuantizedTensor):
-        return {name: raw_bits(b.contiguous().reshape(-1)) for name, b in value.buffers().items() if b is not None}
+        derived = value.quantizer.can_derive_columnwise and value.rowwise_data is not None
+        return {
+            name: raw_bits(b.contiguous().reshape(-1))
+            for name, b in value.buffers().items()
+            if b is not None and not (derived and name.startswith("columnwise"))
+        }
     return {"": raw_bits(value.detach().contiguous().reshape(-1))}
 
 

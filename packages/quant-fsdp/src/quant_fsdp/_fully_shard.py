@@ -3,8 +3,9 @@
 Importing quant_fsdp installs the all-gather hooks on every QuantizedTensor (quantized primary
 weights, mode 1). `fully_shard` then, for the parameters the call manages:
 1. decides each quantized weight's gather ([Note: alignment policy] in quant_fsdp._plan);
-2. mode 1: aligned QuantizedTensor weights stay as they are, and their quantizers get the shard
-   group as `amax_group` (per-tensor scales agree across shards); misaligned ones become
+2. mode 1: aligned QuantizedTensor weights stay quantized (rowwise only where columnwise is a
+   lossless transpose), and their quantizers get the shard group as `amax_group` (per-tensor
+   scales agree across shards); misaligned ones become
    high-precision QuantizeOnGatherTensor weights (the fallback), from their high-precision
    initial value where qt.convert kept one;
 3. mode 2 (`quantize_on_gather=True`): the high-precision weights of qt.nn.Linear layers become
@@ -121,6 +122,7 @@ def fully_shard(
             init_value = qt.high_precision_init_value(param)
             if init_value is not None:
                 init_values[plan.name] = init_value
+            _drop_derivable_columnwise(qt.local_quantized(param))
         else:
             value = _high_precision_value(param) if plan.mode == _plan.QUANTIZED_WEIGHTS else param.detach()
             local = QuantizeOnGatherTensor(
@@ -146,6 +148,20 @@ def fully_shard(
     if print_plan:
         _plan.print_plan(module)
     return module
+
+
+def _drop_derivable_columnwise(weight: QuantizedTensor) -> None:
+    """A sharded quantized weight keeps rowwise data only where columnwise is its lossless
+    transpose (per-tensor FP8, 128x128 and 16x16 tiles): the GEMMs use the gathered tensor, which
+    gets columnwise data from rowwise for the dgrad alone ([Note: quantized all-gather]), so a
+    columnwise copy of the shard would be memory that nothing reads (a byte per element for FP8),
+    and the optimizer's requantization then writes rowwise data only."""
+    if (
+        weight.columnwise_data is not None
+        and weight.rowwise_data is not None
+        and weight.quantizer.can_derive_columnwise
+    ):
+        weight.update_usage(columnwise=False)
 
 
 def _default_mesh(module: torch.nn.Module) -> DeviceMesh:

@@ -6,9 +6,10 @@ the all-gather hooks on it:
 
 - quantized gather: the pre-all-gather hook quantizes the shard (with the shard group's amax for
   per-tensor formats) and sends its bytes like a quantized primary weight ([Note: quantized
-  all-gather] in quant_fsdp._quantized_all_gather). The quantized shard is kept and refilled in place, once per
-  change of the shard (its version counter): the backward re-gather sends the same bytes, and
-  delayed scaling records one amax per step, as without FSDP;
+  all-gather] in quant_fsdp._quantized_all_gather). The quantized shard is kept, once per change
+  of the shard (its version counter), from the forward's gather to the backward's: the backward
+  re-gather sends the same bytes; stateless formats then free it, delayed scaling keeps it (and
+  refills it in place) so that it records one amax per step, as without FSDP;
 - fallback ([Note: alignment policy] in quant_fsdp._plan): the shard is gathered in high precision
   and the post-all-gather hook quantizes the unsharded tensor;
 - gather only (`quantize_after_gather=False`, tensor-parallel weights under FSDP2): the fallback's
@@ -195,7 +196,14 @@ class QuantizeOnGatherTensor(torch.Tensor):
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         if not self.fallback:
-            return _quantized_all_gather.post_all_gather(self, all_gather_outputs, metadata, param_dtype, out)
+            unsharded = _quantized_all_gather.post_all_gather(self, all_gather_outputs, metadata, param_dtype, out)
+            if _quantized_all_gather.in_backward() and self.quantizer.stateless:
+                # The backward's gather was the step's last: the optimizer changes the shard before
+                # the next, so the quantized shard would only hold memory until then (a byte per
+                # element for FP8). A stateful quantizer keeps it: quantizing the same shard again
+                # (the next micro-batch) would record its amax twice.
+                self._quantized_shard, self._quantized_version = None, -1
+            return unsharded
         (gathered,) = all_gather_outputs
         full = gathered[: metadata[0]]  # metadata: the unsharded shape; FSDP2 pads after its last row
         if not self.quantize_after_gather:
