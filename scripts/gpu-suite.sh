@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The GPU suite, in one command on a CUDA machine: install, run the `cuda` tests, run the
 # benchmarks, print a short table last. Results go to $OUT (the device tool's folder) or results/.
-# GPU_SUITE_STEPS picks steps (comma-separated, default all): tests, bench (kernels), linear
+# GPU_SUITE_STEPS picks steps (comma-separated, default all but multi): tests, bench (kernels), linear
 # (host time per Linear fwd+bwd, `quant-fsdp bench --linear`), e2e (`quant-fsdp bench --e2e`,
-# ~8 min on an H100; E2E_ARGS adds options, e.g. "--runs bf16,fp8"), optim (FusedAdam).
+# ~8 min on an H100; E2E_ARGS adds options, e.g. "--runs bf16,fp8"), optim (FusedAdam), multi
+# (every GPU of the host: the NCCL tests, collective bandwidth and benchmarks/multi_gpu.py with
+# MULTI_GPU_ARGS, e.g. "--runs bf16:compiled,fp8:qw:compiled --repeats 3"; ~35 s per run on the
+# 2.2B model). `--multi` is GPU_SUITE_STEPS=multi.
 #
 # The GPU image has torch, Triton, pytest, hypothesis, rich, scikit-build-core and pybind11 but no
 # network and no hatchling, so quant-core is built in place without build isolation and the three
@@ -14,14 +17,17 @@ cd "$(dirname "$0")/.."
 out="${OUT:-results}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+if [[ "${1:-}" == "--multi" ]]; then GPU_SUITE_STEPS=multi; fi
 steps=",${GPU_SUITE_STEPS:-tests,bench,linear,e2e,optim},"
+# NVLink multicast stays off: on shared hosts a program using it can take the GPUs out of service.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 want() { [[ "$steps" == *",$1,"* ]]; }
 
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name())'
 python3 -m pip install -q --no-build-isolation --no-deps ./packages/quant-core 2>&1 | tail -3
 export PYTHONPATH="$PWD/packages/quant-tensors/src:$PWD/packages/quant-fsdp/src:$PWD/packages/quant-optim/src${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c 'import quant_core; print("quant_core", quant_core.__version__, "backends", quant_core.available_backends())'
-if (want e2e || want linear) && compgen -G ".whl/*.whl" > /dev/null; then
+if (want e2e || want linear || want multi) && compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -3
   export PYTHONPATH="$PYTHONPATH:/tmp/site"  # after ours, still before site-packages: torchao only
 fi
@@ -53,6 +59,16 @@ if want e2e; then
   python3 -m quant_fsdp.cli bench --e2e --device cuda --out "$out" ${E2E_ARGS:-} 2>&1 | tee "$out/e2e.log"
   bench_rc=$(( bench_rc | PIPESTATUS[0] ))
 fi
+if want multi; then
+  gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  OMP_NUM_THREADS=1 python3 -m pytest -rfE -v -p no:cacheprovider -p no:benchmark tests-integration/test_fsdp2_cuda.py \
+    2>&1 | tee "$out/multi-tests.log"
+  tests_rc=${PIPESTATUS[0]}
+  torchrun --standalone --nproc-per-node="$gpus" benchmarks/collective_bandwidth.py 2>&1 | tee "$out/bandwidth.log"
+  # shellcheck disable=SC2086  # MULTI_GPU_ARGS is a list of options
+  python3 benchmarks/multi_gpu.py --drive --model llama-2b --out "$out/multi_gpu" ${MULTI_GPU_ARGS:-} 2>&1 | tee "$out/multi_gpu.log"
+  bench_rc=$(( bench_rc | PIPESTATUS[0] ))
+fi
 if want optim; then
   python3 -m quant_optim.bench --device cuda --out "$out" 2>&1 | tee "$out/bench_optim.log"
   bench_rc=$(( bench_rc | PIPESTATUS[0] ))
@@ -74,5 +90,6 @@ PY
 fi
 if want linear; then grep -A40 "Host time per Linear" "$out/linear.log" || true; fi
 if want e2e && [[ -f "$out/e2e.md" ]]; then cat "$out/e2e.md"; fi
+if want multi; then tail -n 1 "$out/multi-tests.log"; grep '"collective"' "$out/bandwidth.log" || true; grep "^|" "$out/multi_gpu/multi_gpu.md" || true; fi
 if want optim; then sed -n "/^FusedAdam vs torch AdamW/,/^wrote /{/^wrote /!p}" "$out/bench_optim.log" || true; fi
 exit $(( tests_rc == 5 ? bench_rc : tests_rc | bench_rc ))

@@ -1,0 +1,194 @@
+"""What one rank of `benchmarks/multi_gpu.py` measures besides time: bytes held, bytes sent, compiles,
+and exposed communication in a profiler trace.
+
+Nothing here imports the quant packages: tensors are sized through `__tensor_flatten__`, which
+DTensor, quant-tensors' QuantizedTensor, quant-fsdp's QuantizeOnGatherTensor and torchao's float8
+weight wrapper all implement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import resource
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+# torch.distributed's names for the collectives FSDP2 issues (the *_single ones from torch 2.13 on,
+# the others before), and the kind each one counts as.
+COLLECTIVES = {
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_single": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter",
+}
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds for `t`: a DTensor's local shard, a wrapper subclass's inner tensors
+    (a QuantizedTensor's codes and scales, a QuantizeOnGatherTensor's shard), else numel x size."""
+    if isinstance(t, DTensor):
+        return storage_bytes(t._local_tensor)
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        inner = (getattr(t, n) for n in names)
+        return sum(storage_bytes(i) for i in inner if isinstance(i, torch.Tensor))
+    return t.numel() * t.element_size()
+
+
+def _total_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    unique = {id(t): t for t in tensors}  # a tensor listed twice is held once
+    return sum(storage_bytes(t) for t in unique.values())
+
+
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Local bytes of every parameter (FSDP2 shards; quantized weights' codes and scales)."""
+    return _total_bytes(model.parameters())
+
+
+def gradient_bytes(model: torch.nn.Module) -> int:
+    """Local bytes of every parameter's gradient (read after backward, before the optimizer step)."""
+    return _total_bytes(p.grad for p in model.parameters() if p.grad is not None)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Local bytes of every tensor in `optimizer.state`: moments, step counts, FusedAdam's fp32 masters."""
+    return _total_bytes(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """torch.cuda.max_memory_allocated on CUDA; on the CPU the process's peak resident set (which
+    also holds the interpreter and libraries: only good for checking that the fields are filled)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+@dataclass
+class CollectiveBytes:
+    """Calls and input/output bytes of one kind of collective, as this rank issued them."""
+
+    calls: int = 0
+    input_bytes: int = 0
+    output_bytes: int = 0
+
+
+@dataclass
+class CollectiveCounter:
+    """What `count_collectives` saw, by kind ("all_gather", "reduce_scatter")."""
+
+    kinds: dict[str, CollectiveBytes] = field(
+        default_factory=lambda: {k: CollectiveBytes() for k in ("all_gather", "reduce_scatter")}
+    )
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[CollectiveCounter]:
+    """Counts the all-gathers and reduce-scatters issued through torch.distributed in the block.
+
+    Wraps every name of COLLECTIVES that this torch has, in the torch.distributed namespace (where
+    FSDP2 looks them up), as quant_fsdp.testing.count_all_gather_bytes does for all-gathers. A
+    deprecated name that forwards to its successor counts once (the inner call is not counted).
+    Collectives traced into a compiled graph (functional collectives) are not seen: FSDP2 issues
+    its own outside the per-block graphs.
+    """
+    counter = CollectiveCounter()
+    inside = threading.local()  # FSDP2 reduce-scatters from autograd's thread
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def counting(name: str, original: Callable) -> Callable:
+        output_name, input_name = list(inspect.signature(original).parameters)[:2]
+        kind = counter.kinds[COLLECTIVES[name]]
+
+        def wrapper(*args, **kwargs):
+            if getattr(inside, "depth", 0) == 0:
+                output = args[0] if args else kwargs[output_name]
+                input = args[1] if len(args) > 1 else kwargs[input_name]
+                kind.calls += 1
+                kind.output_bytes += output.numel() * output.element_size()
+                kind.input_bytes += input.numel() * input.element_size()
+            inside.depth = getattr(inside, "depth", 0) + 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                inside.depth -= 1
+
+        return wrapper
+
+    try:
+        for name, original in originals.items():
+            setattr(dist, name, counting(name, original))
+        yield counter
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def dynamo_counts() -> dict[str, int]:
+    """Graph breaks and recompiles so far in this process.
+
+    torch (2.13) keeps no "recompiles" counter: Dynamo counts every frame it compiles
+    (counters["frames"]["total"]) and remembers each code object it compiled
+    (convert_frame.input_codes), so recompiles = compiled frames - distinct code objects.
+    """
+    from torch._dynamo import convert_frame
+    from torch._dynamo.utils import counters
+
+    codes = getattr(getattr(convert_frame, "input_codes", None), "seen_ids", ())
+    frames = counters["frames"]["total"]
+    return {
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "frames_compiled": frames,
+        "recompiles": max(frames - len(codes), 0),
+    }
+
+
+def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering exactly what `intervals` cover (empty ones dropped)."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(i for i in intervals if i[1] > i[0]):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def exposed_time(communication: Iterable[tuple[float, float]], compute: Iterable[tuple[float, float]]) -> float:
+    """How long some `communication` interval runs while no `compute` interval does:
+    |union(communication) - union(compute)|, in the intervals' unit."""
+    busy = union(compute)
+    exposed, i = 0.0, 0
+    for start, end in union(communication):
+        covered = 0.0
+        while i < len(busy) and busy[i][1] <= start:  # compute that ended before this interval
+            i += 1
+        j = i
+        while j < len(busy) and busy[j][0] < end:
+            covered += min(end, busy[j][1]) - max(start, busy[j][0])
+            j += 1
+        exposed += end - start - covered
+    return exposed
+
+
+def kernel_intervals(trace_events: Sequence[dict]) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """(communication, compute) intervals in microseconds of the GPU kernels in a chrome trace's
+    `traceEvents` (torch.profiler's export_chrome_trace): NCCL kernels (names containing "nccl")
+    and every other kernel. Memory copies and sets count as neither."""
+    communication, compute = [], []
+    for event in trace_events:
+        if event.get("ph") == "X" and event.get("cat") == "kernel":
+            interval = (float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0)))
+            (communication if "nccl" in event.get("name", "").lower() else compute).append(interval)
+    return communication, compute

@@ -1,0 +1,171 @@
+"""The runs of `benchmarks/multi_gpu.py`: their names, models and how each builds its sharded model and optimizer."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from quant_fsdp._e2e_model import CONFIGS, Decoder, DecoderConfig, resolve_model_source
+from quant_tensors.demo import MarkovTask
+
+RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
+TORCHAO_BASES = ("torchao-tensorwise", "torchao-rowwise")
+MODES = ("eager", "compiled")
+MODELS = {
+    # DESIGN section 9's multi-GPU model: a 2.2B Llama.
+    "llama-2b": DecoderConfig(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=8,
+        num_heads=32,
+        sequence_length=2048,
+        batch_size=2,
+    ),
+    "e2e": CONFIGS["default"],
+    "tiny": CONFIGS["tiny"],
+}
+SEED = 0
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One configuration: what converts the Linears, which weights, eager or per-layer compiled."""
+
+    base: str
+    quantized_weights: bool
+    mode: str
+
+    @property
+    def name(self) -> str:
+        weights = ("qw" if self.quantized_weights else "hp",) if self.base in RECIPES else ()
+        return ":".join((self.base, *weights, self.mode))
+
+
+def all_run_names() -> list[str]:
+    names = [f"{base}:{mode}" for base in ("bf16", *TORCHAO_BASES) for mode in MODES]
+    return names + [f"{r}:{w}:{mode}" for r in RECIPES for w in ("hp", "qw") for mode in MODES]
+
+
+def parse_run(name: str) -> RunSpec:
+    """The RunSpec called `name`; a ValueError listing the valid names otherwise."""
+    parts = name.strip().split(":")
+    if ":".join(parts) in all_run_names():
+        return RunSpec(parts[0], parts[1:-1] == ["qw"], parts[-1])
+    raise ValueError(f"unknown run {name!r}; runs are <base>[:hp|qw]:eager|compiled: {', '.join(all_run_names())}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """What every launch of an invocation shares."""
+
+    model: str
+    model_source: str
+    num_layers: int | None
+    num_warmup: int
+    num_steps: int
+    learning_rate: float
+    compile_backend: str
+    profile: bool
+
+    @property
+    def config(self) -> DecoderConfig:
+        config = MODELS[self.model]
+        if self.num_layers is None:
+            return config
+        return DecoderConfig(**{**asdict(config), "num_layers": self.num_layers})
+
+
+def build_model(config: DecoderConfig, device: torch.device, source: str) -> torch.nn.Module:
+    """A randomly initialised decoder with fp32 parameters on `device` (seed the RNG first): the
+    LlamaConfig of quant_fsdp._e2e_model.build_decoder, without its cast to bf16."""
+    with torch.device(device):
+        if source == "builtin":
+            return Decoder(config).train()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        llama = LlamaConfig(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_layers,
+            num_attention_heads=config.num_heads,
+            num_key_value_heads=config.num_heads,
+            max_position_embeddings=config.sequence_length,
+            tie_word_embeddings=False,
+            use_cache=False,
+            attn_implementation="sdpa",
+        )
+        return LlamaForCausalLM(llama).train()
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """transformers' `model.model.layers`, or the built-in Decoder's `model.layers`."""
+    inner = getattr(model, "model", model)
+    return inner.layers
+
+
+def _not_lm_head(module: torch.nn.Module, name: str) -> bool:
+    return name != "lm_head"
+
+
+def build_run(
+    spec: RunSpec, options: Options, device: torch.device, mesh: DeviceMesh
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[], None]]:
+    """(model, optimizer, after_step): the sharded model of one run and what follows each optimizer step."""
+    torch.manual_seed(SEED)
+    model = build_model(options.config, device, resolve_model_source(options.model_source))
+    after_step: Callable[[], None] = lambda: None  # noqa: E731
+    shard: Callable[..., torch.nn.Module] = torch_fully_shard
+    if spec.base.startswith("torchao-"):
+        from torchao.float8 import (
+            Float8LinearConfig,
+            convert_to_float8_training,
+            precompute_float8_dynamic_scale_for_fsdp,
+        )
+
+        if spec.base == "torchao-tensorwise":
+            config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+            after_step = functools.partial(precompute_float8_dynamic_scale_for_fsdp, model)
+        else:
+            config = Float8LinearConfig.from_recipe_name("rowwise")
+        convert_to_float8_training(model, config=config, module_filter_fn=_not_lm_head)
+    elif spec.base != "bf16":
+        import quant_fsdp
+        import quant_tensors as qt
+
+        recipe = qt.recipe_from_name(spec.base)
+        qt.convert(model, recipe, quantized_weights=spec.quantized_weights, module_filter_fn=_not_lm_head)
+        shard = functools.partial(quant_fsdp.fully_shard, quantize_on_gather=not spec.quantized_weights)
+        if not spec.quantized_weights:  # one amax all-reduce for every weight (docs/fsdp.md), as torchao's precompute
+            after_step = lambda: quant_fsdp.sync_amax_(model.parameters())  # noqa: E731
+    layers = decoder_layers(model)
+    if spec.mode == "compiled":
+        for layer in layers:
+            layer.compile(backend=options.compile_backend)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in layers:
+        shard(layer, mesh=mesh, mp_policy=policy)
+    shard(model, mesh=mesh, mp_policy=policy)
+    if spec.quantized_weights:
+        from quant_optim import FusedAdam
+
+        optimizer: torch.optim.Optimizer = FusedAdam(model.parameters(), lr=options.learning_rate)
+    else:
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=options.learning_rate, weight_decay=0.0, fused=device.type == "cuda"
+        )
+    return model, optimizer, after_step
+
+
+def rank_batches(config: DecoderConfig, num_steps: int, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's slice of the global batches of steps 0 .. num_steps - 1: (steps, batch, sequence + 1)."""
+    task = MarkovTask(config.vocab_size, seed=SEED)
+    tokens = task.batches(range(num_steps), config.batch_size * world_size, config.sequence_length)
+    return tokens[:, rank * config.batch_size : (rank + 1) * config.batch_size].contiguous()

@@ -1,0 +1,210 @@
+"""benchmarks/multi_gpu.py on the CPU: its driver over gloo (world size 2, tiny model), its report
+rows, and the exposed-communication arithmetic of --profile.
+
+The driver trains four runs twice each, each launch its own torchrun (5-7 s a launch on 2 cores,
+mostly imports). The compiled run uses the `aot_eager` backend: Dynamo and AOTAutograd trace as
+for Inductor and the same kernels run, so it trains bit for bit like its eager twin (as
+test_fsdp2_compile.py checks in one process), without Inductor's ~20 s per compile.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import pathlib
+import subprocess
+import sys
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+RUNS = ("bf16:eager", "fp8:qw:eager", "fp8:hp:eager", "fp8:qw:compiled")
+REPEATS = 2
+
+
+def _load(name: str) -> ModuleType:
+    """A module of benchmarks/ (a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+measure = _load("_multi_gpu_measure")
+report_rows = _load("_multi_gpu_report")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("multi_gpu")
+    # 8 layers instead of the tiny model's 2: the embedding and lm_head gather in bf16 in every run,
+    # which holds FP8's all-gather bytes at 0.55x bf16's with 2 layers; with 8 they are 0.51x.
+    command = [
+        sys.executable, str(BENCHMARKS / "multi_gpu.py"), "--drive", "--device", "cpu", "--nproc-per-node", "2",
+        "--model", "tiny", "--num-layers", "8", "--model-source", "builtin", "--compile-backend", "aot_eager",
+        "--runs", ",".join(RUNS), "--repeats", str(REPEATS), "--warmup", "1", "--steps", "1", "--out", str(out),
+    ]  # fmt: skip
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    result = json.loads((out / "multi_gpu.json").read_text())
+    result["markdown"] = (out / "multi_gpu.md").read_text()
+    result["stdout"] = completed.stdout
+    return result
+
+
+def rows_by_run(report: dict) -> dict[str, dict]:
+    return {row["run"]: row for row in report["rows"]}
+
+
+def test_every_run_trains_on_every_repeat(report):
+    rows = rows_by_run(report)
+    assert list(rows) == list(RUNS)
+    for run, row in rows.items():
+        assert row["error"] == "", run
+        assert row["exit_codes"] == [0] * REPEATS, run
+        assert row["repeats"] == REPEATS
+        assert math.isfinite(row["loss"]), run
+        assert 0 < row["loss"] < 10, (run, row["loss"])
+        assert row["tokens_per_s_per_gpu"] > 0
+        assert row["tokens_per_s_min"] <= row["tokens_per_s_per_gpu"] <= row["tokens_per_s_max"]
+
+
+def test_compiled_run_trains_like_eager_without_breaks_or_recompiles(report):
+    rows = rows_by_run(report)
+    compiled, eager = rows["fp8:qw:compiled"], rows["fp8:qw:eager"]
+    assert compiled["loss"] == eager["loss"]
+    assert compiled["dynamo"]["frames_compiled_total"] > 0
+    assert eager["dynamo"]["frames_compiled_total"] == 0
+    assert compiled["dynamo"]["graph_breaks_total"] == 0
+    assert compiled["dynamo"]["recompiles_after_warmup"] == 0
+    assert compiled["all_gather_bytes"] == eager["all_gather_bytes"]
+
+
+def test_launches_alternate_round_robin(report):
+    assert report["launch_order"] == list(RUNS) * REPEATS
+    assert [(x["run"], x["repeat"]) for x in report["launches"]] == [(r, i) for i in range(REPEATS) for r in RUNS]
+
+
+def test_fp8_gathers_at_most_052_of_bf16_and_reduces_the_same(report):
+    rows = rows_by_run(report)
+    bf16 = rows["bf16:eager"]
+    for run in ("fp8:qw:eager", "fp8:hp:eager", "fp8:qw:compiled"):
+        assert rows[run]["all_gather_bytes"] <= 0.52 * bf16["all_gather_bytes"], run
+        # Gradients are reduce-scattered in fp32 (reduce_dtype) whatever the weights.
+        assert rows[run]["reduce_scatter_bytes"] == bf16["reduce_scatter_bytes"] > 0, run
+
+
+def test_memory_breakdown(report):
+    rows = rows_by_run(report)
+    for run, row in rows.items():
+        memory = row["memory_gib"]
+        assert set(memory) == {"parameters", "gradients", "optimizer_states", "activations_other"}, run
+        assert all(value >= 0 for value in memory.values()), (run, memory)
+        assert row["peak_memory_gib"] >= sum(memory.values()) - 1e-9
+    bf16, quantized, high_precision = rows["bf16:eager"], rows["fp8:qw:eager"], rows["fp8:hp:eager"]
+    # fp8 primary weights hold a byte per element where fp32 ones hold four; FusedAdam adds fp32
+    # masters for them; quantize-on-gather keeps fp32 shards and AdamW's two moments, as bf16 does.
+    assert quantized["memory_gib"]["parameters"] < 0.7 * bf16["memory_gib"]["parameters"]
+    assert quantized["memory_gib"]["optimizer_states"] > 1.3 * bf16["memory_gib"]["optimizer_states"]
+    for key in ("parameters", "gradients", "optimizer_states"):
+        assert high_precision["memory_gib"][key] == pytest.approx(bf16["memory_gib"][key], rel=1e-3), key
+
+
+def test_reports_hold_every_run(report):
+    table_lines = [line for line in report["markdown"].splitlines() if line.startswith("| ")]
+    assert [line.split(" | ")[0].removeprefix("| ") for line in table_lines[2:]] == list(RUNS)
+    assert report["stdout"].rstrip().splitlines()[-1].startswith(f"| {RUNS[-1]} |")  # the table prints last
+    assert report["world_size"] == 2
+    assert report["backend"] == "gloo"
+
+
+def test_a_run_that_raises_becomes_a_row_with_its_error(tmp_path):
+    # AdamW refuses a negative learning rate on every rank, after the model is built and sharded.
+    command = [
+        sys.executable, str(BENCHMARKS / "multi_gpu.py"), "--drive", "--device", "cpu", "--nproc-per-node", "2",
+        "--model", "tiny", "--model-source", "builtin", "--runs", "bf16:eager", "--repeats", "1", "--lr", "-1",
+        "--out", str(tmp_path),
+    ]  # fmt: skip
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert completed.returncode == 1, completed.stdout[-4000:] + completed.stderr[-4000:]
+    (row,) = json.loads((tmp_path / "multi_gpu.json").read_text())["rows"]
+    assert row["error"] == "ValueError: Invalid learning rate: -1.0"
+    assert row["exit_codes"] == [1]
+    assert row["tokens_per_s_per_gpu"] is None
+    assert "Invalid learning rate" in completed.stdout.splitlines()[-2]  # the table's row, then the failed runs
+
+
+@pytest.mark.parametrize(
+    ("communication", "compute", "exposed"),
+    [
+        ([(0, 10), (20, 30)], [(5, 25)], 10),  # each half hidden
+        ([(0, 10), (5, 15)], [(12, 20)], 12),  # overlapping communication counts once
+        ([(0, 10)], [(2, 4), (3, 6), (8, 9)], 5),  # overlapping compute covers once: 0-2, 6-8, 9-10
+        ([(0, 10)], [], 10),
+        ([], [(0, 10)], 0),
+        ([(0, 10)], [(-5, 20)], 0),  # compute covers it all
+        ([(0, 4), (6, 10)], [(3, 7)], 6),  # one compute interval spans two communication intervals
+        ([(0, 10)], [(10, 20), (-5, 0)], 10),  # touching is not overlapping
+    ],
+)
+def test_exposed_time(communication, compute, exposed):
+    assert measure.exposed_time(communication, compute) == exposed
+
+
+def test_kernel_intervals_split_nccl_from_compute():
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather_RING_LL(...)", "ts": 100.0, "dur": 50.0},
+        {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 120.0, "dur": 10.0},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 0.0, "dur": 500.0},
+        {"ph": "X", "cat": "cpu_op", "name": "nccl:all_gather", "ts": 90.0, "dur": 5.0},
+        {"ph": "i", "cat": "kernel", "name": "nccl marker", "ts": 1.0},
+    ]
+    communication, compute = measure.kernel_intervals(events)
+    assert communication == [(100.0, 150.0)]
+    assert compute == [(120.0, 130.0)]
+    assert measure.exposed_time(communication, compute) == 40.0
+
+
+def _result(tokens: float, peak: int) -> dict:
+    collectives = {"all_gather": {"output_bytes": 8}, "reduce_scatter": {"input_bytes": 16}}
+    memory = {"peak": peak, "parameters": 1, "gradients": 2, "optimizer_states": 3, "activations_other": peak - 6}
+    dynamo = {
+        "graph_breaks_total": 0,
+        "graph_breaks_after_warmup": 0,
+        "recompiles_total": 1,
+        "recompiles_after_warmup": 0,
+    }
+    speed = {"tokens_per_s_per_gpu": tokens, "step_ms": 1e3 / tokens}
+    return {"error": "", **speed, "loss": 2.0, "memory": memory, "collectives": collectives, "dynamo": dynamo}
+
+
+def test_rows_take_medians_spreads_peaks_and_errors():
+    launches = [
+        {"exit_code": 0, "error": "", "result": _result(100.0, 10 * 2**30)},
+        {"exit_code": 1, "error": "RuntimeError: out of memory", "result": None},
+        {"exit_code": 0, "error": "", "result": _result(300.0, 12 * 2**30)},
+        {"exit_code": 0, "error": "", "result": _result(200.0, 11 * 2**30)},
+    ]
+    row = report_rows.build_row("fp8:qw:compiled", launches)
+    assert (row.tokens_per_s_per_gpu, row.tokens_per_s_min, row.tokens_per_s_max) == (200.0, 100.0, 300.0)
+    assert row.peak_memory_gib == 12
+    assert row.memory_gib["activations_other"] == pytest.approx(12 - 6 / 2**30)
+    assert row.repeats == 3
+    assert row.exit_codes == [0, 1, 0, 0]
+    assert row.error == "1/4 repeats failed: RuntimeError: out of memory"
+    failed = report_rows.build_row("nvfp4:hp:eager", [launches[1]])
+    assert failed.tokens_per_s_per_gpu is None
+    assert failed.error == "RuntimeError: out of memory"
+    bf16 = report_rows.build_row("bf16:compiled", [{"exit_code": 0, "error": "", "result": _result(100.0, 1)}])
+    slow, fast = (
+        report_rows.build_row(name, [{"exit_code": 0, "error": "", "result": _result(speed, 1)}])
+        for name, speed in (("torchao-rowwise:compiled", 50.0), ("torchao-tensorwise:compiled", 80.0))
+    )
+    rows = report_rows.with_ratios([row, bf16, slow, fast, failed])
+    assert rows[0].vs_bf16_compiled == 2.0
+    assert rows[0].vs_torchao == 2.5
+    assert rows[0].torchao_run == "torchao-tensorwise:compiled"
+    assert rows[-1].vs_torchao is None
