@@ -249,8 +249,9 @@ class QuantizeOnGatherTensor(torch.Tensor):
 
 def _count_writes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Bumps the version counter of each wrapped tensor `func` writes to (a foreach op writes a
-    list of them), and of the tensor it is a view of ([Note: versions through views]). Inside __torch_dispatch__ autograd's version bump
-    has already happened, on the wrapper only; the quantized-shard cache keys on the shard's version."""
+    list of them), and of the tensor it is a view of ([Note: versions through views]). Inside
+    __torch_dispatch__ autograd's version bump has already happened, on the wrapper only; the
+    quantized-shard cache keys on the shard's version."""
     for position, argument in enumerate(func._schema.arguments):
         if argument.alias_info is None or not argument.alias_info.is_write:
             continue
