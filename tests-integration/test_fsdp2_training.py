@@ -15,12 +15,11 @@ import functools
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_core.testing import SharedWorld, raw_bits, run_shared_world
-from quant_fsdp.testing import train_data_parallel, train_replicas
+from quant_core.testing import SharedWorld, run_shared_world
+from quant_fsdp.testing import local_bytes, train_data_parallel, train_replicas
 from quant_tensors.testing import MarkovTask, TinyTransformer, TransformerConfig
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
@@ -62,17 +61,8 @@ def whole_batch_losses(recipe_name: str) -> tuple[float, ...]:
 
 
 def local_values(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
-    """Every parameter's local bytes: QuantizedTensor buffers, the wrapped high-precision shard, or the tensor."""
-    values = {}
-    for name, p in model.named_parameters():
-        local = p._local_tensor if isinstance(p, DTensor) else p
-        if isinstance(local, qt.QuantizedTensor):
-            values[name] = [raw_bits(b.reshape(-1)) for b in local.buffers().values() if b is not None]
-        elif isinstance(local, quant_fsdp.QuantizeOnGatherTensor):
-            values[name] = [local._data]
-        else:
-            values[name] = [local]
-    return values
+    """Every parameter's local bytes (quant_fsdp.testing.local_bytes)."""
+    return {name: local_bytes(p) for name, p in model.named_parameters()}
 
 
 # ---- world size 1: bitwise equal to no FSDP ------------------------------------------------------

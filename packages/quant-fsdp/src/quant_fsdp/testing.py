@@ -160,10 +160,18 @@ def train_with(
 
 def local_bytes(t: torch.Tensor) -> list[torch.Tensor]:
     """Copies of this rank's bytes of a parameter or state (uint8): a QuantizedTensor's buffers, a
-    QuantizeOnGatherTensor's wrapped shard, or the tensor's own."""
+    QuantizeOnGatherTensor's wrapped shard, or the tensor's own. Columnwise data that is the
+    lossless transpose of rowwise data is left out: a sharded weight keeps none, an unsharded one may."""
     local = t._local_tensor if isinstance(t, DTensor) else t
     if isinstance(local, qt.QuantizedTensor):
-        return [b.reshape(-1).view(torch.uint8).clone() for b in local.buffers().values() if b is not None]
+        derived = (
+            local.quantizer is not None and local.quantizer.can_derive_columnwise and local.rowwise_data is not None
+        )
+        return [
+            b.reshape(-1).view(torch.uint8).clone()
+            for name, b in local.buffers().items()
+            if b is not None and not (derived and name.startswith("columnwise"))
+        ]
     if isinstance(local, QuantizeOnGatherTensor):
         local = local._data
     return [local.detach().reshape(-1).view(torch.uint8).clone()]
