@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from quant_fsdp._e2e_model import CONFIGS, Decoder, DecoderConfig, resolve_model_source
+from quant_fsdp._e2e_model import CONFIGS, DecoderConfig, build_decoder, resolve_model_source
 from quant_tensors.demo import MarkovTask
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
@@ -83,26 +83,8 @@ class Options:
 
 
 def build_model(config: DecoderConfig, device: torch.device, source: str) -> torch.nn.Module:
-    """A randomly initialised decoder with fp32 parameters on `device` (seed the RNG first): the
-    LlamaConfig of quant_fsdp._e2e_model.build_decoder, without its cast to bf16."""
-    with torch.device(device):
-        if source == "builtin":
-            return Decoder(config).train()
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        llama = LlamaConfig(
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_hidden_layers=config.num_layers,
-            num_attention_heads=config.num_heads,
-            num_key_value_heads=config.num_heads,
-            max_position_embeddings=config.sequence_length,
-            tie_word_embeddings=False,
-            use_cache=False,
-            attn_implementation="sdpa",
-        )
-        return LlamaForCausalLM(llama).train()
+    """A randomly initialised decoder with fp32 parameters on `device` (seed the RNG first)."""
+    return build_decoder(config, device, source, dtype=torch.float32)
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:

@@ -193,8 +193,10 @@ def describe_model(source: str) -> str:
     return "quant_fsdp built-in Llama-style decoder"
 
 
-def build_decoder(config: DecoderConfig, device: torch.device, source: str) -> torch.nn.Module:
-    """A randomly initialised decoder with bf16 parameters on `device` (seed the RNG first).
+def build_decoder(
+    config: DecoderConfig, device: torch.device, source: str, dtype: torch.dtype = torch.bfloat16
+) -> torch.nn.Module:
+    """A randomly initialised decoder with `dtype` parameters on `device` (seed the RNG first).
 
     `source` is "transformers" or "builtin" (see `resolve_model_source`). The model returns
     logits for a (batch, sequence) tensor of token ids: a tensor (built-in) or an output with
@@ -219,4 +221,4 @@ def build_decoder(config: DecoderConfig, device: torch.device, source: str) -> t
             model = LlamaForCausalLM(llama)
         else:
             model = Decoder(config)
-    return model.to(torch.bfloat16).train()
+    return model.to(dtype).train()
