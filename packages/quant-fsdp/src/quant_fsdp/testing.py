@@ -95,9 +95,10 @@ def train_replicas(
         optimizers = [optimizer(model) for model in replicas]
         steppers = [o.step for o in optimizers]
     sequence = replicas[0].config.sequence
+    device = next(replicas[0].parameters()).device  # the task's batches are drawn on the CPU
     losses = []
     for step in range(steps):
-        inputs, targets = task.batch(step, batch_size, sequence)
+        inputs, targets = (t.to(device) for t in task.batch(step, batch_size, sequence))
         step_losses = []
         for model, x, y in zip(replicas, inputs.chunk(world_size), targets.chunk(world_size), strict=True):
             logits = model(x)
@@ -143,11 +144,13 @@ def train_with(
     """Steps `optimizer` on slice `rank` of `world_size` of the global batch of every step in `steps`;
     returns the global batch's losses (the slices' losses averaged over the `world_size` ranks of
     `group`, default all ranks: pass the data-parallel group when other ranks hold the same slice)."""
+    device = next(model.parameters()).device  # the task's batches are drawn on the CPU
     losses = []
     for step in steps:
-        inputs, targets = task.batch(step, batch_size, model.config.sequence)
-        logits = model(inputs.chunk(world_size)[rank])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.chunk(world_size)[rank].reshape(-1))
+        batch = task.batch(step, batch_size, model.config.sequence)
+        inputs, targets = (t.chunk(world_size)[rank].to(device) for t in batch)
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

@@ -193,10 +193,11 @@ def train(
     optimizer = torch.optim.AdamW(masters.parameters, lr=lr, weight_decay=0.0)
     losses = []
     sequence = model.config.sequence if hasattr(model, "config") else 64
+    device = next(model.parameters()).device  # the task's batches are drawn on the CPU
     for step in range(steps):
-        inputs, targets = task.batch(step, batch_size, sequence)
-        logits = model(inputs.chunk(slices)[index])
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.chunk(slices)[index].reshape(-1))
+        inputs, targets = (t.chunk(slices)[index].to(device) for t in task.batch(step, batch_size, sequence))
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         masters.step(optimizer)
