@@ -192,3 +192,91 @@ def kernel_intervals(trace_events: Sequence[dict]) -> tuple[list[tuple[float, fl
             interval = (float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0)))
             (communication if "nccl" in event.get("name", "").lower() else compute).append(interval)
     return communication, compute
+
+
+# ---- where the peak comes from ----------------------------------------------------------------------
+
+
+@dataclass
+class PhasePeaks:
+    """Bytes allocated on the device at the start of a step and at the end of each of its phases,
+    and the peak within each phase (torch.cuda.max_memory_allocated, reset at each phase's start)."""
+
+    start: int = 0
+    allocated: dict[str, int] = field(default_factory=dict)
+    peak: dict[str, int] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def phase(peaks: PhasePeaks | None, name: str, device: torch.device) -> Iterator[None]:
+    """Records `name`'s peak and end-of-phase allocation into `peaks` (a no-op for None or the CPU)."""
+    if peaks is None or device.type != "cuda":
+        yield
+        return
+    torch.cuda.synchronize(device)
+    if not peaks.allocated:
+        peaks.start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    yield
+    torch.cuda.synchronize(device)
+    peaks.peak[name] = torch.cuda.max_memory_allocated(device)
+    peaks.allocated[name] = torch.cuda.memory_allocated(device)
+
+
+def _site(frames: Sequence[dict]) -> str:
+    """The innermost frame of an allocation that is in this project's or a model's code, else in
+    torch (FSDP2, autograd, the optimizer): where the bytes were asked for."""
+    interesting = ("quant_", "transformers/", "benchmarks/", "torchao/", "torch/distributed/", "torch/optim/")
+    for frame in frames:
+        name = frame.get("filename", "")
+        if any(key in name for key in interesting):
+            short = name.split("site-packages/")[-1].split("src/")[-1]
+            return f"{short}:{frame.get('line')} {frame.get('name')}"
+    return frames[0].get("filename", "?").split("site-packages/")[-1] + " (no project frame)" if frames else "?"
+
+
+def live_at_peak(snapshot: dict, device_index: int, top: int = 20) -> dict:
+    """Replays a `torch.cuda.memory._snapshot()` trace: the allocations made during the recording
+    that are alive at its highest point, summed by the site that made them (_site), largest first.
+
+    Tensors allocated before the recording started (parameters, optimizer states) have no
+    allocation event: they are the step's starting bytes, not part of these."""
+    live: dict[int, tuple[int, str]] = {}
+    total = peak_total = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for event in snapshot["device_traces"][device_index]:
+        action, address, size = event["action"], event["addr"], event["size"]
+        if action == "alloc":
+            live[address] = (size, _site(event.get("frames", [])))
+            total += size
+            if total > peak_total:
+                peak_total, at_peak = total, dict(live)
+        elif action == "free_requested" and address in live:
+            total -= live.pop(address)[0]
+    by_site: dict[str, int] = {}
+    by_size: dict[tuple[str, int], int] = {}  # (site, allocation size) -> how many
+    for size, site in at_peak.values():
+        by_site[site] = by_site.get(site, 0) + size
+        by_size[site, size] = by_size.get((site, size), 0) + 1
+    largest = sorted(by_site.items(), key=lambda item: -item[1])[:top]
+    sizes = sorted(by_size.items(), key=lambda item: -item[0][1] * item[1])[:top]
+    return {
+        "bytes_at_peak": peak_total,
+        "by_site": dict(largest),
+        "by_size": [{"site": site, "bytes": size, "count": count} for (site, size), count in sizes],
+    }
+
+
+@contextlib.contextmanager
+def recorded_memory(device: torch.device, into: dict) -> Iterator[None]:
+    """Records the CUDA allocator's history over the block and puts live_at_peak's answer in `into`."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
+    try:
+        yield
+        torch.cuda.synchronize(device)
+        into.update(live_at_peak(torch.cuda.memory._snapshot(), device.index or 0))
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)

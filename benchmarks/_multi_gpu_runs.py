@@ -39,26 +39,37 @@ class RunSpec:
     """One configuration: what converts the Linears, which weights, eager or per-layer compiled."""
 
     base: str
-    quantized_weights: bool
+    weights: str  # a recipe's: "hp", "qw" or "qw-bf16" (WEIGHTS); "" for bf16 and torchao
     mode: str
 
     @property
     def name(self) -> str:
-        weights = ("qw" if self.quantized_weights else "hp",) if self.base in RECIPES else ()
-        return ":".join((self.base, *weights, self.mode))
+        return ":".join((self.base, self.weights, self.mode) if self.weights else (self.base, self.mode))
+
+    @property
+    def quantized_weights(self) -> bool:
+        return self.weights.startswith("qw")
+
+
+# hp: high-precision weights gathered quantized, torch's AdamW; qw: quantized primary weights,
+# FusedAdam; qw-bf16: the same with every other parameter built in bf16 (FusedAdam keeps an fp32
+# master of each), so FSDP2's sharded gradients are bf16 (reduced in fp32).
+WEIGHTS = ("hp", "qw", "qw-bf16")
 
 
 def all_run_names() -> list[str]:
     names = [f"{base}:{mode}" for base in ("bf16", *TORCHAO_BASES) for mode in MODES]
-    return names + [f"{r}:{w}:{mode}" for r in RECIPES for w in ("hp", "qw") for mode in MODES]
+    return names + [f"{r}:{w}:{mode}" for r in RECIPES for w in WEIGHTS for mode in MODES]
 
 
 def parse_run(name: str) -> RunSpec:
     """The RunSpec called `name`; a ValueError listing the valid names otherwise."""
     parts = name.strip().split(":")
     if ":".join(parts) in all_run_names():
-        return RunSpec(parts[0], parts[1:-1] == ["qw"], parts[-1])
-    raise ValueError(f"unknown run {name!r}; runs are <base>[:hp|qw]:eager|compiled: {', '.join(all_run_names())}")
+        return RunSpec(parts[0], parts[1] if len(parts) == 3 else "", parts[-1])
+    raise ValueError(
+        f"unknown run {name!r}; runs are <base>[:{'|'.join(WEIGHTS)}]:eager|compiled: {', '.join(all_run_names())}"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +84,7 @@ class Options:
     learning_rate: float
     compile_backend: str
     profile: bool
+    memory_snapshot: bool = False
 
     @property
     def config(self) -> DecoderConfig:
@@ -103,6 +115,9 @@ def build_run(
     """(model, optimizer, after_step): the sharded model of one run and what follows each optimizer step."""
     torch.manual_seed(SEED)
     model = build_model(options.config, device, resolve_model_source(options.model_source))
+    if spec.weights == "qw-bf16":  # the same initial values as every other run, rounded; buffers (RoPE) kept
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16)
     after_step: Callable[[], None] = lambda: None  # noqa: E731
     shard: Callable[..., torch.nn.Module] = torch_fully_shard
     if spec.base.startswith("torchao-"):

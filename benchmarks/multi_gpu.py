@@ -14,7 +14,9 @@ Runs are named `<base>[:<weights>]:<mode>`:
   ours (RECIPES) converted by `qt.convert` and sharded by `quant_fsdp.fully_shard`;
 - weights (recipes only): `hp` keeps high-precision weights, gathered quantized
   (`quantize_on_gather=True`), stepped by torch.optim.AdamW (fused on CUDA); `qw` makes them
-  quantized primary weights (`quantized_weights=True`) stepped by quant_optim.FusedAdam;
+  quantized primary weights (`quantized_weights=True`) stepped by quant_optim.FusedAdam; `qw-bf16`
+  is `qw` with every other parameter in bf16 (FusedAdam keeps an fp32 master of each), so that
+  the sharded gradients are bf16 (FSDP2 gives a layer's gradients its parameters' one dtype);
 - mode `eager`, or `compiled`: `block.compile()` on each decoder layer before sharding.
 Layout (torchtitan's, DESIGN section 5): the model is built in fp32 on each rank's device from
 one seed, converted, then `fully_shard(layer, mesh=..., mp_policy=MixedPrecisionPolicy(
@@ -26,6 +28,9 @@ loss is the cross-entropy of logits.float(). CUDA with NCCL when present, else t
 Per launch: `--warmup` untimed steps, one counted step, `--steps` timed steps (and with
 `--profile`, 2 profiled steps after them, so the profiler never slows a timed step). Peak memory statistics are reset after the model and optimizer
 are built, before the first warm-up step, so the optimizer states allocated by the first step count.
+The counted step also records the peak of each of its phases (forward, backward, optimizer step)
+and, with `--memory-snapshot`, the CUDA allocator's history: the bytes alive at the step's highest
+point, by the code that allocated them (JSON: memory_phases, memory_live_at_peak).
 
 Columns of DIR/multi_gpu.md (DIR/multi_gpu.json holds the same and every launch):
 - tokens/s/GPU: batch x sequence per GPU / median step time, median over repeats. A repeat's
@@ -57,6 +62,7 @@ Columns of DIR/multi_gpu.md (DIR/multi_gpu.json holds the same and every launch)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.metadata
 import itertools
@@ -77,6 +83,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _multi_gpu_measure import (
+    PhasePeaks,
     count_collectives,
     dynamo_counts,
     exposed_time,
@@ -85,6 +92,8 @@ from _multi_gpu_measure import (
     optimizer_state_bytes,
     parameter_bytes,
     peak_memory_bytes,
+    phase,
+    recorded_memory,
     reset_peak_memory,
 )
 from _multi_gpu_report import Row, build_row, compact_table, markdown, with_ratios
@@ -118,16 +127,19 @@ def measure_rank(
     batches = rank_batches(options.config, num_batches, rank, world_size).to(device)
     grads: list[int] = []
 
-    def step(i: int, inspect: bool = False) -> torch.Tensor:
-        output = model(batches[i, :, :-1])
-        logits = getattr(output, "logits", output)  # transformers returns an output object
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batches[i, :, 1:].flatten())
-        loss.backward()
-        if inspect:
+    def step(i: int, peaks: PhasePeaks | None = None) -> torch.Tensor:
+        with phase(peaks, "forward", device):
+            output = model(batches[i, :, :-1])
+            logits = getattr(output, "logits", output)  # transformers returns an output object
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), batches[i, :, 1:].flatten())
+        with phase(peaks, "backward", device):
+            loss.backward()
+        if peaks is not None:
             grads.append(gradient_bytes(model))
-        optimizer.step()
-        after_step()
-        optimizer.zero_grad(set_to_none=True)
+        with phase(peaks, "optimizer", device):
+            optimizer.step()
+            after_step()
+            optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
     params = parameter_bytes(model)
@@ -136,19 +148,24 @@ def measure_rank(
         step(i)
     _synchronize(device)
     after_warmup = dynamo_counts()
+    warmup_peak = peak_memory_bytes(device)  # the counted step's phases reset the statistics
+    peaks, at_peak = PhasePeaks(), {}
     with count_collectives() as collectives:
-        step(options.num_warmup, inspect=True)
+        with recorded_memory(device, at_peak) if options.memory_snapshot else contextlib.nullcontext():
+            step(options.num_warmup, peaks)
         _synchronize(device)
     timed = range(options.num_warmup + 1, options.num_warmup + 1 + options.num_steps)
     seconds, loss = _time_steps(step, timed, device)
     at_end = dynamo_counts()
-    peak = peak_memory_bytes(device)
+    peak = max(warmup_peak, *peaks.peak.values(), peak_memory_bytes(device))
     states = optimizer_state_bytes(optimizer)
     dist.all_reduce(loss)
     result = {
         "step_s": seconds,
         "loss": float(loss) / world_size,
         "memory": {"peak": peak, "parameters": params, "gradients": grads[0], "optimizer_states": states},
+        "memory_phases": asdict(peaks),
+        "memory_live_at_peak": at_peak,
         "collectives": {kind: asdict(c) for kind, c in collectives.kinds.items()},
         "dynamo": {
             **{f"{k}_total": v for k, v in at_end.items()},  # since the process started
@@ -226,6 +243,8 @@ def summarize(spec: RunSpec, options: Options, per_rank: list[dict], device: tor
         "loss": per_rank[0]["loss"],
         "memory": memory,
         "peak_by_rank": [r["memory"]["peak"] for r in per_rank],
+        "memory_phases": peak_rank["memory_phases"],
+        "memory_live_at_peak": per_rank[0]["memory_live_at_peak"],
         "collectives": per_rank[0]["collectives"],
         "dynamo": per_rank[0]["dynamo"],
         "exposed_comm_ms": per_rank[0].get("exposed_comm_ms"),
@@ -284,6 +303,7 @@ def options_from(args: argparse.Namespace) -> Options:
         learning_rate=args.lr,
         compile_backend=args.compile_backend,
         profile=args.profile,
+        memory_snapshot=args.memory_snapshot,
     )
 
 
@@ -361,7 +381,7 @@ def worker_arguments(args: argparse.Namespace) -> list[str]:
     arguments += ["--steps", str(args.steps), "--lr", str(args.lr), "--compile-backend", args.compile_backend]
     arguments += ["--device", args.device, "--collective-timeout", str(args.collective_timeout)]
     arguments += ["--num-layers", str(args.num_layers)] if args.num_layers else []
-    return arguments + (["--profile"] if args.profile else [])
+    return arguments + (["--profile"] if args.profile else []) + (["--memory-snapshot"] if args.memory_snapshot else [])
 
 
 def _version(distribution: str) -> str | None:
@@ -396,6 +416,7 @@ def environment(args: argparse.Namespace, nproc: int, runs: list[str]) -> dict:
         "learning_rate": args.lr,
         "compile_backend": args.compile_backend,
         "profile": args.profile,
+        "memory_snapshot": args.memory_snapshot,
     }
 
 
@@ -475,6 +496,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("auto", "cpu"), default="auto", help="cpu: gloo even where CUDA is")
     parser.add_argument("--collective-timeout", type=float, default=900, help="seconds a rank waits in a collective")
     parser.add_argument("--profile", action="store_true", help="2 profiled steps: traces and exposed communication")
+    parser.add_argument(
+        "--memory-snapshot", action="store_true", help="record the counted step's allocations: what is live at its peak"
+    )
     args = parser.parse_args(argv)
     if args.drive == bool(args.run):
         parser.error("give either --drive (the driver) or --train NAME (one run, under torchrun)")

@@ -61,7 +61,7 @@ if want e2e; then
 fi
 if want multi; then
   gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-  OMP_NUM_THREADS=1 python3 -m pytest -rfE -v -p no:cacheprovider -p no:benchmark tests-integration/test_fsdp2_cuda.py \
+  OMP_NUM_THREADS=1 python3 -m pytest -rfE -v -p no:cacheprovider -p no:benchmark tests-integration/test_fsdp2_cuda.py tests-integration/test_nccl_training.py \
     2>&1 | tee "$out/multi-tests.log"
   tests_rc=${PIPESTATUS[0]}
   torchrun --standalone --nproc-per-node="$gpus" benchmarks/collective_bandwidth.py 2>&1 | tee "$out/bandwidth.log"

@@ -208,3 +208,33 @@ def test_rows_take_medians_spreads_peaks_and_errors():
     assert rows[0].vs_torchao == 2.5
     assert rows[0].torchao_run == "torchao-tensorwise:compiled"
     assert rows[-1].vs_torchao is None
+
+
+def test_live_at_peak_replays_the_allocator_trace():
+    """The allocations alive at the trace's highest point, summed by the code that made them;
+    frees of blocks allocated before the recording are ignored."""
+
+    def event(action: str, address: int, size: int, filename: str = "") -> dict:
+        frames = [{"filename": "/env/site-packages/torch/nn/modules/module.py", "line": 1, "name": "_call_impl"}]
+        if filename:
+            frames.insert(0, {"filename": f"/env/site-packages/{filename}", "line": 7, "name": "f"})
+        return {"action": action, "addr": address, "size": size, "frames": frames}
+
+    trace = [
+        event("free_requested", 99, 1000),  # allocated before the recording
+        event("alloc", 1, 100, "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py"),
+        event("alloc", 2, 50, "quant_tensors/nn.py"),
+        event("alloc", 3, 50, "quant_tensors/nn.py"),
+        event("free_requested", 1, 100),
+        event("alloc", 4, 120, "transformers/models/llama/modeling_llama.py"),
+        event("free_completed", 1, 100),
+        event("free_requested", 4, 120),
+    ]
+    live = measure.live_at_peak({"device_traces": [[], trace]}, device_index=1)
+    assert live["bytes_at_peak"] == 220
+    assert live["by_site"] == {
+        "transformers/models/llama/modeling_llama.py:7 f": 120,
+        "quant_tensors/nn.py:7 f": 100,
+    }
+    assert live["by_size"][0] == {"site": "transformers/models/llama/modeling_llama.py:7 f", "bytes": 120, "count": 1}
+    assert live["by_size"][1] == {"site": "quant_tensors/nn.py:7 f", "bytes": 50, "count": 2}
