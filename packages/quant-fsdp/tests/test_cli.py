@@ -77,11 +77,11 @@ def _fake_demo(seen: dict):
 
 
 def test_demo_options_reach_the_run_as_arguments(tmp_path, monkeypatch, num_gpus):
-    import quant_fsdp._demo
-    from quant_fsdp._demo_training import RECIPES, DemoOptions
+    import quant_fsdp.demo._run
+    from quant_fsdp.demo._training import RECIPES, DemoOptions
 
     seen: dict = {}
-    monkeypatch.setattr(quant_fsdp._demo, "run_demo", _fake_demo(seen))
+    monkeypatch.setattr(quant_fsdp.demo._run, "run_demo", _fake_demo(seen))
     argv = [
         "demo",
         "--recipes",
@@ -107,10 +107,10 @@ def test_demo_options_reach_the_run_as_arguments(tmp_path, monkeypatch, num_gpus
 
 @pytest.mark.parametrize(("gpus", "nproc", "device"), [(0, 1, "cpu"), (1, 2, "cpu"), (2, 2, "cuda"), (8, 4, "cuda")])
 def test_auto_device_is_cuda_when_every_rank_has_a_gpu(gpus, nproc, device, tmp_path, monkeypatch, num_gpus):
-    import quant_fsdp._demo
+    import quant_fsdp.demo._run
 
     seen: dict = {}
-    monkeypatch.setattr(quant_fsdp._demo, "run_demo", _fake_demo(seen))
+    monkeypatch.setattr(quant_fsdp.demo._run, "run_demo", _fake_demo(seen))
     num_gpus["value"] = gpus
     assert main(["demo", "--nproc", str(nproc), "--out", str(tmp_path)]) == 0
     assert seen["options"].device == device

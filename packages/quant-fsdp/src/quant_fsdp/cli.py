@@ -136,7 +136,7 @@ def _seed(text: str) -> int:
 
 
 def _num_ranks(text: str) -> int:
-    from quant_fsdp._demo_training import BATCH
+    from quant_fsdp.demo._training import BATCH
 
     value = _integer(text)
     if not 1 <= value <= BATCH or BATCH % value:
@@ -148,7 +148,7 @@ def _num_ranks(text: str) -> int:
 
 
 def _recipe_names(text: str) -> tuple[str, ...]:
-    from quant_fsdp._demo_training import RECIPES
+    from quant_fsdp.demo._training import RECIPES
 
     if text.strip() == "all":
         return RECIPES
@@ -231,8 +231,8 @@ def _add_demo_arguments(demo: argparse.ArgumentParser) -> None:
 def _demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None) -> Runner:
     import torch
 
-    from quant_fsdp._demo import run_demo
-    from quant_fsdp._demo_training import DemoOptions
+    from quant_fsdp.demo._run import run_demo
+    from quant_fsdp.demo._training import DemoOptions
 
     num_gpus = torch.cuda.device_count()
     if args.device == "cuda" and num_gpus == 0:
