@@ -71,7 +71,7 @@ def _install_packages_once(session: nox.Session, *extra: str) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run every package's unit tests and tests-integration against the working tree."""
+    """Run every package's unit tests, tests-integration and benchmarks/tests against the working tree."""
     _install_packages(session, *TEST_DEPS)
     session.run("pytest", *session.posargs)
 
