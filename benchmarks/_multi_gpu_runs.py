@@ -7,12 +7,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+from _e2e_model import CONFIGS, DecoderConfig, build_decoder, resolve_model_source
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from quant_fsdp._e2e_model import CONFIGS, DecoderConfig, build_decoder, resolve_model_source
-from quant_tensors.demo import MarkovTask
+from quant_fsdp.demo import MarkovTask
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 TORCHAO_BASES = ("torchao-tensorwise", "torchao-rowwise")

@@ -22,7 +22,7 @@ Layout (torchtitan's, DESIGN section 5): the model is built in fp32 on each rank
 one seed, converted, then `fully_shard(layer, mesh=..., mp_policy=MixedPrecisionPolicy(
 param_dtype=bf16, reduce_dtype=fp32))` on each decoder layer and on the root. The lm_head is never
 converted. bf16 and torchao runs use torch.optim.AdamW too; every optimizer has weight decay 0.
-Each rank trains on its own slice of every global batch of quant_tensors.demo.MarkovTask; the
+Each rank trains on its own slice of every global batch of quant_fsdp.demo.MarkovTask; the
 loss is the cross-entropy of logits.float(). CUDA with NCCL when present, else the CPU with gloo.
 
 Per launch: `--warmup` untimed steps, one counted step, `--steps` timed steps (and with
@@ -82,6 +82,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _e2e_model import describe_model, resolve_model_source
 from _multi_gpu_measure import (
     PhasePeaks,
     count_collectives,
@@ -99,8 +100,6 @@ from _multi_gpu_measure import (
 from _multi_gpu_report import Row, build_row, compact_table, markdown, with_ratios
 from _multi_gpu_runs import MODELS, Options, RunSpec, build_run, parse_run, rank_batches
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-from quant_fsdp._e2e_model import describe_model, resolve_model_source
 
 DEFAULT_RUNS = (
     "bf16:eager,bf16:compiled,torchao-tensorwise:compiled,torchao-rowwise:compiled,fp8:hp:eager,fp8:qw:eager,"

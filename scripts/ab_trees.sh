@@ -6,7 +6,8 @@
 #   ROUNDS=3 E2E_ROUNDS=2 bash scripts/ab_trees.sh run REV ... new   # there (device tool, carry [".ab", ".whl"])
 #
 # "new" is the working tree. Each round runs scripts/host_per_linear.py (LAYERS) under every tree,
-# then each e2e round `quant-fsdp bench --e2e --runs $E2E_RUNS` under every tree. quant-core's
+# then each e2e round `benchmarks/e2e.py --runs $E2E_RUNS` (the working tree's benchmark) under
+# every tree's packages. quant-core's
 # compiled extension is built once from the working tree; an older tree's quant_core Python files
 # are laid over a copy of it (valid while csrc/ is unchanged between the trees). Results: $OUT.
 set -euo pipefail
@@ -46,7 +47,7 @@ for round in $(seq 1 "${ROUNDS:-3}"); do
 done
 for round in $(seq 1 "${E2E_ROUNDS:-0}"); do
   for tree in "$@"; do
-    PYTHONPATH=$(path_of "$tree") python3 -m quant_fsdp.cli bench --e2e --device cuda --out "$out/e2e-$tree-$round" \
+    PYTHONPATH=$(path_of "$tree") python3 benchmarks/e2e.py --device cuda --out "$out/e2e-$tree-$round" \
       --runs "${E2E_RUNS:-bf16:eager,fp8:hp:eager,mxfp8:hp:eager}" > "$out/e2e-$tree-$round.log" 2>&1 || true
     echo "== e2e round $round, tree $tree"
     grep "^| " "$out/e2e-$tree-$round/e2e.md" | tail -n +3 || tail -3 "$out/e2e-$tree-$round.log"

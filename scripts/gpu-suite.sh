@@ -2,8 +2,8 @@
 # The GPU suite, in one command on a CUDA machine: install, run the `cuda` tests, run the
 # benchmarks, print a short table last. Results go to $OUT (the device tool's folder) or results/.
 # GPU_SUITE_STEPS picks steps (comma-separated, default all but multi): tests, bench (kernels), linear
-# (host time per Linear fwd+bwd, `quant-fsdp bench --linear`), e2e (`quant-fsdp bench --e2e`,
-# ~8 min on an H100; E2E_ARGS adds options, e.g. "--runs bf16,fp8"), optim (FusedAdam), multi
+# (host time per Linear fwd+bwd, benchmarks/linear_host.py), e2e (benchmarks/e2e.py, ~8 min on an
+# H100; E2E_ARGS adds options, e.g. "--runs bf16,fp8"), optim (FusedAdam, benchmarks/optim.py), multi
 # (every GPU of the host: the NCCL tests, collective bandwidth and benchmarks/multi_gpu.py with
 # MULTI_GPU_ARGS, e.g. "--runs bf16:compiled,fp8:qw:compiled --repeats 3"; ~35 s per run on the
 # 2.2B model). `--multi` is GPU_SUITE_STEPS=multi.
@@ -47,16 +47,16 @@ if want tests; then
   tests_rc=${PIPESTATUS[0]}
 fi
 if want bench; then
-  python3 -m quant_fsdp.cli bench --device cuda --out "$out" 2>&1 | tee "$out/bench.log"
+  python3 benchmarks/kernels.py --device cuda --out "$out" 2>&1 | tee "$out/bench.log"
   bench_rc=${PIPESTATUS[0]}
 fi
 if want linear; then
-  python3 -m quant_fsdp.cli bench --linear --device cuda --out "$out" 2>&1 | tee "$out/linear.log"
+  python3 benchmarks/linear_host.py --device cuda --out "$out" 2>&1 | tee "$out/linear.log"
   bench_rc=$(( bench_rc | PIPESTATUS[0] ))
 fi
 if want e2e; then
   # shellcheck disable=SC2086  # E2E_ARGS is a list of options
-  python3 -m quant_fsdp.cli bench --e2e --device cuda --out "$out" ${E2E_ARGS:-} 2>&1 | tee "$out/e2e.log"
+  python3 benchmarks/e2e.py --device cuda --out "$out" ${E2E_ARGS:-} 2>&1 | tee "$out/e2e.log"
   bench_rc=$(( bench_rc | PIPESTATUS[0] ))
 fi
 if want multi; then
@@ -70,7 +70,7 @@ if want multi; then
   bench_rc=$(( bench_rc | PIPESTATUS[0] ))
 fi
 if want optim; then
-  python3 -m quant_optim.bench --device cuda --out "$out" 2>&1 | tee "$out/bench_optim.log"
+  python3 benchmarks/optim.py --device cuda --out "$out" 2>&1 | tee "$out/bench_optim.log"
   bench_rc=$(( bench_rc | PIPESTATUS[0] ))
 fi
 set -e

@@ -3,7 +3,7 @@
     python3 scripts/host_per_linear.py [LAYER ...]   # default: nn.Linear fp8 fp8-delayed mxfp8 fp8-block nvfp4
 
 Standalone on purpose (no quant_fsdp import): scripts/ab_trees.sh runs it against older source
-trees, whose `quant-fsdp bench --linear` may time differently. Like that benchmark: bf16 256^3 on
+trees, whose `benchmarks/linear_host.py` may time differently. Like that benchmark: bf16 256^3 on
 CUDA (the GPU idles, so a step costs its host time), a new input object each step (as in
 training: the same one would hit qt.nn's sibling cache and skip the input's quantize), eager;
 the median of 7 rounds of 200 steps. On a CPU-only machine: 128^3 on the CPU.

@@ -8,19 +8,21 @@ LlamaForCausalLM when it imports) trained eagerly per run in two forms, alternat
 rounds (the VM's host speed drifts): as it is, and with every RMSNorm module compiled on its own
 (one `torch.compile`d function with LlamaRMSNorm's math: Inductor makes its forward and its
 backward a kernel or two each, standing in for a fused norm module; the rest stays eager). Tokens/s from the median step of the
-bench's timing (`quant_fsdp._bench_e2e._time_steps`), ratios to bf16 eager as it is in the same
+bench's timing (`_time_steps` in benchmarks/_e2e.py), ratios to bf16 eager as it is in the same
 round, host ms per step beside.
 """
 
 from __future__ import annotations
 
 import os
+import pathlib
 import sys
 
-import torch
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))  # its modules, by name
 
-from quant_fsdp._bench_e2e import E2EOptions, _time_steps, build_run, free_memory, markov_batches, select_runs
-from quant_fsdp._e2e_model import resolve_model_source
+import torch
+from _e2e import E2EOptions, _time_steps, build_run, free_memory, markov_batches, select_runs
+from _e2e_model import resolve_model_source
 
 
 @torch.compile(dynamic=False)

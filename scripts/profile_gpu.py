@@ -13,7 +13,7 @@
     python3 scripts/profile_gpu.py optim-1e7 [KIND ...]  # host time of FusedAdam vs AdamW + requantize at 1e7
 
 `host` prints where the host time of one forward + backward goes (the functions with the most own
-time, and the count of calls per step); `e2e` trains `quant-fsdp bench --e2e`'s default model with each run (default: bf16:eager,
+time, and the count of calls per step); `e2e` trains benchmarks/e2e.py's default model with each run (default: bf16:eager,
 fp8:hp:compiled, torchao-tensorwise:compiled) and prints, per step, the GPU time of the kernels
 grouped (GEMMs, attention, quantize/cast, optimizer, other elementwise) and the top kernels;
 `kernels` launches each quantize kernel twice (a warm-up,
@@ -26,11 +26,14 @@ import contextlib
 import cProfile
 import functools
 import os
+import pathlib
 import pstats
 import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))  # its modules, by name
 
 import torch
 
@@ -204,10 +207,10 @@ def _kernel_group(name: str) -> str:
 
 
 def e2e(runs: list[str], config: str = "default") -> None:
-    """GPU time of one training step of the e2e model (`config`: a `quant-fsdp bench --e2e
-    --config` name), by kernel group and top kernels, per run."""
-    from quant_fsdp._bench_e2e import E2EOptions, build_run, free_memory, markov_batches, select_runs
-    from quant_fsdp._e2e_model import resolve_model_source
+    """GPU time of one training step of the e2e model (`config`: a benchmarks/e2e.py
+    `--config` name), by kernel group and top kernels, per run."""
+    from _e2e import E2EOptions, build_run, free_memory, markov_batches, select_runs
+    from _e2e_model import resolve_model_source
 
     # MICRO_BATCHES=N [WEIGHT_CACHE=1]: the bench's --micro-batches N [--weight-cache]
     micro_batches, weight_cache = int(os.environ.get("MICRO_BATCHES", "1")), bool(os.environ.get("WEIGHT_CACHE"))
@@ -307,8 +310,8 @@ def decode(recipes: list[str]) -> None:
     high-precision weights, without and with `qt.nn.weight_cache` around `generate` (alternating,
     median of 3 rounds). Each decoding step is host-bound: every Linear quantizes its weight again
     unless the block holds it."""
-    from quant_fsdp._bench_e2e import recipe_of
-    from quant_fsdp._e2e_model import CONFIGS, build_decoder
+    from _e2e import recipe_of
+    from _e2e_model import CONFIGS, build_decoder
 
     device = torch.device("cuda")
     prompt = torch.randint(0, CONFIGS["default"].vocab_size, (1, 128), device=device)
@@ -405,8 +408,8 @@ def _counting(saved: dict[str, int]) -> Callable[[torch.Tensor], torch.Tensor]:
 def memory(runs: list[str], config: str = "default") -> None:
     """Per run (hp weights or bf16): GiB allocated before the step, peak in the forward, backward and
     optimizer step, and what the forward saves for backward by kind (storages counted once)."""
-    from quant_fsdp._bench_e2e import E2EOptions, build_run, free_memory, markov_batches, select_runs
-    from quant_fsdp._e2e_model import resolve_model_source
+    from _e2e import E2EOptions, build_run, free_memory, markov_batches, select_runs
+    from _e2e_model import resolve_model_source
 
     options = E2EOptions(device="cuda", config=config)
     batches = markov_batches(options.decoder, 4).cuda()
@@ -444,9 +447,10 @@ def memory(runs: list[str], config: str = "default") -> None:
 
 
 def optim(kinds: list[str]) -> None:
-    """GPU time of one FusedAdam step over `quant_optim.bench.mix_shapes()` (~1e9 parameters), by kernel."""
+    """GPU time of one FusedAdam step over `mix_shapes()` of benchmarks/optim.py (~1e9 parameters), by kernel."""
+    from optim import floor_bytes, mix_params, stream_bandwidth
+
     from quant_optim import FusedAdam
-    from quant_optim.bench import floor_bytes, mix_params, stream_bandwidth
 
     bandwidth = stream_bandwidth(torch.device("cuda"), 0.5)
     for kind in kinds:
@@ -488,9 +492,9 @@ def optim(kinds: list[str]) -> None:
 
 def optim_1e7(kinds: list[str]) -> None:
     """Host and wall time per step at 1e7 parameters (10 weights of 1024 x 1024, `python -m
-    quant_optim.bench`'s case), FusedAdam and AdamW(fused) + requantize alternately, then where
+    benchmarks/optim.py`'s case), FusedAdam and AdamW(fused) + requantize alternately, then where
     each one's host time goes (cProfile of 20 steps)."""
-    from quant_optim.bench import requantize_steps
+    from optim import requantize_steps
 
     for kind in kinds:
         steps = requantize_steps(kind, 10, 1 << 20, torch.device("cuda"))

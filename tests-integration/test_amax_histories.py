@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 import quant_core
 import quant_fsdp
 import quant_tensors as qt
-from quant_core.testing import run_ranks
+from quant_fsdp.demo import run_ranks
 
 STEPS = 3
 

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 import quant_core
-from quant_core.testing import SharedWorld, adversarial, run_shared_world
+from quant_core.testing import adversarial
+from quant_fsdp.testing import SharedWorld, run_shared_world
 
 
 def _gather_quantized_shards(rank: int, world_size: int, fp8_dtype: torch.dtype, power_2_scales: bool) -> None:

@@ -33,11 +33,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_core.testing import run_ranks
 from quant_fsdp._e2e_model import CONFIGS, build_decoder
+from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig, run_ranks
 from quant_fsdp.testing import local_bytes, train_data_parallel
 from quant_optim import FusedAdam
-from quant_tensors.testing import MarkovTask, TinyTransformer, TransformerConfig
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 MODES = ("quantize-on-gather", "quantized-weights")

@@ -16,10 +16,10 @@ from torch.distributed.tensor import DTensor
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_core.testing import no_host_syncs, raw_bits, run_ranks
+from quant_core.testing import no_host_syncs, raw_bits
+from quant_fsdp.demo import MarkovTask, MasterWeights, TransformerConfig, run_ranks
 from quant_fsdp.testing import count_all_gather_bytes, quantized_transformer
 from quant_optim import FusedAdam
-from quant_tensors.testing import MarkovTask, MasterWeights, TransformerConfig
 
 pytestmark = pytest.mark.cuda
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")

@@ -19,9 +19,9 @@ from torch.distributed.tensor import DTensor
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_core.testing import SharedWorld, raw_bits, run_ranks, run_shared_world
-from quant_fsdp.testing import count_all_gather_bytes, train_data_parallel
-from quant_tensors.testing import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig
+from quant_core.testing import raw_bits
+from quant_fsdp.demo import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig, run_ranks
+from quant_fsdp.testing import SharedWorld, count_all_gather_bytes, run_shared_world, train_data_parallel
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 MODES = ("quantized-weights", "quantize-on-gather")

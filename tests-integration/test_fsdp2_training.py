@@ -18,9 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_core.testing import SharedWorld, run_shared_world
-from quant_fsdp.testing import local_bytes, train_data_parallel, train_replicas
-from quant_tensors.testing import MarkovTask, TinyTransformer, TransformerConfig
+from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig
+from quant_fsdp.testing import SharedWorld, local_bytes, run_shared_world, train_data_parallel, train_replicas
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 MODES = ("quantized-weights", "quantize-on-gather")

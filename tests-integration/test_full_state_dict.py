@@ -26,10 +26,10 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_core.testing import SharedWorld, raw_bits, run_shared_world
-from quant_fsdp.testing import local_bytes, train_with
+from quant_core.testing import raw_bits
+from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig
+from quant_fsdp.testing import SharedWorld, local_bytes, run_shared_world, train_with
 from quant_optim import FusedAdam
-from quant_tensors.testing import MarkovTask, TinyTransformer, TransformerConfig
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 QUANT_FSDP_WEIGHTS, TORCH_WEIGHTS, ON_GATHER = "quant_fsdp quantized weights", "torch quantized weights", "on gather"

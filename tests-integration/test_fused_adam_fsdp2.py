@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import quant_tensors as qt
-from quant_core.testing import raw_bits, run_ranks
+from quant_core.testing import raw_bits
+from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig, run_ranks
 from quant_fsdp.testing import local_bytes, quantized_transformer, train_with
 from quant_optim import FusedAdam
-from quant_tensors.testing import MarkovTask, TinyTransformer, TransformerConfig
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 CONFIG = TransformerConfig(vocab=128, hidden=128, layers=2, heads=2, sequence=32)

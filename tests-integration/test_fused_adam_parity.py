@@ -10,10 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from quant_core.testing import SharedWorld, run_shared_world
-from quant_fsdp.testing import local_state_bytes, quantized_transformer, train_with
+from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig
+from quant_fsdp.testing import SharedWorld, local_state_bytes, quantized_transformer, run_shared_world, train_with
 from quant_optim import FusedAdam
-from quant_tensors.testing import MarkovTask, TinyTransformer, TransformerConfig
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 CONFIG = TransformerConfig(vocab=128, hidden=128, layers=2, heads=2, sequence=32)

@@ -30,7 +30,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_core.testing import raw_bits, run_ranks
+from quant_core.testing import raw_bits
+from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig, run_ranks
 from quant_fsdp.testing import (
     TensorParallelModel,
     quantized_transformer,
@@ -40,7 +41,6 @@ from quant_fsdp.testing import (
     train_with,
 )
 from quant_optim import FusedAdam
-from quant_tensors.testing import MarkovTask, TinyTransformer, TransformerConfig
 
 pytestmark = pytest.mark.cuda
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")

@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_core.testing import SharedWorld, raw_bits, run_ranks, run_shared_world
-from quant_fsdp.testing import count_all_gather_bytes
+from quant_core.testing import raw_bits
+from quant_fsdp.demo import run_ranks
+from quant_fsdp.testing import SharedWorld, count_all_gather_bytes, run_shared_world
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 

@@ -27,11 +27,17 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_core.testing import SharedWorld, run_shared_world
+from quant_fsdp.demo import MarkovTask, TransformerConfig
 from quant_fsdp.parallel import QuantColwiseParallel, QuantRowwiseParallel
-from quant_fsdp.testing import TensorParallelModel, tensor_parallel_plan, train_data_parallel, train_replicas
+from quant_fsdp.testing import (
+    SharedWorld,
+    TensorParallelModel,
+    run_shared_world,
+    tensor_parallel_plan,
+    train_data_parallel,
+    train_replicas,
+)
 from quant_optim import FusedAdam
-from quant_tensors.testing import MarkovTask, TransformerConfig
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 LOSS_TOLERANCE = 5e-3  # relative, at every step, as the parity tests

@@ -26,12 +26,6 @@ BAD = {
     "demo --device tpu": (["demo", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     "demo --device cuda, no GPU": (["demo", "--device", "cuda"], "argument --device: torch 2"),
     "demo --device cuda, 1 GPU": (["demo", "--device", "cuda", "--nproc", "2"], "need 2 GPUs, torch sees 1"),
-    "bench --size 0": (["bench", "--size", "0"], "--size: must be a positive multiple of 128"),
-    "bench --size -5": (["bench", "--size", "-5"], "--size: must be a positive multiple of 128"),
-    "bench --size 100": (["bench", "--size", "100"], "--size: must be a positive multiple of 128"),
-    "bench --min-run-time 0": (["bench", "--min-run-time", "0"], "--min-run-time: must be > 0"),
-    "bench --min-run-time nan": (["bench", "--min-run-time", "nan"], "--min-run-time: must be > 0"),
-    "bench --e2e --steps 0": (["bench", "--e2e", "--steps", "0"], "--steps: must be >= 1"),
 }
 
 
@@ -77,11 +71,11 @@ def _fake_demo(seen: dict):
 
 
 def test_demo_options_reach_the_run_as_arguments(tmp_path, monkeypatch, num_gpus):
-    import quant_fsdp._demo
-    from quant_fsdp._demo_training import RECIPES, DemoOptions
+    import quant_fsdp.demo._run
+    from quant_fsdp.demo._training import RECIPES, DemoOptions
 
     seen: dict = {}
-    monkeypatch.setattr(quant_fsdp._demo, "run_demo", _fake_demo(seen))
+    monkeypatch.setattr(quant_fsdp.demo._run, "run_demo", _fake_demo(seen))
     argv = [
         "demo",
         "--recipes",
@@ -107,10 +101,10 @@ def test_demo_options_reach_the_run_as_arguments(tmp_path, monkeypatch, num_gpus
 
 @pytest.mark.parametrize(("gpus", "nproc", "device"), [(0, 1, "cpu"), (1, 2, "cpu"), (2, 2, "cuda"), (8, 4, "cuda")])
 def test_auto_device_is_cuda_when_every_rank_has_a_gpu(gpus, nproc, device, tmp_path, monkeypatch, num_gpus):
-    import quant_fsdp._demo
+    import quant_fsdp.demo._run
 
     seen: dict = {}
-    monkeypatch.setattr(quant_fsdp._demo, "run_demo", _fake_demo(seen))
+    monkeypatch.setattr(quant_fsdp.demo._run, "run_demo", _fake_demo(seen))
     num_gpus["value"] = gpus
     assert main(["demo", "--nproc", str(nproc), "--out", str(tmp_path)]) == 0
     assert seen["options"].device == device
@@ -130,7 +124,7 @@ def test_an_out_under_a_file_is_refused(tmp_path, capsys):
     parent = tmp_path / "file"
     parent.write_text("")
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "--out", str(parent / "sub")])
+        main(["demo", "--out", str(parent / "sub")])
     assert exit_info.value.code == 2
     assert "cannot create folders under" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == [parent]  # the probe folder is gone
@@ -145,39 +139,39 @@ def test_version(capsys):
 
 def test_a_good_out_is_not_created_before_work_starts(tmp_path):
     # The check probes with a temporary folder it removes again: a run refused for another reason
-    # (here the e2e options given without --e2e) leaves nothing behind.
+    # (here a rank count that does not split the batch) leaves nothing behind.
     out: pathlib.Path = tmp_path / "new" / "results"
     with pytest.raises(SystemExit):
-        main(["bench", "--runs", "bf16", "--out", str(out)])
+        main(["demo", "--nproc", "3", "--out", str(out)])
     assert not (tmp_path / "new").exists()
     assert list(tmp_path.iterdir()) == []
 
 
-def _fake_bench(fail: bool):
-    def run_bench(out: pathlib.Path, **options) -> int:
-        (out / "bench.json").write_text("{}")
+def _fake_run(fail: bool):
+    def run_demo(out: pathlib.Path, options) -> int:
+        (out / "demo.json").write_text("{}")
         if fail:
             raise KeyboardInterrupt  # interrupted halfway
-        (out / "bench.md").write_text("done")
+        (out / "demo.md").write_text("done")
         return 0
 
-    return run_bench
+    return run_demo
 
 
 def test_results_move_into_out_only_when_the_command_returns(tmp_path, monkeypatch, capsys):
-    import quant_fsdp._bench
+    import quant_fsdp.demo._run
 
     out = tmp_path / "results"
     out.mkdir()
-    (out / "bench.json").write_text("previous run")
-    monkeypatch.setattr(quant_fsdp._bench, "run_bench", _fake_bench(fail=True))
+    (out / "demo.json").write_text("previous run")
+    monkeypatch.setattr(quant_fsdp.demo._run, "run_demo", _fake_run(fail=True))
     with pytest.raises(KeyboardInterrupt):
-        main(["bench", "--out", str(out)])
-    assert [p.name for p in out.iterdir()] == ["bench.json"]
-    assert (out / "bench.json").read_text() == "previous run"  # as it was
+        main(["demo", "--out", str(out)])
+    assert [p.name for p in out.iterdir()] == ["demo.json"]
+    assert (out / "demo.json").read_text() == "previous run"  # as it was
 
-    monkeypatch.setattr(quant_fsdp._bench, "run_bench", _fake_bench(fail=False))
-    assert main(["bench", "--out", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.md"]
-    assert (out / "bench.json").read_text() == "{}"
-    assert f"wrote bench.json, bench.md to {out}" in capsys.readouterr().out
+    monkeypatch.setattr(quant_fsdp.demo._run, "run_demo", _fake_run(fail=False))
+    assert main(["demo", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["demo.json", "demo.md"]
+    assert (out / "demo.json").read_text() == "{}"
+    assert f"wrote demo.json, demo.md to {out}" in capsys.readouterr().out

@@ -2,28 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
 import math
 import os
-import pathlib
 import subprocess
 import sys
 import tempfile
 import textwrap
-import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from quant_core._backend import Backend, available_backends
 from quant_core._checks import FLOAT_DTYPES, FP8_DTYPES
-from quant_core.launch import run_ranks  # product code (quant-fsdp demo); re-exported for tests
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -34,8 +26,6 @@ __all__ = [
     "no_host_syncs",
     "quantize_many_inputs",
     "raw_bits",
-    "run_ranks",
-    "run_shared_world",
     "splitmix64_int",
 ]
 
@@ -175,87 +165,3 @@ def run_in_triton_interpreter(source: str) -> None:
         environment = {**os.environ, "TRITON_INTERPRET": "1"}
         run = subprocess.run([sys.executable, script], env=environment, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
-
-
-# [Note: shared worlds]
-# Starting a process group costs every multi-rank test seconds of spawning and importing torch on
-# each rank, so a test file's scenarios of one world size run in one world, in order, and each test
-# asserts on its scenario's outcome. A scenario is fn(rank, world_size, *args), a module-level
-# function that leaves no global state behind (it restores what it patches). A scenario passed if
-# every rank finished it (a barrier follows each one). The first failure ends the world: its test
-# fails with the ranks' traceback, and the scenarios it kept from running run alone, each in its
-# own world, when their tests ask for them (as run_ranks would), so every test still reports its own
-# outcome.
-
-
-class SharedWorld:
-    """The outcome of `run_shared_world`: `check(label)` passes exactly when that scenario passed."""
-
-    def __init__(
-        self,
-        world_size: int,
-        scenarios: dict[str, tuple[Callable[..., None], tuple[Any, ...]]],
-        passed: list[str],
-        failure: str | None,
-    ) -> None:
-        self.world_size = world_size
-        self.scenarios = scenarios
-        self.passed = set(passed)
-        # The scenarios run in order, so the first one not passed is the one that failed.
-        self.failed = next((label for label in scenarios if label not in self.passed), None) if failure else None
-        self.failure = failure
-
-    def check(self, label: str) -> None:
-        """Raises unless scenario `label` passed; one the failure kept from running runs now, alone."""
-        if label not in self.scenarios:
-            raise KeyError(f"no scenario {label!r} in this world; declared: {list(self.scenarios)}")
-        if label in self.passed:
-            return
-        if label == self.failed:
-            raise AssertionError(
-                f"scenario {label!r} failed in the shared world of {self.world_size} ranks:\n{self.failure}"
-            )
-        fn, args = self.scenarios[label]
-        run_ranks(fn, self.world_size, *args)
-
-
-def run_shared_world(world_size: int, scenarios: dict[str, tuple[Callable[..., None], tuple[Any, ...]]]) -> SharedWorld:
-    """Runs every scenario (label: (fn, args), fn(rank, world_size, *args) as for run_ranks) in order
-    in one world of `world_size` gloo ranks ([Note: shared worlds]); never raises for a failing
-    scenario: `check(label)` on the result does."""
-    sources = {str(pathlib.Path(inspect.getfile(fn)).resolve()) for fn, _ in scenarios.values()}
-    if len(sources) != 1:
-        raise ValueError(f"scenarios of one world come from one file; got {sorted(sources)}")
-    plan = [(label, fn.__name__, args) for label, (fn, args) in scenarios.items()]
-    failure = None
-    with tempfile.TemporaryDirectory() as folder:
-        log = pathlib.Path(folder) / "passed"
-        log.touch()
-        try:
-            run_ranks(_run_scenarios, world_size, sources.pop(), plan, str(log))
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
-            # The rank that spawn reports may be one whose peer failed first: add every rank's own error.
-            errors = sorted(pathlib.Path(folder).glob("error-rank-*"))
-            failure = "\n".join([str(error), *(f"{e.name}:\n{e.read_text()}" for e in errors)])
-        passed = log.read_text().split("\n")[:-1]
-    return SharedWorld(world_size, scenarios, passed, failure)
-
-
-def _run_scenarios(rank: int, world_size: int, source: str, plan: list, log: str) -> None:
-    # Loaded by path under the name quant_core.launch gives it, for the reasons given there.
-    spec = importlib.util.spec_from_file_location(f"_quant_rank_{pathlib.Path(source).stem}", source)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {source} in a rank process")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    for label, name, args in plan:
-        try:
-            getattr(module, name)(rank, world_size, *args)
-        except BaseException:
-            pathlib.Path(log).with_name(f"error-rank-{rank}").write_text(traceback.format_exc())
-            raise
-        dist.barrier()  # every rank finished it
-        if rank == 0:
-            with open(log, "a") as file:
-                file.write(f"{label}\n")

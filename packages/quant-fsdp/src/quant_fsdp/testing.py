@@ -1,24 +1,30 @@
 """Helpers for FSDP2 tests: train a sharded model, read a rank's bytes (and count_all_gather_bytes,
 re-exported from the demo's product code).
 
-Training follows quant_tensors.demo.train (same task, batches and optimizer), with the global
+Training follows quant_fsdp.demo.train (same task, batches and optimizer), with the global
 batch of each step split across the data-parallel ranks and the reported loss averaged over them.
 `TensorParallelModel` and `tensor_parallel_plan` are the transformer the tensor-parallel tests
 shard with torch's `parallelize_module`. `train_replicas` is the single-process reference of data-parallel training: one model replica
 per rank slice of the same global batch, gradients averaged. With quantized activations it is the
 reference that differs from FSDP2 only in the order gradients are summed: each replica quantizes
 its own slice, with that slice's per-tensor amax and its own stochastic-rounding stream, as each
-rank does (a whole-batch single model quantizes the whole batch at once).
+rank does (a whole-batch single model quantizes the whole batch at once). `run_shared_world` runs
+a test file's multi-rank scenarios in one process group ([Note: shared worlds]).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import pathlib
+import tempfile
+import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
@@ -27,17 +33,20 @@ import quant_tensors as qt
 from quant_fsdp._all_gather_counter import AllGatherBytes, count_all_gather_bytes
 from quant_fsdp._fully_shard import fully_shard
 from quant_fsdp._quantize_on_gather import QuantizeOnGatherTensor
+from quant_fsdp.demo import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig, run_ranks, train
+from quant_fsdp.demo._launch import load_by_path
 from quant_fsdp.parallel import QuantColwiseParallel, QuantRowwiseParallel
-from quant_tensors.demo import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig, train
 
 __all__ = [
     "AllGatherBytes",
+    "SharedWorld",
     "TensorParallelBlock",
     "TensorParallelModel",
     "count_all_gather_bytes",
     "local_bytes",
     "local_state_bytes",
     "quantized_transformer",
+    "run_shared_world",
     "tensor_parallel_plan",
     "train_data_parallel",
     "train_replicas",
@@ -54,7 +63,7 @@ def train_data_parallel(
     lr: float = 1e-3,
     group: dist.ProcessGroup | None = None,
 ) -> list[float]:
-    """quant_tensors.demo.train on this rank's slice of every global batch; returns the global
+    """quant_fsdp.demo.train on this rank's slice of every global batch; returns the global
     batch's loss of every step (averaged over the ranks of `group`, default all ranks; without
     torch.distributed, the whole batch)."""
     world_size = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -82,7 +91,7 @@ def train_replicas(
     """Data-parallel training in one process: replica i takes slice i of every global batch; the
     gradients are averaged and every replica takes the same optimizer step. Returns the mean losses.
 
-    The optimizer is AdamW (weight decay 0, `lr`) over quant_tensors.demo.MasterWeights, or
+    The optimizer is AdamW (weight decay 0, `lr`) over quant_fsdp.demo.MasterWeights, or
     `optimizer(replica)` where given (e.g. quant_optim.FusedAdam, which keeps the masters itself)."""
     world_size = len(replicas)
     if batch_size % world_size:
@@ -253,3 +262,81 @@ def tensor_parallel_plan(model: TensorParallelModel, sequence_parallel: bool) ->
     if sp:
         plan["norm"] = SequenceParallel()
     return plan
+
+
+# [Note: shared worlds]
+# Starting a process group costs every multi-rank test seconds of spawning and importing torch on
+# each rank, so a test file's scenarios of one world size run in one world, in order, and each test
+# asserts on its scenario's outcome. A scenario is fn(rank, world_size, *args), a module-level
+# function that leaves no global state behind (it restores what it patches). A scenario passed if
+# every rank finished it (a barrier follows each one). The first failure ends the world: its test
+# fails with the ranks' traceback, and the scenarios it kept from running run alone, each in its
+# own world, when their tests ask for them (as run_ranks would), so every test still reports its own
+# outcome.
+
+
+class SharedWorld:
+    """The outcome of `run_shared_world`: `check(label)` passes exactly when that scenario passed."""
+
+    def __init__(
+        self,
+        world_size: int,
+        scenarios: dict[str, tuple[Callable[..., None], tuple[Any, ...]]],
+        passed: list[str],
+        failure: str | None,
+    ) -> None:
+        self.world_size = world_size
+        self.scenarios = scenarios
+        self.passed = set(passed)
+        # The scenarios run in order, so the first one not passed is the one that failed.
+        self.failed = next((label for label in scenarios if label not in self.passed), None) if failure else None
+        self.failure = failure
+
+    def check(self, label: str) -> None:
+        """Raises unless scenario `label` passed; one the failure kept from running runs now, alone."""
+        if label not in self.scenarios:
+            raise KeyError(f"no scenario {label!r} in this world; declared: {list(self.scenarios)}")
+        if label in self.passed:
+            return
+        if label == self.failed:
+            raise AssertionError(
+                f"scenario {label!r} failed in the shared world of {self.world_size} ranks:\n{self.failure}"
+            )
+        fn, args = self.scenarios[label]
+        run_ranks(fn, self.world_size, *args)
+
+
+def run_shared_world(world_size: int, scenarios: dict[str, tuple[Callable[..., None], tuple[Any, ...]]]) -> SharedWorld:
+    """Runs every scenario (label: (fn, args), fn(rank, world_size, *args) as for run_ranks) in order
+    in one world of `world_size` gloo ranks ([Note: shared worlds]); never raises for a failing
+    scenario: `check(label)` on the result does."""
+    sources = {str(pathlib.Path(inspect.getfile(fn)).resolve()) for fn, _ in scenarios.values()}
+    if len(sources) != 1:
+        raise ValueError(f"scenarios of one world come from one file; got {sorted(sources)}")
+    plan = [(label, fn.__name__, args) for label, (fn, args) in scenarios.items()]
+    failure = None
+    with tempfile.TemporaryDirectory() as folder:
+        log = pathlib.Path(folder) / "passed"
+        log.touch()
+        try:
+            run_ranks(_run_scenarios, world_size, sources.pop(), plan, str(log))
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
+            # The rank that spawn reports may be one whose peer failed first: add every rank's own error.
+            errors = sorted(pathlib.Path(folder).glob("error-rank-*"))
+            failure = "\n".join([str(error), *(f"{e.name}:\n{e.read_text()}" for e in errors)])
+        passed = log.read_text().split("\n")[:-1]
+    return SharedWorld(world_size, scenarios, passed, failure)
+
+
+def _run_scenarios(rank: int, world_size: int, source: str, plan: list, log: str) -> None:
+    module = load_by_path(source)
+    for label, name, args in plan:
+        try:
+            getattr(module, name)(rank, world_size, *args)
+        except BaseException:
+            pathlib.Path(log).with_name(f"error-rank-{rank}").write_text(traceback.format_exc())
+            raise
+        dist.barrier()  # every rank finished it
+        if rank == 0:
+            with open(log, "a") as file:
+                file.write(f"{label}\n")

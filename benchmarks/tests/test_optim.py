@@ -1,5 +1,5 @@
-"""`python -m quant_optim.bench`: the eager rows timed in interleaved rounds ([Note: interleaved
-rounds] in quant_optim.bench), per-round ratios, and a tiny CPU run end to end."""
+"""benchmarks/optim.py: the eager rows timed in interleaved rounds ([Note: interleaved rounds]
+there), per-round ratios, and a tiny CPU run end to end."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import re
 import statistics
 import time
 
+import optim as bench
 import pytest
 import torch
-
-from quant_optim import bench
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""`quant-fsdp bench --e2e --fidelity STEPS`: does each recipe train the e2e model like bf16 does?
+"""`python benchmarks/e2e.py --fidelity STEPS`: does each recipe train the e2e model like bf16 does?
 
 Each run trains a fresh model (same seed) for STEPS steps on the same batches of the Markov task
 over the configuration's vocabulary (32000 by default), visiting FIDELITY_STATES of its ids, with
@@ -26,10 +26,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
-from rich.console import Console
-from rich.table import Table
-
-from quant_fsdp._bench_e2e import (
+from _e2e import (
     BF16_BASELINE,
     RECIPES,
     E2EOptions,
@@ -44,7 +41,9 @@ from quant_fsdp._bench_e2e import (
     markov_task,
     torchao_missing,
 )
-from quant_fsdp._e2e_model import DecoderConfig, resolve_model_source
+from _e2e_model import DecoderConfig, resolve_model_source
+from rich.console import Console
+from rich.table import Table
 
 # Token ids the fidelity task's chain visits (see above).
 FIDELITY_STATES = 2048

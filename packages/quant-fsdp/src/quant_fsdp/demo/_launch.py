@@ -1,6 +1,7 @@
 """Run a function in several processes joined in a torch.distributed process group.
 
-`quant-fsdp demo` trains on CPU ranks with it; multi-process tests run their scenarios with it.
+`quant-fsdp demo` trains on its ranks with it; multi-process tests and benchmarks run their scenarios
+with it (quant_fsdp.demo.run_ranks).
 """
 
 from __future__ import annotations
@@ -12,13 +13,12 @@ import pathlib
 import sys
 import tempfile
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-__all__ = ["run_ranks"]
 
 
 def run_ranks(fn: Callable[..., None], world_size: int, *args: Any, backend: str = "gloo") -> None:
@@ -44,12 +44,7 @@ def run_ranks(fn: Callable[..., None], world_size: int, *args: Any, backend: str
 def _rank_entry(
     rank: int, world_size: int, source: str, name: str, store: str, args: tuple[Any, ...], backend: str
 ) -> None:
-    spec = importlib.util.spec_from_file_location(f"_quant_rank_{pathlib.Path(source).stem}", source)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {source} in a rank process")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses and pickling look their module up there
-    spec.loader.exec_module(module)
+    module = load_by_path(source)
     torch.set_num_threads(1)  # world_size processes share the machine's cores
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -66,3 +61,15 @@ def _rank_entry(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def load_by_path(source: str) -> ModuleType:
+    """The module of file `source`, imported in a rank process under a name derived from its path
+    (test files that pytest imported with `--import-mode=importlib` have no importable name)."""
+    spec = importlib.util.spec_from_file_location(f"_quant_rank_{pathlib.Path(source).stem}", source)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {source} in a rank process")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look their module up there
+    spec.loader.exec_module(module)
+    return module

@@ -1,4 +1,4 @@
-"""The model of `quant-fsdp bench --e2e`: a Llama-style decoder (its data: quant_tensors.demo.MarkovTask).
+"""The model of the e2e benchmarks (e2e.py, multi_gpu.py): a Llama-style decoder (its data: quant_fsdp.demo.MarkovTask).
 
 The decoder is Hugging Face transformers' `LlamaForCausalLM` when transformers imports (a model
 nobody in this project wrote, built from `LlamaConfig` with random weights), else `Decoder`
@@ -190,7 +190,7 @@ def resolve_model_source(source: str) -> str:
 def describe_model(source: str) -> str:
     if source == "transformers":
         return f"transformers {importlib.metadata.version('transformers')} LlamaForCausalLM (sdpa)"
-    return "quant_fsdp built-in Llama-style decoder"
+    return "built-in Llama-style decoder (benchmarks/_e2e_model.py)"
 
 
 def build_decoder(

@@ -1,4 +1,4 @@
-"""`quant-fsdp bench --linear`: host (CPU) time of one Linear forward + backward, per recipe.
+"""`python benchmarks/linear_host.py`: host (CPU) time of one Linear forward + backward, per recipe.
 
 At a size where the GPU idles (bf16 256 x 256 x 256 by default) a layer's step costs what the
 host spends dispatching it: Python, torch's dispatcher, kernel launches. Measured side by side in
@@ -15,11 +15,13 @@ from __future__ import annotations
 import copy
 import json
 import pathlib
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+from _arguments import Parser
 from rich.console import Console
 from rich.table import Table
 
@@ -125,3 +127,17 @@ def run_linear_host_bench(out: pathlib.Path, device: str = "all", *, size: int =
     report = {"device": name, "torch": torch.__version__, "size": size, "results": [asdict(r) for r in results]}
     (out / "linear_host.json").write_text(json.dumps(report, indent=2) + "\n")
     return 1 if any(r.error for r in results) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(prog="linear_host.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="folder for linear_host.json")
+    parser.add_argument(
+        "--device", choices=("all", "cpu", "cuda"), default="all", help="cuda, cpu; all (default): CUDA if present"
+    )
+    args = parser.parse_args(argv)
+    return run_linear_host_bench(args.out, args.device)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,14 +1,14 @@
-"""`quant-fsdp bench --e2e`: train a Llama-style decoder on one device, bf16 vs torchao vs every recipe.
+"""The e2e benchmark (`python benchmarks/e2e.py`): train a Llama-style decoder on one device, bf16 vs torchao vs every recipe.
 
-Every run builds a fresh model from the same seed (quant_fsdp._e2e_model) and trains it on the
+Every run builds a fresh model from the same seed (_e2e_model) and trains it on the
 same batches of the Markov task. Runs are named `<base>[:<weights>]:<mode>`:
 - base: `bf16`, `torchao-tensorwise`, `torchao-rowwise` (torchao.float8's
   `convert_to_float8_training`), or a recipe of ours (`qt.convert`);
 - weights (recipes only): `hp` keeps high-precision weights, quantized every forward, stepped by
   torch.optim.AdamW (fused on CUDA); `qw` makes them quantized primary weights
   (`quantized_weights=True`) whose fp32 masters torch.optim.AdamW steps, requantizing each weight
-  afterwards (`quant_tensors.demo.MasterWeights`; quant-optim's fused equivalent is measured by
-  `python -m quant_optim.bench`: quant_fsdp does not import quant_optim, DESIGN section 1);
+  afterwards (`quant_fsdp.demo.MasterWeights`; quant-optim's fused equivalent is measured by
+  benchmarks/optim.py);
 - mode: `eager`; `compiled` (`torch.compile(model)`); or `graphed`: eager code whose whole
   training step (forward, backward, optimizer) is captured once in a CUDA graph and replayed
   ([Note: graphed runs]; CUDA only).
@@ -23,7 +23,7 @@ blocking synchronize inside a step spins and counts), and the
 last step's loss. A run that raises becomes a row with its error; the others go on.
 
 `--fidelity STEPS` trains each run for STEPS steps instead and compares final losses with bf16
-eager's (quant_fsdp._e2e_fidelity).
+eager's (_e2e_fidelity).
 """
 
 from __future__ import annotations
@@ -47,12 +47,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
-from rich.console import Console
-from rich.table import Table
-
-import quant_core
-import quant_tensors as qt
-from quant_fsdp._e2e_model import (
+from _e2e_model import (
     CONFIGS,
     MODEL_SOURCES,
     DecoderConfig,
@@ -60,7 +55,12 @@ from quant_fsdp._e2e_model import (
     describe_model,
     resolve_model_source,
 )
-from quant_tensors.demo import MarkovTask, MasterWeights
+from rich.console import Console
+from rich.table import Table
+
+import quant_core
+import quant_tensors as qt
+from quant_fsdp.demo import MarkovTask, MasterWeights
 
 # Variants of the named recipes, each run only when a --runs pattern names it ("nvfp4-rht", not "*"):
 # NVFP4 with the random Hadamard transform on its wgrad operands ([Note: NVFP4 random Hadamard
@@ -101,10 +101,10 @@ class RunSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class E2EOptions:
-    """How `quant-fsdp bench --e2e` runs."""
+    """How the e2e benchmark runs."""
 
     config: str = "default"
-    """Model and batch size: a key of quant_fsdp._e2e_model.CONFIGS."""
+    """Model and batch size: a key of _e2e_model.CONFIGS."""
     num_steps: int = 8
     """Timed steps per run."""
     num_warmup: int = 3
@@ -148,7 +148,7 @@ class E2EOptions:
 
     def torch_device(self) -> torch.device:
         if self.device == "cuda" and not torch.cuda.is_available():
-            raise SystemExit("quant-fsdp bench --e2e --device cuda: no CUDA device is visible")
+            raise SystemExit("e2e.py --device cuda: no CUDA device is visible")
         return torch.device("cuda" if self.device != "cpu" and torch.cuda.is_available() else "cpu")
 
 

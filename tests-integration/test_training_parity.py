@@ -19,8 +19,7 @@ import pytest
 import torch
 
 import quant_tensors as qt
-from quant_core.testing import run_ranks
-from quant_tensors.testing import MarkovTask, TinyTransformer, train
+from quant_fsdp.demo import MarkovTask, TinyTransformer, run_ranks, train
 
 STEPS = 200
 BATCH = 4  # sequences of 64 tokens per step; keeps the 11 runs within a few minutes of CI

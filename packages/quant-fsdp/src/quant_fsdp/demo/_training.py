@@ -27,9 +27,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_core.launch import run_ranks
 from quant_fsdp._all_gather_counter import count_all_gather_bytes
-from quant_tensors.demo import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig
+from quant_fsdp.demo._launch import run_ranks
+from quant_fsdp.demo._model import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 BATCH = 8  # sequences per global batch, split evenly over the ranks

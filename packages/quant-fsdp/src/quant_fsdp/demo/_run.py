@@ -1,6 +1,6 @@
 """`quant-fsdp demo`: the most complete end-to-end job the project can do today.
 
-Part 1 (`run_training`, quant_fsdp._demo_training): trains the test transformer on the synthetic
+Part 1 (`run_training`, quant_fsdp.demo._training): trains the test transformer on the synthetic
 Markov task with FSDP2 on `--nproc` ranks, bf16 and the chosen recipes (quantized primary weights),
 and reports each recipe's final loss against bf16's with a PASS/FAIL verdict, tokens/s, step time,
 all-gathered bytes per step and weight memory, with a loss plot.
@@ -37,7 +37,9 @@ from rich.table import Table
 
 import quant_core
 import quant_tensors as qt
-from quant_fsdp._demo_training import (
+from quant_fsdp._version import __version__
+from quant_fsdp.demo._model import TransformerConfig
+from quant_fsdp.demo._training import (
     BATCH,
     FINAL_WINDOW,
     LEARNING_RATE,
@@ -48,8 +50,6 @@ from quant_fsdp._demo_training import (
     print_training_table,
     run_training,
 )
-from quant_fsdp._version import __version__
-from quant_tensors.demo import TransformerConfig
 
 _HIDDEN = 256
 _LAYERS = 4

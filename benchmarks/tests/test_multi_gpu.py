@@ -9,32 +9,19 @@ test_fsdp2_compile.py checks in one process), without Inductor's ~20 s per compi
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import pathlib
 import subprocess
 import sys
-from types import ModuleType
 
+import _multi_gpu_measure as measure
+import _multi_gpu_report as report_rows
 import pytest
 
-BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1]
 RUNS = ("bf16:eager", "fp8:qw:eager", "fp8:hp:eager", "fp8:qw:compiled")
 REPEATS = 2
-
-
-def _load(name: str) -> ModuleType:
-    """A module of benchmarks/ (a folder of scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-measure = _load("_multi_gpu_measure")
-report_rows = _load("_multi_gpu_report")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""`quant-fsdp bench`: every kernel against its plain-torch reference, side by side in one run.
+"""`python benchmarks/kernels.py`: every kernel against its plain-torch reference, side by side in one run.
 
 Ratios are what the targets of DESIGN section 9 are stated in; absolute numbers depend on the
 machine, so each result records the device, torch version and thread count it ran with.
@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.utils.benchmark as benchmark
+from _arguments import Parser, kernel_size, positive_seconds
 from rich.console import Console
 from rich.table import Table
 
@@ -493,7 +494,7 @@ def run_bench(out: pathlib.Path, *, size: int, min_run_time: float, device: str 
     """Runs the suite on the CPU and/or CUDA (`device`), prints a table, writes bench.json."""
     console = Console(width=None if sys.stdout.isatty() else 120)  # logs: no wrapped tables
     if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("quant-fsdp bench --device cuda: no CUDA device is visible")
+        raise SystemExit("kernels.py --device cuda: no CUDA device is visible")
     devices = [torch.device(d) for d in ("cpu", "cuda") if device in (d, "all")]
     devices = [d for d in devices if d.type == "cpu" or torch.cuda.is_available()]
     records = []
@@ -529,3 +530,21 @@ def run_bench(out: pathlib.Path, *, size: int, min_run_time: float, device: str 
     if failed:
         console.print(f"cases that failed: {', '.join(failed)}")
     return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = Parser(prog="kernels.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="folder for bench.json")
+    parser.add_argument(
+        "--size", type=kernel_size, default=4096, help="square input size of the kernel benchmarks (a multiple of 128)"
+    )
+    parser.add_argument("--min-run-time", type=positive_seconds, default=1.0, help="seconds measured per case")
+    parser.add_argument(
+        "--device", choices=("all", "cpu", "cuda"), default="all", help="all (default): the CPU, and CUDA if present"
+    )
+    args = parser.parse_args(argv)
+    return run_bench(args.out, size=args.size, min_run_time=args.min_run_time, device=args.device)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""`python -m quant_optim.bench`: FusedAdam against torch's fastest AdamW, side by side in one run.
+"""`python benchmarks/optim.py`: FusedAdam against torch's fastest AdamW, side by side in one run.
 
 Cases, each over `--tensors` parameters of `--numel` elements (default 10 x 1e6 = 1e7):
 - fp32 parameters: FusedAdam on the fastest quant_core backend and on the reference (checking gradients for NaN/Inf itself,
@@ -22,7 +22,7 @@ side. Each graph row first checks that one replay equals one eager step bit for 
 built alike) and prints an error instead of a time when it does not.
 Prints a table and writes `<out>/bench_optim.json` (device, torch version, threads, date; the eager
 rows' ms of every round under "ms per round", to recompute from).
-`nox -s bench` runs it after `quant-fsdp bench`.
+`nox -s bench` runs it after benchmarks/kernels.py.
 """
 
 from __future__ import annotations
@@ -499,7 +499,7 @@ def _x_torch(ms_per_round: dict[str, list[float]]) -> dict[str, dict[str, float]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m quant_optim.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="optim.py", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"))
     parser.add_argument("--tensors", type=int, default=10)
     parser.add_argument("--numel", type=int, default=1_048_576, help="elements per tensor (a multiple of 1024)")

@@ -1,4 +1,4 @@
-"""MarkovTask: the batches of the demo, the tests and `quant-fsdp bench --e2e` and its loss floor."""
+"""MarkovTask: the batches of the demo, the tests and the e2e benchmarks, and its loss floor."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from quant_tensors.demo import MarkovTask
+from quant_fsdp.demo import MarkovTask
 
 
 def test_batch_is_that_steps_slice_of_batches():

@@ -1,8 +1,8 @@
 """The demo's model, task and training loop: a small transformer, a Markov next-token task, fp32
 master weights for plain torch optimizers, and an AdamW loop.
 
-`quant-fsdp demo` trains TinyTransformer on MarkovTask; tests (through quant_tensors.testing)
-train it to compare recipes with bf16; `quant-fsdp bench --e2e` trains its decoder on MarkovTask.
+`quant-fsdp demo` trains TinyTransformer on MarkovTask; tests train it to compare recipes with
+bf16; the e2e benchmarks (benchmarks/e2e.py, benchmarks/multi_gpu.py) train their decoder on MarkovTask.
 The task: token sequences from a fixed random Markov chain in which each token has 4 likely
 successors, so a model can learn it and its loss has a known floor (the chain's entropy). Every
 run with the same seeds sees the same initial weights and the same batches.
@@ -17,10 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from quant_tensors._tensor import local_quantized, shard_like
-from quant_tensors.nn import high_precision_init_value
-
-__all__ = ["MarkovTask", "MasterWeights", "TinyTransformer", "TransformerConfig", "train"]
+import quant_tensors as qt
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,7 +82,7 @@ class MarkovTask:
 
     A model can learn it (a next-token table), and its loss has a known floor (`entropy`). The
     batch of step `s` depends on `s` and `seed` only, so every run with the same seeds sees the same
-    batches. It scales to a 32000-token vocabulary (quant-fsdp's `bench --e2e`): successors are
+    batches. It scales to a 32000-token vocabulary (the e2e benchmark): successors are
     drawn with replacement, and the sequences of many steps are generated together.
     """
 
@@ -149,8 +146,8 @@ class MasterWeights:
         self.pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self.parameters: list[torch.Tensor] = []
         for p in model.parameters():
-            if local_quantized(p) is not None:
-                initial = high_precision_init_value(p)
+            if qt.local_quantized(p) is not None:
+                initial = qt.high_precision_init_value(p)
                 master = (_dequantized(p) if initial is None else initial).float().clone().requires_grad_(True)
                 self.pairs.append((p, master))
                 self.parameters.append(master)
@@ -168,7 +165,7 @@ class MasterWeights:
 
 
 def _dequantized(p: torch.Tensor) -> torch.Tensor:
-    return shard_like(p, local_quantized(p).dequantize())
+    return qt.shard_like(p, qt.local_quantized(p).dequantize())
 
 
 def train(

@@ -1,12 +1,11 @@
-"""`quant-fsdp bench --linear` on the CPU: every layer kind measured (no numbers asserted)."""
+"""benchmarks/linear_host.py on the CPU: every layer kind measured (no numbers asserted)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-
-from quant_fsdp._bench_linear import RECIPES, benchmark_linear_host
+from linear_host import RECIPES, benchmark_linear_host
 
 
 def test_every_layer_kind_gets_a_host_time():

@@ -1,4 +1,4 @@
-"""`quant-fsdp bench --e2e` on the tiny configuration, on the CPU: every run yields a row (no numbers asserted)."""
+"""benchmarks/e2e.py on the tiny configuration, on the CPU: every run yields a row (no numbers asserted)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,10 @@ import json
 import math
 from dataclasses import replace
 
+import _e2e as bench_e2e
 import pytest
 import torch
-from rich.console import Console
-
-import quant_tensors as qt
-from quant_fsdp import _bench_e2e as bench_e2e
-from quant_fsdp._bench_e2e import (
+from _e2e import (
     DEFAULT_FIDELITY_RUNS,
     DEFAULT_RUNS,
     GRAPH_WARMUP_STEPS,
@@ -28,8 +25,11 @@ from quant_fsdp._bench_e2e import (
     run_e2e,
     select_runs,
 )
-from quant_fsdp._e2e_model import CONFIGS, Decoder
-from quant_fsdp.cli import main
+from _e2e_model import CONFIGS, Decoder
+from e2e import main
+from rich.console import Console
+
+import quant_tensors as qt
 from quant_fsdp.testing import local_bytes
 
 
@@ -65,12 +65,9 @@ def test_an_unknown_run_is_refused_when_parsing_arguments(capsys):
     with pytest.raises(ValueError, match=r"'fp9' matches no run"):
         select_runs("bf16,fp9")
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "--e2e", "--runs", "fp9"])
+        main(["--runs", "fp9"])
     assert exit_info.value.code == 2
     assert "matches no run" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["bench", "--config", "tiny"])  # an e2e option without --e2e
-    assert "add --e2e" in capsys.readouterr().err
 
 
 def test_a_graphed_run_needs_cuda():
@@ -172,7 +169,7 @@ def test_micro_batches_must_divide_the_batch(capsys):
     with pytest.raises(ValueError, match="micro-batches must divide the batch of 2 sequences"):
         E2EOptions(config="tiny", micro_batches=3)
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "--e2e", "--config", "tiny", "--micro-batches", "3"])
+        main(["--config", "tiny", "--micro-batches", "3"])
     assert exit_info.value.code == 2
     assert "micro-batches must divide" in capsys.readouterr().err
 
@@ -227,7 +224,7 @@ def test_tiny_e2e_runs_record_every_run_and_failures(tmp_path, monkeypatch):
     assert rows["bf16:eager"]["vs_bf16_eager"] == 1.0
     assert rows["fp8-block:hp:eager"]["error"] == "RuntimeError: forced failure"
     assert rows["fp8-block:hp:eager"]["tokens_per_s"] is None
-    assert report["model"].startswith("quant_fsdp built-in")
+    assert report["model"].startswith("built-in")
     assert report["config"] == {
         "vocab_size": 256,
         "hidden_size": 128,
@@ -244,7 +241,7 @@ def test_tiny_e2e_runs_record_every_run_and_failures(tmp_path, monkeypatch):
 
 
 def test_tiny_fidelity_compares_final_losses_with_bf16(tmp_path):
-    from quant_fsdp._e2e_fidelity import run_fidelity
+    from _e2e_fidelity import run_fidelity
 
     options = E2EOptions(config="tiny", device="cpu", model_source="builtin")
     runs = select_runs("bf16:eager,fp8:qw:eager")
@@ -261,7 +258,7 @@ def test_tiny_fidelity_compares_final_losses_with_bf16(tmp_path):
 
 
 def test_fidelity_takes_bf16_from_a_baseline_of_the_same_training(tmp_path):
-    from quant_fsdp._e2e_fidelity import run_fidelity
+    from _e2e_fidelity import run_fidelity
 
     options = E2EOptions(config="tiny", device="cpu", model_source="builtin")
     console = Console(file=io.StringIO(), width=200)
@@ -293,7 +290,16 @@ def test_fidelity_takes_bf16_from_a_baseline_of_the_same_training(tmp_path):
 )
 def test_bad_baseline_exits_2_with_one_line(tmp_path, capsys, argv_tail, message):
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "--e2e", "--out", str(tmp_path / "out"), *argv_tail])
+        main(["--out", str(tmp_path / "out"), *argv_tail])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_step_count_below_one_exits_2_with_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--steps", "0"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert len(error.splitlines()) == 1, error
+    assert "--steps: must be >= 1" in error

@@ -1,0 +1,21 @@
+"""`quant-fsdp demo` and what it is made of: a small transformer, a Markov next-token task, fp32
+master weights for plain torch optimizers, an AdamW training loop and a multi-process launcher.
+
+The command line (quant_fsdp.cli) runs the demo; tests and benchmarks train the same model on the
+same task with the same loop and launch their process groups with `run_ranks`.
+"""
+
+from quant_fsdp.demo._launch import run_ranks
+from quant_fsdp.demo._model import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig, train
+
+__all__ = [
+    # model and task
+    "MarkovTask",
+    "TinyTransformer",
+    "TransformerConfig",
+    # training
+    "MasterWeights",
+    "train",
+    # processes
+    "run_ranks",
+]
