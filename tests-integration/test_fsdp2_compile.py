@@ -24,6 +24,10 @@ step), every recipe and weight mode.
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,10 +37,23 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_fsdp._e2e_model import CONFIGS, build_decoder
 from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig, run_ranks
 from quant_fsdp.testing import local_bytes, train_data_parallel
 from quant_optim import FusedAdam
+
+
+def _benchmark_module(name: str):
+    """A script module of benchmarks/ (a folder of scripts, not a package), loaded by path."""
+    if name not in sys.modules:
+        path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # its dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+_e2e_model = _benchmark_module("_e2e_model")  # the benchmarks' Llama-style decoder (torchtitan's layout)
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 MODES = ("quantize-on-gather", "quantized-weights")
@@ -105,8 +122,8 @@ def _train_compiled(recipe_name: str, weights: str, rank: int) -> tuple[int, int
     """(graph breaks in all steps, graphs compiled after warm-up, break reasons) of one configuration."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    config = CONFIGS["tiny"]
-    model = build_decoder(config, torch.device("cpu"), "builtin").float()
+    config = _e2e_model.CONFIGS["tiny"]
+    model = _e2e_model.build_decoder(config, torch.device("cpu"), "builtin").float()
     qt.convert(
         model,
         qt.recipe_from_name(recipe_name),
