@@ -127,14 +127,14 @@ def _counting_input_quantizes(monkeypatch, layer: qt.nn.Linear, rows: int) -> li
     """A list that grows by one for each quantize of a (rows, K) tensor by the layer's quantizer class."""
     calls: list[int] = []
     cls = type(layer.input_quantizer)
-    original = cls.quantize
+    original = cls._quantize  # below both `quantize` and the layer's unchecked entry
 
     def quantize(self, x, **kwargs):
         if x.shape[0] == rows:
             calls.append(rows)
         return original(self, x, **kwargs)
 
-    monkeypatch.setattr(cls, "quantize", quantize)
+    monkeypatch.setattr(cls, "_quantize", quantize)
     return calls
 
 
@@ -419,7 +419,11 @@ def test_only_the_forward_gemm_takes_the_recipes_fast_accumulation(monkeypatch, 
         seen.append((a_usage, b_usage, fast_accumulation))
         return qt.ops.scaled_mm(a, b, out_dtype, a_usage=a_usage, b_usage=b_usage, bias=bias)
 
-    monkeypatch.setattr(qt.nn, "scaled_mm", spy)
+    def unchecked_spy(a, b, out_dtype, a_usage, b_usage, bias, fast_accumulation, path):
+        return spy(a, b, out_dtype, a_usage=a_usage, b_usage=b_usage, bias=bias, fast_accumulation=fast_accumulation)
+
+    monkeypatch.setattr(qt.nn, "scaled_mm", spy)  # the layer's GEMMs of operands quantized by its caller
+    monkeypatch.setattr(qt.nn, "scaled_mm_unchecked", unchecked_spy)  # of operands it quantized
     layer(torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)).sum().backward()
     assert seen == [
         ("rowwise", "rowwise", fast),  # fprop

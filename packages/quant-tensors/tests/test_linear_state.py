@@ -155,22 +155,23 @@ def test_inference_and_frozen_weights_skip_the_columnwise_quantization(monkeypat
     layer = qt.nn.Linear(64, 32, recipe=qt.Float8CurrentScaling())
     requested = []
     quantizer_class = type(layer.input_quantizer)
-    original = quantizer_class.quantize, quantizer_class.quantize_recastable, quantizer_class.recast_columnwise
+    # The entries below both the public methods and the layer's unchecked calls
+    original = quantizer_class._quantize, quantizer_class._quantize_recastable, quantizer_class.recast_columnwise
 
     def quantize(self, x, **kwargs):
-        requested.append((kwargs.get("rowwise"), kwargs.get("columnwise")))
+        requested.append(kwargs["usages"])  # (rowwise, columnwise)
         return original[0](self, x, **kwargs)
 
-    def quantize_recastable(self, x, **kwargs):
+    def quantize_recastable(self, x, state):
         requested.append("weight rowwise, recastable")
-        return original[1](self, x, **kwargs)
+        return original[1](self, x, state)
 
     def recast_columnwise(self, x, key):
         requested.append("weight columnwise, recast")
         return original[2](self, x, key)
 
-    monkeypatch.setattr(quantizer_class, "quantize", quantize)
-    monkeypatch.setattr(quantizer_class, "quantize_recastable", quantize_recastable)
+    monkeypatch.setattr(quantizer_class, "_quantize", quantize)
+    monkeypatch.setattr(quantizer_class, "_quantize_recastable", quantize_recastable)
     monkeypatch.setattr(quantizer_class, "recast_columnwise", recast_columnwise)
     with torch.no_grad():
         layer(torch.randn(4, 64))

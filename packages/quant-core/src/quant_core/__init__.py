@@ -9,9 +9,10 @@ and packages/quant-core/README.md.
 The public functions check their arguments and then call operators `torch.ops.quant_core.<op>`
 ([Note: custom ops] in `quant_core._ops`), which torch.compile traces as opaque nodes; callers that
 have validated already may call those operators directly (contracts in each format module's
-docstring).
+docstring), or the functions of `quant_core.unchecked`, which allocate the outputs too.
 """
 
+from quant_core import unchecked
 from quant_core._adam import (
     MOMENT_DTYPES,
     AdamScalars,
@@ -178,6 +179,8 @@ __all__ = [
     "quantize_nvfp4",
     "quantize_nvfp4_reference",
     "transpose_nvfp4",
+    # unchecked entry points for callers that checked their arguments
+    "unchecked",
     # version
     "__version__",
 ]

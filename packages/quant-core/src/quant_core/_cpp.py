@@ -71,8 +71,8 @@ def _cast_to_fp8(
         *x_MK.stride(),
         scale.data_ptr(),
         _FP8_FORMAT_CODES[fp8_dtype],
-        _pointer(rowwise_MK),
-        _pointer(columnwise_KM),
+        0 if rowwise_MK is None else rowwise_MK.data_ptr(),  # `_pointer`, inline: a hot path
+        0 if columnwise_KM is None else columnwise_KM.data_ptr(),
         torch.get_num_threads(),
     )
 
@@ -181,7 +181,7 @@ def _dequantize_fp8(data_MK: torch.Tensor, scale_inv: torch.Tensor, out_MK: torc
         C,
         scale_inv.data_ptr(),
         out_MK.data_ptr(),
-        _out_dtype_code(out_MK),
+        _DTYPE_CODES[out_MK.dtype],
         torch.get_num_threads(),
     )
 

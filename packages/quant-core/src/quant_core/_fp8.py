@@ -119,16 +119,21 @@ def checked_layout(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Checks x and fp8_dtype, checks the given buffers or allocates the missing ones of the usages
     asked for. Returns (x_MK, rowwise data in x's shape, the same as (M, K), columnwise (K, M))."""
-    check_float_input(x)
-    check_fp8_dtype(fp8_dtype)
-    if x.dim() == 0:
-        raise ValueError("x is 0-d; FP8 quantization needs a last dim to lay data out along (reshape it to (1,))")
+    check_fp8_input(x, fp8_dtype)
     x_MK = as_2d(x)
     M, K = x_MK.shape
     rowwise_data = output_buffer(rowwise_out, "rowwise_out", tuple(x.shape), fp8_dtype, x.device) if rowwise else None
     columnwise_KM = output_buffer(columnwise_out, "columnwise_out", (K, M), fp8_dtype, x.device) if columnwise else None
     rowwise_MK = None if rowwise_data is None else as_2d(rowwise_data)
     return x_MK, rowwise_data, rowwise_MK, columnwise_KM
+
+
+def check_fp8_input(x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
+    """Checks an FP8 quantize's input (fp32/bf16/fp16 with at least one dim) and fp8_dtype."""
+    check_float_input(x)
+    check_fp8_dtype(fp8_dtype)
+    if x.dim() == 0:
+        raise ValueError("x is 0-d; FP8 quantization needs a last dim to lay data out along (reshape it to (1,))")
 
 
 @define_op("cast_to_fp8", mutates_args=("rowwise_MK", "columnwise_KM"))
@@ -177,6 +182,11 @@ def dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dty
     check_scalar(scale_inv, "scale_inv", data.device)
     check_output_dtype(dtype)
     return with_shape(call("dequantize_fp8", as_2d(data), scale_inv, dtype), data.shape)
+
+
+def dequantize_fp8_unchecked(data_MK: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize_fp8` of 2-D data without its checks (the operator's contract, above): (M, K) values."""
+    return call("dequantize_fp8", data_MK, scale_inv, dtype)
 
 
 def _dequantize_fp8_fake(data_MK: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -26,6 +26,7 @@ Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ import torch
 
 from quant_core._backend import Backend, backend_kernel, kernel, register_kernel
 from quant_core._checks import check_scalar
-from quant_core._fp8 import amax_reference, cast_to_fp8_reference, checked_layout
+from quant_core._fp8 import amax_reference, cast_to_fp8_reference, check_fp8_input, checked_layout
 from quant_core._fp8_scale import (
     FP8_MAX,
     AmaxComputeAlgo,
@@ -104,12 +105,39 @@ def quantize_fp8(
     """
     if not (rowwise or columnwise):
         raise ValueError("ask for at least one usage: rowwise=True and/or columnwise=True")
-    x_MK, rowwise_data, rowwise_MK, columnwise_KM = checked_layout(x, fp8_dtype, rowwise, columnwise, None, None)
+    check_fp8_input(x, fp8_dtype)
     amax = _checked_amax(amax, x.device)
-    scale, scale_inv = new_scalar(x.device), new_scalar(x.device)
     amax_out = new_scalar(x.device) if amax is None else None
-    call("quantize_fp8", x_MK, amax, fp8_dtype, power_2_scales, rowwise_MK, columnwise_KM, scale_inv, scale, amax_out)
+    rowwise_data, columnwise_KM, scale_inv, scale = quantize_fp8_unchecked(
+        x, amax, fp8_dtype, power_2_scales, rowwise, columnwise, scale=new_scalar(x.device), amax_out=amax_out
+    )
     return Float8Quantized(rowwise_data, columnwise_KM, scale, scale_inv, amax if amax_out is None else amax_out)
+
+
+def quantize_fp8_unchecked(
+    x: torch.Tensor,
+    amax: torch.Tensor | None,
+    fp8_dtype: torch.dtype,
+    power_2_scales: bool,
+    rowwise: bool,
+    columnwise: bool,
+    *,
+    scale: torch.Tensor | None = None,
+    amax_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """`quantize_fp8` without its checks, for callers that have checked x (fp32/bf16/fp16, at
+    least one dim, not meta), fp8_dtype, amax (None or fp32 0-d on x's device) and that a usage is
+    asked for. Allocates the codes and scale_inv only; `scale` and `amax_out` (fp32 0-d on x's
+    device, see `new_scalar`) are filled when given. Returns (rowwise data in x's shape,
+    columnwise (K, M), scale_inv, scale)."""
+    M, K = x.shape if x.dim() == 2 else (math.prod(x.shape[:-1]), x.shape[-1])  # as `as_2d`
+    rowwise_data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device) if rowwise else None
+    columnwise_KM = torch.empty((K, M), dtype=fp8_dtype, device=x.device) if columnwise else None
+    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device).view(())  # as `new_scalar`
+    x_MK = x if x.dim() == 2 else x.reshape(M, K)
+    rowwise_MK = rowwise_data if rowwise_data is None or x.dim() == 2 else rowwise_data.view(M, K)
+    call("quantize_fp8", x_MK, amax, fp8_dtype, power_2_scales, rowwise_MK, columnwise_KM, scale_inv, scale, amax_out)
+    return rowwise_data, columnwise_KM, scale_inv, scale
 
 
 def quantize_fp8_into(
@@ -170,14 +198,16 @@ def composed_quantize_fp8(backend: Backend) -> Callable[..., None]:
         scale: torch.Tensor | None,
         amax_out: torch.Tensor | None,
     ) -> None:
+        amax_kernel, scale_kernel, cast_kernel = steps or _step_kernels(steps, backend, "fp8_scale")
         if amax is None:
-            amax = _measured_amax(backend, x_MK, amax_out)
+            amax = _measured_amax(amax_kernel, x_MK, amax_out)
         if scale is None:
-            scale = new_scalar(x_MK.device)
-        backend_kernel("fp8_scale", backend)(amax, FP8_MAX[fp8_dtype], 0, power_2_scales, scale, scale_inv)
+            scale = torch.empty(1, dtype=torch.float32, device=x_MK.device).view(())  # as `new_scalar`
+        scale_kernel(amax, FP8_MAX[fp8_dtype], 0, power_2_scales, scale, scale_inv)
         if x_MK.numel() > 0:
-            backend_kernel("cast_to_fp8", backend)(x_MK, scale, fp8_dtype, rowwise_MK, columnwise_KM)
+            cast_kernel(x_MK, scale, fp8_dtype, rowwise_MK, columnwise_KM)
 
+    steps: list[Callable[..., None]] = []
     return quantize
 
 
@@ -241,11 +271,49 @@ def quantize_fp8_delayed(
     """
     if not (rowwise or columnwise):
         raise ValueError("ask for at least one usage: rowwise=True and/or columnwise=True")
-    x_MK, rowwise_data, rowwise_MK, columnwise_KM = checked_layout(x, fp8_dtype, rowwise, columnwise, None, None)
+    check_fp8_input(x, fp8_dtype)
     _check_delayed(x, amax_history, margin, amax_compute_algo)
     amax = _checked_amax(amax, x.device)
-    scale, scale_inv = new_scalar(x.device), new_scalar(x.device)
     amax_out = new_scalar(x.device) if amax is None else None
+    rowwise_data, columnwise_KM, scale_inv, scale = quantize_fp8_delayed_unchecked(
+        x,
+        amax,
+        amax_history,
+        fp8_dtype,
+        margin,
+        power_2_scales,
+        amax_compute_algo,
+        rowwise,
+        columnwise,
+        scale=new_scalar(x.device),
+        amax_out=amax_out,
+    )
+    return Float8Quantized(rowwise_data, columnwise_KM, scale, scale_inv, amax if amax_out is None else amax_out)
+
+
+def quantize_fp8_delayed_unchecked(
+    x: torch.Tensor,
+    amax: torch.Tensor | None,
+    amax_history: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: int,
+    power_2_scales: bool,
+    amax_compute_algo: str,
+    rowwise: bool,
+    columnwise: bool,
+    *,
+    scale: torch.Tensor | None = None,
+    amax_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """`quantize_fp8_delayed` without its checks (the caller's contract: `quantize_fp8_unchecked`'s,
+    plus a valid history on x's device, margin and algo); updates the history. Returns (rowwise
+    data in x's shape, columnwise (K, M), scale_inv, scale)."""
+    M, K = x.shape if x.dim() == 2 else (math.prod(x.shape[:-1]), x.shape[-1])  # as `as_2d`
+    rowwise_data = torch.empty(x.shape, dtype=fp8_dtype, device=x.device) if rowwise else None
+    columnwise_KM = torch.empty((K, M), dtype=fp8_dtype, device=x.device) if columnwise else None
+    scale_inv = torch.empty(1, dtype=torch.float32, device=x.device).view(())  # as `new_scalar`
+    x_MK = x if x.dim() == 2 else x.reshape(M, K)
+    rowwise_MK = rowwise_data if rowwise_data is None or x.dim() == 2 else rowwise_data.view(M, K)
     call(
         "quantize_fp8_delayed",
         x_MK,
@@ -261,7 +329,7 @@ def quantize_fp8_delayed(
         scale,
         amax_out,
     )
-    return Float8Quantized(rowwise_data, columnwise_KM, scale, scale_inv, amax if amax_out is None else amax_out)
+    return rowwise_data, columnwise_KM, scale_inv, scale
 
 
 def quantize_fp8_delayed_into(
@@ -350,11 +418,12 @@ def composed_quantize_fp8_delayed(backend: Backend) -> Callable[..., None]:
         scale: torch.Tensor | None,
         amax_out: torch.Tensor | None,
     ) -> None:
+        amax_kernel, scale_kernel, cast_kernel = steps or _step_kernels(steps, backend, "delayed_fp8_scale")
         if amax is None:
-            amax = _measured_amax(backend, x_MK, amax_out)
+            amax = _measured_amax(amax_kernel, x_MK, amax_out)
         if scale is None:
-            scale = new_scalar(x_MK.device)
-        backend_kernel("delayed_fp8_scale", backend)(
+            scale = torch.empty(1, dtype=torch.float32, device=x_MK.device).view(())  # as `new_scalar`
+        scale_kernel(
             amax_history,
             amax,
             FP8_MAX[fp8_dtype],
@@ -365,8 +434,9 @@ def composed_quantize_fp8_delayed(backend: Backend) -> Callable[..., None]:
             scale_inv,
         )
         if x_MK.numel() > 0:
-            backend_kernel("cast_to_fp8", backend)(x_MK, scale, fp8_dtype, rowwise_MK, columnwise_KM)
+            cast_kernel(x_MK, scale, fp8_dtype, rowwise_MK, columnwise_KM)
 
+    steps: list[Callable[..., None]] = []
     return quantize
 
 
@@ -422,12 +492,19 @@ def new_scalar(device: torch.device) -> torch.Tensor:
     return torch.empty(1, dtype=torch.float32, device=device).view(())
 
 
-def _measured_amax(backend: Backend, x_MK: torch.Tensor, amax_out: torch.Tensor | None) -> torch.Tensor:
-    """x's amax by `backend`'s kernel (0 if x is empty), also written into amax_out if given."""
-    if x_MK.numel() == 0:
-        measured = torch.zeros((), dtype=torch.float32, device=x_MK.device)
-    else:
-        measured = backend_kernel("amax", backend)(x_MK)
+def _step_kernels(steps: list[Callable[..., None]], backend: Backend, scale_op: str) -> list[Callable[..., None]]:
+    """Fills `steps` with `backend`'s amax, `scale_op` and cast kernels, looked up at the first
+    quantize (a backend's kernels register when it loads) and kept: the composed operator then
+    costs no lookups per call."""
+    steps.extend(backend_kernel(op, backend) for op in ("amax", scale_op, "cast_to_fp8"))
+    return steps
+
+
+def _measured_amax(
+    amax_kernel: Callable[..., torch.Tensor], x_MK: torch.Tensor, amax_out: torch.Tensor | None
+) -> torch.Tensor:
+    """x's amax by `amax_kernel` (0 if x is empty), also written into amax_out if given."""
+    measured = amax_kernel(x_MK) if x_MK.numel() else torch.zeros((), dtype=torch.float32, device=x_MK.device)
     if amax_out is not None:
         amax_out.copy_(measured)
     return measured

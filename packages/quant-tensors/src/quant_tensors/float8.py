@@ -6,6 +6,7 @@ one scale_inv (fp32 0-d) shared by both. Columnwise follows from rowwise lossles
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -27,6 +28,41 @@ class Float8Tensor(QuantizedTensor):
     rowwise_data: torch.Tensor | None
     columnwise_data: torch.Tensor | None
     scale_inv: torch.Tensor
+
+    # The base class's constructor, with the fields spelled out: a hot path (two quantized tensors
+    # per Linear forward), so no loops over field names.
+    @staticmethod
+    def __new__(
+        cls,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        *,
+        requires_grad: bool = False,
+        rowwise_data: torch.Tensor | None = None,
+        columnwise_data: torch.Tensor | None = None,
+        scale_inv: torch.Tensor | None = None,
+        quantizer: Any = None,
+    ):
+        data = (
+            rowwise_data if rowwise_data is not None else columnwise_data if columnwise_data is not None else scale_inv
+        )
+        return torch.Tensor._make_wrapper_subclass(
+            cls, tuple(shape), dtype=dtype, device=data.device, requires_grad=requires_grad
+        )
+
+    def __init__(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        *,
+        requires_grad: bool = False,
+        rowwise_data: torch.Tensor | None = None,
+        columnwise_data: torch.Tensor | None = None,
+        scale_inv: torch.Tensor | None = None,
+        quantizer: Any = None,
+    ) -> None:
+        self.rowwise_data, self.columnwise_data, self.scale_inv = rowwise_data, columnwise_data, scale_inv
+        self.quantizer = quantizer
 
     @property
     def fp8_dtype(self) -> torch.dtype:
@@ -102,6 +138,16 @@ class Float8Quantizer(Quantizer):
         return {"fp8_dtype": self.fp8_dtype}
 
     def _quantize(self, x, *, out, amax, state, usages):
+        if out is None and amax is None and self.amax_group_name is None:  # checked by `quantize`: the hot path
+            rowwise_data, columnwise_data, scale_inv, _ = self._quantize_unchecked(x, state, usages, None)
+            return Float8Tensor(
+                x.shape,
+                x.dtype,
+                rowwise_data=rowwise_data,
+                columnwise_data=columnwise_data,
+                scale_inv=scale_inv,
+                quantizer=self,
+            )
         amax = self._amax_to_scale_with(x, amax)
         if out is None:
             quantized = self._quantize_fp8(x, amax, state, usages)
@@ -127,9 +173,21 @@ class Float8Quantizer(Quantizer):
     ) -> tuple[QuantizedTensor, tuple[torch.Tensor, ...]]:
         # [Note: weights recast in backward]: the key is the scale (and its inverse) x was cast with.
         self._check_input(x)
-        quantized = self._quantize_fp8(x, self._amax_to_scale_with(x, None), self._state_for(x, state), (True, False))
-        rowwise = self._tensor(x, quantized.rowwise_data, None, quantized.scale_inv)
-        return rowwise, (quantized.scale, quantized.scale_inv)
+        return self._quantize_recastable(x, self._state_for(x, state))
+
+    def _quantize_recastable(
+        self, x: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[QuantizedTensor, tuple[torch.Tensor, ...]]:
+        """`quantize_recastable` of checked input x with `state` (the one to use, not None for a
+        stateful quantizer)."""
+        if self.amax_group_name is not None:
+            quantized = self._quantize_fp8(x, self._amax_to_scale_with(x, None), state, (True, False))
+            rowwise = self._tensor(x, quantized.rowwise_data, None, quantized.scale_inv)
+            return rowwise, (quantized.scale, quantized.scale_inv)
+        scale = torch.empty(1, dtype=torch.float32, device=x.device).view(())  # as quant-core's `new_scalar`
+        rowwise_data, _, scale_inv, scale = self._quantize_unchecked(x, state, (True, False), scale)
+        rowwise = Float8Tensor(x.shape, x.dtype, rowwise_data=rowwise_data, scale_inv=scale_inv, quantizer=self)
+        return rowwise, (scale, scale_inv)
 
     def recast_columnwise(self, x: torch.Tensor, key: tuple[torch.Tensor, ...]) -> QuantizedTensor:
         scale, scale_inv = key
@@ -159,6 +217,15 @@ class Float8Quantizer(Quantizer):
 
     def _quantize_fp8_into(self, x, amax, state, **buffers) -> None:
         quant_core.quantize_fp8_into(x, self.fp8_dtype, power_2_scales=self.power_2_scales, amax=amax, **buffers)
+
+    def _quantize_unchecked(self, x, state, usages, scale):
+        """(rowwise data, columnwise data, scale_inv, scale) of checked input x, scaled with its own
+        amax (no amax group bound), from quant-core's unchecked entry point; `scale` (fp32 0-d) is
+        filled if given."""
+        rowwise, columnwise = usages
+        return quant_core.unchecked.quantize_fp8(
+            x, None, self.fp8_dtype, self.power_2_scales, rowwise, columnwise, scale=scale
+        )
 
 
 def _contiguous_target(buffer: torch.Tensor) -> torch.Tensor:
@@ -217,6 +284,11 @@ class Float8DelayedQuantizer(Float8Quantizer):
 
     def _quantize_fp8_into(self, x, amax, state, **buffers) -> None:
         quant_core.quantize_fp8_delayed_into(x, state, self.fp8_dtype, amax=amax, **self._delayed_options(), **buffers)
+
+    def _quantize_unchecked(self, x, state, usages, scale):
+        # The history may be any tensor a caller passed as `state=`: quant-core checks it.
+        quantized = self._quantize_fp8(x, None, state, usages)
+        return quantized.rowwise_data, quantized.columnwise_data, quantized.scale_inv, quantized.scale
 
     def _delayed_options(self) -> dict[str, Any]:
         return {

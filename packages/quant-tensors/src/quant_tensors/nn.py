@@ -23,14 +23,16 @@ import contextlib
 import math
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from quant_tensors import ops
 from quant_tensors._tensor import QuantizedTensor, local_quantized, local_shard, shard_like
-from quant_tensors.ops import scaled_mm
+from quant_tensors.ops import scaled_mm, scaled_mm_unchecked
 from quant_tensors.quantizer import Quantizer
 from quant_tensors.recipes import ROLES, Recipe
 
@@ -80,12 +82,44 @@ def quantized_parameter(value: torch.Tensor, quantizer: Any, *, requires_grad: b
     return param
 
 
+@dataclass(frozen=True)
+class LayerArguments:
+    """The constant arguments of one qt.nn.Linear's quantized GEMMs, made once per layer (and again
+    when its recipe or a quantizer is replaced): hashable and compared by value, so torch.compile
+    treats them as one constant and equal layers share compiled code."""
+
+    input_quantizer: Quantizer
+    weight_quantizer: Quantizer
+    grad_output_quantizer: Quantizer
+    fprop_fast_accumulation: bool
+    """The recipe's `fprop_fast_accumulation` ([Note: fast accumulation] in quant_tensors.ops)."""
+    weight_recast: bool
+    """`weight_quantizer.recasts_columnwise` ([Note: weights recast in backward])."""
+
+    @classmethod
+    def of(
+        cls, recipe: Recipe, input_quantizer: Quantizer, weight_quantizer: Quantizer, grad_output_quantizer: Quantizer
+    ):
+        return cls(
+            input_quantizer,
+            weight_quantizer,
+            grad_output_quantizer,
+            recipe.fprop_fast_accumulation,
+            weight_quantizer.recasts_columnwise,
+        )
+
+
+# Input dtypes the quantized GEMMs take (quant-core's quantize kernels read these).
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 # [Note: qt.nn.Linear under torch.compile] The autograd Function below is `allow_in_graph`:
 # dynamo records one call to it and AOTAutograd traces its forward and backward, quantized
 # tensors included, into aten ops and quant-core custom ops. Its arguments are therefore tensors
 # (the per-step quantizer states among them, updated in place, so compiled and eager runs advance
-# the same histories and counters) and constants: the quantizers are frozen dataclasses compared
-# by value ([Note: quantizer configuration and bindings]), so equal layers share compiled code.
+# the same histories and counters) and constants: the layer's LayerArguments, a frozen dataclass
+# of frozen quantizers compared by value ([Note: quantizer configuration and bindings]), so equal
+# layers share compiled code.
 @torch._dynamo.allow_in_graph
 class _QuantizedLinearFunction(torch.autograd.Function):
     @staticmethod
@@ -98,18 +132,17 @@ class _QuantizedLinearFunction(torch.autograd.Function):
         input_state: torch.Tensor | None,
         weight_state: torch.Tensor | None,
         grad_output_state: torch.Tensor | None,
-        input_quantizer: Quantizer,
-        weight_quantizer: Quantizer,
-        grad_output_quantizer: Quantizer,
+        args: LayerArguments,
         grad_enabled: bool,
-        fprop_fast_accumulation: bool,
     ) -> torch.Tensor:
+        # x and weight were checked by Linear.linear: below it the quantizers' unchecked entries run.
         # Only operands a gradient needs get columnwise data: none under no_grad (inference).
         needs_dgrad, needs_wgrad = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
+        weight_quantizer = args.weight_quantizer
         if isinstance(x, QuantizedTensor):
             qx = _prequantized(x, "input", rowwise=True, columnwise=needs_wgrad)
         else:
-            qx = _quantize_input(x, input_quantizer, input_state, columnwise=needs_wgrad)
+            qx = _quantize_input(x, args.input_quantizer, input_state, columnwise=needs_wgrad)
         # dgrad's weight operand: a quantized parameter as it is (or the quantization of a
         # high-precision one that `weight_cache` holds); a high-precision one saved as itself and
         # recast in backward ([Note: weights recast in backward]) where its quantizer can, else its
@@ -119,13 +152,19 @@ class _QuantizedLinearFunction(torch.autograd.Function):
             qw = saved_w = weight
         elif cached_weight is not None:
             qw = saved_w = cached_weight
-        elif needs_dgrad and weight_quantizer.recasts_columnwise:
-            qw, recast_key = weight_quantizer.quantize_recastable(weight, state=weight_state)
+        elif needs_dgrad and args.weight_recast:
+            qw, recast_key = weight_quantizer._quantize_recastable(
+                weight, _state(weight_quantizer, weight, weight_state)
+            )
             saved_w, recast = weight, True
         else:
             qw = weight_quantizer.quantize(weight, state=weight_state, rowwise=True, columnwise=needs_dgrad)
             saved_w = _columnwise_only(qw)
-        y = scaled_mm(qx, qw, x.dtype, bias=bias, fast_accumulation=fprop_fast_accumulation)
+        if isinstance(x, QuantizedTensor):  # quantized by the caller: checked against the weight
+            y = scaled_mm(qx, qw, x.dtype, bias=bias, fast_accumulation=args.fprop_fast_accumulation)
+        else:
+            path = ops.scaled_mm_path(qx, qw)
+            y = scaled_mm_unchecked(qx, qw, x.dtype, "rowwise", "rowwise", bias, args.fprop_fast_accumulation, path)
         # Saved for backward: columnwise data only (wgrad's input), as a new wrapper: a shared
         # input keeps its usages ([Note: sibling layers share one quantized input]).
         saved_x = _columnwise_only(qx) if needs_wgrad else None
@@ -134,8 +173,9 @@ class _QuantizedLinearFunction(torch.autograd.Function):
         # Not saved for backward: the state is meant to change in place (other layers sharing a
         # quantizer's state, e.g. tensor-parallel gathers, advance it before this backward runs).
         ctx.grad_output_state = grad_output_state
-        ctx.grad_output_quantizer, ctx.x_shape = grad_output_quantizer, x.shape
+        ctx.grad_output_quantizer, ctx.x_shape = args.grad_output_quantizer, x.shape
         ctx.has_bias, ctx.weight_dtype = bias is not None, weight.dtype
+        ctx.x_prequantized = isinstance(x, QuantizedTensor)
         # _unsafe_view, as torch.matmul does: the output is not a view of a temporary (FSDP2 warns on views)
         return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], y.shape[-1]))
 
@@ -156,11 +196,20 @@ class _QuantizedLinearFunction(torch.autograd.Function):
             derived = qw.columnwise_data is None
             if derived:
                 qw.update_usage(columnwise=True)  # lossless transpose, only for this GEMM
-            dx = scaled_mm(qdy, qw, dy.dtype, b_usage="columnwise").reshape(ctx.x_shape)
+            if qdy is dy:  # quantized by the caller: checked against the weight
+                dx = scaled_mm(qdy, qw, dy.dtype, b_usage="columnwise")
+            else:
+                path = ops.scaled_mm_path(qdy, qw, b_usage="columnwise")
+                dx = scaled_mm_unchecked(qdy, qw, dy.dtype, "rowwise", "columnwise", None, False, path)
+            dx = dx.reshape(ctx.x_shape)
             if derived:
                 qw.update_usage(columnwise=False)
         if needs_wgrad:
-            dw = scaled_mm(qdy, qx, ctx.weight_dtype, a_usage="columnwise", b_usage="columnwise")
+            if qdy is dy or ctx.x_prequantized:
+                dw = scaled_mm(qdy, qx, ctx.weight_dtype, a_usage="columnwise", b_usage="columnwise")
+            else:
+                path = ops.scaled_mm_path(qdy, qx, a_usage="columnwise", b_usage="columnwise")
+                dw = scaled_mm_unchecked(qdy, qx, ctx.weight_dtype, "columnwise", "columnwise", None, False, path)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             if qdy is dy:
                 raise ValueError(
@@ -168,7 +217,7 @@ class _QuantizedLinearFunction(torch.autograd.Function):
                     "holds; add the bias outside the layer (as QuantRowwiseParallel does) or pass a plain gradient"
                 )
             db = dy.reshape(-1, dy.shape[-1]).sum(dim=0)
-        return dx, dw, db, None, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 class Linear(torch.nn.Linear):
@@ -192,14 +241,54 @@ class Linear(torch.nn.Linear):
                 f"recipe must be a quant_tensors recipe (e.g. qt.Float8CurrentScaling()), got {type(recipe).__name__}"
             )
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.recipe = recipe
-        self.weight_quantizer = recipe.quantizer("weight")
-        self.input_quantizer = recipe.quantizer("input")
-        self.grad_output_quantizer = recipe.quantizer("grad_output")
+        self._recipe = recipe
+        self.arguments = LayerArguments.of(
+            recipe, recipe.quantizer("input"), recipe.quantizer("weight"), recipe.quantizer("grad_output")
+        )
         self.make_quantizer_states(device)
         self.high_precision_reason = _unquantizable_reason(self.weight_quantizer, in_features, out_features, recipe)
         if self.high_precision_reason:
             warnings.warn(self.high_precision_reason, stacklevel=2)
+
+    # The recipe and quantizers are the layer's `arguments`; replacing one makes them again.
+    @property
+    def recipe(self) -> Recipe:
+        return self._recipe
+
+    @recipe.setter
+    def recipe(self, recipe: Recipe) -> None:
+        self._recipe = recipe
+        args = self.arguments
+        self.arguments = LayerArguments.of(
+            recipe, args.input_quantizer, args.weight_quantizer, args.grad_output_quantizer
+        )
+
+    @property
+    def input_quantizer(self) -> Quantizer:
+        return self.arguments.input_quantizer
+
+    @input_quantizer.setter
+    def input_quantizer(self, quantizer: Quantizer) -> None:
+        args = self.arguments
+        self.arguments = LayerArguments.of(self._recipe, quantizer, args.weight_quantizer, args.grad_output_quantizer)
+
+    @property
+    def weight_quantizer(self) -> Quantizer:
+        return self.arguments.weight_quantizer
+
+    @weight_quantizer.setter
+    def weight_quantizer(self, quantizer: Quantizer) -> None:
+        args = self.arguments
+        self.arguments = LayerArguments.of(self._recipe, args.input_quantizer, quantizer, args.grad_output_quantizer)
+
+    @property
+    def grad_output_quantizer(self) -> Quantizer:
+        return self.arguments.grad_output_quantizer
+
+    @grad_output_quantizer.setter
+    def grad_output_quantizer(self, quantizer: Quantizer) -> None:
+        args = self.arguments
+        self.arguments = LayerArguments.of(self._recipe, args.input_quantizer, args.weight_quantizer, quantizer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x, self.weight, self.bias)
@@ -216,6 +305,17 @@ class Linear(torch.nn.Linear):
             x = x.dequantize() if isinstance(x, QuantizedTensor) else x
             weight = weight.dequantize(x.dtype) if isinstance(weight, QuantizedTensor) else weight
             return torch.nn.functional.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        # The one check of x and weight: below this the quantizers' and GEMM's unchecked entries run.
+        if x.dtype not in _INPUT_DTYPES or weight.dtype not in _INPUT_DTYPES or x.dim() == 0:
+            raise TypeError(
+                f"qt.nn.Linear quantizes float32, bfloat16 or float16 inputs and weights of at least one dim; got an "
+                f"input {x.dtype} of shape {tuple(x.shape)} and a weight {weight.dtype}: convert them (e.g. x.float())"
+            )
+        if x.shape[-1] != weight.shape[-1]:
+            raise ValueError(
+                f"qt.nn.Linear: the input's last dim is {x.shape[-1]} but the weight's in_features are "
+                f"{weight.shape[-1]}; pass an input of shape (..., {weight.shape[-1]})"
+            )
         states = self._buffers
         # is_compiling first: dynamo folds it, so compiled code never reads the cache (its graph quantizes)
         cached = None
@@ -235,11 +335,8 @@ class Linear(torch.nn.Linear):
             states.get("input_quantizer_state"),
             states.get("weight_quantizer_state"),
             states.get("grad_output_quantizer_state"),
-            self.input_quantizer,
-            self.weight_quantizer,
-            self.grad_output_quantizer,
+            self.arguments,
             torch.is_grad_enabled(),  # needs_input_grad ignores no_grad
-            self.recipe.fprop_fast_accumulation,
         )
 
     # ---- quantizer states ([Note: quantizer configuration and bindings]) -----------------------
@@ -405,19 +502,31 @@ def _quantize_input(
                 and qx.usages[1] >= columnwise
             ):
                 return qx
-    qx = quantizer.quantize(x.reshape(-1, x.shape[-1]), state=state, rowwise=True, columnwise=columnwise)
+    x_MK = x.reshape(-1, x.shape[-1])
+    # `quantizer.quantize(x_MK, state=state, rowwise=True, columnwise=columnwise)` of an input `linear` checked
+    usages = (True, columnwise and not quantizer.columnwise_on_demand)
+    qx = quantizer._quantize(x_MK, out=None, amax=None, state=_state(quantizer, x, state), usages=usages)
     if shareable:
         _quantized_inputs[x] = (x._version, quantizer, qx)
     return qx
 
 
+def _state(quantizer: Quantizer, x: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor | None:
+    """The state a quantize of x uses: `state`, else the quantizer's bound one (`_state_for`)."""
+    return state if state is not None or quantizer.state is None else quantizer._state_for(x, None)
+
+
 def _columnwise_only(t: QuantizedTensor) -> QuantizedTensor:
     """A new wrapper of t's columnwise data (t itself keeps its rowwise data), or t if it has no columnwise data."""
-    if not t.usages[1]:
+    if t.columnwise_data is None:
         return t
-    alias = t._rebuilt()
-    alias.update_usage(rowwise=False)
-    return alias
+    # `t._rebuilt()` then `update_usage(rowwise=False)`, which drops the rowwise buffers, in one step
+    fields = {}
+    for name in t._buffer_names:
+        fields[name] = None if name.startswith("rowwise_") else getattr(t, name)
+    for name in t._metadata_names:
+        fields[name] = getattr(t, name)
+    return type(t)(t.shape, t.dtype, **fields)
 
 
 def _prequantized(t: QuantizedTensor, what: str, *, rowwise: bool, columnwise: bool) -> QuantizedTensor:

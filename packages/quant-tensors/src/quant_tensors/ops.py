@@ -41,6 +41,10 @@ def operand_values(t: QuantizedTensor, usage: Usage, dtype: torch.dtype = torch.
 
 
 def _operand_buffers(t: QuantizedTensor, usage: Usage) -> tuple[torch.Tensor, torch.Tensor]:
+    if type(t) is Float8Tensor and t._flat_shape is None:  # `usage_buffers`, inline: the hot path
+        data = t.rowwise_data if usage == "rowwise" else t.columnwise_data
+        if data is not None:
+            return (data if data.dim() == 2 else data.reshape(-1, data.shape[-1])), t.scale_inv
     data, scale_inv = t.usage_buffers(usage)
     return data.reshape(-1, data.shape[-1]), scale_inv
 
@@ -110,15 +114,41 @@ def scaled_mm(
     """
     if not isinstance(a, QuantizedTensor) or not isinstance(b, QuantizedTensor):
         raise TypeError(f"scaled_mm takes two QuantizedTensors, got {type(a).__name__} and {type(b).__name__}")
-    a_data, a_scale = _operand_buffers(a, a_usage)
-    b_data, b_scale = _operand_buffers(b, b_usage)
     a_k = operand_k(a, a_usage)
     b_k = operand_k(b, b_usage)
     if a_k != b_k:
         raise ValueError(f"scaled_mm reduction dims differ: A is (*, {a_k}) ({a_usage}), B is (*, {b_k}) ({b_usage})")
     _check_same_transform(a, b, a_usage, b_usage)
-    if scaled_mm_path(a, b, a_usage=a_usage, b_usage=b_usage) == "torch._scaled_mm":
+    path = scaled_mm_path(a, b, a_usage=a_usage, b_usage=b_usage)
+    return scaled_mm_unchecked(a, b, out_dtype, a_usage, b_usage, bias, fast_accumulation, path)
+
+
+def scaled_mm_unchecked(
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    out_dtype: torch.dtype,
+    a_usage: Usage,
+    b_usage: Usage,
+    bias: torch.Tensor | None,
+    fast_accumulation: bool,
+    path: GemmPath,
+) -> torch.Tensor:
+    """`scaled_mm` on `path` (`scaled_mm_path` of these operands) without its checks: for callers
+    that guarantee two QuantizedTensors, the usages present, equal reduction dims and equal
+    transforms (qt.nn.Linear, whose operands its own quantizers made)."""
+    a_data, a_scale = _operand_buffers(a, a_usage)
+    b_data, b_scale = _operand_buffers(b, b_usage)
+    if path == "torch._scaled_mm":
         return _hardware_scaled_mm(a, b, a_data, a_scale, b_data, b_scale, out_dtype, bias, fast_accumulation)
+    if type(a) is Float8Tensor and type(b) is Float8Tensor and a.device.type == "cpu":
+        # The fp32 emulation below, each operand dequantized from its 2-D buffers directly.
+        product = torch.matmul(
+            quant_core.unchecked.dequantize_fp8(a_data, a_scale, torch.float32),
+            quant_core.unchecked.dequantize_fp8(b_data, b_scale, torch.float32).t(),
+        )
+        if bias is not None:
+            product = product + bias.float()
+        return product.to(out_dtype)
     if out_dtype != torch.float32:
         out = _bf16_tensor_core_product(a, b, (a_data, a_scale), (b_data, b_scale), a_usage, b_usage, out_dtype, bias)
         if out is not None:

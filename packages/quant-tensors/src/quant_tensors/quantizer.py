@@ -215,7 +215,14 @@ class Quantizer:
         """x quantized rowwise only, and the key with which `recast_columnwise(x, key)` later makes
         the columnwise data that `quantize(x, state=state, rowwise=True, columnwise=True)` would
         have made now ([Note: weights recast in backward])."""
-        quantized = self.quantize(x, state=state, rowwise=True, columnwise=False)
+        self._check_input(x)
+        return self._quantize_recastable(x, self._state_for(x, state))
+
+    def _quantize_recastable(
+        self, x: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[QuantizedTensor, tuple[torch.Tensor, ...]]:
+        """`quantize_recastable` of checked input x with the state to use (`_state_for`'s)."""
+        quantized = self._quantize(x, out=None, amax=None, state=state, usages=(True, False))
         return quantized, self._recast_key(quantized)
 
     def recast_columnwise(self, x: torch.Tensor, key: tuple[torch.Tensor, ...]) -> QuantizedTensor:
