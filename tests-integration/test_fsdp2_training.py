@@ -26,6 +26,7 @@ MODES = ("quantized-weights", "quantize-on-gather")
 CONFIG = TransformerConfig(vocab=128, hidden=128, layers=2, heads=2, sequence=32)
 BATCH = 16
 PARITY_STEPS = 50
+WORLD_4_STEPS = 20  # 4 ranks on CI's 2 cores: the longest run of the suite at 50 steps
 LOSS_TOLERANCE = 5e-3  # relative, at every step
 # Quantized training amplifies any perturbation: at lr 1e-3 NVFP4 runs that differ only in the
 # order 4 gradients are summed (one process) drift 0.66% apart within 50 steps; at 3e-4, 0.20%.
@@ -45,12 +46,12 @@ def shard(model: TinyTransformer, mode: str, **kwargs) -> TinyTransformer:
 
 
 @functools.cache
-def single_process_losses(recipe_name: str, world_size: int) -> tuple[float, ...]:
+def single_process_losses(recipe_name: str, world_size: int, steps: int) -> tuple[float, ...]:
     """Data-parallel training in one process (both modes compute the same thing without FSDP),
-    PARITY_STEPS steps. A shorter run's losses are a prefix of these: the lr is constant and step
-    s's batch depends on s only."""
+    `steps` steps. A shorter run's losses are a prefix of these: the lr is constant and step s's
+    batch depends on s only."""
     replicas = [build(recipe_name, "quantize-on-gather") for _ in range(world_size)]
-    return tuple(train_replicas(replicas, MarkovTask(CONFIG.vocab), steps=PARITY_STEPS, batch_size=BATCH, lr=LR))
+    return tuple(train_replicas(replicas, MarkovTask(CONFIG.vocab), steps=steps, batch_size=BATCH, lr=LR))
 
 
 @functools.cache
@@ -113,12 +114,13 @@ def _parity(rank: int, world_size: int, mode: str, expected: dict, whole_batch: 
 
 def parity_scenarios(world_size: int, label: str, steps: int, kwargs: dict) -> dict:
     """_parity for every mode, against the first `steps` single-process losses of every recipe."""
-    expected = {name: single_process_losses(name, world_size)[:steps] for name in RECIPES}
+    longest = PARITY_STEPS if world_size == 2 else WORLD_4_STEPS
+    expected = {name: single_process_losses(name, world_size, longest)[:steps] for name in RECIPES}
     whole = {name: whole_batch_losses(name)[:steps] for name in RECIPES}
     return {f"{label} {mode}": (_parity, (mode, expected, whole, dict(kwargs))) for mode in MODES}
 
 
-# One world per world size ([Note: shared worlds] in quant_core.testing) runs all its scenarios.
+# One world per world size ([Note: shared worlds] in quant_fsdp.testing) runs all its scenarios.
 @pytest.fixture(scope="module")
 def world_2() -> SharedWorld:
     return run_shared_world(
@@ -133,7 +135,11 @@ def world_2() -> SharedWorld:
 @pytest.fixture(scope="module")
 def world_4() -> SharedWorld:
     return run_shared_world(
-        4, {**parity_scenarios(4, "parity", PARITY_STEPS, {}), **parity_scenarios(4, "hsdp", 20, {"hsdp": True})}
+        4,
+        {
+            **parity_scenarios(4, "parity", WORLD_4_STEPS, {}),
+            **parity_scenarios(4, "hsdp", WORLD_4_STEPS, {"hsdp": True}),
+        },
     )
 
 
