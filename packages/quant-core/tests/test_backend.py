@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import quant_core
-from quant_core import _backend
+from quant_core import _library
 
 
 @pytest.fixture(autouse=True)
@@ -24,6 +24,13 @@ def set_backend_env(monkeypatch: pytest.MonkeyPatch, value: str | None) -> None:
     quant_core.reload_backend_env()
 
 
+def _resolved_kernel(op: str) -> object:
+    """The kernel inside the implementation an op resolves to on CPU (its body bound to it)."""
+    run = _library.OPERATORS[op].resolve("cpu")
+    run = getattr(run, "__wrapped__", run)  # inside the version bumps of an op that mutates buffers
+    return run.args[0]
+
+
 def test_cpp_backend_is_built_and_listed():
     # A plain install builds the extension; CI must exercise it rather than silently skip it.
     assert quant_core.available_backends()[:2] == ("reference", "cpp")
@@ -39,27 +46,27 @@ def test_auto_picks_cpp_on_cpu(monkeypatch):
 def test_environment_variable_forces_backend(monkeypatch, name):
     set_backend_env(monkeypatch, name)
     assert quant_core.selected_backend("cast_to_fp8", torch.device("cpu")) == name
-    assert _backend.kernel("cast_to_fp8", torch.device("cpu")) is _backend._kernels["cast_to_fp8"][name]
+    assert _resolved_kernel("cast_to_fp8") is _library.OPERATORS["cast_to_fp8"].kernels[name]
 
 
 def test_environment_variable_is_read_once_until_reloaded(monkeypatch):
     set_backend_env(monkeypatch, "reference")
-    assert _backend.kernel("amax", torch.device("cpu")) is _backend._kernels["amax"]["reference"]
+    assert _resolved_kernel("amax") is _library.OPERATORS["amax"].kernels["reference"]
     monkeypatch.setenv(quant_core.BACKEND_ENV_VAR, "cpp")  # not re-read: no per-call environment reads
     assert quant_core.selected_backend("amax", torch.device("cpu")) == "reference"
-    assert _backend.kernel("amax", torch.device("cpu")) is _backend._kernels["amax"]["reference"]
+    assert _resolved_kernel("amax") is _library.OPERATORS["amax"].kernels["reference"]
     quant_core.reload_backend_env()
     assert quant_core.selected_backend("amax", torch.device("cpu")) == "cpp"
-    assert _backend.kernel("amax", torch.device("cpu")) is _backend._kernels["amax"]["cpp"]
+    assert _resolved_kernel("amax") is _library.OPERATORS["amax"].kernels["cpp"]
 
 
 def test_use_backend_overrides_environment(monkeypatch):
     set_backend_env(monkeypatch, "cpp")
     with quant_core.use_backend("reference"):
         assert quant_core.selected_backend("amax", torch.device("cpu")) == "reference"
-        assert _backend.kernel("amax", torch.device("cpu")) is _backend._kernels["amax"]["reference"]
+        assert _resolved_kernel("amax") is _library.OPERATORS["amax"].kernels["reference"]
     assert quant_core.selected_backend("amax", torch.device("cpu")) == "cpp"
-    assert _backend.kernel("amax", torch.device("cpu")) is _backend._kernels["amax"]["cpp"]
+    assert _resolved_kernel("amax") is _library.OPERATORS["amax"].kernels["cpp"]
 
 
 def test_unknown_backend_in_environment_is_rejected(monkeypatch):
@@ -81,22 +88,38 @@ def test_forcing_a_backend_on_the_wrong_device_raises():
     assert quant_core.amax(torch.ones(3)).item() == 1.0
 
 
-def test_a_kernel_registered_later_replaces_a_cached_choice(monkeypatch):
-    # The Triton module registers its kernels at import; a choice cached before must not hide them.
-    impls = {"reference": lambda: "reference"}
-    monkeypatch.setitem(_backend._kernels, "late_op", impls)
-    assert _backend.kernel("late_op", torch.device("cpu"))() == "reference"
-    _backend.register_kernel("late_op", "cpp")(lambda: "cpp")
-    assert _backend.kernel("late_op", torch.device("cpu"))() == "cpp"
+def test_each_backend_is_registered_on_its_dispatch_key():
+    # torch's dispatcher picks the kernel by device: C++ on CPU, the reference elsewhere (Triton
+    # registers on CUDA where it loads).
+    for key in ("CPU", "CompositeExplicitAutograd"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key("quant_core::amax", key)
+    x = torch.randn(8, 8)
+    assert torch.equal(torch.ops.quant_core.amax(x), quant_core.amax_reference(x))
+
+
+def test_forcing_the_reference_reaches_calls_through_the_dispatcher(monkeypatch):
+    calls = []
+    reference = _library.OPERATORS["amax"].kernels["reference"]
+    monkeypatch.setitem(_library.OPERATORS["amax"].kernels, "reference", lambda x: calls.append(1) or reference(x))
+    _library.OPERATORS["amax"].resolved.clear()
+    x = torch.randn(4, 4)
+    torch.ops.quant_core.amax(x)
+    assert calls == []
+    with quant_core.use_backend("reference"):
+        torch.ops.quant_core.amax(x)
+    assert calls == [1]
+    _library.OPERATORS["amax"].resolved.clear()
 
 
 def test_registering_a_kernel_twice_raises():
     with pytest.raises(RuntimeError, match="already has a reference kernel"):
-        _backend.register_kernel("amax", "reference")(lambda x: x)
+        _library.register_kernel("amax", "reference")(lambda x: x)
 
 
 def test_forced_backend_without_kernel_for_op_raises(monkeypatch):
-    monkeypatch.setitem(_backend._kernels, "only_reference_op", {"reference": lambda: None})
+    operator = _library.Operator("only_reference_op", None, ())
+    operator.kernels["reference"] = lambda: None
+    monkeypatch.setitem(_library.OPERATORS, "only_reference_op", operator)
     with (
         quant_core.use_backend("cpp"),
         pytest.raises(NotImplementedError, match="cpp backend has no kernel for 'only_reference_op'"),

@@ -12,7 +12,7 @@ have validated already may call those operators directly (contracts in each form
 docstring), or the functions of `quant_core.unchecked`, which allocate the outputs too.
 """
 
-from quant_core import unchecked
+from quant_core import _library, unchecked
 from quant_core._adam import (
     MOMENT_DTYPES,
     AdamScalars,
@@ -24,15 +24,6 @@ from quant_core._adam import (
 )
 from quant_core._adam_capturable import adam_step_capturable_, adam_step_capturable_reference
 from quant_core._amax_many import amax_many, amax_many_reference
-from quant_core._backend import (
-    BACKEND_ENV_VAR,
-    BACKENDS,
-    Backend,
-    available_backends,
-    reload_backend_env,
-    selected_backend,
-    use_backend,
-)
 from quant_core._blocks import BlockQuantized, BlockShape
 from quant_core._blockwise import (
     BLOCKWISE_BLOCK,
@@ -69,6 +60,15 @@ from quant_core._fp8_scale import (
     fp8_scale_reference,
     push_amax_,
 )
+from quant_core._library import (
+    BACKEND_ENV_VAR,
+    BACKENDS,
+    Backend,
+    available_backends,
+    reload_backend_env,
+    selected_backend,
+    use_backend,
+)
 from quant_core._mxfp8 import (
     MXFP8_BLOCK,
     dequantize_mxfp8,
@@ -98,6 +98,12 @@ from quant_core._nvfp4 import (
 )
 from quant_core._quantize_many import quantize_fp8_blockwise_many, quantize_mxfp8_many
 from quant_core._version import __version__
+
+# The backends' kernels register on their dispatch keys ([Note: custom ops] in quant_core._library).
+if _library.cpp_extension() is not None:
+    from quant_core import _cpp  # noqa: F401
+if _library.triton_usable():
+    from quant_core import _triton  # noqa: F401
 
 __all__ = [
     # backends

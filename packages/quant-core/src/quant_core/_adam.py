@@ -41,10 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
-from quant_core._backend import kernel, register_kernel
 from quant_core._checks import FLOAT_DTYPES, check_float_input
 from quant_core._fp8 import amax_reference
-from quant_core._ops import call, define_op
+from quant_core._library import Kernel, call, define_op, register_kernel
 
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -149,6 +148,7 @@ def _adam_step_fake(
 
 @define_op("adam_step", mutates_args=("params", "exp_avgs", "exp_avg_sqs"), fake=_adam_step_fake)
 def _adam_step_op(
+    kernel: Kernel,
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
     exp_avgs: list[torch.Tensor],
@@ -157,7 +157,7 @@ def _adam_step_op(
     compute_amax: bool,
 ) -> torch.Tensor:
     grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
-    step = kernel("adam_step", params[0].device)
+    step = kernel
     amaxes = step(params, grads, exp_avgs, exp_avg_sqs, AdamScalars(*scalars), compute_amax)
     return amaxes if amaxes is not None else params[0].new_empty(0, dtype=torch.float32)
 
@@ -181,11 +181,11 @@ def _has_non_finite_fake(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 @define_op("has_non_finite", fake=_has_non_finite_fake)
-def _has_non_finite_op(tensors: list[torch.Tensor]) -> torch.Tensor:
+def _has_non_finite_op(kernel: Kernel, tensors: list[torch.Tensor]) -> torch.Tensor:
     nonempty = [t if t.is_contiguous() else t.contiguous() for t in tensors if t.numel()]
     if not nonempty:
         return torch.zeros((), dtype=torch.float32, device=tensors[0].device)
-    return kernel("has_non_finite", tensors[0].device)(nonempty)
+    return kernel(nonempty)
 
 
 def _is_plain(t: torch.Tensor) -> bool:

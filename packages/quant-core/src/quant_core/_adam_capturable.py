@@ -37,10 +37,9 @@ from collections.abc import Sequence
 import torch
 
 from quant_core._adam import MOMENT_DTYPES, AdamScalars, adam_step_reference
-from quant_core._backend import kernel, register_kernel
 from quant_core._checks import FLOAT_DTYPES
 from quant_core._fp8 import amax_reference
-from quant_core._ops import call, define_op
+from quant_core._library import Kernel, call, define_op, register_kernel
 
 
 def adam_step_capturable_(
@@ -122,6 +121,7 @@ def _fake(
 
 @define_op("adam_step_capturable", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "steps", "outs"), fake=_fake)
 def _adam_step_capturable_op(
+    kernel: Kernel,
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
     exp_avgs: list[torch.Tensor],
@@ -135,7 +135,7 @@ def _adam_step_capturable_op(
     compute_amax: bool,
 ) -> torch.Tensor:
     grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
-    step = kernel("adam_step_capturable", params[0].device)
+    step = kernel
     return step(
         params, grads, exp_avgs, exp_avg_sqs, steps, outs, found_inf, lr, hyperparameters, adam_w_mode, compute_amax
     )

@@ -17,10 +17,9 @@ from collections.abc import Sequence
 
 import torch
 
-from quant_core._backend import kernel, register_kernel
 from quant_core._checks import check_float_input
 from quant_core._fp8 import amax_reference
-from quant_core._ops import call, define_op
+from quant_core._library import Kernel, call, define_op, register_kernel
 
 
 def amax_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -50,8 +49,8 @@ def _amax_many_fake(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 @define_op("amax_many", fake=_amax_many_fake)
-def _amax_many_op(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return kernel("amax_many", tensors[0].device)(tensors)
+def _amax_many_op(kernel: Kernel, tensors: list[torch.Tensor]) -> torch.Tensor:
+    return kernel(tensors)
 
 
 @register_kernel("amax_many", "reference")

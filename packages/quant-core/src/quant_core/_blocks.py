@@ -34,10 +34,9 @@ from typing import Any
 
 import torch
 
-from quant_core._backend import kernel
 from quant_core._checks import as_2d, check_float_input, check_output_dtype, output_buffer, with_shape
+from quant_core._library import Kernel, call
 from quant_core._numerics import finite_abs
-from quant_core._ops import call
 
 # (rows, cols) of a 2-D block, e.g. (1, 32) or (128, 128).
 BlockShape = tuple[int, int]
@@ -174,20 +173,20 @@ def buffer_shapes(shape: tuple[int, ...], block_shape: BlockShape, codes_per_byt
     )
 
 
-def run_quantize_kernel(op: str, x_MK: torch.Tensor, *args: object) -> None:
-    """The body of every block quantize operator: `op`'s kernel on (x_MK, *args) unless x is empty."""
+def run_quantize_kernel(kernel: Kernel, x_MK: torch.Tensor, *args: object) -> None:
+    """The body of every block quantize operator: the kernel on (x_MK, *args) unless x is empty."""
     if x_MK.numel() > 0:
-        kernel(op, x_MK.device)(x_MK, *args)
+        kernel(x_MK, *args)
 
 
 def run_dequantize_kernel(
-    op: str, codes_per_byte: int, data_2d: torch.Tensor, scale_inv: torch.Tensor, *args: object
+    kernel: Kernel, codes_per_byte: int, data_2d: torch.Tensor, scale_inv: torch.Tensor, *args: object
 ) -> torch.Tensor:
     """The body of every block dequantize operator: args are the format's, then the output dtype."""
     *kernel_args, dtype = args
     out_2d = torch.empty((data_2d.shape[0], data_2d.shape[1] * codes_per_byte), dtype=dtype, device=data_2d.device)
     if out_2d.numel() > 0:
-        kernel(op, data_2d.device)(data_2d.contiguous(), scale_inv.contiguous(), *kernel_args, out_2d)
+        kernel(data_2d.contiguous(), scale_inv.contiguous(), *kernel_args, out_2d)
     return out_2d
 
 
@@ -200,7 +199,7 @@ def run_dequantize_kernel(
 # tile code as the single-operand kernel (bit for bit the same values). Operator arguments: (a_data_2d,
 # a_scale_inv, b_data_2d, b_scale_inv, *A's format args, *B's format args, dtype) -> (a_out, b_out).
 def run_dequantize_pair_kernel(
-    op: str,
+    kernel: Kernel,
     codes_per_byte: int,
     a_data_2d: torch.Tensor,
     a_scale_inv: torch.Tensor,
@@ -218,7 +217,7 @@ def run_dequantize_pair_kernel(
     ]
     if outs[0].numel() > 0 or outs[1].numel() > 0:
         operands = (a_data_2d.contiguous(), a_scale_inv.contiguous(), b_data_2d.contiguous(), b_scale_inv.contiguous())
-        kernel(op, a_data_2d.device)(*operands, *kernel_args, *outs)
+        kernel(*operands, *kernel_args, *outs)
     return outs[0], outs[1]
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from quant_core._backend import register_kernel
 from quant_core._blocks import (
     BlockQuantized,
     BlockShape,
@@ -34,8 +33,8 @@ from quant_core._blocks import (
 )
 from quant_core._checks import as_2d, check_fp8_dtype
 from quant_core._fp8 import transpose_fp8
+from quant_core._library import Kernel, define_op, register_kernel
 from quant_core._numerics import FLOAT32_MAX, divide, encode_fp8, max_exponent_within, power_of_two, to_output_dtype
-from quant_core._ops import define_op
 
 BLOCKWISE_BLOCK = 128
 BLOCKWISE_SHAPES: tuple[BlockShape, ...] = ((1, BLOCKWISE_BLOCK), (BLOCKWISE_BLOCK, BLOCKWISE_BLOCK))
@@ -110,6 +109,7 @@ def quantize_fp8_blockwise(
     mutates_args=("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"),
 )
 def _quantize_fp8_blockwise_op(
+    kernel: Kernel,
     x_MK: torch.Tensor,
     block_rows: int,
     fp8_dtype: torch.dtype,
@@ -120,7 +120,7 @@ def _quantize_fp8_blockwise_op(
     columnwise_scale_inv: torch.Tensor | None,
 ) -> None:
     run_quantize_kernel(
-        "quantize_fp8_blockwise",
+        kernel,
         x_MK,
         block_rows,
         fp8_dtype,
@@ -187,9 +187,9 @@ def dequantize_fp8_blockwise(
 
 @define_op("dequantize_fp8_blockwise", fake=dequantize_fake(codes_per_byte=1))
 def _dequantize_fp8_blockwise_op(
-    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, dtype: torch.dtype
+    kernel: Kernel, data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    return run_dequantize_kernel("dequantize_fp8_blockwise", 1, data_2d, scale_inv, block_rows, dtype)
+    return run_dequantize_kernel(kernel, 1, data_2d, scale_inv, block_rows, dtype)
 
 
 @register_kernel("dequantize_fp8_blockwise", "reference")

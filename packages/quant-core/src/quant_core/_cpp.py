@@ -14,9 +14,10 @@ import torch
 
 from quant_core import _C
 from quant_core._adam import AdamScalars
-from quant_core._backend import register_kernel
 from quant_core._blocks import pair_of
 from quant_core._checks import as_2d
+from quant_core._fp8_quantize import composed_quantize_fp8, composed_quantize_fp8_delayed
+from quant_core._library import register_kernel
 from quant_core._numerics import E2M1_MAX, E4M3_MAX, to_output_dtype
 from quant_core._nvfp4 import NVFP4_BLOCK, hadamard_signs
 from quant_core._quantize_many import each_tensor
@@ -139,6 +140,10 @@ def _quantize_fp8_blockwise(
         torch.get_num_threads(),
     )
 
+
+# The C++ kernels of amax, the scale and the cast, one after another ([Note: fused FP8 quantize]).
+register_kernel("quantize_fp8", "cpp")(composed_quantize_fp8("cpp"))
+register_kernel("quantize_fp8_delayed", "cpp")(composed_quantize_fp8_delayed("cpp"))
 
 # One GIL-free call per tensor: a CPU quantize's host time is small next to its work.
 register_kernel("quantize_mxfp8_many", "cpp")(each_tensor("quantize_mxfp8", "cpp"))

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from quant_core._backend import kernel, register_kernel
 from quant_core._checks import (
     as_2d,
     check_float_input,
@@ -34,8 +33,8 @@ from quant_core._checks import (
     output_buffer,
     with_shape,
 )
+from quant_core._library import Kernel, call, define_op, register_kernel
 from quant_core._numerics import encode_fp8, finite_abs, to_output_dtype
-from quant_core._ops import call, define_op
 
 # ---- amax ------------------------------------------------------------------------------------
 
@@ -51,10 +50,10 @@ def _amax_fake(x_MK: torch.Tensor) -> torch.Tensor:
 
 
 @define_op("amax", fake=_amax_fake)
-def _amax_op(x_MK: torch.Tensor) -> torch.Tensor:
+def _amax_op(kernel: Kernel, x_MK: torch.Tensor) -> torch.Tensor:
     if x_MK.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x_MK.device)
-    return kernel("amax", x_MK.device)(x_MK)
+    return kernel(x_MK)
 
 
 @register_kernel("amax", "reference")
@@ -138,6 +137,7 @@ def check_fp8_input(x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
 
 @define_op("cast_to_fp8", mutates_args=("rowwise_MK", "columnwise_KM"))
 def _cast_to_fp8_op(
+    kernel: Kernel,
     x_MK: torch.Tensor,
     scale: torch.Tensor,
     fp8_dtype: torch.dtype,
@@ -145,7 +145,7 @@ def _cast_to_fp8_op(
     columnwise_KM: torch.Tensor | None,
 ) -> None:
     if x_MK.numel() > 0:
-        kernel("cast_to_fp8", x_MK.device)(x_MK, scale, fp8_dtype, rowwise_MK, columnwise_KM)
+        kernel(x_MK, scale, fp8_dtype, rowwise_MK, columnwise_KM)
 
 
 @register_kernel("cast_to_fp8", "reference")
@@ -194,10 +194,12 @@ def _dequantize_fp8_fake(data_MK: torch.Tensor, scale_inv: torch.Tensor, dtype: 
 
 
 @define_op("dequantize_fp8", fake=_dequantize_fp8_fake)
-def _dequantize_fp8_op(data_MK: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _dequantize_fp8_op(
+    kernel: Kernel, data_MK: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     out_MK = torch.empty(data_MK.shape, dtype=dtype, device=data_MK.device)
     if out_MK.numel() > 0:
-        kernel("dequantize_fp8", data_MK.device)(data_MK.contiguous(), scale_inv, out_MK)
+        kernel(data_MK.contiguous(), scale_inv, out_MK)
     return out_MK
 
 
@@ -227,10 +229,10 @@ def _transpose_bytes_fake(data_MK: torch.Tensor) -> torch.Tensor:
 
 
 @define_op("transpose_bytes", fake=_transpose_bytes_fake)
-def _transpose_bytes_op(data_MK: torch.Tensor) -> torch.Tensor:
+def _transpose_bytes_op(kernel: Kernel, data_MK: torch.Tensor) -> torch.Tensor:
     out_KM = torch.empty((data_MK.shape[1], data_MK.shape[0]), dtype=data_MK.dtype, device=data_MK.device)
     if out_KM.numel() > 0:
-        kernel("transpose_bytes", data_MK.device)(data_MK.view(torch.uint8), out_KM.view(torch.uint8))
+        kernel(data_MK.view(torch.uint8), out_KM.view(torch.uint8))
     return out_KM
 
 

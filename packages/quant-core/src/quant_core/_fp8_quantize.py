@@ -32,7 +32,6 @@ from dataclasses import dataclass
 
 import torch
 
-from quant_core._backend import Backend, backend_kernel, kernel, register_kernel
 from quant_core._checks import check_scalar
 from quant_core._fp8 import amax_reference, cast_to_fp8_reference, check_fp8_input, checked_layout
 from quant_core._fp8_scale import (
@@ -44,7 +43,7 @@ from quant_core._fp8_scale import (
     delayed_fp8_scale_reference,
     fp8_scale_reference,
 )
-from quant_core._ops import call, define_op
+from quant_core._library import Backend, backend_kernel, call, define_kernel_op
 
 
 @dataclass(frozen=True)
@@ -165,23 +164,6 @@ def quantize_fp8_into(
     x_MK, rowwise_MK, columnwise_KM = _checked_into(x, fp8_dtype, rowwise_out, columnwise_out, scale_inv_out)
     amax = _checked_amax(amax, x.device)
     call("quantize_fp8", x_MK, amax, fp8_dtype, power_2_scales, rowwise_MK, columnwise_KM, scale_inv_out, None, None)
-
-
-@define_op("quantize_fp8", mutates_args=("rowwise_MK", "columnwise_KM", "scale_inv", "scale", "amax_out"))
-def _quantize_fp8_op(
-    x_MK: torch.Tensor,
-    amax: torch.Tensor | None,
-    fp8_dtype: torch.dtype,
-    power_2_scales: bool,
-    rowwise_MK: torch.Tensor | None,
-    columnwise_KM: torch.Tensor | None,
-    scale_inv: torch.Tensor,
-    scale: torch.Tensor | None,
-    amax_out: torch.Tensor | None,
-) -> None:
-    kernel("quantize_fp8", x_MK.device)(
-        x_MK, amax, fp8_dtype, power_2_scales, rowwise_MK, columnwise_KM, scale_inv, scale, amax_out
-    )
 
 
 def composed_quantize_fp8(backend: Backend) -> Callable[..., None]:
@@ -367,40 +349,6 @@ def quantize_fp8_delayed_into(
     )
 
 
-@define_op(
-    "quantize_fp8_delayed",
-    mutates_args=("amax_history", "rowwise_MK", "columnwise_KM", "scale_inv", "scale", "amax_out"),
-)
-def _quantize_fp8_delayed_op(
-    x_MK: torch.Tensor,
-    amax: torch.Tensor | None,
-    amax_history: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    margin: int,
-    power_2_scales: bool,
-    amax_compute_algo: str,
-    rowwise_MK: torch.Tensor | None,
-    columnwise_KM: torch.Tensor | None,
-    scale_inv: torch.Tensor,
-    scale: torch.Tensor | None,
-    amax_out: torch.Tensor | None,
-) -> None:
-    kernel("quantize_fp8_delayed", x_MK.device)(
-        x_MK,
-        amax,
-        amax_history,
-        fp8_dtype,
-        margin,
-        power_2_scales,
-        amax_compute_algo,
-        rowwise_MK,
-        columnwise_KM,
-        scale_inv,
-        scale,
-        amax_out,
-    )
-
-
 def composed_quantize_fp8_delayed(backend: Backend) -> Callable[..., None]:
     """The `quantize_fp8_delayed` operator as `backend`'s amax, delayed_fp8_scale and cast kernels."""
 
@@ -441,9 +389,11 @@ def composed_quantize_fp8_delayed(backend: Backend) -> Callable[..., None]:
 
 
 # The reference and C++ backends run the steps' kernels; Triton fuses them (`_triton_fp8.py`).
-for _backend_name in ("reference", "cpp"):
-    register_kernel("quantize_fp8", _backend_name)(composed_quantize_fp8(_backend_name))
-    register_kernel("quantize_fp8_delayed", _backend_name)(composed_quantize_fp8_delayed(_backend_name))
+_FP8_BUFFERS = ("rowwise_MK", "columnwise_KM", "scale_inv", "scale", "amax_out")
+define_kernel_op("quantize_fp8", mutates_args=_FP8_BUFFERS)(composed_quantize_fp8("reference"))
+define_kernel_op("quantize_fp8_delayed", mutates_args=("amax_history", *_FP8_BUFFERS))(
+    composed_quantize_fp8_delayed("reference")
+)
 
 
 # ---- shared by the quantize functions ----------------------------------------------------------

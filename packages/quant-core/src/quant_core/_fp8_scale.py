@@ -29,10 +29,9 @@ from typing import Literal
 
 import torch
 
-from quant_core._backend import kernel, register_kernel
 from quant_core._checks import check_fp8_dtype, check_scalar
+from quant_core._library import Kernel, call, define_op, register_kernel
 from quant_core._numerics import FLOAT32_MAX, divide
-from quant_core._ops import call, define_op
 
 AmaxComputeAlgo = Literal["max", "most_recent"]
 # The largest finite value of each FP8 dtype (torch.finfo(dtype).max, looked up without finfo).
@@ -131,12 +130,12 @@ def _fp8_scale_fake(
 
 @define_op("fp8_scale", fake=_fp8_scale_fake)
 def _fp8_scale_op(
-    amax: torch.Tensor, fmax: float, margin: int, power_2_scales: bool
+    kernel: Kernel, amax: torch.Tensor, fmax: float, margin: int, power_2_scales: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     amax = amax.contiguous()
     scale, scale_inv = torch.empty_like(amax), torch.empty_like(amax)
     if amax.numel() > 0:
-        kernel("fp8_scale", amax.device)(amax, fmax, margin, power_2_scales, scale, scale_inv)
+        kernel(amax, fmax, margin, power_2_scales, scale, scale_inv)
     return scale, scale_inv
 
 
@@ -246,6 +245,7 @@ def _delayed_fp8_scale_fake(
 
 @define_op("delayed_fp8_scale", mutates_args=("amax_history",), fake=_delayed_fp8_scale_fake)
 def _delayed_fp8_scale_op(
+    kernel: Kernel,
     amax_history: torch.Tensor,
     amax: torch.Tensor,
     fmax: float,
@@ -255,9 +255,7 @@ def _delayed_fp8_scale_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty((), dtype=torch.float32, device=amax_history.device)
     scale_inv = torch.empty((), dtype=torch.float32, device=amax_history.device)
-    kernel("delayed_fp8_scale", amax_history.device)(
-        amax_history, amax, fmax, margin, power_2_scales, amax_compute_algo == "most_recent", scale, scale_inv
-    )
+    kernel(amax_history, amax, fmax, margin, power_2_scales, amax_compute_algo == "most_recent", scale, scale_inv)
     return scale, scale_inv
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from quant_core._backend import register_kernel
 from quant_core._blocks import (
     BlockQuantized,
     block_amax,
@@ -35,8 +34,8 @@ from quant_core._blocks import (
     run_quantize_kernel,
 )
 from quant_core._checks import as_2d, check_output_dtype, with_shape
+from quant_core._library import Kernel, call, define_op, register_kernel
 from quant_core._numerics import E4M3_MAX, encode_fp8, max_exponent_within, power_of_two, to_output_dtype
-from quant_core._ops import call, define_op
 
 MXFP8_BLOCK = 32
 _BLOCK_SHAPE = (1, MXFP8_BLOCK)
@@ -84,13 +83,14 @@ def quantize_mxfp8(
     mutates_args=("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"),
 )
 def _quantize_mxfp8_op(
+    kernel: Kernel,
     x_MK: torch.Tensor,
     rowwise_data: torch.Tensor | None,
     rowwise_scale_inv: torch.Tensor | None,
     columnwise_data: torch.Tensor | None,
     columnwise_scale_inv: torch.Tensor | None,
 ) -> None:
-    run_quantize_kernel("quantize_mxfp8", x_MK, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv)
+    run_quantize_kernel(kernel, x_MK, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv)
 
 
 @register_kernel("quantize_mxfp8", "reference")
@@ -126,8 +126,10 @@ def dequantize_mxfp8(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.d
 
 
 @define_op("dequantize_mxfp8", fake=dequantize_fake(codes_per_byte=1))
-def _dequantize_mxfp8_op(data_2d: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return run_dequantize_kernel("dequantize_mxfp8", 1, data_2d, scale_inv, dtype)
+def _dequantize_mxfp8_op(
+    kernel: Kernel, data_2d: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    return run_dequantize_kernel(kernel, 1, data_2d, scale_inv, dtype)
 
 
 @register_kernel("dequantize_mxfp8", "reference")
@@ -154,13 +156,14 @@ def dequantize_mxfp8_pair(
 
 @define_op("dequantize_mxfp8_pair", fake=dequantize_pair_fake(codes_per_byte=1))
 def _dequantize_mxfp8_pair_op(
+    kernel: Kernel,
     a_data_2d: torch.Tensor,
     a_scale_inv: torch.Tensor,
     b_data_2d: torch.Tensor,
     b_scale_inv: torch.Tensor,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return run_dequantize_pair_kernel("dequantize_mxfp8_pair", 1, a_data_2d, a_scale_inv, b_data_2d, b_scale_inv, dtype)
+    return run_dequantize_pair_kernel(kernel, 1, a_data_2d, a_scale_inv, b_data_2d, b_scale_inv, dtype)
 
 
 register_kernel("dequantize_mxfp8_pair", "reference")(pair_of(_dequantize_mxfp8_reference_kernel))

@@ -61,7 +61,6 @@ import dataclasses
 
 import torch
 
-from quant_core._backend import kernel, register_kernel
 from quant_core._blocks import (
     BlockQuantized,
     BlockShape,
@@ -85,6 +84,7 @@ from quant_core._blocks import (
 )
 from quant_core._checks import as_2d, check_float_input, check_output_dtype, check_scalar, with_shape
 from quant_core._fp8 import amax, amax_reference
+from quant_core._library import Kernel, call, define_op, register_kernel
 from quant_core._numerics import (
     E2M1_MAX,
     E4M3_MAX,
@@ -102,7 +102,6 @@ from quant_core._numerics import (
     to_output_dtype,
     unpack_nibbles,
 )
-from quant_core._ops import call, define_op
 
 NVFP4_BLOCK = 16
 NVFP4_SHAPES: tuple[BlockShape, ...] = ((1, NVFP4_BLOCK), (NVFP4_BLOCK, NVFP4_BLOCK))
@@ -319,6 +318,7 @@ def quantize_nvfp4(
     mutates_args=("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"),
 )
 def _quantize_nvfp4_op(
+    kernel: Kernel,
     x_MK: torch.Tensor,
     block_rows: int,
     global_amax: torch.Tensor,
@@ -332,7 +332,7 @@ def _quantize_nvfp4_op(
     columnwise_scale_inv: torch.Tensor | None,
 ) -> None:
     run_quantize_kernel(
-        "quantize_nvfp4",
+        kernel,
         x_MK,
         block_rows,
         global_amax,
@@ -429,13 +429,14 @@ def dequantize_nvfp4(
 
 @define_op("dequantize_nvfp4", fake=dequantize_fake(codes_per_byte=2))
 def _dequantize_nvfp4_op(
+    kernel: Kernel,
     data_2d: torch.Tensor,
     scale_inv: torch.Tensor,
     block_rows: int,
     global_amax: torch.Tensor | None,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    return run_dequantize_kernel("dequantize_nvfp4", 2, data_2d, scale_inv, block_rows, global_amax, dtype)
+    return run_dequantize_kernel(kernel, 2, data_2d, scale_inv, block_rows, global_amax, dtype)
 
 
 @register_kernel("dequantize_nvfp4", "reference")
@@ -485,6 +486,7 @@ def dequantize_nvfp4_pair(
 
 @define_op("dequantize_nvfp4_pair", fake=dequantize_pair_fake(codes_per_byte=2))
 def _dequantize_nvfp4_pair_op(
+    kernel: Kernel,
     a_data_2d: torch.Tensor,
     a_scale_inv: torch.Tensor,
     b_data_2d: torch.Tensor,
@@ -496,7 +498,7 @@ def _dequantize_nvfp4_pair_op(
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     args = (a_block_rows, a_global_amax, b_block_rows, b_global_amax, dtype)
-    return run_dequantize_pair_kernel("dequantize_nvfp4_pair", 2, a_data_2d, a_scale_inv, b_data_2d, b_scale_inv, *args)
+    return run_dequantize_pair_kernel(kernel, 2, a_data_2d, a_scale_inv, b_data_2d, b_scale_inv, *args)
 
 
 register_kernel("dequantize_nvfp4_pair", "reference")(pair_of(_dequantize_nvfp4_reference_kernel, 2))
@@ -561,6 +563,7 @@ def _nvfp4_gemm_output_fake(
 
 @define_op("nvfp4_gemm_output", fake=_nvfp4_gemm_output_fake)
 def _nvfp4_gemm_output_op(
+    kernel: Kernel,
     product: torch.Tensor,
     a_global_amax: torch.Tensor,
     b_global_amax: torch.Tensor,
@@ -570,7 +573,7 @@ def _nvfp4_gemm_output_op(
     """Contract: product contiguous 2-D fp32, amaxes 0-d fp32 and bias None or (N,), all on one device."""
     out = torch.empty(product.shape, dtype=dtype, device=product.device)
     if out.numel() > 0:
-        kernel("nvfp4_gemm_output", product.device)(product, a_global_amax, b_global_amax, bias, out)
+        kernel(product, a_global_amax, b_global_amax, bias, out)
     return out
 
 
@@ -618,10 +621,10 @@ def _transpose_nvfp4_fake(packed_MK: torch.Tensor) -> torch.Tensor:
 
 
 @define_op("transpose_nvfp4", fake=_transpose_nvfp4_fake)
-def _transpose_nvfp4_op(packed_MK: torch.Tensor) -> torch.Tensor:
+def _transpose_nvfp4_op(kernel: Kernel, packed_MK: torch.Tensor) -> torch.Tensor:
     out_KM = torch.empty(_transposed_packed_shape(packed_MK), dtype=torch.uint8, device=packed_MK.device)
     if out_KM.numel() > 0:
-        kernel("transpose_nvfp4", packed_MK.device)(packed_MK.contiguous(), out_KM)
+        kernel(packed_MK.contiguous(), out_KM)
     return out_KM
 
 
@@ -667,10 +670,10 @@ def _hadamard_fake(x_MK: torch.Tensor, seed: int) -> torch.Tensor:
 
 
 @define_op("hadamard_transform_16", fake=_hadamard_fake)
-def _hadamard_transform_16_op(x_MK: torch.Tensor, seed: int) -> torch.Tensor:
+def _hadamard_transform_16_op(kernel: Kernel, x_MK: torch.Tensor, seed: int) -> torch.Tensor:
     out_MK = torch.empty(x_MK.shape, dtype=x_MK.dtype, device=x_MK.device)
     if out_MK.numel() > 0:
-        kernel("hadamard_transform_16", x_MK.device)(x_MK, seed, out_MK)
+        kernel(x_MK, seed, out_MK)
     return out_MK
 
 
@@ -703,10 +706,10 @@ def hadamard_inverse_16(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
 
 
 @define_op("hadamard_inverse_16", fake=_hadamard_fake)
-def _hadamard_inverse_16_op(x_MK: torch.Tensor, seed: int) -> torch.Tensor:
+def _hadamard_inverse_16_op(kernel: Kernel, x_MK: torch.Tensor, seed: int) -> torch.Tensor:
     out_MK = torch.empty(x_MK.shape, dtype=x_MK.dtype, device=x_MK.device)
     if out_MK.numel() > 0:
-        kernel("hadamard_inverse_16", x_MK.device)(x_MK, seed, out_MK)
+        kernel(x_MK, seed, out_MK)
     return out_MK
 
 
@@ -739,10 +742,10 @@ def _hadamard_amaxes_fake(x_MK: torch.Tensor, seed: int) -> torch.Tensor:
 
 
 @define_op("hadamard_amaxes", fake=_hadamard_amaxes_fake)
-def _hadamard_amaxes_op(x_MK: torch.Tensor, seed: int) -> torch.Tensor:
+def _hadamard_amaxes_op(kernel: Kernel, x_MK: torch.Tensor, seed: int) -> torch.Tensor:
     out = torch.zeros(2, dtype=torch.float32, device=x_MK.device)  # the Triton kernel takes atomic maxima
     if x_MK.numel() > 0:
-        kernel("hadamard_amaxes", x_MK.device)(x_MK, seed, out)
+        kernel(x_MK, seed, out)
     return out
 
 

@@ -31,7 +31,6 @@ from typing import NoReturn
 
 import torch
 
-from quant_core._backend import Backend, backend_kernel, kernel, register_kernel
 from quant_core._blocks import (
     BlockQuantized,
     BlockShape,
@@ -42,8 +41,8 @@ from quant_core._blocks import (
 )
 from quant_core._blockwise import BLOCKWISE_BLOCK, BLOCKWISE_SHAPES
 from quant_core._checks import FLOAT_DTYPES, as_2d, check_fp8_dtype
+from quant_core._library import Backend, Kernel, backend_kernel, call, define_op, register_kernel
 from quant_core._mxfp8 import MXFP8_BLOCK
-from quant_core._ops import call, define_op
 
 _BUFFERS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
 
@@ -216,13 +215,13 @@ def _usages_of(out: object, name: str) -> tuple[bool, bool]:
 
 
 def _run_many_kernel(
-    op: str,
+    kernel: Kernel,
     xs: list[torch.Tensor],
     format_args: tuple[object, ...],
     usages: tuple[list[bool], list[bool]],
     buffer_lists: tuple[list[torch.Tensor], ...],
 ) -> None:
-    """The body of every multi-tensor quantize operator: `op`'s kernel on the non-empty tensors (an
+    """The body of every multi-tensor quantize operator: the kernel on the non-empty tensors (an
     empty tensor's buffers are empty too) as kernel(xs, *format_args, four lists with one buffer
     or None per tensor)."""
     rowwise, columnwise = usages
@@ -235,7 +234,7 @@ def _run_many_kernel(
         return
     if len(kept) < len(xs):
         xs, per_tensor = [xs[i] for i in kept], [[buffers[i] for i in kept] for buffers in per_tensor]
-    kernel(op, xs[0].device)(xs, *format_args, *per_tensor)
+    kernel(xs, *format_args, *per_tensor)
 
 
 def _spread(present: list[bool], buffers: list[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -246,6 +245,7 @@ def _spread(present: list[bool], buffers: list[torch.Tensor]) -> list[torch.Tens
 
 @define_op("quantize_mxfp8_many", mutates_args=_BUFFERS)
 def _quantize_mxfp8_many_op(
+    kernel: Kernel,
     xs: list[torch.Tensor],
     rowwise: list[bool],
     columnwise: list[bool],
@@ -255,11 +255,12 @@ def _quantize_mxfp8_many_op(
     columnwise_scale_inv: list[torch.Tensor],
 ) -> None:
     buffer_lists = (rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv)
-    _run_many_kernel("quantize_mxfp8_many", xs, (), (rowwise, columnwise), buffer_lists)
+    _run_many_kernel(kernel, xs, (), (rowwise, columnwise), buffer_lists)
 
 
 @define_op("quantize_fp8_blockwise_many", mutates_args=_BUFFERS)
 def _quantize_fp8_blockwise_many_op(
+    kernel: Kernel,
     xs: list[torch.Tensor],
     block_rows: int,
     fp8_dtype: torch.dtype,
@@ -273,7 +274,7 @@ def _quantize_fp8_blockwise_many_op(
 ) -> None:
     buffer_lists = (rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv)
     format_args = (block_rows, fp8_dtype, power_2_scales)
-    _run_many_kernel("quantize_fp8_blockwise_many", xs, format_args, (rowwise, columnwise), buffer_lists)
+    _run_many_kernel(kernel, xs, format_args, (rowwise, columnwise), buffer_lists)
 
 
 def each_tensor(op: str, backend: Backend) -> Callable[..., None]:

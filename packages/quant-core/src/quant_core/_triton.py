@@ -33,8 +33,8 @@ from quant_core import (  # noqa: F401  (register their kernels)
     _triton_nvfp4,
 )
 from quant_core._adam import AdamScalars
-from quant_core._backend import register_kernel
 from quant_core._checks import FLOAT_DTYPES
+from quant_core._library import register_kernel
 from quant_core._triton_launch import cdiv, launch
 from quant_core._triton_numerics import finite_abs
 from quant_core._triton_tables import pointer_table, program_table

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quant_core._backend import register_kernel
+from quant_core._library import register_kernel
 from quant_core._triton_blocks import (
     MXFP8_FORMAT,
     TwoPassTiles,

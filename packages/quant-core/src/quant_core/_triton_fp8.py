@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from quant_core._backend import register_kernel
 from quant_core._fp8_quantize import composed_quantize_fp8, composed_quantize_fp8_delayed, new_scalar
 from quant_core._fp8_scale import FP8_MAX
+from quant_core._library import register_kernel
 from quant_core._triton_launch import cdiv, launch
 from quant_core._triton_numerics import (
     EXACT,

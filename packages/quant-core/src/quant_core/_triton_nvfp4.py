@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quant_core._backend import register_kernel
+from quant_core._library import register_kernel
 from quant_core._triton_launch import cdiv, launch
 from quant_core._triton_numerics import (
     EXACT,

@@ -1,0 +1,417 @@
+"""The `quant_core` operator namespace: each op defined once with torch.library, its kernels
+registered on the dispatch keys of their devices.
+
+[Note: custom ops] Every kernel of quant_core is reached through an operator
+`torch.ops.quant_core.<op>`, defined once (`define_op`: the schema is inferred from the op's body)
+with a kernel per backend (`register_kernel`), each registered on a dispatch key of torch's
+dispatcher: the C++ kernel on CPU, the Triton kernel on CUDA, the plain-torch reference on
+CompositeExplicitAutograd (any device without a kernel of its own). torch's dispatcher picks the
+backend by the tensors' device. An op's body holds what every backend shares (allocating the
+outputs, skipping empty inputs) and calls the kernel it was registered with; an op made with
+`define_kernel_op` has no body: its kernels take the op's arguments as they are (the reference
+kernel gives the schema). torch.compile traces the public functions into graphs holding these
+operators as opaque nodes (their fake implementations give output shapes and dtypes), except
+traceable Triton kernels ([Note: traced Triton kernels]). Operators that fill caller-given buffers
+declare exactly those as mutated and return nothing; the others return new tensors.
+
+[Note: backends] One switch forces a backend for debugging and tests: `use_backend("reference")`
+(a context) or QUANT_CORE_BACKEND=reference (read once; `reload_backend_env()` re-reads it).
+"cpp" and "triton" may be forced too (they run on CPU and CUDA tensors only); forcing a backend
+that cannot run an op on that device raises instead of falling back, so a forced run never
+measures something else. A forced backend applies to compiled code too: the kernel registered on
+each dispatch key runs the forced one in its place.
+
+The public functions (`quant_core.quantize_fp8`, ...) check their arguments once and call these
+operators through `call` ([Note: eager operator calls]); `quant_core.unchecked` and the operators
+themselves are the unchecked entry points for callers that have validated already (each
+operator's contract is in its format module's docstring; an operator called outside it may write
+out of bounds).
+
+Why `torch.library.Library.define` + `impl` rather than `torch.library.custom_op` (or
+`triton_op`): the same schema, fake kernels and tracing, but custom_op's Python wrappers
+(autograd, version counters) cost ~20 us per call on the host against ~3 us here. These operators
+are not differentiable: the Autograd key falls through, no kernel records autograd history
+(reference kernels run under `torch.no_grad()`). Kernels that write through pointers (C++,
+Triton) leave version counters alone, so every operator bumps the version of each buffer it
+mutates after its kernel ran (autograd's saved-tensor checks then see the write).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib.util
+import inspect
+import os
+import types
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+NAMESPACE = "quant_core"
+Backend = Literal["reference", "cpp", "triton"]
+BACKENDS: tuple[Backend, ...] = ("reference", "cpp", "triton")
+BACKEND_ENV_VAR = "QUANT_CORE_BACKEND"
+Kernel = Callable[..., Any]  # one backend's kernel of an op, as its body calls it
+
+# The dispatch key each backend's kernels are registered on, and the device type they run on
+# (None: any device).
+_DISPATCH_KEY: dict[Backend, str] = {"reference": "CompositeExplicitAutograd", "cpp": "CPU", "triton": "CUDA"}
+_BACKEND_DEVICE: dict[Backend, str | None] = {"reference": None, "cpp": "cpu", "triton": "cuda"}
+
+_library = torch.library.Library(NAMESPACE, "DEF")
+_forced: contextvars.ContextVar[Backend | None] = contextvars.ContextVar("quant_core_backend", default=None)
+_environment = "auto"  # QUANT_CORE_BACKEND as read by `reload_backend_env`, lowercased
+
+
+class Operator:
+    """One operator: its body, its kernel per backend and, per (device type, forced backend), the
+    implementation that runs (what the dispatcher would run, cached for `call`)."""
+
+    def __init__(self, name: str, body: Callable[..., Any] | None, mutates_args: Sequence[str]) -> None:
+        self.name = name
+        self.body = body
+        self.mutates_args = tuple(mutates_args)
+        self.kernels: dict[Backend, Callable[..., Any]] = {}
+        self.traceable: set[Backend] = set()
+        self.resolved: dict[tuple[str, Backend | None], Callable[..., Any]] = {}
+        self.overload: Any = None
+
+    def implementation(self, backend: Backend, *, version_bumps: bool = True) -> Callable[..., Any]:
+        """The op's implementation around `backend`'s kernel: the body with that kernel (the
+        kernel itself for ops without a body), bumping the versions of the mutated buffers."""
+        kernel = self.kernels[backend]
+        run = kernel if self.body is None else functools.partial(self.body, kernel)
+        return _bumping_versions(run, self.mutated_positions) if self.mutates_args and version_bumps else run
+
+    @functools.cached_property
+    def mutated_positions(self) -> tuple[int, ...]:
+        names = [argument.name for argument in self.overload._schema.arguments]
+        return tuple(names.index(name) for name in self.mutates_args)
+
+    def select(self, device_type: str) -> Backend:
+        """The backend this op runs on for tensors of `device_type`; raises if a forced one cannot."""
+        requested = requested_backend()
+        if requested == "auto":
+            for backend in _AUTO_ORDER.get(device_type, ("reference",)):
+                if backend in self.kernels and _unavailable_reason(backend) is None:
+                    return backend
+            raise NotImplementedError(f"no quant_core backend runs {self.name!r} on {device_type} tensors")
+        backend_device = _BACKEND_DEVICE[requested]
+        if backend_device is not None and backend_device != device_type:
+            raise ValueError(
+                f"{BACKEND_ENV_VAR}={requested} runs on {backend_device} tensors only, but {self.name!r} got a "
+                f"{device_type} tensor; unset {BACKEND_ENV_VAR} to choose automatically"
+            )
+        if requested not in available_backends():
+            raise RuntimeError(f"the {requested} backend is unavailable: {_unavailable_reason(requested)}")
+        if requested not in self.kernels:
+            raise NotImplementedError(
+                f"the {requested} backend has no kernel for {self.name!r} yet; unset {BACKEND_ENV_VAR} to use the "
+                "fastest backend that has one"
+            )
+        return requested
+
+    def resolve(self, device_type: str) -> Callable[..., Any]:
+        """The implementation that runs for tensors of `device_type`, cached per forced backend;
+        errors are raised again on every call."""
+        key = (device_type, _forced.get())
+        run = self.resolved.get(key)
+        if run is None:
+            run = self.resolved[key] = self.implementation(self.select(device_type))
+        return run
+
+
+# Automatic choice, fastest first, per device type.
+_AUTO_ORDER: dict[str, tuple[Backend, ...]] = {"cpu": ("cpp", "reference"), "cuda": ("triton", "reference")}
+# Every operator defined, by name, in definition order.
+OPERATORS: dict[str, Operator] = {}
+
+
+def define_op(
+    name: str, *, mutates_args: Sequence[str] = (), fake: Callable[..., Any] | None = None
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Defines `torch.ops.quant_core.<name>` from its body, `body(kernel, *arguments)`: the part
+    every backend shares, calling `kernel` (the backend's, registered with `register_kernel`).
+
+    The schema is inferred from the body's annotations after `kernel`, `mutates_args` naming the
+    arguments written in place. `fake` computes output metadata under torch.compile (default: no
+    outputs, for operators that only fill buffers). Returns the body unchanged.
+    """
+
+    def decorate(body: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(body)
+        prototype = types.FunctionType(body.__code__, body.__globals__, body.__name__)
+        prototype.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])  # type: ignore[attr-defined]
+        _define(name, prototype, body, mutates_args, fake)
+        return body
+
+    return decorate
+
+
+def define_kernel_op(
+    name: str, *, mutates_args: Sequence[str] = (), fake: Callable[..., Any] | None = None
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Defines `torch.ops.quant_core.<name>` from its reference kernel: an op without a body, whose
+    kernels take its arguments as they are. The decorated function is registered as the reference."""
+
+    def decorate(reference: Callable[..., Any]) -> Callable[..., Any]:
+        _define(name, reference, None, mutates_args, fake)
+        return register_kernel(name, "reference")(reference)
+
+    return decorate
+
+
+def _define(
+    name: str,
+    prototype: Callable[..., Any],
+    body: Callable[..., Any] | None,
+    mutates_args: Sequence[str],
+    fake: Callable[..., Any] | None,
+) -> None:
+    _library.define(name + torch.library.infer_schema(prototype, mutates_args=tuple(mutates_args)))
+    _library.impl(name, torch.library.fallthrough_kernel, "Autograd")
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake or _no_outputs, lib=_library)
+    operator = Operator(name, body, mutates_args)
+    operator.overload = getattr(torch.ops.quant_core, name).default
+    torch.library.register_torch_dispatch(
+        f"{NAMESPACE}::{name}", FunctionalTensorMode, _traced_where_traceable(operator), lib=_library
+    )
+    OPERATORS[name] = operator
+
+
+def register_kernel(
+    op: str, backend: Backend, *, traceable: bool = False
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Registers the decorated function as `backend`'s kernel of `op` on the backend's dispatch
+    key; registering twice raises. The function is returned unchanged.
+
+    Reference kernels are registered to run under `torch.no_grad()`: every backend's outputs are
+    plain, non-differentiable tensors. `traceable`: torch.compile may trace the kernel's host code
+    instead of keeping the operator opaque ([Note: traced Triton kernels]).
+    """
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        operator = OPERATORS[op]
+        if backend in operator.kernels:
+            raise RuntimeError(f"op {op!r} already has a {backend} kernel ({operator.kernels[backend].__qualname__})")
+        operator.kernels[backend] = torch.no_grad()(fn) if backend == "reference" else fn
+        if traceable:
+            operator.traceable.add(backend)
+        operator.resolved.clear()
+        _library.impl(op, _on_dispatch_key(operator, backend), _DISPATCH_KEY[backend])
+        return fn
+
+    return decorate
+
+
+def _on_dispatch_key(operator: Operator, backend: Backend) -> Callable[..., Any]:
+    """What `backend`'s dispatch key runs: its kernel's implementation, or, while a backend is
+    forced, the forced one's."""
+    run = operator.implementation(backend)
+
+    def dispatched(*args: Any) -> Any:
+        if _forced.get() is None and _environment == "auto":
+            return run(*args)
+        return operator.resolve(_device_type(args))(*args)
+
+    return dispatched
+
+
+def _device_type(args: Sequence[Any]) -> str:
+    """The device type of an operator's first tensor argument (lists of tensors included)."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.device.type
+        if isinstance(arg, list) and arg and isinstance(arg[0], torch.Tensor):
+            return arg[0].device.type
+    return "cpu"
+
+
+def backend_kernel(op: str, backend: Backend) -> Callable[..., Any]:
+    """`backend`'s kernel of `op`, whatever the device (for kernels composed of other kernels)."""
+    return OPERATORS[op].kernels[backend]
+
+
+# ---- the switch -------------------------------------------------------------------------------
+
+
+def reload_backend_env() -> None:
+    """Re-reads QUANT_CORE_BACKEND (otherwise read once, at import) and forgets cached choices."""
+    global _environment
+    _environment = os.environ.get(BACKEND_ENV_VAR, "auto").strip().lower() or "auto"
+    for operator in OPERATORS.values():
+        operator.resolved.clear()
+
+
+def requested_backend() -> Backend | Literal["auto"]:
+    """The backend forced by `use_backend` or QUANT_CORE_BACKEND, else 'auto'."""
+    forced = _forced.get()
+    if forced is not None:
+        return forced
+    if _environment != "auto" and _environment not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV_VAR}={_environment!r} is not a backend; use one of auto, {', '.join(BACKENDS)}")
+    return _environment  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def use_backend(backend: Backend) -> Iterator[None]:
+    """Forces `backend` for every op called inside the block (overrides QUANT_CORE_BACKEND);
+    `use_backend("reference")` runs the plain-torch reference of every op."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    token = _forced.set(backend)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def selected_backend(op: str, device: torch.device) -> Backend:
+    """The backend that `op` runs on for tensors on `device`; raises if a forced one cannot."""
+    return OPERATORS[op].select(torch.device(device).type)
+
+
+def available_backends(device: torch.device | str | None = None) -> tuple[Backend, ...]:
+    """The backends that loaded on this machine, e.g. ('reference', 'cpp').
+
+    With `device`, only those whose kernels run on tensors of that device.
+    """
+    device_type = None if device is None else torch.device(device).type
+    return tuple(
+        b
+        for b in BACKENDS
+        if _unavailable_reason(b) is None and (device_type is None or _BACKEND_DEVICE[b] in (None, device_type))
+    )
+
+
+def _unavailable_reason(backend: Backend) -> str | None:
+    if backend == "cpp" and cpp_extension() is None:
+        return f"quant_core._C failed to import: {_extension_error}"
+    if backend == "triton" and not triton_usable():
+        return "needs the triton package and a CUDA device"
+    return None
+
+
+_extension: Any = None
+_extension_error: str | None = None
+
+
+def cpp_extension() -> Any:
+    """quant_core._C, or None where it failed to import (a broken build)."""
+    global _extension, _extension_error
+    if _extension is None and _extension_error is None:
+        try:
+            from quant_core import _C
+
+            _extension = _C
+        except ImportError as error:
+            _extension_error = str(error)
+    return _extension
+
+
+@functools.cache
+def triton_usable() -> bool:
+    """Whether the Triton kernels can run here: the triton package and a CUDA device."""
+    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
+
+
+# ---- calls ------------------------------------------------------------------------------------
+
+
+# [Note: eager operator calls] A call through torch.ops costs the dispatcher's host time: ~2 us on
+# this project's CI machine, 13-28 us per call on an H100 VM's host (docs/benchmarks.md), where a
+# training step's Linear runs 3-15 quant_core operators and each of their kernels takes tens of us
+# of GPU time. So `call` runs the implementation the dispatcher would run (version-counter bumps
+# included; resolved once per op, device type and forced backend) directly, but only when nothing
+# could tell the two apart: no torch.compile tracing, no dispatch or torch-function mode (fake
+# tensors, functionalization, op counters), no functorch transform, no profiler (its traces name
+# the operator), and only plain tensors among the arguments (a subclass's __torch_dispatch__ would
+# handle the operator). The operators record no autograd history either way (the Autograd key
+# falls through). Otherwise the call goes through torch.ops.
+def call(name: str, *args: Any) -> Any:
+    """`torch.ops.quant_core.<name>(*args)`, run directly in eager code ([Note: eager operator calls])."""
+    operator = OPERATORS[name]
+    if (
+        torch.compiler.is_compiling()  # first: dynamo folds it to True and never reaches the C calls below
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._are_functorch_transforms_active()
+        or torch._C._autograd._profiler_enabled()
+    ):
+        return operator.overload(*args)
+    for arg in args:  # `_plain(args)`, unrolled one level: a call less per operator
+        kind = type(arg)
+        if kind is torch.Tensor or arg is None:
+            continue
+        if (kind is list and not _plain(arg)) or (isinstance(arg, torch.Tensor) and kind is not torch.nn.Parameter):
+            return operator.overload(*args)
+    first = args[0]
+    if type(first) is list:
+        if not first:
+            return operator.overload(*args)
+        first = first[0]
+    run = operator.resolved.get((first.device.type, _forced.get()))
+    if run is None:
+        run = operator.resolve(first.device.type)
+    return run(*args)
+
+
+def _plain(args: Sequence[Any]) -> bool:
+    """No tensor subclass among args (lists of tensors included); nn.Parameter counts as plain."""
+    for arg in args:
+        kind = type(arg)
+        if kind is list:
+            if not _plain(arg):
+                return False
+        elif isinstance(arg, torch.Tensor) and kind is not torch.Tensor and kind is not torch.nn.Parameter:
+            return False
+    return True
+
+
+def _bumping_versions(run: Callable[..., Any], positions: Sequence[int]) -> Callable[..., Any]:
+    """run, then the version counters of the mutated tensors bumped (arguments given positionally:
+    a tensor, a list of tensors, or None)."""
+
+    def bumping(*args: Any) -> Any:
+        result = run(*args)
+        written: list[torch.Tensor] = []
+        for i in positions:
+            if isinstance(args[i], torch.Tensor):
+                written.append(args[i])
+            elif args[i] is not None:
+                written.extend(args[i])
+        torch._C._increment_version(written)
+        return result
+
+    bumping.__wrapped__ = run  # type: ignore[attr-defined]
+    return bumping
+
+
+def _no_outputs(*args: object) -> None:
+    return None
+
+
+# [Note: traced Triton kernels] Under torch.compile, AOTAutograd functionalizes the graph; an
+# operator whose kernel for the tensors' device was registered `traceable` (`register_kernel`)
+# is not kept as one opaque node there: its implementation runs under the FunctionalTensorMode,
+# so its allocations become graph ops and its Triton launches (`triton_launch.launch`) become
+# `wrap_triton` calls, which Inductor compiles and launches from its generated code, without
+# quant_core's Python in between (what `torch.library.triton_op` does for an operator of its
+# own). Other kernels (C++, the references, Triton kernels not marked) stay opaque operators.
+def _traced_where_traceable(operator: Operator) -> Callable[..., Any]:
+    def rule(mode: FunctionalTensorMode, op: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        device_type = _device_type(args)
+        backend = operator.select(device_type)
+        if backend not in operator.traceable:
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        with mode:
+            return operator.implementation(backend, version_bumps=False)(*args, **kwargs)
+
+    return rule
+
+
+reload_backend_env()
