@@ -1,4 +1,4 @@
-"""Times every NVFP4 quantize/dequantize kernel variant and tile of `quant_core._triton_nvfp4` on the
+"""Times every NVFP4 quantize/dequantize kernel variant and tile of `quant_core.nvfp4._triton` on the
 GPU machine, checks their bytes, and names the fastest per case (issue #15; meant to take < 3 min on an H100).
 
     python3 scripts/sweep_nvfp4.py [CASE ...]   # cases: 1x16-both 1x16-both-sr 1x16-rowwise
@@ -31,8 +31,8 @@ import triton
 from triton.testing import do_bench
 
 import quant_core
-from quant_core import _triton_nvfp4 as kernels
-from quant_core._triton_numerics import Tiles
+from quant_core.nvfp4 import _triton as kernels
+from quant_core.shared._triton_numerics import Tiles
 from quant_core.testing import adversarial
 
 BlockTiles = kernels.BlockTiles

@@ -1,11 +1,11 @@
-"""The shared reference numerics (quant_core._numerics) against values worked out independently."""
+"""The shared reference numerics (quant_core.shared._numerics) against values worked out independently."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from quant_core import _numerics
+from quant_core.shared import _numerics
 from quant_core.testing import splitmix64_int
 
 

@@ -11,12 +11,12 @@ import torch
 import quant_core
 from quant_core.testing import FLOAT_DTYPES, adversarial, run_in_triton_interpreter
 
-triton_module = pytest.importorskip("quant_core._triton")
+triton_module = pytest.importorskip("quant_core.fp8._triton_amax_many")
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu-suite.sh)")
 
 CUDA = torch.device("cuda")
-CHUNK = triton_module._CHUNK
+CHUNK = triton_module.CHUNK
 # Sizes around one and two chunks of a program, and a long tensor of many chunks.
 CHUNK_EDGE_SIZES = [1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK - 1, 2 * CHUNK + 1, 1_000_003]
 
@@ -47,11 +47,11 @@ def chunk_edge_tensors(dtype: torch.dtype) -> list[torch.Tensor]:
 # view, empty tensors between others.
 _INTERPRETED = """
 import torch
-from quant_core import _triton
-from quant_core._amax_many import amax_many_reference
+from quant_core.fp8 import _triton_amax_many as _triton
+from quant_core.fp8._amax_many import amax_many_reference
 from quant_core.testing import adversarial
 
-C = _triton._CHUNK
+C = _triton.CHUNK
 tensors = [adversarial((n,), torch.float32, seed=n) for n in (0, 1, 7)]
 edge = torch.zeros(2 * C)
 edge[C] = -3.0  # first element of the second chunk

@@ -16,8 +16,8 @@ from quant_core.testing import FLOAT_DTYPES, adversarial
 
 pytest.importorskip("triton")  # CI machines have no Triton: the kernels' module needs it
 
-from quant_core import _triton_blocks
-from quant_core._triton_blocks import TwoPassTiles
+from quant_core.blocks import _triton as _triton_blocks
+from quant_core.blocks._triton import TwoPassTiles
 
 pytestmark = [
     pytest.mark.cuda,

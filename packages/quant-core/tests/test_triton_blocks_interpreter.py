@@ -23,9 +23,9 @@ import triton
 import triton.language as tl
 
 import quant_core
-from quant_core import _triton_blocks as tb
-from quant_core._triton_blocks import TwoPassTiles
-from quant_core._triton_numerics import Tiles
+from quant_core.blocks import _triton as tb
+from quant_core.blocks._triton import TwoPassTiles
+from quant_core.shared._triton_numerics import Tiles
 from quant_core.testing import adversarial
 
 FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")

@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("triton")  # CI machines have no Triton: the kernels' module needs it
 
-from quant_core import _triton_blocks as tb
-from quant_core._triton_numerics import Tiles
+from quant_core.blocks import _triton as tb
+from quant_core.shared._triton_numerics import Tiles
 
 CONSTANTS = (
     "BLOCKWISE_TILES",

@@ -14,7 +14,7 @@ from quant_core.testing import FLOAT_DTYPES, FP8_DTYPES, adversarial
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
-numerics = pytest.importorskip("quant_core._triton_numerics")
+numerics = pytest.importorskip("quant_core.shared._triton_numerics")
 
 pytestmark = [
     pytest.mark.cuda,

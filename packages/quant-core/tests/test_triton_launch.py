@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from quant_core import _triton_fp8
-from quant_core._triton_launch import launch
+from quant_core.fp8 import _triton as _triton_fp8
+from quant_core.shared._triton_launch import launch
 
 pytestmark = [
     pytest.mark.cuda,

@@ -17,7 +17,7 @@ import quant_core
 from quant_core.testing import FLOAT_DTYPES, adversarial, run_in_triton_interpreter
 
 pytest.importorskip("triton")
-from quant_core import _triton_nvfp4  # after the skip: imports Triton
+from quant_core.nvfp4 import _triton as _triton_nvfp4  # after the skip: imports Triton
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu-suite.sh)")
 
@@ -219,7 +219,7 @@ import torch
 sys.path.insert(0, {tests!r})
 from test_triton_nvfp4 import quantize_with, reference_of, with_ties
 import quant_core
-from quant_core import _triton_nvfp4 as kernels
+from quant_core.nvfp4 import _triton as kernels
 from quant_core.testing import adversarial
 
 x = with_ties(adversarial((34, 50), torch.float32, seed=1))
@@ -433,7 +433,7 @@ import torch
 sys.path.insert(0, {tests!r})
 from test_triton_nvfp4 import HADAMARD_SEED, quantize_with, reference_of, with_ties
 import quant_core
-from quant_core import _triton_nvfp4 as kernels
+from quant_core.nvfp4 import _triton as kernels
 from quant_core.testing import adversarial
 
 x = with_ties(adversarial((48, 50), torch.float32, seed=1))
@@ -461,7 +461,7 @@ def test_hadamard_kernels_index_like_the_reference_in_the_triton_interpreter():
 
 @pytest.mark.parametrize("seed", [0, 1, -1, 2**31, -(2**31) - 1, 2**63 - 1, -(2**63), -(2**63) + 5, -3])
 def test_a_seed_travels_as_two_int32_halves(seed):
-    from quant_core._triton_numerics import int32_halves
+    from quant_core.shared._triton_numerics import int32_halves
 
     high, low = int32_halves(seed)
     assert all(-(2**31) <= half < 2**31 for half in (high, low))

@@ -18,8 +18,8 @@ import torch
 import quant_core
 from quant_core.testing import FLOAT_DTYPES, adversarial, quantize_many_inputs, run_in_triton_interpreter
 
-tbm = pytest.importorskip("quant_core._triton_blocks_many")  # CI machines have no Triton
-tb = pytest.importorskip("quant_core._triton_blocks")
+tbm = pytest.importorskip("quant_core.blocks._triton_many")  # CI machines have no Triton
+tb = pytest.importorskip("quant_core.blocks._triton")
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu-suite.sh)")
 
@@ -33,8 +33,9 @@ FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_sc
 _INTERPRETED = """
 import torch
 import quant_core
-from quant_core import _triton_blocks as tb, _triton_blocks_many as tbm
-from quant_core._checks import as_2d
+from quant_core.blocks import _triton as tb
+from quant_core.blocks import _triton_many as tbm
+from quant_core.shared._checks import as_2d
 from quant_core.testing import quantize_many_inputs
 
 FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")

@@ -39,8 +39,8 @@ def assert_same(got: quant_core.Float8Quantized, want: quant_core.Float8Quantize
 # computes with numpy (IEEE fp32 division), so the results must equal the reference exactly.
 _INTERPRETED = """
 import torch
-from quant_core import _triton_scale
-from quant_core._fp8_scale import _delayed_scale_reference, _scale_reference
+from quant_core.fp8 import _triton_scale
+from quant_core.fp8._scale import _delayed_scale_reference, _scale_reference
 from quant_core.testing import adversarial_amaxes
 
 def bits(t):
@@ -65,7 +65,7 @@ for length, most_recent in [(1, False), (5, True), (17, False)]:
 # The fused quantize kernels ([Note: fused FP8 quantize on the GPU]) on fp32 input (the
 # interpreter's integer FP8 encoding is exact): 2 x 3 programs of the cast with a transpose, 9 of
 # the flat rowwise-only cast (partial amaxes of several programs are reduced either way).
-from quant_core import _triton_fp8
+from quant_core.fp8 import _triton as _triton_fp8
 from quant_core import quantize_fp8_delayed_reference, quantize_fp8_reference
 from quant_core.testing import adversarial
 

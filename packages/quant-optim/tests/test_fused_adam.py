@@ -1,5 +1,5 @@
 """FusedAdam against torch.optim.Adam/AdamW (within 1e-6 relative: the update rounds differently,
-see [Note: Adam numerics] in quant_core._adam), its own kernels against the reference bit for bit,
+see [Note: Adam numerics] in quant_core.adam._adam), its own kernels against the reference bit for bit,
 and quantized parameters against the reference quantization of their masters bit for bit."""
 
 from __future__ import annotations

@@ -1,65 +1,18 @@
 """quant-core: quantization kernels with a plain-torch reference for each.
 
-Every op runs on a backend chosen once per (op, device type) (see `quant_core._backend`, [Note:
+Every op runs on a backend chosen once per (op, device type) (see `quant_core._library`, [Note:
 backends]): C++ for CPU tensors, Triton for CUDA tensors, the reference otherwise or when forced
 with QUANT_CORE_BACKEND=reference|cpp|triton (read once; `reload_backend_env()` re-reads it) or
-`use_backend(...)`. Buffer layouts of every format: [Note: block layouts] in `quant_core._blocks`
+`use_backend(...)`. Buffer layouts of every format: [Note: block layouts] in `quant_core.blocks._layout`
 and packages/quant-core/README.md.
 
 The public functions check their arguments and then call operators `torch.ops.quant_core.<op>`
-([Note: custom ops] in `quant_core._ops`), which torch.compile traces as opaque nodes; callers that
+([Note: custom ops] in `quant_core._library`), which torch.compile traces as opaque nodes; callers that
 have validated already may call those operators directly (contracts in each format module's
 docstring), or the functions of `quant_core.unchecked`, which allocate the outputs too.
 """
 
 from quant_core import _library, unchecked
-from quant_core._adam import (
-    MOMENT_DTYPES,
-    AdamScalars,
-    adam_step_,
-    adam_step_reference,
-    has_non_finite,
-    has_non_finite_reference,
-    power,
-)
-from quant_core._adam_capturable import adam_step_capturable_, adam_step_capturable_reference
-from quant_core._amax_many import amax_many, amax_many_reference
-from quant_core._blocks import BlockQuantized, BlockShape
-from quant_core._blockwise import (
-    BLOCKWISE_BLOCK,
-    dequantize_fp8_blockwise,
-    dequantize_fp8_blockwise_reference,
-    quantize_fp8_blockwise,
-    quantize_fp8_blockwise_reference,
-    transpose_fp8_blockwise,
-)
-from quant_core._fp8 import (
-    amax,
-    amax_reference,
-    cast_to_fp8,
-    cast_to_fp8_reference,
-    dequantize_fp8,
-    dequantize_fp8_reference,
-    transpose_fp8,
-)
-from quant_core._fp8_quantize import (
-    Float8Quantized,
-    quantize_fp8,
-    quantize_fp8_delayed,
-    quantize_fp8_delayed_into,
-    quantize_fp8_delayed_reference,
-    quantize_fp8_into,
-    quantize_fp8_reference,
-)
-from quant_core._fp8_scale import (
-    AmaxComputeAlgo,
-    amax_from_history,
-    delayed_fp8_scale_,
-    delayed_fp8_scale_reference,
-    fp8_scale,
-    fp8_scale_reference,
-    push_amax_,
-)
 from quant_core._library import (
     BACKEND_ENV_VAR,
     BACKENDS,
@@ -69,7 +22,28 @@ from quant_core._library import (
     selected_backend,
     use_backend,
 )
-from quant_core._mxfp8 import (
+from quant_core._version import __version__
+from quant_core.adam._adam import (
+    MOMENT_DTYPES,
+    AdamScalars,
+    adam_step_,
+    adam_step_reference,
+    has_non_finite,
+    has_non_finite_reference,
+    power,
+)
+from quant_core.adam._capturable import adam_step_capturable_, adam_step_capturable_reference
+from quant_core.blocks._blockwise import (
+    BLOCKWISE_BLOCK,
+    dequantize_fp8_blockwise,
+    dequantize_fp8_blockwise_reference,
+    quantize_fp8_blockwise,
+    quantize_fp8_blockwise_reference,
+    transpose_fp8_blockwise,
+)
+from quant_core.blocks._layout import BlockQuantized, BlockShape
+from quant_core.blocks._many import quantize_fp8_blockwise_many, quantize_mxfp8_many
+from quant_core.blocks._mxfp8 import (
     MXFP8_BLOCK,
     dequantize_mxfp8,
     dequantize_mxfp8_pair,
@@ -77,7 +51,35 @@ from quant_core._mxfp8 import (
     quantize_mxfp8,
     quantize_mxfp8_reference,
 )
-from quant_core._nvfp4 import (
+from quant_core.fp8._amax_many import amax_many, amax_many_reference
+from quant_core.fp8._fp8 import (
+    amax,
+    amax_reference,
+    cast_to_fp8,
+    cast_to_fp8_reference,
+    dequantize_fp8,
+    dequantize_fp8_reference,
+    transpose_fp8,
+)
+from quant_core.fp8._quantize import (
+    Float8Quantized,
+    quantize_fp8,
+    quantize_fp8_delayed,
+    quantize_fp8_delayed_into,
+    quantize_fp8_delayed_reference,
+    quantize_fp8_into,
+    quantize_fp8_reference,
+)
+from quant_core.fp8._scale import (
+    AmaxComputeAlgo,
+    amax_from_history,
+    delayed_fp8_scale_,
+    delayed_fp8_scale_reference,
+    fp8_scale,
+    fp8_scale_reference,
+    push_amax_,
+)
+from quant_core.nvfp4._nvfp4 import (
     NVFP4_BLOCK,
     dequantize_nvfp4,
     dequantize_nvfp4_pair,
@@ -96,14 +98,11 @@ from quant_core._nvfp4 import (
     quantize_nvfp4_reference,
     transpose_nvfp4,
 )
-from quant_core._quantize_many import quantize_fp8_blockwise_many, quantize_mxfp8_many
-from quant_core._version import __version__
 
-# The backends' kernels register on their dispatch keys ([Note: custom ops] in quant_core._library).
-if _library.cpp_extension() is not None:
-    from quant_core import _cpp  # noqa: F401
+# The Triton kernels register on the CUDA dispatch key where they can run ([Note: custom ops] in
+# quant_core._library); the C++ kernels registered on the CPU key with their formats' modules.
 if _library.triton_usable():
-    from quant_core import _triton  # noqa: F401
+    _library.register_triton_kernels()
 
 __all__ = [
     # backends

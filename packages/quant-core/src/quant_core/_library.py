@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import importlib
 import importlib.util
 import inspect
 import os
@@ -195,6 +196,8 @@ def register_kernel(
     """
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if backend == "cpp" and cpp_extension() is None:
+            return fn  # a broken build: CPU tensors run the reference (available_backends says why)
         operator = OPERATORS[op]
         if backend in operator.kernels:
             raise RuntimeError(f"op {op!r} already has a {backend} kernel ({operator.kernels[backend].__qualname__})")
@@ -311,6 +314,24 @@ def cpp_extension() -> Any:
         except ImportError as error:
             _extension_error = str(error)
     return _extension
+
+
+# The modules whose import registers the Triton kernels (CUDA key), imported only where they can run.
+TRITON_MODULES = (
+    "quant_core.adam._triton",
+    "quant_core.blocks._triton",
+    "quant_core.blocks._triton_many",
+    "quant_core.fp8._triton",
+    "quant_core.fp8._triton_amax_many",
+    "quant_core.fp8._triton_scale",
+    "quant_core.nvfp4._triton",
+)
+
+
+def register_triton_kernels() -> None:
+    """Imports the Triton modules, whose kernels register on the CUDA dispatch key."""
+    for module in TRITON_MODULES:
+        importlib.import_module(module)
 
 
 @functools.cache

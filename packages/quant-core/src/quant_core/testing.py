@@ -14,8 +14,8 @@ from contextlib import contextmanager
 
 import torch
 
-from quant_core._checks import FLOAT_DTYPES, FP8_DTYPES
 from quant_core._library import Backend, available_backends
+from quant_core.shared._checks import FLOAT_DTYPES, FP8_DTYPES
 
 __all__ = [
     "FLOAT_DTYPES",

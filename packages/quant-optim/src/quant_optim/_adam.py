@@ -6,7 +6,7 @@
    skipped step leaves parameters, masters, moments and step counts as they were;
 2. the update runs on the fp32 master (the parameter itself when it is fp32) through
    quant_core.adam_step_: one call per kind of parameter (group options, step count, dtypes),
-   one threaded pass in C++ for CPU tensors ([Note: Adam numerics] in quant_core._adam: fp32
+   one threaded pass in C++ for CPU tensors ([Note: Adam numerics] in quant_core.adam._adam: fp32
    results are within a few ulp of torch.optim.AdamW, not bitwise: torch's rounding differs
    between its own kernels). The same pass returns max |master| for per-tensor formats;
 3. low-precision parameters are written back from the master: bf16/fp16 by a cast, quantized

@@ -75,7 +75,7 @@ class _Bucket:
     compute_amax: bool = False
     """Whether a parameter of it is requantized with a per-tensor amax (which the kernel returns)."""
     plain: bool = True
-    """Whether every tensor owns its memory (else the reference runs: quant_core._adam's _is_plain)."""
+    """Whether every tensor owns its memory (else the reference runs: quant_core.adam._adam's _is_plain)."""
 
 
 @dataclass(eq=False)

@@ -1,6 +1,6 @@
 """What MXFP8, blockwise FP8 and NVFP4 tensors share: four buffers laid out as quant-core's blocks.
 
-Buffers ([Note: block layouts] in quant_core._blocks): rowwise_data and rowwise_scale_inv of the
+Buffers ([Note: block layouts] in quant_core.blocks._layout): rowwise_data and rowwise_scale_inv of the
 (M, K) view, columnwise_data and columnwise_scale_inv of x^T. With b x b tiles the columnwise
 buffers are the exact transpose of the rowwise ones, so either follows from the other; with
 1 x b blocks columnwise is quantized separately (its blocks run along M).

@@ -4,7 +4,7 @@
 is the nominal high-precision dtype and whose `.shape` is the logical shape; its values live in
 plain tensors ("buffers", declared per class in `_buffer_names`, each possibly None when that
 usage is absent) plus non-tensor metadata (`_metadata_names`). The rowwise/columnwise layouts are
-quant-core's ([Note: block layouts] in quant_core._blocks): rowwise buffers follow the (M, K)
+quant-core's ([Note: block layouts] in quant_core.blocks._layout): rowwise buffers follow the (M, K)
 view of the tensor (M = product of the leading dims), columnwise buffers hold x^T.
 
 Ops reach `__torch_dispatch__`, which looks them up in the op tables along the class's MRO (each

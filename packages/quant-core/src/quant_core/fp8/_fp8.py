@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from quant_core._checks import (
+from quant_core._library import Kernel, call, define_op, register_kernel
+from quant_core.shared._checks import (
     as_2d,
     check_float_input,
     check_fp8_dtype,
@@ -33,8 +34,8 @@ from quant_core._checks import (
     output_buffer,
     with_shape,
 )
-from quant_core._library import Kernel, call, define_op, register_kernel
-from quant_core._numerics import encode_fp8, finite_abs, to_output_dtype
+from quant_core.shared._cpp import _C, DTYPE_CODES, FP8_FORMAT_CODES
+from quant_core.shared._numerics import encode_fp8, finite_abs, to_output_dtype
 
 # ---- amax ------------------------------------------------------------------------------------
 
@@ -239,3 +240,59 @@ def _transpose_bytes_op(kernel: Kernel, data_MK: torch.Tensor) -> torch.Tensor:
 @register_kernel("transpose_bytes", "reference")
 def _transpose_bytes_reference(data_MK: torch.Tensor, out_KM: torch.Tensor) -> None:
     out_KM.copy_(data_MK.t())
+
+
+# ---- C++ kernels (CPU tensors; [Note: C++ kernel arguments] in quant_core.shared._cpp) ----
+
+
+@register_kernel("amax", "cpp")
+def _amax_cpp(x_MK: torch.Tensor) -> torch.Tensor:
+    out = torch.empty((), dtype=torch.float32)
+    M, K = x_MK.shape
+    _C.amax(x_MK.data_ptr(), DTYPE_CODES[x_MK.dtype], M, K, *x_MK.stride(), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+@register_kernel("cast_to_fp8", "cpp")
+def _cast_to_fp8_cpp(
+    x_MK: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    rowwise_MK: torch.Tensor | None,
+    columnwise_KM: torch.Tensor | None,
+) -> None:
+    M, K = x_MK.shape
+    _C.cast_to_fp8(
+        x_MK.data_ptr(),
+        DTYPE_CODES[x_MK.dtype],
+        M,
+        K,
+        *x_MK.stride(),
+        scale.data_ptr(),
+        FP8_FORMAT_CODES[fp8_dtype],
+        0 if rowwise_MK is None else rowwise_MK.data_ptr(),  # `pointer`, inline: a hot path
+        0 if columnwise_KM is None else columnwise_KM.data_ptr(),
+        torch.get_num_threads(),
+    )
+
+
+@register_kernel("dequantize_fp8", "cpp")
+def _dequantize_fp8_cpp(data_MK: torch.Tensor, scale_inv: torch.Tensor, out_MK: torch.Tensor) -> None:
+    R, C = data_MK.shape
+    _C.dequantize_fp8(
+        data_MK.data_ptr(),
+        FP8_FORMAT_CODES[data_MK.dtype],
+        R,
+        C,
+        scale_inv.data_ptr(),
+        out_MK.data_ptr(),
+        DTYPE_CODES[out_MK.dtype],
+        torch.get_num_threads(),
+    )
+
+
+@register_kernel("transpose_bytes", "cpp")
+def _transpose_bytes_cpp(data_MK: torch.Tensor, out_KM: torch.Tensor) -> None:
+    _C.transpose_bytes(
+        data_MK.data_ptr(), *data_MK.shape, *data_MK.stride(), out_KM.data_ptr(), torch.get_num_threads()
+    )

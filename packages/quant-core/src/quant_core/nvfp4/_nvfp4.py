@@ -61,7 +61,8 @@ import dataclasses
 
 import torch
 
-from quant_core._blocks import (
+from quant_core._library import Kernel, call, define_op, register_kernel
+from quant_core.blocks._layout import (
     BlockQuantized,
     BlockShape,
     block_amax,
@@ -82,10 +83,10 @@ from quant_core._blocks import (
     run_dequantize_pair_kernel,
     run_quantize_kernel,
 )
-from quant_core._checks import as_2d, check_float_input, check_output_dtype, check_scalar, with_shape
-from quant_core._fp8 import amax, amax_reference
-from quant_core._library import Kernel, call, define_op, register_kernel
-from quant_core._numerics import (
+from quant_core.fp8._fp8 import amax, amax_reference
+from quant_core.shared._checks import as_2d, check_float_input, check_output_dtype, check_scalar, with_shape
+from quant_core.shared._cpp import _C, out_dtype_code, outputs, x_args
+from quant_core.shared._numerics import (
     E2M1_MAX,
     E4M3_MAX,
     FLOAT32_MAX,
@@ -752,3 +753,85 @@ def _hadamard_amaxes_op(kernel: Kernel, x_MK: torch.Tensor, seed: int) -> torch.
 @register_kernel("hadamard_amaxes", "reference")
 def _hadamard_amaxes_reference_kernel(x_MK: torch.Tensor, seed: int, out: torch.Tensor) -> None:
     out.copy_(hadamard_amaxes_reference(x_MK, seed))
+
+
+# ---- C++ kernels (CPU tensors; [Note: C++ kernel arguments] in quant_core.shared._cpp) ----
+
+
+@register_kernel("quantize_nvfp4", "cpp")
+def _quantize_nvfp4_cpp(
+    x_MK: torch.Tensor,
+    block_rows: int,
+    global_amax: torch.Tensor,
+    stochastic_rounding: bool,
+    seed: torch.Tensor,
+    columnwise_amax: torch.Tensor,
+    hadamard_seed: int | None,
+    *buffers: torch.Tensor | None,
+) -> None:
+    seed = seed if seed.device.type == "cpu" else seed.cpu()  # read through its pointer
+    _C.quantize_nvfp4(
+        *x_args(x_MK),
+        block_rows,
+        global_amax.data_ptr(),
+        stochastic_rounding,
+        seed.data_ptr(),
+        columnwise_amax.data_ptr(),
+        hadamard_seed is not None,
+        (hadamard_seed or 0) & 0xFFFFFFFFFFFFFFFF,
+        *outputs(*buffers),
+        torch.get_num_threads(),
+    )
+
+
+@register_kernel("dequantize_nvfp4", "cpp")
+def _dequantize_nvfp4_cpp(
+    data_2d: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block_rows: int,
+    global_amax: torch.Tensor | None,
+    out_2d: torch.Tensor,
+) -> None:
+    R, C = out_2d.shape
+    if global_amax is None:  # the block values alone: the amax whose tensor scale S is exactly 1
+        global_amax = torch.full((), E4M3_MAX * E2M1_MAX)
+    _C.dequantize_nvfp4(
+        data_2d.data_ptr(),
+        R,
+        C,
+        block_rows,
+        scale_inv.data_ptr(),
+        global_amax.data_ptr(),
+        out_2d.data_ptr(),
+        out_dtype_code(out_2d),
+        torch.get_num_threads(),
+    )
+
+
+register_kernel("dequantize_nvfp4_pair", "cpp")(pair_of(_dequantize_nvfp4_cpp, 2))
+
+
+@register_kernel("transpose_nvfp4", "cpp")
+def _transpose_nvfp4_cpp(packed_MK: torch.Tensor, out_KM: torch.Tensor) -> None:
+    R, C = packed_MK.shape[0], packed_MK.shape[1] * 2
+    _C.transpose_nvfp4(packed_MK.data_ptr(), R, C, out_KM.data_ptr(), torch.get_num_threads())
+
+
+@register_kernel("hadamard_transform_16", "cpp")
+def _hadamard_transform_16_cpp(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) -> None:
+    _C.hadamard_transform_16(*x_args(x_MK), seed & 0xFFFFFFFFFFFFFFFF, out_MK.data_ptr(), torch.get_num_threads())
+
+
+@register_kernel("hadamard_inverse_16", "cpp")
+def _hadamard_inverse_16_cpp(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) -> None:
+    # D (1/4) H_16 y = D T(D y): the transform's kernel between two exact sign flips, in fp32.
+    signs = hadamard_signs(seed, x_MK.device)
+    flipped = (x_MK.float().reshape(-1, NVFP4_BLOCK) * signs).reshape(x_MK.shape)
+    values = torch.empty_like(flipped)
+    _hadamard_transform_16_cpp(flipped, seed, values)
+    out_MK.copy_(to_output_dtype(values.reshape(-1, NVFP4_BLOCK) * signs, out_MK.dtype).reshape(out_MK.shape))
+
+
+@register_kernel("hadamard_amaxes", "cpp")
+def _hadamard_amaxes_cpp(x_MK: torch.Tensor, seed: int, out: torch.Tensor) -> None:
+    _C.hadamard_amaxes(*x_args(x_MK), seed & 0xFFFFFFFFFFFFFFFF, out.data_ptr(), torch.get_num_threads())

@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from quant_core._checks import as_2d, check_float_input, check_output_dtype, output_buffer, with_shape
 from quant_core._library import Kernel, call
-from quant_core._numerics import finite_abs
+from quant_core.shared._checks import as_2d, check_float_input, check_output_dtype, output_buffer, with_shape
+from quant_core.shared._numerics import finite_abs
 
 # (rows, cols) of a 2-D block, e.g. (1, 32) or (128, 128).
 BlockShape = tuple[int, int]
@@ -44,7 +44,7 @@ BlockShape = tuple[int, int]
 
 @dataclass(frozen=True)
 class BlockQuantized:
-    """A block-scaled quantization of a tensor; see [Note: block layouts] in quant_core._blocks."""
+    """A block-scaled quantization of a tensor; see [Note: block layouts] in quant_core.blocks._layout."""
 
     rowwise_data: torch.Tensor | None
     """Codes of x in x's shape (NVFP4: uint8, last dim K/2), or None if rowwise was not asked for."""
@@ -58,7 +58,7 @@ class BlockQuantized:
     """NVFP4 only: the global amax (fp32 0-d) the tensor scale comes from."""
     columnwise_amax: torch.Tensor | None = None
     """NVFP4 with the random Hadamard transform only: amax(T(x^T)) (fp32 0-d), the columnwise
-    usage's own tensor scale's amax ([Note: NVFP4 random Hadamard transform] in quant_core._nvfp4)."""
+    usage's own tensor scale's amax ([Note: NVFP4 random Hadamard transform] in quant_core.nvfp4._nvfp4)."""
 
 
 def num_blocks(size: int, block: int) -> int:

@@ -25,8 +25,9 @@ import triton
 import triton.language as tl
 
 from quant_core._library import register_kernel
-from quant_core._triton_launch import cdiv, launch
-from quant_core._triton_numerics import (
+from quant_core.fp8._triton_scale import scale_of
+from quant_core.shared._triton_launch import cdiv, launch
+from quant_core.shared._triton_numerics import (
     EXACT,
     HARDWARE_FP8,
     Tiles,
@@ -43,7 +44,6 @@ from quant_core._triton_numerics import (
     store_bytes,
     store_values,
 )
-from quant_core._triton_scale import scale_of
 
 
 @dataclass(frozen=True)
@@ -684,7 +684,7 @@ def _dequantize_nvfp4_operand_pair_kernel(
     TILE_C: tl.constexpr,
     HARDWARE: tl.constexpr,
 ):
-    """A's tiles, then B's ([Note: dequantizing two operands] in quant_core._blocks)."""
+    """A's tiles, then B's ([Note: dequantizing two operands] in quant_core.blocks._layout)."""
     a_tiles = tl.cdiv(a_R, TILE_R) * tl.cdiv(a_C, TILE_C)
     tile = tl.program_id(0)
     if tile < a_tiles:

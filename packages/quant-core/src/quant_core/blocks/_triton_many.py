@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from quant_core._library import register_kernel
-from quant_core._triton_blocks import (
+from quant_core.blocks._triton import (
     MXFP8_FORMAT,
     TwoPassTiles,
     _launch_options,
@@ -48,8 +48,8 @@ from quant_core._triton_blocks import (
     _tiles_for,
     blockwise_format,
 )
-from quant_core._triton_launch import cdiv, launch
-from quant_core._triton_tables import int_table, program_table
+from quant_core.shared._triton_launch import cdiv, launch
+from quant_core.shared._triton_tables import int_table, program_table
 
 # Rows of a launch's pointer table (one column per tensor): the addresses of the inputs and of
 # the four buffers, then M, K and the strides of each input's (M, K) view.

@@ -15,7 +15,7 @@ with inv_bc2_sqrt = 1 / sqrt(1 - beta2^step) and step_size = lr / (1 - beta1^ste
 float64 from the float64 values of lr, the betas, eps and weight_decay by IEEE operations only
 (beta^step by squaring: `power`; a correctly rounded sqrt), each result rounded once to fp32, so
 a GPU kernel that computes them from a step count held on the device gets the same bits ([Note:
-capturable Adam step] in quant_core._adam_capturable). It differs from torch.optim.AdamW by
+capturable Adam step] in quant_core.adam._capturable). It differs from torch.optim.AdamW by
 rounding only (a few ulp of the update). Gradients may be fp32, bf16 or fp16; moments fp32 or
 bf16 (read as fp32, updated in fp32, stored rounded to nearest even, the update using the fp32
 value); parameters (fp32 masters) are updated in place.
@@ -41,9 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
-from quant_core._checks import FLOAT_DTYPES, check_float_input
-from quant_core._fp8 import amax_reference
 from quant_core._library import Kernel, call, define_op, register_kernel
+from quant_core.fp8._fp8 import amax_reference
+from quant_core.shared._checks import FLOAT_DTYPES, check_float_input
+from quant_core.shared._cpp import _C, DTYPE_CODES, pointer
 
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -277,3 +278,45 @@ def adam_step_reference(
     if not compute_amax:
         return None
     return torch.stack(amaxes) if amaxes else torch.zeros(0, dtype=torch.float32)
+
+
+# ---- C++ kernels (CPU tensors; [Note: C++ kernel arguments] in quant_core.shared._cpp) ----
+
+
+@register_kernel("adam_step", "cpp")
+def _adam_step_cpp(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    scalars: AdamScalars,
+    compute_amax: bool,
+) -> torch.Tensor | None:
+    amax = torch.zeros(len(params), dtype=torch.float32) if compute_amax else None
+    _C.adam_step(
+        [p.data_ptr() for p in params],
+        [g.data_ptr() for g in grads],
+        [m.data_ptr() for m in exp_avgs],
+        [v.data_ptr() for v in exp_avg_sqs],
+        [p.numel() for p in params],
+        DTYPE_CODES[grads[0].dtype],
+        DTYPE_CODES[exp_avgs[0].dtype],
+        DTYPE_CODES[exp_avg_sqs[0].dtype],
+        _C.AdamScalars(**dataclasses.asdict(scalars)),
+        pointer(amax),
+        torch.get_num_threads(),
+    )
+    for t in (*params, *exp_avgs, *exp_avg_sqs):  # written through pointers: tell autograd and caches
+        torch.autograd.graph.increment_version(t)
+    return amax
+
+
+@register_kernel("has_non_finite", "cpp")
+def _has_non_finite_cpp(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    found = _C.has_non_finite(
+        [t.data_ptr() for t in tensors],
+        [DTYPE_CODES[t.dtype] for t in tensors],
+        [t.numel() for t in tensors],
+        torch.get_num_threads(),
+    )
+    return torch.tensor(float(found))

@@ -31,7 +31,9 @@ from typing import NoReturn
 
 import torch
 
-from quant_core._blocks import (
+from quant_core._library import Backend, Kernel, backend_kernel, call, define_op, register_kernel
+from quant_core.blocks._blockwise import BLOCKWISE_BLOCK, BLOCKWISE_SHAPES
+from quant_core.blocks._layout import (
     BlockQuantized,
     BlockShape,
     block_buffers,
@@ -39,10 +41,8 @@ from quant_core._blocks import (
     check_block_shape,
     check_quantize_input,
 )
-from quant_core._blockwise import BLOCKWISE_BLOCK, BLOCKWISE_SHAPES
-from quant_core._checks import FLOAT_DTYPES, as_2d, check_fp8_dtype
-from quant_core._library import Backend, Kernel, backend_kernel, call, define_op, register_kernel
-from quant_core._mxfp8 import MXFP8_BLOCK
+from quant_core.blocks._mxfp8 import MXFP8_BLOCK
+from quant_core.shared._checks import FLOAT_DTYPES, as_2d, check_fp8_dtype
 
 _BUFFERS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
 
@@ -294,3 +294,13 @@ def each_tensor(op: str, backend: Backend) -> Callable[..., None]:
 
 register_kernel("quantize_mxfp8_many", "reference")(each_tensor("quantize_mxfp8", "reference"))
 register_kernel("quantize_fp8_blockwise_many", "reference")(each_tensor("quantize_fp8_blockwise", "reference"))
+
+
+# ---- C++ kernels (CPU tensors; [Note: C++ kernel arguments] in quant_core.shared._cpp) ----
+
+
+# One GIL-free call per tensor: a CPU quantize's host time is small next to its work.
+register_kernel("quantize_mxfp8_many", "cpp")(each_tensor("quantize_mxfp8", "cpp"))
+
+
+register_kernel("quantize_fp8_blockwise_many", "cpp")(each_tensor("quantize_fp8_blockwise", "cpp"))

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from quant_core._blocks import (
+from quant_core._library import Kernel, call, define_op, register_kernel
+from quant_core.blocks._layout import (
     BlockQuantized,
     block_amax,
     check_pair_device,
@@ -33,9 +34,9 @@ from quant_core._blocks import (
     run_dequantize_pair_kernel,
     run_quantize_kernel,
 )
-from quant_core._checks import as_2d, check_output_dtype, with_shape
-from quant_core._library import Kernel, call, define_op, register_kernel
-from quant_core._numerics import E4M3_MAX, encode_fp8, max_exponent_within, power_of_two, to_output_dtype
+from quant_core.shared._checks import as_2d, check_output_dtype, with_shape
+from quant_core.shared._cpp import _C, out_dtype_code, outputs, x_args
+from quant_core.shared._numerics import E4M3_MAX, encode_fp8, max_exponent_within, power_of_two, to_output_dtype
 
 MXFP8_BLOCK = 32
 _BLOCK_SHAPE = (1, MXFP8_BLOCK)
@@ -167,3 +168,28 @@ def _dequantize_mxfp8_pair_op(
 
 
 register_kernel("dequantize_mxfp8_pair", "reference")(pair_of(_dequantize_mxfp8_reference_kernel))
+
+
+# ---- C++ kernels (CPU tensors; [Note: C++ kernel arguments] in quant_core.shared._cpp) ----
+
+
+@register_kernel("quantize_mxfp8", "cpp")
+def _quantize_mxfp8_cpp(x_MK: torch.Tensor, *buffers: torch.Tensor | None) -> None:
+    _C.quantize_mxfp8(*x_args(x_MK), *outputs(*buffers), torch.get_num_threads())
+
+
+@register_kernel("dequantize_mxfp8", "cpp")
+def _dequantize_mxfp8_cpp(data_2d: torch.Tensor, scale_inv: torch.Tensor, out_2d: torch.Tensor) -> None:
+    R, C = data_2d.shape
+    _C.dequantize_mxfp8(
+        data_2d.data_ptr(),
+        R,
+        C,
+        scale_inv.data_ptr(),
+        out_2d.data_ptr(),
+        out_dtype_code(out_2d),
+        torch.get_num_threads(),
+    )
+
+
+register_kernel("dequantize_mxfp8_pair", "cpp")(pair_of(_dequantize_mxfp8_cpp))

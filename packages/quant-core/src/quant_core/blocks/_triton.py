@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 
 from quant_core._library import register_kernel
-from quant_core._triton_launch import cdiv, launch
-from quant_core._triton_numerics import (
+from quant_core.shared._triton_launch import cdiv, launch
+from quant_core.shared._triton_numerics import (
     EXACT,
     HARDWARE_FP8,
     Tiles,
@@ -643,7 +643,7 @@ def _dequantize_blocks_pair_kernel(
     TILE_C: tl.constexpr,
     HARDWARE: tl.constexpr,
 ):
-    """A's tiles, then B's ([Note: dequantizing two operands] in quant_core._blocks)."""
+    """A's tiles, then B's ([Note: dequantizing two operands] in quant_core.blocks._layout)."""
     a_tiles = tl.cdiv(a_R, TILE_R) * tl.cdiv(a_C, TILE_C)
     tile = tl.program_id(0)
     if tile < a_tiles:

@@ -1,7 +1,7 @@
 """The Adam step with its decisions in tensors: step counts, lr and the skip verdict on the device.
 
 [Note: capturable Adam step] `adam_step_capturable_` is `adam_step_` ([Note: Adam numerics] in
-quant_core._adam) for a caller that must not read the device from the host (a training step
+quant_core.adam._adam) for a caller that must not read the device from the host (a training step
 without host syncs, or one captured in a CUDA graph and replayed):
 - `found_inf` (nonzero: a gradient somewhere was not finite) is read by the kernel, which then
   writes nothing: parameters, moments, step counts and `outs` keep their bytes. The amaxes are
@@ -36,10 +36,10 @@ from collections.abc import Sequence
 
 import torch
 
-from quant_core._adam import MOMENT_DTYPES, AdamScalars, adam_step_reference
-from quant_core._checks import FLOAT_DTYPES
-from quant_core._fp8 import amax_reference
 from quant_core._library import Kernel, call, define_op, register_kernel
+from quant_core.adam._adam import MOMENT_DTYPES, AdamScalars, adam_step_reference
+from quant_core.fp8._fp8 import amax_reference
+from quant_core.shared._checks import FLOAT_DTYPES
 
 
 def adam_step_capturable_(

@@ -13,11 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from quant_core._fp8_quantize import composed_quantize_fp8, composed_quantize_fp8_delayed, new_scalar
-from quant_core._fp8_scale import FP8_MAX
 from quant_core._library import register_kernel
-from quant_core._triton_launch import cdiv, launch
-from quant_core._triton_numerics import (
+from quant_core.fp8._quantize import composed_quantize_fp8, composed_quantize_fp8_delayed, new_scalar
+from quant_core.fp8._scale import FP8_MAX
+from quant_core.fp8._triton_scale import history_amax, history_block, push_amax, scale_of
+from quant_core.shared._triton_launch import cdiv, launch
+from quant_core.shared._triton_numerics import (
     EXACT,
     HARDWARE_FP8,
     Tiles,
@@ -28,7 +29,6 @@ from quant_core._triton_numerics import (
     store_bytes,
     store_values,
 )
-from quant_core._triton_scale import history_amax, history_block, push_amax, scale_of
 
 # Tuned on an H100 (docs/benchmarks.md, tile sweep at bf16 8192^2): tiles of the strided amax, the
 # flat amax of contiguous inputs (tile_m 1), the cast with and without a transposed output,

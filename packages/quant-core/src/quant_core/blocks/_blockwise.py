@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from quant_core._blocks import (
+from quant_core._library import Kernel, define_op, register_kernel
+from quant_core.blocks._layout import (
     BlockQuantized,
     BlockShape,
     block_amax,
@@ -31,10 +32,17 @@ from quant_core._blocks import (
     run_dequantize_kernel,
     run_quantize_kernel,
 )
-from quant_core._checks import as_2d, check_fp8_dtype
-from quant_core._fp8 import transpose_fp8
-from quant_core._library import Kernel, define_op, register_kernel
-from quant_core._numerics import FLOAT32_MAX, divide, encode_fp8, max_exponent_within, power_of_two, to_output_dtype
+from quant_core.fp8._fp8 import transpose_fp8
+from quant_core.shared._checks import as_2d, check_fp8_dtype
+from quant_core.shared._cpp import _C, FP8_FORMAT_CODES, out_dtype_code, outputs, x_args
+from quant_core.shared._numerics import (
+    FLOAT32_MAX,
+    divide,
+    encode_fp8,
+    max_exponent_within,
+    power_of_two,
+    to_output_dtype,
+)
 
 BLOCKWISE_BLOCK = 128
 BLOCKWISE_SHAPES: tuple[BlockShape, ...] = ((1, BLOCKWISE_BLOCK), (BLOCKWISE_BLOCK, BLOCKWISE_BLOCK))
@@ -217,3 +225,38 @@ def transpose_fp8_blockwise(data: torch.Tensor, scale_inv: torch.Tensor) -> tupl
             f"got {tuple(scale_inv.shape)} (1 x 128 data cannot be transposed losslessly: quantize x^T instead)"
         )
     return transpose_fp8(data_MK), scale_inv.t().contiguous()
+
+
+# ---- C++ kernels (CPU tensors; [Note: C++ kernel arguments] in quant_core.shared._cpp) ----
+
+
+@register_kernel("quantize_fp8_blockwise", "cpp")
+def _quantize_fp8_blockwise_cpp(
+    x_MK: torch.Tensor, block_rows: int, fp8_dtype: torch.dtype, power_2_scales: bool, *buffers: torch.Tensor | None
+) -> None:
+    _C.quantize_fp8_blockwise(
+        *x_args(x_MK),
+        block_rows,
+        FP8_FORMAT_CODES[fp8_dtype],
+        power_2_scales,
+        *outputs(*buffers),
+        torch.get_num_threads(),
+    )
+
+
+@register_kernel("dequantize_fp8_blockwise", "cpp")
+def _dequantize_fp8_blockwise_cpp(
+    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, out_2d: torch.Tensor
+) -> None:
+    R, C = data_2d.shape
+    _C.dequantize_fp8_blockwise(
+        data_2d.data_ptr(),
+        FP8_FORMAT_CODES[data_2d.dtype],
+        R,
+        C,
+        block_rows,
+        scale_inv.data_ptr(),
+        out_2d.data_ptr(),
+        out_dtype_code(out_2d),
+        torch.get_num_threads(),
+    )

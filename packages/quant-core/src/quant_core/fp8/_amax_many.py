@@ -17,9 +17,10 @@ from collections.abc import Sequence
 
 import torch
 
-from quant_core._checks import check_float_input
-from quant_core._fp8 import amax_reference
 from quant_core._library import Kernel, call, define_op, register_kernel
+from quant_core.fp8._fp8 import amax_reference
+from quant_core.shared._checks import as_2d, check_float_input
+from quant_core.shared._cpp import _C, DTYPE_CODES
 
 
 def amax_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -57,3 +58,23 @@ def _amax_many_op(kernel: Kernel, tensors: list[torch.Tensor]) -> torch.Tensor:
 def amax_many_reference(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Plain-torch amaxes of a non-empty sequence of tensors: `amax_reference` of each, stacked."""
     return torch.stack([amax_reference(t) for t in tensors])
+
+
+# ---- C++ kernels (CPU tensors; [Note: C++ kernel arguments] in quant_core.shared._cpp) ----
+
+
+@register_kernel("amax_many", "cpp")
+def _amax_many_cpp(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    views = [as_2d(t) for t in tensors]  # read through their strides, as amax reads them
+    out = torch.empty(len(views), dtype=torch.float32)
+    _C.amax_many(
+        [v.data_ptr() for v in views],
+        [DTYPE_CODES[v.dtype] for v in views],
+        [v.shape[0] for v in views],
+        [v.shape[1] for v in views],
+        [v.stride(0) for v in views],
+        [v.stride(1) for v in views],
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out

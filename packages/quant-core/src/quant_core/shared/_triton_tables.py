@@ -1,8 +1,8 @@
 """The device tables of multi-tensor Triton launches: per-tensor addresses and sizes, and which
 tensor and which part of it each program handles, both cached by content ([Note: pointer tables]).
 
-Used by the Adam, non-finite and amax kernels (`_triton`: one program per chunk of a tensor) and
-the multi-tensor block quantize (`_triton_blocks_many`: one program per tile of a tensor).
+Used by the Adam, non-finite and amax-of-many kernels (one program per chunk of a tensor:
+`chunk_table`) and the multi-tensor block quantize (`blocks._triton_many`: one program per tile).
 """
 
 from __future__ import annotations
@@ -80,3 +80,13 @@ def program_table(counts: tuple[int, ...], device: torch.device) -> torch.Tensor
             _program_tables.clear()
         _program_tables[key] = table
     return table
+
+
+CHUNK = 16384  # elements per program of a chunked launch: CHUNK_BLOCK-sized steps over one chunk
+CHUNK_BLOCK = 1024
+
+
+def chunk_table(numels: tuple[int, ...], device: torch.device, *, at_least_one: bool = False) -> torch.Tensor:
+    """(tensor index, chunk index) of every program of a multi-tensor launch, as int32 (n, 2);
+    with `at_least_one`, an empty tensor gets one program too."""
+    return program_table(tuple(max(-(-n // CHUNK), int(at_least_one)) for n in numels), device)

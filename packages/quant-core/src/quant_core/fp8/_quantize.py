@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from quant_core._checks import check_scalar
-from quant_core._fp8 import amax_reference, cast_to_fp8_reference, check_fp8_input, checked_layout
-from quant_core._fp8_scale import (
+from quant_core._library import Backend, backend_kernel, call, define_kernel_op, register_kernel
+from quant_core.fp8._fp8 import amax_reference, cast_to_fp8_reference, check_fp8_input, checked_layout
+from quant_core.fp8._scale import (
     FP8_MAX,
     AmaxComputeAlgo,
     check_amax_compute_algo,
@@ -43,7 +43,7 @@ from quant_core._fp8_scale import (
     delayed_fp8_scale_reference,
     fp8_scale_reference,
 )
-from quant_core._library import Backend, backend_kernel, call, define_kernel_op
+from quant_core.shared._checks import check_scalar
 
 
 @dataclass(frozen=True)
@@ -458,3 +458,13 @@ def _measured_amax(
     if amax_out is not None:
         amax_out.copy_(measured)
     return measured
+
+
+# ---- C++ kernels (CPU tensors; [Note: C++ kernel arguments] in quant_core.shared._cpp) ----
+
+
+# The C++ kernels of amax, the scale and the cast, one after another ([Note: fused FP8 quantize]).
+register_kernel("quantize_fp8", "cpp")(composed_quantize_fp8("cpp"))
+
+
+register_kernel("quantize_fp8_delayed", "cpp")(composed_quantize_fp8_delayed("cpp"))

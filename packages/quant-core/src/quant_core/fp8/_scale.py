@@ -29,9 +29,10 @@ from typing import Literal
 
 import torch
 
-from quant_core._checks import check_fp8_dtype, check_scalar
 from quant_core._library import Kernel, call, define_op, register_kernel
-from quant_core._numerics import FLOAT32_MAX, divide
+from quant_core.shared._checks import check_fp8_dtype, check_scalar
+from quant_core.shared._cpp import _C
+from quant_core.shared._numerics import FLOAT32_MAX, divide
 
 AmaxComputeAlgo = Literal["max", "most_recent"]
 # The largest finite value of each FP8 dtype (torch.finfo(dtype).max, looked up without finfo).
@@ -274,3 +275,37 @@ def _delayed_fp8_scale_reference_kernel(
     want_scale, want_scale_inv = _delayed_scale_reference(amax_history, amax, fmax, margin, power_2_scales, most_recent)
     scale.copy_(want_scale.reshape(scale.shape))
     scale_inv.copy_(want_scale_inv.reshape(scale_inv.shape))
+
+
+# ---- C++ kernels (CPU tensors; [Note: C++ kernel arguments] in quant_core.shared._cpp) ----
+
+
+@register_kernel("fp8_scale", "cpp")
+def _fp8_scale_cpp(
+    amax: torch.Tensor, fmax: float, margin: int, power_2_scales: bool, scale: torch.Tensor, scale_inv: torch.Tensor
+) -> None:
+    _C.fp8_scale(amax.data_ptr(), amax.numel(), fmax, margin, power_2_scales, scale.data_ptr(), scale_inv.data_ptr())
+
+
+@register_kernel("delayed_fp8_scale", "cpp")
+def _delayed_fp8_scale_cpp(
+    amax_history: torch.Tensor,
+    amax: torch.Tensor,
+    fmax: float,
+    margin: int,
+    power_2_scales: bool,
+    most_recent: bool,
+    scale: torch.Tensor,
+    scale_inv: torch.Tensor,
+) -> None:
+    _C.delayed_fp8_scale(
+        amax_history.data_ptr(),
+        amax_history.numel(),
+        amax.data_ptr(),
+        fmax,
+        margin,
+        power_2_scales,
+        most_recent,
+        scale.data_ptr(),
+        scale_inv.data_ptr(),
+    )

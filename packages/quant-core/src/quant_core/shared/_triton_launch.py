@@ -61,7 +61,7 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any
     if _INTERPRETED:
         kernel[grid](*args, **kwargs)
         return
-    # [Note: traced Triton kernels] in quant_core._ops: functional tensors only come with their
+    # [Note: traced Triton kernels] in quant_core._library: functional tensors only come with their
     # mode on the dispatch stack, so eager launches skip the scan of their arguments.
     if torch._C._len_torch_dispatch_stack() and any(isinstance(a, FunctionalTensor) for a in args):
         wrap_triton(kernel)[grid](*args, **kwargs)

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from quant_core._library import register_kernel
-from quant_core._triton_launch import cdiv, launch, next_power_of_2
+from quant_core.shared._triton_launch import cdiv, launch, next_power_of_2
 
 # Elements of amax per program of `fp8_scale` (one program for the usual single amax).
 _SCALE_BLOCK = 128

@@ -1,8 +1,4 @@
-"""The Triton backend (CUDA tensors): Adam, the non-finite check and the amaxes of many tensors
-here; importing this module also registers the quantize, dequantize and transpose kernels of
-every format (`_triton_fp8`, `_triton_blocks`, `_triton_blocks_many`, `_triton_nvfp4`, sharing
-`_triton_numerics`), so every op has a Triton kernel. Multi-tensor launches read their tensors
-from tables (`_triton_tables`, [Note: pointer tables]).
+"""Triton kernels of the Adam step (CUDA tensors): the capturable step and the non-finite check.
 
 [Note: exact Triton arithmetic] By default Triton contracts `a * b + c` into a fused
 multiply-add and lowers `/` and `sqrt` to approximate instructions; libdevice's explicitly
@@ -24,32 +20,14 @@ import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 from triton.language.extra import libdevice
 
-import quant_core._triton_scale  # noqa: F401  (registers the FP8 scale kernels)
-from quant_core import (  # noqa: F401  (register their kernels)
-    _adam_capturable,
-    _triton_blocks,
-    _triton_blocks_many,
-    _triton_fp8,
-    _triton_nvfp4,
-)
-from quant_core._adam import AdamScalars
-from quant_core._checks import FLOAT_DTYPES
 from quant_core._library import register_kernel
-from quant_core._triton_launch import cdiv, launch
-from quant_core._triton_numerics import finite_abs
-from quant_core._triton_tables import pointer_table, program_table
+from quant_core.shared._triton_launch import launch
+from quant_core.shared._triton_numerics import finite_abs
+from quant_core.shared._triton_tables import CHUNK, CHUNK_BLOCK, chunk_table, pointer_table
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_CHUNK = 16384  # elements per program: BLOCK-sized steps over one chunk of one tensor
-_BLOCK = 1024
 # Weight decay variants, as the Adam kernel takes them (a compile-time constant).
 _NO_DECAY, _DECOUPLED, _L2 = 0, 1, 2
-
-
-def _chunk_table(numels: tuple[int, ...], device: torch.device, *, at_least_one: bool = False) -> torch.Tensor:
-    """(tensor index, chunk index) of every program of a multi-tensor launch, as int32 (n, 2);
-    with `at_least_one`, an empty tensor gets one program too."""
-    return program_table(tuple(max(cdiv(n, _CHUNK), int(at_least_one)) for n in numels), device)
 
 
 @triton.jit
@@ -67,108 +45,6 @@ def _adam_update(
     v = v * beta2 + (g * g) * one_minus_beta2
     denom = tl.sqrt_rn(v) * inv_bias_correction2_sqrt + eps
     return p - tl.div_rn(m, denom) * step_size, m, v
-
-
-@triton.jit
-def _adam_kernel(
-    pointers,
-    num_tensors,
-    chunks,
-    amax_ptr,
-    p_like,
-    g_like,
-    m_like,
-    v_like,
-    decay,
-    weight_decay,
-    beta1,
-    one_minus_beta1,
-    beta2,
-    one_minus_beta2,
-    inv_bias_correction2_sqrt,
-    eps,
-    step_size,
-    DECAY: tl.constexpr,
-    AMAX: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """One chunk of one tensor of [Note: Adam numerics]. `pointers` ([Note: pointer tables]): the
-    rows of parameters, gradients, moments and numels for `num_tensors` tensors; `*_like` are
-    tensors of each list, for their dtypes.
-    Moments are stored in their dtype (fp32, or bf16 rounded to nearest even); with AMAX, max |p|
-    over finite updated values is merged into amax_ptr[t]."""
-    t = tl.load(chunks + 2 * tl.program_id(0))
-    chunk = tl.load(chunks + 2 * tl.program_id(0) + 1).to(tl.int64)
-    n = tl.load(pointers + 4 * num_tensors + t)
-    p_ptr = tl.load(pointers + t).to(tl.pointer_type(p_like.dtype.element_ty))
-    g_ptr = tl.load(pointers + num_tensors + t).to(tl.pointer_type(g_like.dtype.element_ty))
-    m_ptr = tl.load(pointers + 2 * num_tensors + t).to(tl.pointer_type(m_like.dtype.element_ty))
-    v_ptr = tl.load(pointers + 3 * num_tensors + t).to(tl.pointer_type(v_like.dtype.element_ty))
-    largest = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, CHUNK, BLOCK):
-        offsets = chunk * CHUNK + start + tl.arange(0, BLOCK)
-        mask = offsets < n
-        p = tl.load(p_ptr + offsets, mask=mask, other=0.0)
-        g = tl.load(g_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        p, m, v = _adam_update(
-            p, g, m, v, decay, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
-            inv_bias_correction2_sqrt, eps, step_size, DECAY,
-        )  # fmt: skip
-        tl.store(p_ptr + offsets, p, mask=mask)
-        tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_ptr + offsets, v.to(v_ptr.dtype.element_ty), mask=mask)
-        if AMAX:
-            largest = tl.maximum(largest, tl.where(mask, finite_abs(p), 0.0))
-    if AMAX:
-        tl.atomic_max(amax_ptr + t, tl.max(largest, axis=0))
-
-
-@register_kernel("adam_step", "triton")
-def _adam_step(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    scalars: AdamScalars,
-    compute_amax: bool,
-) -> torch.Tensor | None:
-    device = params[0].device
-    amax = torch.zeros(len(params), dtype=torch.float32, device=device) if compute_amax else None
-    numels = tuple(p.numel() for p in params)
-    chunks = _chunk_table(numels, device)
-    if len(chunks) == 0:
-        return amax
-    decay = _DECOUPLED if scalars.decay != 1.0 else _L2 if scalars.weight_decay != 0.0 else _NO_DECAY
-    launch(
-        _adam_kernel,
-        (len(chunks),),
-        pointer_table(params, grads, exp_avgs, exp_avg_sqs),
-        len(params),
-        chunks,
-        amax if amax is not None else chunks,  # never touched without AMAX
-        params[0],
-        grads[0],
-        exp_avgs[0],
-        exp_avg_sqs[0],
-        scalars.decay,
-        scalars.weight_decay,
-        scalars.beta1,
-        scalars.one_minus_beta1,
-        scalars.beta2,
-        scalars.one_minus_beta2,
-        scalars.inv_bias_correction2_sqrt,
-        scalars.eps,
-        scalars.step_size,
-        DECAY=decay,
-        AMAX=compute_amax,
-        CHUNK=_CHUNK,
-        BLOCK=_BLOCK,
-        enable_fp_fusion=False,  # [Note: exact Triton arithmetic]
-    )
-    return amax
 
 
 @triton.jit
@@ -197,7 +73,7 @@ def _sqrt64(a, EXACT: tl.constexpr):
 
 @triton.jit
 def _power64(base, exponent):
-    """base ** exponent in float64 by the multiplications of quant_core._adam.power."""
+    """base ** exponent in float64 by the multiplications of quant_core.adam._adam.power."""
     result = base * 0.0 + 1.0
     while exponent > 0:
         result = tl.where(exponent % 2 == 1, result * base, result)
@@ -318,7 +194,7 @@ def _adam_step_capturable(
     tickets = _tickets.get(pointers)
     if tickets is None:  # one per table: a table is one call's tensors ([Note: pointer tables])
         tickets = _tickets[pointers] = torch.zeros(len(params), dtype=torch.int32, device=device)
-    chunks = _chunk_table(tuple(p.numel() for p in params), device, at_least_one=True)
+    chunks = chunk_table(tuple(p.numel() for p in params), device, at_least_one=True)
     lr_value, beta1, beta2, eps, weight_decay = hyperparameters
     if weight_decay == 0.0 or (_fp32(weight_decay) == 0.0 and not adam_w_mode):
         decay = _NO_DECAY  # as AdamScalars' weight_decay == 0.0 or decay == 1.0 skip it
@@ -345,8 +221,8 @@ def _adam_step_capturable(
         OUT=bool(outs),
         AMAX=compute_amax,
         EXACT=not _INTERPRETED,
-        CHUNK=_CHUNK,
-        BLOCK=_BLOCK,
+        CHUNK=CHUNK,
+        BLOCK=CHUNK_BLOCK,
         enable_fp_fusion=False,  # [Note: exact Triton arithmetic]
     )
     return amax
@@ -388,7 +264,7 @@ def _has_non_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         by_dtype.setdefault(t.dtype, []).append(t)
     for same in by_dtype.values():
         numels = tuple(t.numel() for t in same)
-        chunks = _chunk_table(numels, found.device)
+        chunks = chunk_table(numels, found.device)
         launch(
             _non_finite_kernel,
             (len(chunks),),
@@ -397,61 +273,7 @@ def _has_non_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
             chunks,
             found,
             same[0],
-            CHUNK=_CHUNK,
-            BLOCK=_BLOCK,
+            CHUNK=CHUNK,
+            BLOCK=CHUNK_BLOCK,
         )
     return found
-
-
-@triton.jit
-def _chunk_amax(x_ptr, chunk, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """max |x| over the finite elements of chunk `chunk` of the n elements at x_ptr (0 if none)."""
-    largest = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, CHUNK, BLOCK):
-        offsets = chunk * CHUNK + start + tl.arange(0, BLOCK)
-        largest = tl.maximum(largest, finite_abs(tl.load(x_ptr + offsets, mask=offsets < n, other=0.0)))
-    return tl.max(largest, axis=0)
-
-
-@triton.jit
-def _amax_many_kernel(pointers, num_tensors, chunks, amax_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """One chunk of tensor t merged into amax_ptr[t] (one atomic; amaxes are >= 0, so the float
-    atomic max is exact). `pointers` ([Note: pointer tables]): rows of addresses, numbers of
-    elements and dtype codes (the index in FLOAT_DTYPES: fp32, bf16, fp16), so tensors of every
-    dtype share the launch."""
-    t = tl.load(chunks + 2 * tl.program_id(0))
-    chunk = tl.load(chunks + 2 * tl.program_id(0) + 1).to(tl.int64)
-    address = tl.load(pointers + t)
-    n = tl.load(pointers + num_tensors + t)
-    dtype_code = tl.load(pointers + 2 * num_tensors + t)
-    if dtype_code == 0:
-        largest = _chunk_amax(address.to(tl.pointer_type(tl.float32)), chunk, n, CHUNK, BLOCK)
-    elif dtype_code == 1:
-        largest = _chunk_amax(address.to(tl.pointer_type(tl.bfloat16)), chunk, n, CHUNK, BLOCK)
-    else:
-        largest = _chunk_amax(address.to(tl.pointer_type(tl.float16)), chunk, n, CHUNK, BLOCK)
-    tl.atomic_max(amax_ptr + t, largest)
-
-
-@register_kernel("amax_many", "triton")
-def _amax_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    device = tensors[0].device
-    amax = torch.zeros(len(tensors), dtype=torch.float32, device=device)
-    flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]  # the kernel reads flat memory
-    chunks = _chunk_table(tuple(t.numel() for t in flat), device)
-    if len(chunks) == 0:  # every tensor is empty
-        return amax
-    pointers = pointer_table(flat, extra=[FLOAT_DTYPES.index(t.dtype) for t in flat])
-    # Nothing to fuse (abs and max only); stated because Triton 3.9 warns when it is left unset.
-    launch(
-        _amax_many_kernel,
-        (len(chunks),),
-        pointers,
-        len(flat),
-        chunks,
-        amax,
-        CHUNK=_CHUNK,
-        BLOCK=_BLOCK,
-        enable_fp_fusion=False,
-    )
-    return amax
