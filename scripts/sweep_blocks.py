@@ -67,7 +67,7 @@ class Case:
     rowwise: bool
     columnwise: bool
     constant: str
-    """The `_triton_blocks` constant the candidates replace (the one `_tiles_for` reads for the dtype)."""
+    """The `blocks._triton` constant the candidates replace (the one `_tiles_for` reads for the dtype)."""
     candidates: tuple[Tiles | TwoPassTiles, ...]
     """The current value first."""
 

@@ -1,6 +1,6 @@
 """The Triton kernels of blockwise FP8 and MXFP8 equal the reference bit for bit (CUDA only).
 
-References run on CPU copies of the inputs (see test_triton_fp8.py for why).
+References run on CPU copies of the inputs (see testfp8/_triton.py for why).
 """
 
 from __future__ import annotations

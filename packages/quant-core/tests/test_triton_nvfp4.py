@@ -1,9 +1,9 @@
 """The Triton kernels of NVFP4 equal the reference bit for bit (CUDA): quantize (1 x 16 and
 16 x 16, stochastic rounding), dequantize, the nibble transpose and the Hadamard transform, every
-kernel variant of `_triton_nvfp4`. On machines without a GPU, Triton's CPU interpreter checks the
+kernel variant of `nvfp4._triton`. On machines without a GPU, Triton's CPU interpreter checks the
 indexing of the register-blocks quantize and the pairs dequantize kernels.
 
-References run on CPU copies of the inputs (see test_triton_fp8.py for why).
+References run on CPU copies of the inputs (see testfp8/_triton.py for why).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ quantizer's); usages are per tensor (the buffers present), shapes, strides and i
 differ, the device may not. Kernels: the reference and C++ ones run the format's single-tensor
 kernel on each tensor in turn (C++: one GIL-free call per tensor; its host time is small next to
 a CPU quantize); the Triton one quantizes all of them in one launch per group of tensors sharing
-its compile-time constants ([Note: multi-tensor block quantize] in `_triton_blocks_many`).
+its compile-time constants ([Note: multi-tensor block quantize] in `blocks._triton_many`).
 
 Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
 - `torch.ops.quant_core.quantize_mxfp8_many(xs, rowwise, columnwise, rowwise_data,

@@ -2,7 +2,7 @@
 
 Legend: `x_MK` is the input viewed as (M, K) and read through (stride_m, stride_k); a program
 quantizes one TILE_M x TILE_K tile (both multiples of the block) and writes every usage from
-that one read ([Note: block layouts] in `_blocks.py`): rowwise codes `rowwise_MK` with one
+that one read ([Note: block layouts] in `blocks/_layout.py`): rowwise codes `rowwise_MK` with one
 scale per 1 x BLOCK run (`*_MB`: TILE_M x TILE_K/BLOCK), columnwise codes (x^T, `columnwise_KM`)
 with one scale per BLOCK x 1 run (`*_BK`: TILE_M/BLOCK x TILE_K), transposed through shared
 memory; a 128 x 128 tile has one scale for both. Scales are stored as the reference stores them:
@@ -11,7 +11,7 @@ fp32 `scale_inv` (blockwise), E8M0 bytes (MXFP8). 1 x b blocks can also take the
 columns, `_SK` a step of the second pass, `_CB` a chunk's rowwise blocks, `_K` one per column.
 Each kernel maps its program to a tile and runs a tile body (`_quantize_tile`,
 `_quantize_two_pass_tile`) that the multi-tensor kernels share ([Note: multi-tensor block
-quantize] in `_triton_blocks_many`).
+quantize] in `blocks._triton_many`).
 
 [Note: two-pass block quantize] A columnwise 1 x b code needs the amax of its column over b rows
 first. `_quantize_blocks_kernel` reduces a whole tile along both axes: it keeps the tile, two

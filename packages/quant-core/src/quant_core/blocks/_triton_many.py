@@ -8,7 +8,7 @@ operator dispatch, launch), more than the kernel at the sizes of most weights. H
 quantizes a list of tensors: program p reads row p of a program table (tensor t, tile i;
 `_triton_tables.program_table`), then tensor t's addresses, (M, K) and strides from a pointer
 table ([Note: pointer tables]), and runs the single-tensor kernel's tile body (`_quantize_tile`,
-`_quantize_two_pass_tile` in `_triton_blocks`) on tile i of it, with the tiles `_tiles_for` picks
+`_quantize_two_pass_tile` in `blocks._triton`) on tile i of it, with the tiles `_tiles_for` picks
 for that tensor's single launch: the bytes are the single kernel's, bit for bit, and both tables
 are cached by content, so a step whose tensors keep their storages copies nothing to the device
 (and a CUDA graph can replay it).

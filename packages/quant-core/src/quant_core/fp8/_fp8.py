@@ -1,6 +1,6 @@
 """Per-tensor FP8 (DESIGN section 3): amax, cast with a given scale, dequantize and transpose, each
-with its reference. The scales are in `_fp8_scale`, the one-operator quantize functions in
-`_fp8_quantize`.
+with its reference. The scales are in `fp8._scale`, the one-operator quantize functions in
+`fp8._quantize`.
 
 Buffers: rowwise data has the input's shape; columnwise data is the (K, M) transpose of the
 input's (M, K) view (M = product of the leading dims, K = the last dim). Data tensors carry the

@@ -4,7 +4,7 @@
 kernel of their own per backend: the reference and C++ ones run the kernels of `amax`,
 `fp8_scale` / `delayed_fp8_scale` and `cast_to_fp8` one after another (`composed_quantize_fp8*`),
 the Triton one fuses them into two launches ([Note: fused FP8 quantize on the GPU] in
-`_triton_fp8.py`). The host pays one operator dispatch instead of one per step (~3 us each on the
+`fp8/_triton.py`). The host pays one operator dispatch instead of one per step (~3 us each on the
 CPU, ~20 us per aten op on an H100 VM), and torch.compile sees one opaque node (no scale
 arithmetic is left for Inductor to generate), so compiled equals eager bit for bit. Given an amax (one all-reduced over the ranks that
 hold shards of x: callers measure it with `amax` first), the operators skip the measuring step.
@@ -388,7 +388,7 @@ def composed_quantize_fp8_delayed(backend: Backend) -> Callable[..., None]:
     return quantize
 
 
-# The reference and C++ backends run the steps' kernels; Triton fuses them (`_triton_fp8.py`).
+# The reference and C++ backends run the steps' kernels; Triton fuses them (`fp8/_triton.py`).
 _FP8_BUFFERS = ("rowwise_MK", "columnwise_KM", "scale_inv", "scale", "amax_out")
 define_kernel_op("quantize_fp8", mutates_args=_FP8_BUFFERS)(composed_quantize_fp8("reference"))
 define_kernel_op("quantize_fp8_delayed", mutates_args=("amax_history", *_FP8_BUFFERS))(

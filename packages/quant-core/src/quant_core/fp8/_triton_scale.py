@@ -1,4 +1,4 @@
-"""Triton kernels of the per-tensor FP8 scales (`_fp8_scale.py`): current and delayed scaling.
+"""Triton kernels of the per-tensor FP8 scales (`fp8/_scale.py`): current and delayed scaling.
 
 A handful of scalars per call: one program of one warp, launched with `enable_fp_fusion=False`
 and dividing with `tl.div_rn` ([Note: exact Triton arithmetic] in `_triton.py`), so the

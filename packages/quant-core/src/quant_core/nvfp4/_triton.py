@@ -3,7 +3,7 @@ the lossless nibble transpose and the 16 x 16 random Hadamard transform.
 
 Legend: `x_MK` is the input viewed as (M, K) and read through (stride_m, stride_k); a program
 quantizes one TILE_M x TILE_K tile (multiples of 16) and writes every usage from that one read
-([Note: block layouts] in `_blocks.py`). Codes are 4-bit E2M1 values held as int32 until packed
+([Note: block layouts] in `blocks/_layout.py`). Codes are 4-bit E2M1 values held as int32 until packed
 two per byte along the last dim of their output (even element in the low nibble); `*_MB` holds
 one value per 1 x 16 run of a row, `*_BK` per 16 x 1 run of a column, `*_T` per 16 x 16 tile.
 The register-blocks kernel holds its tile as `*_TGHK` (T, G, H, TILE_K): element (t, g, h, k) is
