@@ -86,3 +86,32 @@ def test_equal_layers_share_compiled_code():
     for layer in layers:
         run(layer, torch.randn(16, 128))
     assert counts["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("quantized_weights", [False, True], ids=["hp-weights", "quantized-weights"])
+@pytest.mark.parametrize("name", ["fp8", "mxfp8", "fp8-block", "nvfp4"])
+def test_compiled_layers_recompute_input_codes_rather_than_save_them(name, quantized_weights, monkeypatch):
+    # [Note: recomputed quantizations] in quant_core._recompute. Delayed scaling is left out: its
+    # quantize writes the amax history (a module buffer), so its codes stay saved.
+    import torch._inductor.compile_fx as compile_fx
+
+    partition = compile_fx.min_cut_rematerialization_partition
+    saved: list[torch.Tensor] = []
+
+    def recording(joint, inputs, **kwargs):
+        forward, backward = partition(joint, inputs, **kwargs)
+        outputs = next(n for n in forward.graph.nodes if n.op == "output").args[0]
+        saved.extend(
+            o.meta["val"]
+            for o in outputs
+            if isinstance(o.meta.get("val") if hasattr(o, "meta") else None, torch.Tensor)
+        )
+        return forward, backward
+
+    monkeypatch.setattr(compile_fx, "min_cut_rematerialization_partition", recording)
+    torch._dynamo.reset()
+    model = _model(name, quantized_weights, "cpu")
+    x = torch.randn(4, 96, 128, requires_grad=True)  # 384 tokens: a dim no weight has
+    torch.compile(model, fullgraph=True)(x).sum().backward()
+    codes = [tuple(t.shape) for t in saved if t.element_size() == 1 and {384, 192} & set(t.shape)]
+    assert saved and not codes, f"the compiled layers save the codes or scales of their inputs: {codes}"

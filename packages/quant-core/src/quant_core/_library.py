@@ -52,6 +52,8 @@ from typing import Any, Literal
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
+from quant_core._recompute import prefer_recompute
+
 NAMESPACE = "quant_core"
 Backend = Literal["reference", "cpp", "triton"]
 BACKENDS: tuple[Backend, ...] = ("reference", "cpp", "triton")
@@ -72,10 +74,13 @@ class Operator:
     """One operator: its body, its kernel per backend and, per (device type, forced backend), the
     implementation that runs (what the dispatcher would run, cached for `call`)."""
 
-    def __init__(self, name: str, body: Callable[..., Any] | None, mutates_args: Sequence[str]) -> None:
+    def __init__(
+        self, name: str, body: Callable[..., Any] | None, mutates_args: Sequence[str], recomputable: bool
+    ) -> None:
         self.name = name
         self.body = body
         self.mutates_args = tuple(mutates_args)
+        self.recomputable = recomputable
         self.kernels: dict[Backend, Callable[..., Any]] = {}
         self.traceable: set[Backend] = set()
         self.resolved: dict[tuple[str, Backend | None], Callable[..., Any]] = {}
@@ -133,34 +138,44 @@ OPERATORS: dict[str, Operator] = {}
 
 
 def define_op(
-    name: str, *, mutates_args: Sequence[str] = (), fake: Callable[..., Any] | None = None
+    name: str,
+    *,
+    mutates_args: Sequence[str] = (),
+    fake: Callable[..., Any] | None = None,
+    recomputable: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Defines `torch.ops.quant_core.<name>` from its body, `body(kernel, *arguments)`: the part
     every backend shares, calling `kernel` (the backend's, registered with `register_kernel`).
 
     The schema is inferred from the body's annotations after `kernel`, `mutates_args` naming the
     arguments written in place. `fake` computes output metadata under torch.compile (default: no
-    outputs, for operators that only fill buffers). Returns the body unchanged.
+    outputs, for operators that only fill buffers). `recomputable`: under torch.compile, a call that
+    writes only buffers allocated for it is recomputed in the backward rather than saved
+    ([Note: recomputed quantizations] in quant_core._recompute). Returns the body unchanged.
     """
 
     def decorate(body: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(body)
         prototype = types.FunctionType(body.__code__, body.__globals__, body.__name__)
         prototype.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])  # type: ignore[attr-defined]
-        _define(name, prototype, body, mutates_args, fake)
+        _define(name, prototype, body, mutates_args, fake, recomputable)
         return body
 
     return decorate
 
 
 def define_kernel_op(
-    name: str, *, mutates_args: Sequence[str] = (), fake: Callable[..., Any] | None = None
+    name: str,
+    *,
+    mutates_args: Sequence[str] = (),
+    fake: Callable[..., Any] | None = None,
+    recomputable: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Defines `torch.ops.quant_core.<name>` from its reference kernel: an op without a body, whose
     kernels take its arguments as they are. The decorated function is registered as the reference."""
 
     def decorate(reference: Callable[..., Any]) -> Callable[..., Any]:
-        _define(name, reference, None, mutates_args, fake)
+        _define(name, reference, None, mutates_args, fake, recomputable)
         return register_kernel(name, "reference")(reference)
 
     return decorate
@@ -172,11 +187,12 @@ def _define(
     body: Callable[..., Any] | None,
     mutates_args: Sequence[str],
     fake: Callable[..., Any] | None,
+    recomputable: bool,
 ) -> None:
     _library.define(name + torch.library.infer_schema(prototype, mutates_args=tuple(mutates_args)))
     _library.impl(name, torch.library.fallthrough_kernel, "Autograd")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake or _no_outputs, lib=_library)
-    operator = Operator(name, body, mutates_args)
+    operator = Operator(name, body, mutates_args, recomputable)
     operator.overload = getattr(torch.ops.quant_core, name).default
     torch.library.register_torch_dispatch(
         f"{NAMESPACE}::{name}", FunctionalTensorMode, _traced_where_traceable(operator), lib=_library
@@ -425,12 +441,15 @@ def _no_outputs(*args: object) -> None:
 # own). Other kernels (C++, the references, Triton kernels not marked) stay opaque operators.
 def _traced_where_traceable(operator: Operator) -> Callable[..., Any]:
     def rule(mode: FunctionalTensorMode, op: Any, types: Any, args: Any, kwargs: Any) -> Any:
-        device_type = _device_type(args)
-        backend = operator.select(device_type)
-        if backend not in operator.traceable:
-            return mode.__torch_dispatch__(op, types, args, kwargs)
-        with mode:
-            return operator.implementation(backend, version_bumps=False)(*args, **kwargs)
+        backend = operator.select(_device_type(args))
+        tagging = (
+            prefer_recompute(args, operator.mutated_positions) if operator.recomputable else contextlib.nullcontext()
+        )
+        with tagging:
+            if backend not in operator.traceable:
+                return mode.__torch_dispatch__(op, types, args, kwargs)
+            with mode:
+                return operator.implementation(backend, version_bumps=False)(*args, **kwargs)
 
     return rule
 

@@ -115,6 +115,7 @@ def quantize_fp8_blockwise(
 @define_op(
     "quantize_fp8_blockwise",
     mutates_args=("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"),
+    recomputable=True,
 )
 def _quantize_fp8_blockwise_op(
     kernel: Kernel,

@@ -82,6 +82,7 @@ def quantize_mxfp8(
 @define_op(
     "quantize_mxfp8",
     mutates_args=("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"),
+    recomputable=True,
 )
 def _quantize_mxfp8_op(
     kernel: Kernel,

@@ -136,7 +136,7 @@ def check_fp8_input(x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
         raise ValueError("x is 0-d; FP8 quantization needs a last dim to lay data out along (reshape it to (1,))")
 
 
-@define_op("cast_to_fp8", mutates_args=("rowwise_MK", "columnwise_KM"))
+@define_op("cast_to_fp8", mutates_args=("rowwise_MK", "columnwise_KM"), recomputable=True)
 def _cast_to_fp8_op(
     kernel: Kernel,
     x_MK: torch.Tensor,

@@ -390,7 +390,7 @@ def composed_quantize_fp8_delayed(backend: Backend) -> Callable[..., None]:
 
 # The reference and C++ backends run the steps' kernels; Triton fuses them (`fp8/_triton.py`).
 _FP8_BUFFERS = ("rowwise_MK", "columnwise_KM", "scale_inv", "scale", "amax_out")
-define_kernel_op("quantize_fp8", mutates_args=_FP8_BUFFERS)(composed_quantize_fp8("reference"))
+define_kernel_op("quantize_fp8", mutates_args=_FP8_BUFFERS, recomputable=True)(composed_quantize_fp8("reference"))
 define_kernel_op("quantize_fp8_delayed", mutates_args=("amax_history", *_FP8_BUFFERS))(
     composed_quantize_fp8_delayed("reference")
 )

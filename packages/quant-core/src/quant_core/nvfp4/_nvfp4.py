@@ -317,6 +317,7 @@ def quantize_nvfp4(
 @define_op(
     "quantize_nvfp4",
     mutates_args=("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"),
+    recomputable=True,
 )
 def _quantize_nvfp4_op(
     kernel: Kernel,

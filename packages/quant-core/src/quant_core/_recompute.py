@@ -1,0 +1,80 @@
+"""Quantize ops that torch.compile's partitioner recomputes in the backward instead of saving.
+
+[Note: recomputed quantizations] A compiled training step keeps, from forward to backward, what
+its backward reads and the partitioner chose to save rather than recompute. The partitioner
+recomputes only ops it knows (aten's pointwise ops, views, ...): a custom op's outputs are saved.
+A quantized Linear's backward reads the codes of its input (wgrad), so a compiled layer would save
+the FP8 codes of every Linear input on top of the high-precision tensors it saves anyway (the
+norm's input, attention's output, the MLP's gate and up outputs, from which the Linear inputs
+are recomputed): per decoder layer of the 2.2B Llama, 104 MiB that torchao, whose casts are aten
+ops, does not hold. Ops defined `recomputable` are tagged as selective activation checkpointing
+tags its region (`CheckpointPolicy.PREFER_RECOMPUTE`, node meta "recompute"), so their outputs are
+recomputed from their inputs in the backward: one or two more reads of a tensor that is alive
+anyway.
+
+Only a pure call is tagged: every buffer it writes must have been allocated in the graph for it
+(an `empty`, possibly viewed), which the tag covers too. A call that writes a graph input (a
+module buffer: an amax history) keeps its outputs saved, as it would be unsafe to run twice. A
+region the user tagged already (their own activation checkpointing) keeps the user's tags.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.utils.checkpoint import CheckpointPolicy
+
+_ALLOCATIONS = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default})
+_VIEWS = frozenset(
+    {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.as_strided.default}
+)
+
+
+@contextlib.contextmanager
+def prefer_recompute(args: Sequence[Any], mutated_positions: Sequence[int]) -> Iterator[None]:
+    """Tags the graph nodes that the traced call inside the block creates, and the allocations of
+    the buffers it writes, to be recomputed in the backward ([Note: recomputed quantizations])."""
+    proxy_mode = get_proxy_mode()
+    if proxy_mode is None:
+        yield
+        return
+    graph = proxy_mode.tracer.graph
+    allocations = _fresh_allocations(proxy_mode, args, mutated_positions)
+    count = len(graph.nodes)
+    yield
+    if allocations is None:
+        return
+    created = list(itertools.islice(reversed(graph.nodes), len(graph.nodes) - count))
+    for node in itertools.chain(created, allocations):
+        node.meta.setdefault("recompute", CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def _fresh_allocations(proxy_mode: Any, args: Sequence[Any], positions: Sequence[int]) -> list[Any] | None:
+    """The nodes that allocated (and viewed) each written buffer, or None if one of them is not a
+    fresh allocation (a graph input, or a tensor computed earlier)."""
+    nodes = []
+    for position in positions:
+        buffers = args[position] if isinstance(args[position], list) else [args[position]]
+        for buffer in buffers:
+            if buffer is None:
+                continue
+            node = _node_of(proxy_mode, buffer)
+            while node is not None and node.target in _VIEWS:
+                nodes.append(node)
+                node = node.args[0]
+            if node is None or node.target not in _ALLOCATIONS:
+                return None
+            nodes.append(node)
+    return nodes
+
+
+def _node_of(proxy_mode: Any, tensor: torch.Tensor) -> Any:
+    """The graph node that produced `tensor` (a FunctionalTensor's current value), or None."""
+    inner = torch._from_functional_tensor(tensor.elem) if hasattr(tensor, "elem") else tensor
+    tracked = proxy_mode.tracer.tensor_tracker.get(inner)
+    return None if tracked is None else tracked.proxy.node
