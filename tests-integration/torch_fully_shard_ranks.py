@@ -11,7 +11,9 @@ unsharded in this process:
 - weight gradients (FSDP2's reduce-scatter: the mean over ranks): equal to the mean of the
   unsharded model's per-rank gradients within rtol 1e-6 (the order of the reduction is gloo's);
 - the gathered weights after the requantize: bitwise the quantization of the unsharded masters
-  with their global amax (the default policy bound the shard group as `amax_group`).
+  with their global amax (the default policy bound the shard group as `amax_group`);
+- MXFP8 sends one usage per gather where FSDP2 gathers again in the backward (the blocks), both
+  at once where it does not (the root's head).
 Prints "checked RECIPE" per recipe; any failure exits non-zero with the traceback.
 """
 
@@ -151,6 +153,14 @@ def check_recipe(rank: int, world_size: int, recipe_name: str) -> None:
             names = [n for n, b in expected.buffers().items() if b is not None]
         assert_same_buffers(gathered, expected, names, f"{recipe_name} linear {i}")
         owner.reshard()
+        # What a forward gather sends: MXFP8 blocks, which FSDP2 gathers again in the backward,
+        # send rowwise only; the root's head, kept for the backward, both usages; 2-D-scaled and
+        # per-tensor formats rowwise only (columnwise is derived after the gather).
+        weight = linear.weight
+        _, payload = weight.to_local().fsdp_pre_all_gather(weight.device_mesh, weight.shape, None, linear, None)
+        both = recipe_name == "mxfp8" and linear is model.head
+        sent = {name.split("_")[0] for name in payload.names}
+        assert sent == ({"rowwise", "columnwise"} if both else {"rowwise"}), (recipe_name, i, payload.names)
 
 
 def main(rank: int, world_size: int, store: str) -> None:
