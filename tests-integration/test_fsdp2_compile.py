@@ -7,7 +7,7 @@ weight byte and every quantizer state, bitwise. The backend is `aot_eager`: Dyna
 trace the quantized subclasses as for Inductor (FSDP2's hooks run eagerly around the graph), and
 the same kernels run, so bitwise is the bar; Inductor costs ~20 s per compile on the 2-core CI
 machine. The compiled backward reads the unsharded weights' buffers the forward had, refilled by
-the backward's gather ([Note: refilled unsharded buffers] in quant_fsdp._quantized_all_gather). Each recipe
+the backward's gather ([Note: refilled unsharded buffers] in quant_tensors._fsdp). Each recipe
 compiles one graph, without graph breaks, that both blocks, every step and both weight modes
 share, and that takes the block's four quantized Linear weights.
 

@@ -1,6 +1,7 @@
-"""The FSDP2 all-gather hooks in one process: FSDP2's gather is simulated by concatenating the
-inputs of every shard along dim 0, as its all-gather + copy-out does. Multi-process runs live in
-tests-integration."""
+"""The FSDP2 all-gather hooks of QuantizeOnGatherTensor and the gather plan in one process: FSDP2's
+gather is simulated by concatenating the inputs of every shard along dim 0, as its all-gather +
+copy-out does (QuantizedTensor's own hooks: quant-tensors' test_fsdp.py). Multi-process runs live
+in tests-integration."""
 
 from __future__ import annotations
 
@@ -55,59 +56,6 @@ def expected_gather(full: qt.QuantizedTensor) -> qt.QuantizedTensor:
         full = full._rebuilt()
         full.update_usage(columnwise=False)
     return full
-
-
-@pytest.mark.parametrize("signature", [1, 5])
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-@pytest.mark.parametrize("recipe_name", RECIPES)
-def test_quantized_shards_gather_into_the_unsharded_tensor(recipe_name, world_size, signature):
-    full = qt.recipe_from_name(recipe_name).quantizer("weight").quantize(torch.randn(512, 256))
-    shards = [s.clone() for s in full.chunk(world_size)]  # FSDP2 copies each shard into its own buffers
-    unsharded, to_free = gather(shards, world_size, signature, full.shape)
-    assert_same(unsharded, expected_gather(full))
-    assert unsharded.quantizer is full.quantizer  # no quantizer copies
-    buffers_before = {n: b for n, b in unsharded.buffers().items() if b is not None}
-    # A later unshard refills the same tensor: new shard values (requantized), same objects.
-    new_full = full.quantizer.quantize(torch.randn(512, 256))
-    for shard, new in zip(shards, new_full.chunk(world_size), strict=True):
-        shard.copy_(new)
-    assert gather(shards, world_size, signature, full.shape, out=unsharded) is None
-    assert_same(unsharded, expected_gather(new_full))
-    for name, buffer in unsharded.buffers().items():
-        if buffer is not None and buffer.dim() == 0:
-            assert buffer is buffers_before[name]  # per-tensor values refilled in place
-    assert all(isinstance(t, torch.Tensor) for t in to_free)
-
-
-def test_mxfp8_gathers_rowwise_forward_and_columnwise_backward_when_backward_regathers(monkeypatch):
-    monkeypatch.setattr(_plan, "_reshards_after_forward", lambda quantizer: True)
-    full = qt.MXFP8BlockScaling().quantizer("weight").quantize(torch.randn(128, 64))
-    shards = [s.clone() for s in full.chunk(2)]
-    unsharded, to_free = gather(shards, 2, 5, full.shape)
-    assert [tuple(t.shape) for t in to_free] == [(64, 128), (64, 4)]  # the owned columnwise buffers
-    # The forward's tensor holds them already, not yet filled: a compiled backward reads the
-    # buffers the forward had ([Note: refilled unsharded buffers]).
-    assert unsharded.columnwise_data is to_free[0]
-    assert unsharded.columnwise_scale_inv is to_free[1]
-    for name in ("rowwise_data", "rowwise_scale_inv"):
-        assert torch.equal(raw_bits(getattr(unsharded, name)), raw_bits(getattr(full, name))), name
-    assert shards[0].fsdp_pre_all_gather(FakeMesh(2))[1].names == ("rowwise_data", "rowwise_scale_inv")
-
-    seen = {}
-
-    def backward_gather(grad):
-        seen["result"] = gather(shards, 2, 5, full.shape, out=unsharded)
-        return grad
-
-    x = torch.ones(1, requires_grad=True)
-    x.register_hook(backward_gather)
-    (x * 2).sum().backward()
-    assert seen["result"] is None
-    assert unsharded.usages == (False, True)
-    assert unsharded.columnwise_data is to_free[0]  # refilled in place
-    assert unsharded.columnwise_scale_inv is to_free[1]
-    assert torch.equal(raw_bits(unsharded.columnwise_data), raw_bits(full.columnwise_data))
-    assert torch.equal(unsharded.columnwise_scale_inv, full.columnwise_scale_inv)
 
 
 def test_quantize_on_gather_wrapper_ops():

@@ -14,7 +14,6 @@ import torch
 import quant_core
 import quant_tensors as qt
 import quant_tensors.quantizer
-from quant_tensors._tensor import _EXTENSION_METHODS
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 CASES = [(name, role) for name in RECIPES for role in qt.ROLES]
@@ -298,35 +297,7 @@ def test_serialized_bytes_hold_only_the_raw_buffers():
     assert raw < buffer.getbuffer().nbytes < raw + 16 * 1024  # buffers plus a few KiB of structure
 
 
-# ---- hooks for higher layers: extension methods, shard alignment, process groups ------------
-
-
-def test_register_tensor_method_adds_to_every_format_and_refuses_clashes():
-    calls = []
-    qt.register_tensor_method("_test_extension", lambda self, x: calls.append((type(self).__name__, x)))
-    for name in ("fp8", "mxfp8", "fp8-block", "nvfp4"):
-        t = qt.recipe_from_name(name).quantizer("weight").quantize(torch.randn(128, 128))
-        t._test_extension(1)
-    assert [c[0] for c in calls] == ["Float8Tensor", "MXFP8Tensor", "Float8BlockwiseTensor", "NVFP4Tensor"]
-    qt.register_tensor_method("_test_extension", lambda self: "replaced")  # re-registering replaces
-    assert qt.recipe_from_name("fp8").quantizer("weight").quantize(torch.randn(16, 16))._test_extension() == "replaced"
-    for clash in ("dequantize", "update_usage", "add_", "__init__", "__len__", "not a name"):
-        with pytest.raises(ValueError, match="already defines|not a method name"):
-            qt.register_tensor_method(clash, lambda self: None)
-    # torch.distributed.checkpoint's protocol names are the dunders a higher layer may add
-    previous = getattr(qt.QuantizedTensor, "__get_tensor_shard__", None)
-    qt.register_tensor_method("__get_tensor_shard__", lambda self, index: ("shard", index))
-    try:
-        assert qt.recipe_from_name("fp8").quantizer("weight").quantize(torch.randn(16, 16)).__get_tensor_shard__(3) == (
-            "shard",
-            3,
-        )
-    finally:  # leave the class as it was (quant-fsdp registers its own when imported)
-        if previous is not None:
-            qt.register_tensor_method("__get_tensor_shard__", previous)
-        else:
-            delattr(qt.QuantizedTensor, "__get_tensor_shard__")
-            _EXTENSION_METHODS.pop("__get_tensor_shard__")
+# ---- hooks for higher layers: shard alignment, process groups ------------------------------
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """quant_fsdp.fully_shard: torch's fully_shard, plus the gather plan of every quantized weight.
 
-Importing quant_fsdp installs the all-gather hooks on every QuantizedTensor (quantized primary
-weights, mode 1). `fully_shard` then, for the parameters the call manages:
+QuantizedTensors carry FSDP2's all-gather hooks themselves (quant_tensors), so torch's fully_shard
+gathers quantized primary weights (mode 1) as they are. `fully_shard`, for the parameters the call
+manages:
 1. decides each quantized weight's gather ([Note: alignment policy] in quant_fsdp._plan);
 2. mode 1: aligned QuantizedTensor weights stay quantized (rowwise only where columnwise is a
    lossless transpose), and their quantizers get the shard group as `amax_group` (per-tensor
@@ -34,33 +35,12 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 import quant_tensors as qt
-from quant_fsdp import _checkpoint, _plan, _quantized_all_gather
+from quant_fsdp import _checkpoint, _plan
 from quant_fsdp._amax import HistorySyncHook, amax_histories
 from quant_fsdp._quantize_on_gather import QuantizeOnGatherTensor
 from quant_tensors import QuantizedTensor
 
 logger = logging.getLogger("quant_fsdp")
-
-
-def _pre_all_gather(self: QuantizedTensor, mesh, outer_size=None, outer_stride=None, module=None, mp_policy=None):
-    if _checkpoint.pending():  # a checkpoint loaded without load_state_dict after dcp.load
-        _checkpoint.requantize_pending()
-    if self.quantizer.per_tensor_amax and self.quantizer.amax_group is None:
-        self.quantizer.bind(amax_group=mesh.get_group())  # sharded by torch's fully_shard directly
-    if module is not None:
-        _plan.find_fsdp_module(self.quantizer, module)  # the same, for the backward-gather decision
-    return _quantized_all_gather.pre_all_gather(self, mesh.size())
-
-
-def _post_all_gather(self: QuantizedTensor, all_gather_outputs, metadata, param_dtype, *, out=None):
-    return _quantized_all_gather.post_all_gather(self, all_gather_outputs, metadata, param_dtype, out)
-
-
-def install_hooks() -> None:
-    """Gives every QuantizedTensor FSDP2's all-gather hooks (run when quant_fsdp is imported)."""
-    qt.register_tensor_method("fsdp_pre_all_gather", _pre_all_gather)
-    qt.register_tensor_method("fsdp_post_all_gather", _post_all_gather)
-    qt.register_tensor_method("__get_tensor_shard__", _checkpoint.quantized_local_for_checkpoint)
 
 
 def fully_shard(

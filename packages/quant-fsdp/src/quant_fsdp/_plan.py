@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,67 +74,23 @@ def fallback_reason(quantizer: Any, shape: tuple[int, ...], world_size: int, *, 
     return ""
 
 
-# ---- which FSDP2 module gathers a quantizer's weight, and how its backward gathers ----------------
+# ---- which FSDP2 module gathers a quantizer's weight ---------------------------------------------
 
 # Keyed by identity: quantizers compare by value, and equal quantizers of two layers may belong to
 # differently sharded modules.
 _FSDP_MODULE_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_BACKWARD_GATHERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def register_fsdp_module(quantizer: Any, module: torch.nn.Module) -> None:
     _FSDP_MODULE_OF[quantizer] = weakref.ref(module)
 
 
-def find_fsdp_module(quantizer: Any, owner: torch.nn.Module) -> None:
-    """Registers the FSDP2 module that manages `owner`'s parameters, for a weight that torch's own
-    fully_shard sharded (quant_fsdp.fully_shard registers its module up front). FSDP2 hands the
-    hooks the owner (e.g. the Linear), not the FSDP module, and keeps no link back; so this
-    searches the FSDP modules' parameter groups, once per quantizer. Private FSDP2 state (see
-    `_reshards_after_forward`); if it moves, nothing is registered and 1-D block formats gather
-    both usages at once (correct, more bytes)."""
-    if quantizer in _FSDP_MODULE_OF:
-        return
-    try:
-        from torch.distributed._composable_state import _module_state_mapping
-        from torch.distributed.fsdp import FSDPModule
-
-        for module in list(_module_state_mapping):
-            if isinstance(module, FSDPModule):
-                group = module._get_fsdp_state()._fsdp_param_group
-                if group is not None and any(p._module_info.module is owner for p in group.fsdp_params):
-                    register_fsdp_module(quantizer, module)
-                    return
-    except (ImportError, AttributeError):
-        return
-
-
-def mode_of_backward_gathers(quantizer: Any, payloads_match: bool) -> Literal["split", "both"]:
-    """ "split": forward gathers rowwise and the backward gathers columnwise again; "both": every
-    gather sends both usages. Decided at the first gather and kept (FSDP2 sizes its buffers then).
-    """
-    mode = _BACKWARD_GATHERS.get(quantizer)
-    if mode is None:
-        mode = "split" if payloads_match and _reshards_after_forward(quantizer) else "both"
-        _BACKWARD_GATHERS[quantizer] = mode
-    return mode  # type: ignore[return-value]
-
-
-def _reshards_after_forward(quantizer: Any) -> bool:
-    """Whether FSDP2 frees this weight after the forward, so that the backward gathers it again.
-
-    The one place quant-fsdp reads FSDP2's private state: `reshard_after_forward` as FSDP2
-    resolved it (the root module never reshards after forward). FSDP2 has no public getter; if
-    its internals move, this answers False and 1-D block formats gather both usages at once
-    (correct, more bytes), never fewer than the backward needs.
-    """
+def fsdp_module_of(quantizer: Any) -> torch.nn.Module | None:
+    """The module `quant_fsdp.fully_shard` sharded the weight of `quantizer` with (None if none,
+    or gone): what decides whether the backward gathers the weight again ([Note: quantized
+    all-gather] in quant_tensors._fsdp)."""
     module_ref = _FSDP_MODULE_OF.get(quantizer)
-    module = None if module_ref is None else module_ref()
-    try:
-        group = module._get_fsdp_state()._fsdp_param_group  # type: ignore[union-attr]
-        return group is not None and group.post_forward_mesh_info is not None
-    except AttributeError:
-        return False
+    return None if module_ref is None else module_ref()
 
 
 # ---- reporting --------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ the all-gather hooks on it:
 
 - quantized gather: the pre-all-gather hook quantizes the shard (with the shard group's amax for
   per-tensor formats) and sends its bytes like a quantized primary weight ([Note: quantized
-  all-gather] in quant_fsdp._quantized_all_gather). The quantized shard is kept, once per change
+  all-gather] in quant_tensors._fsdp). The quantized shard is kept, once per change
   of the shard (its version counter), from the forward's gather to the backward's: the backward
   re-gather sends the same bytes; stateless formats then free it, delayed scaling keeps it (and
   refills it in place) so that it records one amax per step, as without FSDP;
@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map, tree_map_only
 
-from quant_fsdp import _checkpoint, _quantized_all_gather
+import quant_tensors as qt
+from quant_fsdp import _checkpoint
 from quant_fsdp._stats import count_gather
 from quant_tensors import QuantizedTensor, Quantizer
 
@@ -186,18 +187,18 @@ class QuantizeOnGatherTensor(torch.Tensor):
             _checkpoint.requantize_pending()
         world_size = mesh.size()
         if not self.fallback:
-            return _quantized_all_gather.pre_all_gather(self._quantize_shard(), world_size)
+            return qt.all_gather_inputs(self._quantize_shard(), world_size, module=module)
         param_dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
         full_shape = tuple(outer_size) if outer_size is not None else (world_size * self.shape[0], *self.shape[1:])
-        padded = (_quantized_all_gather.padded_rows(full_shape, world_size), *full_shape[1:])
+        padded = (math.ceil(full_shape[0] / world_size), *full_shape[1:])  # FSDP2's padded shard (torch.chunk)
         shard = _padded_shard(self._data, padded).to(param_dtype)
         count_gather(self.quantizer.format_name, (shard,), world_size, quantized=False)
         return (shard,), full_shape
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         if not self.fallback:
-            unsharded = _quantized_all_gather.post_all_gather(self, all_gather_outputs, metadata, param_dtype, out)
-            if _quantized_all_gather.in_backward() and self.quantizer.stateless:
+            unsharded = qt.unsharded_from_gather(self, all_gather_outputs, metadata, param_dtype, out)
+            if torch._C._current_graph_task_id() != -1 and self.quantizer.stateless:  # in a backward
                 # The backward's gather was the step's last: the optimizer changes the shard before
                 # the next, so the quantized shard would only hold memory until then (a byte per
                 # element for FP8). A stateful quantizer keeps it: quantizing the same shard again
@@ -212,7 +213,9 @@ class QuantizeOnGatherTensor(torch.Tensor):
             return None if out is not None else (full, ())
         self._restore_history_for_a_repeat()
         if out is not None:
-            with _quantized_all_gather.keeping_versions(*(b for b in out.buffers().values() if b is not None)):
+            # As FSDP2 refills its own all-gather outputs: [Note: refilled unsharded buffers] in quant_tensors._fsdp.
+            buffers = tuple(b for b in out.buffers().values() if b is not None)
+            with torch.autograd._unsafe_preserve_version_counter(buffers):
                 self.quantizer.quantize_(full, out)
             return None
         unsharded = self.quantizer.quantize(full)

@@ -10,7 +10,7 @@ concatenation along dim 0 of every rank's x, quantized:
    per-tensor scales agree: each rank quantizes its x (per-tensor formats with the group's
    amax) and the data and compact scales of the quantizer's usages are gathered as bytes, the
    rowwise buffers concatenated along dim 0, the columnwise ones (x^T) joined along dim 1, as in
-   FSDP2's weight gather ([Note: quantized all-gather] in quant_fsdp._quantized_all_gather). Per-tensor FP8
+   FSDP2's weight gather ([Note: quantized all-gather] in quant_tensors._fsdp). Per-tensor FP8
    gathers rowwise only and transposes locally. The result equals quantizing the gathered
    high-precision tensor bit for bit;
 3. otherwise (fallback): dequantize if needed, gather in high precision (contiguous, padded when
@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from quant_fsdp import _quantized_all_gather
+import quant_tensors as qt
 from quant_fsdp._stats import count_gather
 from quant_tensors import QuantizedTensor, Quantizer
 
@@ -246,14 +246,13 @@ def _gather_quantized(shard: QuantizedTensor, quantizer: Quantizer, group, world
     """The fast path of [Note: sequence gather]: the shard's bytes, rebuilt as in FSDP2's gather."""
     rowwise, columnwise = shard.usages
     derive_columnwise = columnwise and quantizer.can_derive_columnwise
-    inputs, names = _quantized_all_gather.payload_of(shard, (rowwise, columnwise and not derive_columnwise), world_size)
+    inputs, payload = qt.all_gather_inputs(shard, world_size, usages=(rowwise, columnwise and not derive_columnwise))
     outputs = [t.new_empty((world_size * t.shape[0], *t.shape[1:])) for t in inputs]
     works = [_all_gather(o, i, group=group, async_op=True) for o, i in zip(outputs, inputs, strict=True)]
-    payload = _quantized_all_gather.Payload(shard, tuple(names), world_size)
     out = quantizer.make_empty((world_size * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
 
     def finish() -> None:
-        _quantized_all_gather.post_all_gather(SimpleNamespace(), tuple(outputs), payload, shard.dtype, out)
+        qt.unsharded_from_gather(SimpleNamespace(), tuple(outputs), payload, shard.dtype, out)
         if derive_columnwise:
             out.update_usage(columnwise=True)
 

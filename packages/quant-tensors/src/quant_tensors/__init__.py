@@ -2,7 +2,9 @@
 
 `import quant_tensors as qt`. Formats: per-tensor FP8 (current and delayed scaling), MXFP8,
 blockwise FP8 and NVFP4, as wrapper subclasses whose `.dtype` is the nominal high-precision dtype
-([Note: quantized tensor] in quant_tensors._tensor). Numerics come from quant-core.
+([Note: quantized tensor] in quant_tensors._tensor). Numerics come from quant-core. The tensors
+carry FSDP2's all-gather hooks, so torch's `fully_shard` gathers their quantized bytes; a sharding
+layer adds its policy through `register_gather_policy` ([Note: gather policy] in quant_tensors._fsdp).
 """
 
 import torch
@@ -14,13 +16,20 @@ from quant_tensors import (
     ops,
 )
 from quant_tensors._block_tensor import BlockQuantizer, BlockScaledTensor
+from quant_tensors._fsdp import (
+    GatherPayload,
+    GatherPolicy,
+    all_gather_inputs,
+    gather_policy,
+    register_gather_policy,
+    unsharded_from_gather,
+)
 from quant_tensors._tensor import (
     DEQUANTIZE_FALLBACK_OPS,
     QuantizedTensor,
     _rebuild_quantized_tensor,
     local_quantized,
     local_shard,
-    register_tensor_method,
     shard_like,
 )
 from quant_tensors._version import __version__
@@ -73,8 +82,14 @@ __all__ = [
     "QuantizedTensor",
     "local_quantized",
     "local_shard",
-    "register_tensor_method",
     "shard_like",
+    # FSDP2's all-gather: the tensors' hooks ask the gather policy a sharding layer registers
+    "GatherPolicy",
+    "register_gather_policy",
+    "gather_policy",
+    "GatherPayload",
+    "all_gather_inputs",
+    "unsharded_from_gather",
     # GEMM, modules, conversion
     "convert",
     "high_precision_init_value",

@@ -25,6 +25,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
+from quant_tensors import _fsdp
+
 aten = torch.ops.aten
 
 # Ops that may run on the dequantized tensor (one warning per class and op): reductions and
@@ -252,6 +254,37 @@ class QuantizedTensor(torch.Tensor):
             "Call .dequantize() first if a high-precision result is what you want."
         )
 
+    # ---- FSDP2's all-gather and DCP's shard protocol ([Note: quantized all-gather], [Note: gather
+    # policy] in quant_tensors._fsdp); both hook signatures: (mesh) and the 5-argument one -------
+
+    def fsdp_pre_all_gather(
+        self,
+        mesh: Any,
+        outer_size: torch.Size | None = None,
+        outer_stride: tuple[int, ...] | None = None,
+        module: torch.nn.Module | None = None,
+        mp_policy: Any = None,
+    ) -> tuple[tuple[torch.Tensor, ...], _fsdp.GatherPayload]:
+        """FSDP2's hook: this shard's quantized bytes to all-gather, and the metadata that rebuilds the
+        unsharded tensor (the policy's `before_gather` runs first)."""
+        return _fsdp.pre_all_gather(self, mesh, module)
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        metadata: _fsdp.GatherPayload,
+        param_dtype: torch.dtype,
+        *,
+        out: QuantizedTensor | None = None,
+    ) -> tuple[QuantizedTensor, tuple[torch.Tensor, ...]] | None:
+        """FSDP2's hook: the unsharded tensor built from the gathered bytes, or `out` refilled in place."""
+        return _fsdp.unsharded_from_gather(self, all_gather_outputs, metadata, param_dtype, out)
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        """torch.distributed.checkpoint's protocol (DTensor hands it to its local tensor): what DCP
+        reads into and writes from, as the gather policy says (default: the tensor itself)."""
+        return _fsdp.gather_policy().tensor_shard_for_checkpoint(self, index)
+
     # ---- serialization (torch.save / torch.load(weights_only=True), deepcopy) ----------------
 
     def __tensor_flatten__(self) -> tuple[list[str], dict[str, Any]]:
@@ -352,29 +385,6 @@ def local_quantized(t: Any) -> QuantizedTensor | None:
     """The QuantizedTensor that t holds: t itself, or a DTensor's local shard (FSDP2); else None."""
     local = local_shard(t)
     return local if isinstance(local, QuantizedTensor) else None
-
-
-def register_tensor_method(name: str, fn: Callable[..., Any]) -> None:
-    """Adds the method `name` to every QuantizedTensor: the extension point for higher layers.
-
-    Protocols that torch looks up by attribute name (FSDP2's `fsdp_pre_all_gather` and
-    `fsdp_post_all_gather`, torch.distributed.checkpoint's `__get_tensor_shard__`) belong to the
-    layer that implements them; quant-fsdp installs them here when it is imported, so
-    quant-tensors never imports it. Registering a name again replaces the earlier method; names
-    that torch.Tensor or quant-tensors itself define are refused, and so are other dunder names.
-    """
-    if not name.isidentifier() or (name.startswith("__") and name not in _TORCH_PROTOCOL_DUNDERS):
-        raise ValueError(f"{name!r} is not a method name that can be registered")
-    defined = QuantizedTensor.__dict__.get(name)
-    if hasattr(torch.Tensor, name) or (defined is not None and name not in _EXTENSION_METHODS):
-        raise ValueError(f"QuantizedTensor already defines {name!r}; extensions add new methods only")
-    _EXTENSION_METHODS[name] = fn
-    setattr(QuantizedTensor, name, fn)
-
-
-_EXTENSION_METHODS: dict[str, Callable[..., Any]] = {}
-# torch.distributed.checkpoint's _Checkpointable protocol: DTensor hands these to its local tensor.
-_TORCH_PROTOCOL_DUNDERS = frozenset({"__create_chunk_list__", "__create_write_items__", "__get_tensor_shard__"})
 
 
 def _rebuild_quantized_tensor(

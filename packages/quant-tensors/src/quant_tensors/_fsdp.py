@@ -1,0 +1,351 @@
+"""FSDP2's all-gather of quantized shards: what each format sends, how the unsharded tensor is
+rebuilt, and the gather policy a sharding layer can set.
+
+[Note: quantized all-gather] FSDP2 calls `fsdp_pre_all_gather` on each parameter's local shard
+and all-gathers the tensors it returns (concatenated along dim 0 across ranks), then calls
+`fsdp_post_all_gather` with the gathered tensors to build the unsharded parameter; from the second
+unshard on it passes that parameter back as `out=` to be refilled in place. Both are methods of
+QuantizedTensor, so torch's own `fully_shard` gathers quantized weights whatever else is imported.
+Shards taking this path are equal (even shards) and start on the format's block rows
+(`Quantizer.row_alignment`), so gathering along dim 0 rebuilds the unsharded buffers exactly:
+
+- rowwise data and rowwise block scales (both follow the (M, K) view) concatenate along dim 0:
+  the gathered tensors *are* the unsharded buffers (views, no copy);
+- per-tensor values (the FP8 scale, the NVFP4 global amax) are not gathered: quantizers with an
+  `amax_group` make them equal on every shard, so the local one is the unsharded one;
+- columnwise buffers hold x^T, whose shards concatenate along dim 1: they are gathered as they
+  are and transposed blockwise into buffers the unsharded tensor owns (one copy);
+- formats whose columnwise data is a lossless transpose of rowwise (per-tensor FP8, 128x128 and
+  16x16 tiles) gather rowwise only; qt.nn.Linear derives columnwise for dgrad and drops it.
+  Formats with 1-D blocks (MXFP8) gather rowwise for the forward and columnwise for the backward
+  when FSDP2 gathers again in the backward (reshard_after_forward), both at once otherwise.
+
+[Note: refilled unsharded buffers] From the second unshard on, every buffer of the unsharded
+tensor is refilled in place (FSDP2 frees and re-allocates the storage in between), and the backward
+reads the buffers the forward had: under torch.compile, AOTAutograd saves the forward's inner
+tensors of the unsharded weight for the compiled backward, which cannot see buffers swapped in by
+the backward's gather. So (1) the unsharded tensor of a split gather (MXFP8) holds its columnwise
+buffers from the forward on (stale until the backward's gather refills them; only the backward
+reads them; `usages` says which buffers a tensor holds), and (2) refills keep the buffers' version
+counters, as FSDP2 does for its own all-gather outputs: autograd checks them on saved tensors, and
+a refill writes the same weight.
+
+FSDP2 sizes its gather buffers on the first unshard, so every later gather of a parameter must
+send the same number of tensors with the same sizes: the forward and backward payloads of 1-D
+block formats do (rows * K codes and rows * K / block scales either way).
+
+[Note: gather policy] What the protocol methods need beyond the format is asked of one
+`GatherPolicy` object: what to do before each gather (bind a per-tensor quantizer's `amax_group`),
+which FSDP2 module gathers a weight (whether the backward gathers again), what to record of each
+gather (communication statistics) and what torch.distributed.checkpoint reads a shard through
+(`__get_tensor_shard__`). The default policy, in force until `register_gather_policy` replaces it,
+binds the shard mesh's group, finds the module in FSDP2's state, records nothing and lets DCP read
+the shard itself: every gather is bit-exact without any sharding layer. quant_fsdp registers its
+own (plans, the explicit fallback, comm_stats(), checkpoint loads across weight forms).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+if TYPE_CHECKING:
+    from quant_tensors._tensor import QuantizedTensor
+
+_USAGES = ("rowwise", "columnwise")
+
+
+class GatherPolicy:
+    """What QuantizedTensor's FSDP2 all-gather and checkpoint methods leave to the layer that
+    shards ([Note: gather policy] in quant_tensors._fsdp). This class is the default policy;
+    subclass it and `register_gather_policy` an instance to add to or replace a callback."""
+
+    def before_gather(self, shard: QuantizedTensor, mesh: Any) -> None:
+        """Runs first in every `fsdp_pre_all_gather` of `shard` (FSDP2's shard mesh `mesh`).
+
+        Default: a per-tensor-scaled quantizer that has no `amax_group` gets the mesh's group, so
+        that every later quantization of the shard (an optimizer's requantize) agrees on the scale
+        of the unsharded tensor.
+        """
+        quantizer = shard.quantizer
+        if quantizer.per_tensor_amax and quantizer.amax_group is None:
+            quantizer.bind(amax_group=mesh.get_group())
+
+    def fsdp_module(self, quantizer: Any, owner: torch.nn.Module | None) -> torch.nn.Module | None:
+        """The FSDP2 module that gathers the weight of `quantizer`, a parameter of `owner` (the
+        module FSDP2 hands the hook; None in the 1-argument hook signature), or None if unknown.
+        Asked once per quantizer, at its first gather, by formats that can gather their usages
+        apart (whether that module gathers again in the backward decides it).
+
+        Default: the FSDP2 module whose parameter group holds a parameter of `owner`, found in
+        FSDP2's state (private: if it moves, None, and both usages travel in every gather:
+        correct, more bytes).
+        """
+        return _find_fsdp_module(owner)
+
+    def count_gather(self, format_name: str, inputs: Sequence[torch.Tensor], world_size: int) -> None:
+        """Called with the all-gather inputs of every quantized gather of this rank. Default: nothing."""
+
+    def tensor_shard_for_checkpoint(self, shard: QuantizedTensor, index: Any) -> torch.Tensor:
+        """`__get_tensor_shard__`: what torch.distributed.checkpoint writes from and reads into for
+        `shard` (`index`: DCP's MetadataIndex). Default: the shard itself, as for a plain tensor."""
+        return shard
+
+
+_policy = GatherPolicy()
+
+
+def register_gather_policy(policy: GatherPolicy) -> None:
+    """Makes `policy` the gather policy of every QuantizedTensor ([Note: gather policy]).
+
+    One sharding layer sets it, once per process (quant_fsdp does when it is imported); setting
+    another instance of the registered policy's class replaces it, a policy of another class is
+    refused.
+    """
+    global _policy
+    if type(_policy) not in (GatherPolicy, type(policy)):
+        raise RuntimeError(
+            f"a {type(_policy).__qualname__} is already the gather policy of QuantizedTensor; one sharding layer "
+            f"sets it, so {type(policy).__qualname__} cannot replace it"
+        )
+    _policy = policy
+
+
+def gather_policy() -> GatherPolicy:
+    """The gather policy in force ([Note: gather policy])."""
+    return _policy
+
+
+# ---- the FSDP2 hooks --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GatherPayload:
+    """What the pre-all-gather hook tells the post-all-gather hook (FSDP2's all-gather metadata)."""
+
+    shard: QuantizedTensor
+    """The local shard: class, metadata and per-tensor values of the unsharded tensor."""
+    names: tuple[str, ...]
+    """The buffer each all-gather input holds, in order."""
+    world_size: int
+    packed: tuple[tuple[torch.dtype, torch.Size], ...] | None = None
+    """Dtype and shape of each input when they travel as one byte tensor (world size 1)."""
+
+
+def pre_all_gather(shard: QuantizedTensor, mesh: Any, module: torch.nn.Module | None) -> tuple[Any, GatherPayload]:
+    """`fsdp_pre_all_gather` of a QuantizedTensor: the policy's preparation, then the shard's bytes."""
+    _policy.before_gather(shard, mesh)
+    return all_gather_inputs(shard, mesh.size(), module=module)
+
+
+def all_gather_inputs(
+    shard: QuantizedTensor,
+    world_size: int,
+    *,
+    usages: tuple[bool, bool] | None = None,
+    module: torch.nn.Module | None = None,
+) -> tuple[tuple[torch.Tensor, ...], GatherPayload]:
+    """The all-gather inputs of a quantized shard and the metadata that rebuilds the unsharded
+    tensor from their gathered outputs (`unsharded_from_gather`).
+
+    `usages`: (rowwise, columnwise) to send; default what FSDP2's gather of a parameter of `module`
+    sends ([Note: quantized all-gather]). With one rank several inputs travel as one byte tensor.
+    """
+    if usages is None:
+        usages = _gathered_usages(shard, module)
+    inputs, names = _payload_of(shard, usages, world_size)
+    if world_size == 1 and len(inputs) > 1:
+        # FSDP2 (torch 2.11 to 2.13) copies only the first input when its shard group has one rank.
+        packed = tuple((t.dtype, t.shape) for t in inputs)
+        pieces = []
+        for t in inputs:  # each piece starts 16-byte aligned, so every dtype can view its bytes
+            pieces += [t.reshape(-1).view(torch.uint8), t.new_zeros(-_nbytes(t.dtype, t.shape) % 16, dtype=torch.uint8)]
+        return (torch.cat(pieces),), GatherPayload(shard, tuple(names), world_size, packed)
+    return tuple(inputs), GatherPayload(shard, tuple(names), world_size)
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass (FSDP2 unshards for the backward from its hooks)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _gathered_usages(shard: QuantizedTensor, module: torch.nn.Module | None) -> tuple[bool, bool]:
+    """(rowwise, columnwise) FSDP2's gather sends ([Note: quantized all-gather])."""
+    if shard.columnwise_data is None or shard.quantizer.can_derive_columnwise:
+        return True, False
+    if shard.rowwise_data is None:
+        return False, True
+    if not _splits_usages(shard, module):
+        return True, True
+    return (False, True) if in_backward() else (True, False)
+
+
+# Keyed by identity: quantizers compare by value, and equal quantizers of two layers may belong to
+# differently sharded modules.
+_SPLITS_USAGES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _splits_usages(shard: QuantizedTensor, module: torch.nn.Module | None) -> bool:
+    """Whether the forward gathers rowwise and the backward columnwise (else every gather sends
+    both). Decided at the first gather and kept: FSDP2 sizes its buffers then, so the two payloads
+    must have equal sizes, and the backward must gather again."""
+    quantizer = shard.quantizer
+    splits = _SPLITS_USAGES.get(quantizer)
+    if splits is None:
+        sizes = [tuple(t.numel() for t in shard.usage_buffers(usage)) for usage in _USAGES]
+        splits = sizes[0] == sizes[1] and _reshards_after_forward(_policy.fsdp_module(quantizer, module))
+        _SPLITS_USAGES[quantizer] = splits
+    return splits
+
+
+def _find_fsdp_module(owner: torch.nn.Module | None) -> torch.nn.Module | None:
+    """The FSDP2 module that manages `owner`'s parameters (see `GatherPolicy.fsdp_module`).
+    FSDP2 hands the hooks the owner (e.g. the Linear), not the FSDP module, and keeps no link
+    back; so this searches the FSDP modules' parameter groups."""
+    if owner is None:
+        return None
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in list(_module_state_mapping):
+            if isinstance(module, FSDPModule):
+                group = module._get_fsdp_state()._fsdp_param_group
+                if group is not None and any(p._module_info.module is owner for p in group.fsdp_params):
+                    return module
+    except (ImportError, AttributeError):
+        pass
+    return None
+
+
+def _reshards_after_forward(module: torch.nn.Module | None) -> bool:
+    """Whether FSDP2 frees the weights of `module` after the forward, so that the backward gathers
+    them again: `reshard_after_forward` as FSDP2 resolved it (the root module never reshards after
+    forward). FSDP2 has no public getter; if its internals move, this answers False and 1-D block
+    formats gather both usages at once (correct, more bytes), never fewer than the backward needs.
+    """
+    try:
+        group = module._get_fsdp_state()._fsdp_param_group  # type: ignore[union-attr]
+        return group is not None and group.post_forward_mesh_info is not None
+    except AttributeError:
+        return False
+
+
+def _payload_of(
+    shard: QuantizedTensor, usages: tuple[bool, bool], world_size: int
+) -> tuple[list[torch.Tensor], list[str]]:
+    """The all-gather inputs of a shard's wanted (rowwise, columnwise) usages: data and non-scalar
+    scales as bytes (a 0-d scale is per-tensor: it stays local), with their buffer names; handed
+    to the policy's `count_gather`."""
+    inputs: list[torch.Tensor] = []
+    names: list[str] = []
+    for usage, wanted in zip(_USAGES, usages, strict=True):
+        if not wanted:
+            continue
+        data, scale_inv = shard.usage_buffers(usage)
+        for name, buffer in ((f"{usage}_data", data), (f"{usage}_scale_inv", scale_inv)):
+            if buffer.dim() > 0:
+                inputs.append(_as_bytes(buffer.contiguous()))
+                names.append(name)
+    _policy.count_gather(shard.quantizer.format_name, inputs, world_size)
+    return inputs, names
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """FP8 codes travel as uint8: collectives (gloo, older NCCL) have no FP8 types."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+
+
+def _unpacked(outputs: tuple[torch.Tensor, ...], payload: GatherPayload) -> tuple[torch.Tensor, ...]:
+    """The inputs of a packed (world size 1) gather, as views of the gathered bytes."""
+    if payload.packed is None:
+        return outputs
+    (flat,) = outputs
+    views, offset = [], 0
+    for dtype, shape in payload.packed:
+        nbytes = _nbytes(dtype, shape)
+        views.append(flat[offset : offset + nbytes].view(dtype).view(shape))
+        offset += nbytes + -nbytes % 16
+    return tuple(views)
+
+
+def _nbytes(dtype: torch.dtype, shape: torch.Size) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def unsharded_from_gather(
+    owner: Any,
+    outputs: tuple[torch.Tensor, ...],
+    payload: GatherPayload,
+    param_dtype: torch.dtype,
+    out: QuantizedTensor | None = None,
+) -> tuple[QuantizedTensor, tuple[torch.Tensor, ...]] | None:
+    """Builds (or, with `out`, refills) the unsharded tensor from the gathered outputs of
+    `all_gather_inputs` ([Note: refilled unsharded buffers]).
+
+    `owner` is the object FSDP2 calls the hooks on (the sharded local tensor); it keeps the
+    unsharded columnwise buffers between unshards. Returns (tensor, buffers FSDP2 frees on
+    reshard) the first time, None when `out` was refilled.
+    """
+    shard, world_size = payload.shard, payload.world_size
+    gathered = {
+        name: output.view(getattr(shard, name).dtype)
+        for name, output in zip(payload.names, _unpacked(outputs, payload), strict=True)
+    }
+    columnwise = _columnwise_buffers(owner, shard, world_size)
+    buffers: dict[str, torch.Tensor | None] = {}
+    for name, local in shard.buffers().items():
+        if name in gathered and name.startswith("rowwise"):
+            buffers[name] = gathered[name]  # already the unsharded buffer ([Note: quantized all-gather])
+        elif name in gathered:
+            buffers[name] = _join_columns(gathered[name], columnwise[name], world_size)
+        elif name in columnwise:  # split gathers: [Note: refilled unsharded buffers]
+            buffers[name] = columnwise[name]
+        elif local is not None and local.dim() == 0:  # per-tensor: equal on every shard
+            buffers[name] = local.clone() if out is None else _refill(getattr(out, name), local)
+        else:
+            buffers[name] = None
+    if out is not None:
+        for name, buffer in buffers.items():
+            setattr(out, name, buffer)
+        return None
+    shape = (world_size * shard.shape[0], *shard.shape[1:])
+    unsharded = type(shard)(shape, param_dtype, **buffers, **shard.metadata())
+    return unsharded, tuple(columnwise.values())
+
+
+def keeping_versions(*tensors: torch.Tensor) -> torch.autograd._unsafe_preserve_version_counter:
+    """A context that hides its in-place writes to `tensors` from autograd's version counters:
+    refills of an unsharded tensor's buffers ([Note: refilled unsharded buffers])."""
+    return torch.autograd._unsafe_preserve_version_counter(tensors)
+
+
+def _refill(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    with keeping_versions(target):
+        return target.copy_(value)
+
+
+def _columnwise_buffers(owner: Any, shard: QuantizedTensor, world_size: int) -> dict[str, torch.Tensor]:
+    """The unsharded columnwise buffers `owner` keeps for formats that gather columnwise (else {})."""
+    buffers = getattr(owner, "_unsharded_columnwise", None)
+    if buffers is None:
+        buffers = {}
+        if shard.columnwise_data is not None and not shard.quantizer.can_derive_columnwise:
+            for name in ("columnwise_data", "columnwise_scale_inv"):
+                local = getattr(shard, name)
+                buffers[name] = local.new_empty((local.shape[0], world_size * local.shape[1]))
+        owner._unsharded_columnwise = buffers
+    return buffers
+
+
+def _join_columns(gathered: torch.Tensor, target: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Writes the world's (C, n) shards, gathered along dim 0, side by side into target (C, world * n)."""
+    columns, n = target.shape[0], gathered.shape[-1]
+    with keeping_versions(target):
+        target.view(columns, world_size, n).copy_(gathered.reshape(world_size, columns, n).transpose(0, 1))
+    return target

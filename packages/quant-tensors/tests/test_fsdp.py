@@ -1,0 +1,174 @@
+"""QuantizedTensor's FSDP2 all-gather hooks and gather policy in one process: FSDP2's gather is
+simulated by concatenating the inputs of every shard along dim 0, as its all-gather + copy-out
+does. Multi-process runs (torch's fully_shard without quant_fsdp) live in tests-integration."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import quant_tensors as qt
+from quant_core.testing import raw_bits
+from quant_tensors import _fsdp
+
+RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
+
+
+class FakeMesh:
+    """The part of a DeviceMesh the hooks use."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+    def get_group(self):
+        return None
+
+
+def gather(shards, world_size: int, signature: int, full_shape, out=None):
+    mesh = FakeMesh(world_size)
+    results = [
+        s.fsdp_pre_all_gather(mesh) if signature == 1 else s.fsdp_pre_all_gather(mesh, full_shape, None, None, None)
+        for s in shards
+    ]
+    inputs = [r[0] for r in results]
+    outputs = tuple(torch.cat([i[k] for i in inputs]) for k in range(len(inputs[0])))
+    return shards[0].fsdp_post_all_gather(outputs, results[0][1], torch.float32, out=out)
+
+
+def assert_same(a: qt.QuantizedTensor, b: qt.QuantizedTensor) -> None:
+    assert type(a) is type(b)
+    assert a.shape == b.shape
+    for name, buffer in b.buffers().items():
+        got = getattr(a, name)
+        assert (got is None) == (buffer is None), name
+        if buffer is not None:
+            assert torch.equal(raw_bits(got.reshape(-1)), raw_bits(buffer.reshape(-1))), name
+
+
+def expected_gather(full: qt.QuantizedTensor) -> qt.QuantizedTensor:
+    """What a gather rebuilds: formats that derive columnwise locally gather rowwise only."""
+    if full.quantizer.can_derive_columnwise:
+        full = full._rebuilt()
+        full.update_usage(columnwise=False)
+    return full
+
+
+@pytest.mark.parametrize("signature", [1, 5])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_quantized_shards_gather_into_the_unsharded_tensor(recipe_name, world_size, signature):
+    full = qt.recipe_from_name(recipe_name).quantizer("weight").quantize(torch.randn(512, 256))
+    shards = [s.clone() for s in full.chunk(world_size)]  # FSDP2 copies each shard into its own buffers
+    unsharded, to_free = gather(shards, world_size, signature, full.shape)
+    assert_same(unsharded, expected_gather(full))
+    assert unsharded.quantizer is full.quantizer  # no quantizer copies
+    buffers_before = {n: b for n, b in unsharded.buffers().items() if b is not None}
+    # A later unshard refills the same tensor: new shard values (requantized), same objects.
+    new_full = full.quantizer.quantize(torch.randn(512, 256))
+    for shard, new in zip(shards, new_full.chunk(world_size), strict=True):
+        shard.copy_(new)
+    assert gather(shards, world_size, signature, full.shape, out=unsharded) is None
+    assert_same(unsharded, expected_gather(new_full))
+    for name, buffer in unsharded.buffers().items():
+        if buffer is not None and buffer.dim() == 0:
+            assert buffer is buffers_before[name]  # per-tensor values refilled in place
+    assert all(isinstance(t, torch.Tensor) for t in to_free)
+
+
+def test_mxfp8_gathers_rowwise_forward_and_columnwise_backward_when_backward_regathers(monkeypatch):
+    monkeypatch.setattr(_fsdp, "_reshards_after_forward", lambda module: True)
+    full = qt.MXFP8BlockScaling().quantizer("weight").quantize(torch.randn(128, 64))
+    shards = [s.clone() for s in full.chunk(2)]
+    unsharded, to_free = gather(shards, 2, 5, full.shape)
+    assert [tuple(t.shape) for t in to_free] == [(64, 128), (64, 4)]  # the owned columnwise buffers
+    # The forward's tensor holds them already, not yet filled: a compiled backward reads the
+    # buffers the forward had ([Note: refilled unsharded buffers]).
+    assert unsharded.columnwise_data is to_free[0]
+    assert unsharded.columnwise_scale_inv is to_free[1]
+    for name in ("rowwise_data", "rowwise_scale_inv"):
+        assert torch.equal(raw_bits(getattr(unsharded, name)), raw_bits(getattr(full, name))), name
+    assert shards[0].fsdp_pre_all_gather(FakeMesh(2))[1].names == ("rowwise_data", "rowwise_scale_inv")
+
+    seen = {}
+
+    def backward_gather(grad):
+        seen["result"] = gather(shards, 2, 5, full.shape, out=unsharded)
+        return grad
+
+    x = torch.ones(1, requires_grad=True)
+    x.register_hook(backward_gather)
+    (x * 2).sum().backward()
+    assert seen["result"] is None
+    assert unsharded.usages == (False, True)
+    assert unsharded.columnwise_data is to_free[0]  # refilled in place
+    assert unsharded.columnwise_scale_inv is to_free[1]
+    assert torch.equal(raw_bits(unsharded.columnwise_data), raw_bits(full.columnwise_data))
+    assert torch.equal(unsharded.columnwise_scale_inv, full.columnwise_scale_inv)
+
+
+def test_mxfp8_gathers_both_usages_when_no_fsdp_module_is_found():
+    full = qt.MXFP8BlockScaling().quantizer("weight").quantize(torch.randn(128, 64))
+    shards = [s.clone() for s in full.chunk(2)]
+    unsharded, _ = gather(shards, 2, 5, full.shape)  # module None: no FSDP2 module, no backward gather known
+    assert shards[0].fsdp_pre_all_gather(FakeMesh(2))[1].names == (
+        "rowwise_data",
+        "rowwise_scale_inv",
+        "columnwise_data",
+        "columnwise_scale_inv",
+    )
+    assert_same(unsharded, full)
+
+
+class RecordingPolicy(qt.GatherPolicy):
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def before_gather(self, shard, mesh):
+        self.calls.append(("before_gather", shard, mesh))
+        super().before_gather(shard, mesh)
+
+    def count_gather(self, format_name, inputs, world_size):
+        self.calls.append(("count_gather", format_name, sum(t.numel() * t.element_size() for t in inputs), world_size))
+
+    def tensor_shard_for_checkpoint(self, shard, index):
+        self.calls.append(("tensor_shard_for_checkpoint", shard, index))
+        return shard
+
+
+def test_the_hooks_ask_the_registered_policy(monkeypatch):
+    monkeypatch.setattr(_fsdp, "_policy", qt.GatherPolicy())  # as in a process that registered none
+    policy = RecordingPolicy()
+    qt.register_gather_policy(policy)
+    assert qt.gather_policy() is policy
+    shard = qt.Float8CurrentScaling().quantizer("weight").quantize(torch.randn(64, 32))
+    mesh = FakeMesh(2)
+    shard.fsdp_pre_all_gather(mesh)
+    assert policy.calls == [("before_gather", shard, mesh), ("count_gather", "per-tensor FP8", 64 * 32, 2)]
+    assert shard.__get_tensor_shard__("index") is shard
+    assert policy.calls[-1] == ("tensor_shard_for_checkpoint", shard, "index")
+
+
+def test_default_policy_lets_checkpoints_read_the_shard_itself(monkeypatch):
+    monkeypatch.setattr(_fsdp, "_policy", qt.GatherPolicy())
+    shard = qt.NVFP4BlockScaling().quantizer("weight").quantize(torch.randn(32, 32))
+    assert shard.__get_tensor_shard__("index") is shard
+
+
+def test_one_sharding_layer_registers_its_policy(monkeypatch):
+    monkeypatch.setattr(_fsdp, "_policy", qt.GatherPolicy())
+
+    class OtherLayer(qt.GatherPolicy):
+        pass
+
+    first = RecordingPolicy()
+    qt.register_gather_policy(first)
+    qt.register_gather_policy(RecordingPolicy())  # the same layer again (a re-import) replaces it
+    assert isinstance(qt.gather_policy(), RecordingPolicy)
+    assert qt.gather_policy() is not first
+    with pytest.raises(RuntimeError, match="already the gather policy"):
+        qt.register_gather_policy(OtherLayer())
