@@ -274,8 +274,9 @@ def test_is_quantizable_follows_block_sizes(name, good, bad):
 @pytest.mark.parametrize(("name", "role"), CASES)
 def test_bad_inputs_raise_with_the_rule(name, role):
     quantizer = qt.recipe_from_name(name).quantizer(role)
-    with pytest.raises(TypeError, match="quantizes float32, bfloat16 or float16 tensors; got torch.int64"):
-        quantizer.quantize(torch.ones(32, 32, dtype=torch.int64))
+    for dtype in (torch.int64, torch.float64):
+        with pytest.raises(TypeError, match=f"x has dtype {dtype}; quantization reads float32, bfloat16 or float16"):
+            quantizer.quantize(torch.ones(32, 32, dtype=dtype))
     with pytest.raises(ValueError, match="cannot quantize a 0-d tensor"):
         quantizer.quantize(torch.tensor(1.0))
     with pytest.raises(TypeError, match="already a"):

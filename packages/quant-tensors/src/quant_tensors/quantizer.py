@@ -38,6 +38,7 @@ from quant_tensors._tensor import QuantizedTensor
 # it from their `weight_columnwise_on_demand` field, or from this environment variable where the
 # field is None.
 COLUMNWISE_ON_DEMAND_ENV_VAR = "QUANT_TENSORS_COLUMNWISE_ON_DEMAND"
+_QUANTIZABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def columnwise_on_demand_default() -> bool:
@@ -383,5 +384,8 @@ class Quantizer:
             raise ValueError(
                 f"{self.format_name} cannot quantize a 0-d tensor: blocks run along the last dim (reshape it to (1,))"
             )
-        if not x.dtype.is_floating_point:
-            raise TypeError(f"{self.format_name} quantizes float32, bfloat16 or float16 tensors; got {x.dtype}")
+        if x.dtype not in _QUANTIZABLE_DTYPES:
+            raise TypeError(
+                f"x has dtype {x.dtype}; quantization reads float32, bfloat16 or float16 ({self.format_name}): "
+                "x.float() if the precision loss is intended"
+            )
