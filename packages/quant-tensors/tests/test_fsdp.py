@@ -124,7 +124,7 @@ def test_mxfp8_gathers_both_usages_when_no_fsdp_module_is_found():
     assert_same(unsharded, full)
 
 
-class RecordingPolicy(qt.GatherPolicy):
+class RecordingPolicy(qt.fsdp.GatherPolicy):
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
 
@@ -141,10 +141,10 @@ class RecordingPolicy(qt.GatherPolicy):
 
 
 def test_the_hooks_ask_the_registered_policy(monkeypatch):
-    monkeypatch.setattr(_fsdp, "_policy", qt.GatherPolicy())  # as in a process that registered none
+    monkeypatch.setattr(_fsdp, "_policy", qt.fsdp.GatherPolicy())  # as in a process that registered none
     policy = RecordingPolicy()
-    qt.register_gather_policy(policy)
-    assert qt.gather_policy() is policy
+    qt.fsdp.register_gather_policy(policy)
+    assert qt.fsdp.gather_policy() is policy
     shard = qt.Float8CurrentScaling().quantizer("weight").quantize(torch.randn(64, 32))
     mesh = FakeMesh(2)
     shard.fsdp_pre_all_gather(mesh)
@@ -154,21 +154,21 @@ def test_the_hooks_ask_the_registered_policy(monkeypatch):
 
 
 def test_default_policy_lets_checkpoints_read_the_shard_itself(monkeypatch):
-    monkeypatch.setattr(_fsdp, "_policy", qt.GatherPolicy())
+    monkeypatch.setattr(_fsdp, "_policy", qt.fsdp.GatherPolicy())
     shard = qt.NVFP4BlockScaling().quantizer("weight").quantize(torch.randn(32, 32))
     assert shard.__get_tensor_shard__("index") is shard
 
 
 def test_one_sharding_layer_registers_its_policy(monkeypatch):
-    monkeypatch.setattr(_fsdp, "_policy", qt.GatherPolicy())
+    monkeypatch.setattr(_fsdp, "_policy", qt.fsdp.GatherPolicy())
 
-    class OtherLayer(qt.GatherPolicy):
+    class OtherLayer(qt.fsdp.GatherPolicy):
         pass
 
     first = RecordingPolicy()
-    qt.register_gather_policy(first)
-    qt.register_gather_policy(RecordingPolicy())  # the same layer again (a re-import) replaces it
-    assert isinstance(qt.gather_policy(), RecordingPolicy)
-    assert qt.gather_policy() is not first
+    qt.fsdp.register_gather_policy(first)
+    qt.fsdp.register_gather_policy(RecordingPolicy())  # the same layer again (a re-import) replaces it
+    assert isinstance(qt.fsdp.gather_policy(), RecordingPolicy)
+    assert qt.fsdp.gather_policy() is not first
     with pytest.raises(RuntimeError, match="already the gather policy"):
-        qt.register_gather_policy(OtherLayer())
+        qt.fsdp.register_gather_policy(OtherLayer())

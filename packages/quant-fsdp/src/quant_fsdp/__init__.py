@@ -27,7 +27,7 @@ from quant_fsdp._sequence import (
 from quant_fsdp._stats import comm_stats, reset_comm_stats
 from quant_fsdp._version import __version__
 
-qt.register_gather_policy(FullyShardGatherPolicy())
+qt.fsdp.register_gather_policy(FullyShardGatherPolicy())
 
 __all__ = [
     # FSDP2 with quantized weights

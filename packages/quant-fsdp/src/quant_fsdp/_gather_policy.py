@@ -13,7 +13,7 @@ from quant_fsdp import _checkpoint, _plan
 from quant_fsdp._stats import count_gather
 
 
-class FullyShardGatherPolicy(qt.GatherPolicy):
+class FullyShardGatherPolicy(qt.fsdp.GatherPolicy):
     """The default policy (the shard group as a per-tensor quantizer's `amax_group`, FSDP2's own
     backward-gather decision), plus: checkpoints staged for a collective are requantized before
     the first gather, the FSDP module `quant_fsdp.fully_shard` recorded decides the backward's

@@ -187,7 +187,7 @@ class QuantizeOnGatherTensor(torch.Tensor):
             _checkpoint.requantize_pending()
         world_size = mesh.size()
         if not self.fallback:
-            return qt.all_gather_inputs(self._quantize_shard(), world_size, module=module)
+            return qt.fsdp.all_gather_inputs(self._quantize_shard(), world_size, module=module)
         param_dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
         full_shape = tuple(outer_size) if outer_size is not None else (world_size * self.shape[0], *self.shape[1:])
         padded = (math.ceil(full_shape[0] / world_size), *full_shape[1:])  # FSDP2's padded shard (torch.chunk)
@@ -197,7 +197,7 @@ class QuantizeOnGatherTensor(torch.Tensor):
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         if not self.fallback:
-            unsharded = qt.unsharded_from_gather(self, all_gather_outputs, metadata, param_dtype, out)
+            unsharded = qt.fsdp.unsharded_from_gather(self, all_gather_outputs, metadata, param_dtype, out)
             if torch._C._current_graph_task_id() != -1 and self.quantizer.stateless:  # in a backward
                 # The backward's gather was the step's last: the optimizer changes the shard before
                 # the next, so the quantized shard would only hold memory until then (a byte per

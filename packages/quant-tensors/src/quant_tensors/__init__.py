@@ -4,7 +4,7 @@
 blockwise FP8 and NVFP4, as wrapper subclasses whose `.dtype` is the nominal high-precision dtype
 ([Note: quantized tensor] in quant_tensors._tensor). Numerics come from quant-core. The tensors
 carry FSDP2's all-gather hooks, so torch's `fully_shard` gathers their quantized bytes; a sharding
-layer adds its policy through `register_gather_policy` ([Note: gather policy] in quant_tensors._fsdp).
+layer adds its policy through `qt.fsdp.register_gather_policy` ([Note: gather policy] in quant_tensors._fsdp).
 """
 
 import torch
@@ -12,18 +12,11 @@ import torch
 from quant_tensors import (
     _collectives,  # noqa: F401  (registers the torch.distributed ops)
     _op_table,  # noqa: F401  (registers the shared op table)
+    fsdp,
     nn,
     ops,
 )
 from quant_tensors._block_tensor import BlockQuantizer, BlockScaledTensor
-from quant_tensors._fsdp import (
-    GatherPayload,
-    GatherPolicy,
-    all_gather_inputs,
-    gather_policy,
-    register_gather_policy,
-    unsharded_from_gather,
-)
 from quant_tensors._tensor import (
     DEQUANTIZE_FALLBACK_OPS,
     QuantizedTensor,
@@ -83,16 +76,10 @@ __all__ = [
     "local_quantized",
     "local_shard",
     "shard_like",
-    # FSDP2's all-gather: the tensors' hooks ask the gather policy a sharding layer registers
-    "GatherPolicy",
-    "register_gather_policy",
-    "gather_policy",
-    "GatherPayload",
-    "all_gather_inputs",
-    "unsharded_from_gather",
     # GEMM, modules, conversion
     "convert",
     "high_precision_init_value",
+    "fsdp",
     "nn",
     "ops",
     # version
