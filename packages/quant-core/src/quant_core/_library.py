@@ -75,7 +75,7 @@ class Operator:
     implementation that runs (what the dispatcher would run, cached for `call`)."""
 
     def __init__(
-        self, name: str, body: Callable[..., Any] | None, mutates_args: Sequence[str], recomputable: bool
+        self, name: str, body: Callable[..., Any] | None, mutates_args: Sequence[str], recomputable: bool = False
     ) -> None:
         self.name = name
         self.body = body

@@ -31,7 +31,7 @@ from typing import NoReturn
 
 import torch
 
-from quant_core._library import Backend, Kernel, backend_kernel, call, define_op, register_kernel
+from quant_core._library import Backend, Kernel, backend_kernel, call, cpp_extension, define_op, register_kernel
 from quant_core.blocks._blockwise import BLOCKWISE_BLOCK, BLOCKWISE_SHAPES
 from quant_core.blocks._layout import (
     BlockQuantized,
@@ -299,8 +299,8 @@ register_kernel("quantize_fp8_blockwise_many", "reference")(each_tensor("quantiz
 # ---- C++ kernels (CPU tensors; [Note: C++ kernel arguments] in quant_core.shared._cpp) ----
 
 
-# One GIL-free call per tensor: a CPU quantize's host time is small next to its work.
-register_kernel("quantize_mxfp8_many", "cpp")(each_tensor("quantize_mxfp8", "cpp"))
-
-
-register_kernel("quantize_fp8_blockwise_many", "cpp")(each_tensor("quantize_fp8_blockwise", "cpp"))
+# One GIL-free call per tensor: a CPU quantize's host time is small next to its work. Without the
+# extension (a broken build) the single-tensor ops have no C++ kernel to loop over.
+if cpp_extension() is not None:
+    register_kernel("quantize_mxfp8_many", "cpp")(each_tensor("quantize_mxfp8", "cpp"))
+    register_kernel("quantize_fp8_blockwise_many", "cpp")(each_tensor("quantize_fp8_blockwise", "cpp"))
