@@ -1,4 +1,4 @@
-"""FusedAdam on CUDA tensors (the tensor-driven step, [Note: FusedAdam tensor-driven step]) equals the
+"""FusedAdam on CUDA tensors (the verdict on the device, [Note: FusedAdam tensor-driven step]) equals the
 C++ CPU step bit for bit ([Note: Adam numerics] uses only correctly rounded fp32 operations),
 skipped steps included; after its first step it makes no host sync; with capturable=True a
 CUDA graph of one step replays as eager steps do."""

@@ -1,18 +1,6 @@
-"""FusedAdam: Adam/AdamW over fp32, bf16 and quantized parameters, plain or FSDP2 DTensors.
-
-[Note: FusedAdam step] For every parameter the step works on local tensors (a DTensor's shard):
-1. every gradient is checked for NaN/Inf first (quant_core.has_non_finite, one pass), or the
-   caller's `found_inf` is taken instead; one all-reduce makes the verdict every rank's, and a
-   skipped step leaves parameters, masters, moments and step counts as they were;
-2. the update runs on the fp32 master (the parameter itself when it is fp32) through
-   quant_core.adam_step_: one call per kind of parameter (group options, step count, dtypes),
-   one threaded pass in C++ for CPU tensors ([Note: Adam numerics] in quant_core.adam._adam: fp32
-   results are within a few ulp of torch.optim.AdamW, not bitwise: torch's rounding differs
-   between its own kernels). The same pass returns max |master| for per-tensor formats;
-3. low-precision parameters are written back from the master: bf16/fp16 by a cast, quantized
-   parameters by requantizing into their buffers (`quantizer.quantize_`). Everything scaled by
-   a per-tensor amax (per-tensor FP8 and NVFP4 weights, fp8 moments) takes it from one stacked
-   all-reduce (MAX) per process group per step, not one per parameter (`_write_back`).
+"""FusedAdam: Adam/AdamW over fp32, bf16 and quantized parameters, plain or FSDP2 DTensors; its
+states and checkpoints. The step is planned in quant_optim._plan and run by quant_optim._step
+([Note: FusedAdam step]).
 
 States are created with the optimizer (not at the first step); those of a DTensor parameter are
 DTensors like it (mesh, placements, shape, stride), so torch.distributed.checkpoint saves them
@@ -45,37 +33,29 @@ fp32 shard is the master itself and FusedAdam keeps no copy. So:
   does not matter (torch's set_state_dict loads the optimizer first). A master that the load did
   not fill (DCP's partial loads leave the state dict's tensors as `state_dict` gave them: their
   version counters tell) derives nothing: the weight keeps what the model's load gave it.
-
-On CUDA (and with `capturable=True` on any device) the step keeps every decision in tensors:
-[Note: FusedAdam tensor-driven step] in quant_optim._tensor_step, which also says what
-`capturable=True` (CUDA graphs) refuses. CPU tensors step as above, deciding on the host (a read
-of a CPU tensor costs no sync); both give the same bits.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 import quant_core
 import quant_tensors as qt
-from quant_optim import _tensor_step
-from quant_optim._write_back import PendingAmax, agree_amaxes_and_apply, requantize_into, shard_groups
+from quant_optim import _plan, _step
+from quant_optim._plan import FP8_MOMENT_DTYPES, buffer_versions, written_record
+from quant_optim._write_back import agree_amaxes_and_apply, requantize_from_master
 
-_FP8_MOMENT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-_MOMENT_DTYPES = (*quant_core.MOMENT_DTYPES, *_FP8_MOMENT_DTYPES)
+_MOMENT_DTYPES = (*quant_core.MOMENT_DTYPES, *FP8_MOMENT_DTYPES)
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class FusedAdam(torch.optim.Optimizer):
-    """Adam / AdamW keeping fp32 master weights; see [Note: FusedAdam step] in quant_optim._adam."""
+    """Adam / AdamW keeping fp32 master weights; see [Note: FusedAdam step] in quant_optim._step."""
 
     def __init__(
         self,
@@ -106,15 +86,18 @@ class FusedAdam(torch.optim.Optimizer):
         self.capturable = capturable
         """Steps keep every decision in tensors, so a CUDA graph can capture one ([Note: FusedAdam
         tensor-driven step])."""
-        self._plan: tuple[tuple[Any, ...], Any] | None = None
-        """(key, plan) of the tensor-driven step: the parameters with gradients it was built for."""
+        self._plan: tuple[tuple[Any, ...], _plan.Plan] | None = None
+        """(key, plan) of the last step: the parameters with gradients (and their local tensors and
+        gradient dtypes) it was built for ([Note: FusedAdam step])."""
         self._plan_version = 0
         """Bumped by add_param_group and load_state_dict: a plan built before is not used again."""
         self._requantized_bytes: WeakIdKeyDictionary = WeakIdKeyDictionary()
         """Local quantized weights this optimizer wrote from their masters -> [their buffers' versions
-        then] (a one-item list: plans hold it and update it in place, `_tensor_step.written_record`)."""
+        then] (a one-item list: plans hold it and update it in place, `_plan.written_record`)."""
         self._skipped_on_host = 0
+        """Skipped steps whose verdict was read on the host."""
         self._skipped_on_device: torch.Tensor | None = None
+        """Skipped steps whose verdict stayed on the device: their sum, on that device."""
         self._last_verdict: bool | torch.Tensor = False
         defaults = {
             "lr": lr,
@@ -148,7 +131,7 @@ class FusedAdam(torch.optim.Optimizer):
             for key in ("exp_avg", "exp_avg_sq"):
                 dtype = group[f"{key}_dtype"]
                 state[key] = qt.shard_like(p, torch.zeros(reference.shape, dtype=dtype, device=reference.device))
-                if dtype in _FP8_MOMENT_DTYPES:  # one scale for the whole (unsharded) moment
+                if dtype in FP8_MOMENT_DTYPES:  # one scale for the whole (unsharded) moment
                     state[f"{key}_scale_inv"] = torch.ones((), dtype=torch.float32, device=reference.device)
             if master is not None:
                 state["master"] = qt.shard_like(p, master)
@@ -232,7 +215,7 @@ class FusedAdam(torch.optim.Optimizer):
                 if key == "step" or not isinstance(value, torch.Tensor):
                     continue
                 dtype = dtypes.get(key, value.dtype)
-                if dtype != value.dtype and {dtype, value.dtype} & set(_FP8_MOMENT_DTYPES):
+                if dtype != value.dtype and {dtype, value.dtype} & set(FP8_MOMENT_DTYPES):
                     raise ValueError(
                         f"the checkpoint holds {key} as {value.dtype} but this optimizer keeps it as {dtype}; "
                         f"fp8 moments carry a scale and cannot be cast: load with {key}_dtype={value.dtype}"
@@ -254,7 +237,7 @@ class FusedAdam(torch.optim.Optimizer):
                 if isinstance(local, qt.QuantizedTensor):
                     # Delayed scaling keeps its loaded bytes (see the Note).
                     if local.quantizer.stateless and self._loaded(state["master"]):
-                        requantize.append(_requantize_from(local, qt.local_shard(state["master"])))
+                        requantize.append(requantize_from_master(local, qt.local_shard(state["master"])))
                         requantized.append(local)
                 elif qt.nn.is_quantized_weight(p):  # held in high precision here: the master is its value
                     master = state["master"] if self._needs_master(local, group) else state.pop("master")
@@ -267,7 +250,7 @@ class FusedAdam(torch.optim.Optimizer):
                     state["master"] = qt.shard_like(p, self._weight_value(local))
             agree_amaxes_and_apply(requantize)
             for local in requantized:  # the master's quantization ([Note: FusedAdam tensor-driven step])
-                _tensor_step.written_record(self._requantized_bytes, local)[0] = _tensor_step.buffer_versions(local)
+                written_record(self._requantized_bytes, local)[0] = buffer_versions(local)
 
     def _loaded(self, master: torch.Tensor) -> bool:
         """Whether `master` holds a loaded value: not a tensor of this optimizer's `state_dict`
@@ -312,28 +295,36 @@ class FusedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if not work:
+            self._last_verdict = False
+            return loss
         grads = [_local_grad(p) for p, _ in work]
         for (p, _), grad in zip(work, grads, strict=True):  # before anything changes
             self._check_grad(p, grad)
-        if work and (self.capturable or qt.local_shard(work[0][0]).device.type == "cuda"):
-            self._tensor_driven_step(work, grads, found_inf)
+        plan = self._plan_for(work, grads)
+        verdict_on_host = not self.capturable and all(bucket.device.type == "cpu" for bucket in plan.buckets)
+        verdict = _step.run(plan, grads, found_inf, verdict_on_host=verdict_on_host)
+        if verdict_on_host:
+            self._last_verdict = bool(verdict)  # read already: a CPU tensor
+            self._skipped_on_host += self._last_verdict
             return loss
-        self._last_verdict = not self._grads_finite(grads, found_inf) if work else False
-        if self._last_verdict:
-            self._skipped_on_host += 1
-            return loss
-        updates = [self._prepare(p, group, grad) for (p, group), grad in zip(work, grads, strict=True)]
-        self._update(updates)
-        self._write_back(updates)
-        for (p, _), u in zip(work, updates, strict=True):
-            self.state[p]["step"].fill_(u.step)
+        if self._skipped_on_device is None or self._skipped_on_device.device != verdict.device:
+            if self._skipped_on_device is not None:
+                self._skipped_on_host += int(self._skipped_on_device.item())
+            self._skipped_on_device = torch.zeros((), dtype=torch.float32, device=verdict.device)
+        self._skipped_on_device.add_(verdict)
+        self._last_verdict = verdict
         return loss
 
-    def _tensor_driven_step(
-        self, work: list[tuple[torch.Tensor, dict[str, Any]]], grads: list[torch.Tensor], found_inf: torch.Tensor | None
-    ) -> None:
-        """[Note: FusedAdam tensor-driven step]; its plan is kept while the same parameters have gradients."""
-        key = (self._plan_version, *(id(p) for p, _ in work), *(g.dtype for g in grads))
+    def _plan_for(self, work: list[tuple[torch.Tensor, dict[str, Any]]], grads: list[torch.Tensor]) -> _plan.Plan:
+        """The step's plan, kept while the same parameters (and local tensors) have gradients of the
+        same dtypes, until add_param_group or load_state_dict."""
+        key = (
+            self._plan_version,
+            *(id(p) for p, _ in work),
+            *(id(qt.local_shard(p)) for p, _ in work),
+            *(g.dtype for g in grads),
+        )
         if self._plan is None or self._plan[0] != key:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
@@ -341,12 +332,9 @@ class FusedAdam(torch.optim.Optimizer):
                     "stepped eagerly since it was built or loaded: run one eager step with the same parameters having "
                     "gradients before capturing (torch.cuda.graphs' warm-up)"
                 )
-            self._plan = (key, _tensor_step.build_plan(self, work, grads))
-        verdict = _tensor_step.step(self, self._plan[1], grads, found_inf)
-        if self._skipped_on_device is None or self._skipped_on_device.device != verdict.device:
-            self._skipped_on_device = torch.zeros((), dtype=torch.float32, device=verdict.device)
-        self._skipped_on_device.add_(verdict)
-        self._last_verdict = verdict
+            states = [self._state_of(p, group) for p, group in work]
+            self._plan = (key, _plan.build_plan(work, states, grads, self._requantized_bytes))
+        return self._plan[1]
 
     @staticmethod
     def _check_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
@@ -358,122 +346,11 @@ class FusedAdam(torch.optim.Optimizer):
                 "parameter (nothing was changed)"
             )
 
-    def _prepare(self, p: torch.Tensor, group: dict[str, Any], grad: torch.Tensor) -> _ParamUpdate:
-        """Names the local tensors the parameter's update touches (changes nothing)."""
-        state = self._state_of(p, group)
-        local = qt.local_shard(p)
-        if "master" in state:
-            master = qt.local_shard(state["master"])
-        elif local.dtype != torch.float32:  # master_weights=False: a transient fp32 copy
-            master = local.detach().to(torch.float32)
-        else:
-            master = local
-        moments, fp8_moments = [], []
-        for key in ("exp_avg", "exp_avg_sq"):
-            stored = qt.local_shard(state[key])
-            if stored.dtype in _FP8_MOMENT_DTYPES:  # the update runs on fp32 values
-                values = quant_core.dequantize_fp8(stored, state[f"{key}_scale_inv"], torch.float32)
-                fp8_moments.append(_Fp8Moment(stored, state[f"{key}_scale_inv"], values))
-                stored = values
-            moments.append(stored)
-        return _ParamUpdate(
-            local=local,
-            master=master,
-            grad=grad,
-            exp_avg=moments[0],
-            exp_avg_sq=moments[1],
-            step=int(state["step"]) + 1,
-            group=group,
-            fp8_moments=fp8_moments,
-            shard_groups=shard_groups(p),
-        )
-
-    @staticmethod
-    def _update(updates: list[_ParamUpdate]) -> None:
-        """Steps every master with one quant_core.adam_step_ call per kind of parameter (same
-        group options, step count, dtypes and device). Parameters that are requantized with a
-        per-tensor amax get it from the same pass."""
-        buckets: dict[tuple[Any, ...], list[_ParamUpdate]] = {}
-        for u in updates:
-            key = (id(u.group), u.step, u.grad.dtype, u.exp_avg.dtype, u.exp_avg_sq.dtype, u.master.device)
-            buckets.setdefault(key, []).append(u)
-        for bucket in buckets.values():
-            group, step = bucket[0].group, bucket[0].step
-            lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
-            beta1, beta2 = group["betas"]
-            scalars = quant_core.AdamScalars.of(
-                lr=lr,
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                step=step,
-                adam_w_mode=group["adam_w_mode"],
-            )
-            amaxes = quant_core.adam_step_(
-                [u.master for u in bucket],
-                [u.grad for u in bucket],
-                [u.exp_avg for u in bucket],
-                [u.exp_avg_sq for u in bucket],
-                scalars,
-                compute_amax=any(u.per_tensor_quantized for u in bucket),
-            )
-            if amaxes is not None:
-                for u, amax in zip(bucket, amaxes, strict=True):
-                    u.amax = amax
-
-    @staticmethod
-    def _write_back(updates: list[_ParamUpdate]) -> None:
-        """Writes low-precision parameters from their masters and fp8 moments from their fp32
-        values. Everything scaled by a per-tensor amax (per-tensor FP8 and NVFP4 weights, fp8
-        moments) takes it from one all-reduce per process group for all of them."""
-        pending: list[PendingAmax] = []
-        for u in updates:
-            if u.per_tensor_quantized:
-                quantizer = u.local.quantizer
-                groups = () if quantizer.amax_group is None else (quantizer.amax_group,)
-                requantize = functools.partial(requantize_into, quantizer, u.master, u.local)
-                pending.append(PendingAmax(groups, u.amax, requantize))
-            elif isinstance(u.local, qt.QuantizedTensor):  # a block-scaled format: its own scales
-                u.local.quantizer.quantize_(u.master, u.local)
-            elif u.master is not u.local:
-                u.local.copy_(u.master)  # a bf16 cast
-        moments = [(u.shard_groups, moment) for u in updates for moment in u.fp8_moments]
-        if moments:  # their amaxes in one kernel call
-            moment_amaxes = quant_core.amax_many([moment.values for _, moment in moments])
-            pending += [
-                PendingAmax(groups, amax, moment.store)
-                for (groups, moment), amax in zip(moments, moment_amaxes, strict=True)
-            ]
-        agree_amaxes_and_apply(pending)
-
-    @staticmethod
-    def _grads_finite(grads: list[torch.Tensor], found_inf: torch.Tensor | None) -> bool:
-        """Whether every rank may step: no local gradient anywhere holds NaN or Inf. A caller's
-        `found_inf` (GradScaler's unscale already read every gradient) replaces the check here.
-        One all-reduce makes the verdict every rank's."""
-        bad = quant_core.has_non_finite(grads) if found_inf is None else (found_inf != 0).any().to(torch.float32)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        return not bool(bad)
-
-
-def _requantize_from(local: qt.QuantizedTensor, master: torch.Tensor) -> PendingAmax:
-    """The requantization of a loaded quantized weight from its master (an amax to agree on for
-    per-tensor formats, over the group the weight's shards share it in)."""
-    quantizer = local.quantizer
-    if not quantizer.per_tensor_amax:
-        return PendingAmax((), None, lambda amax: quantizer.quantize_(master, local))
-    groups = () if quantizer.amax_group is None else (quantizer.amax_group,)
-    return PendingAmax(
-        groups, quant_core.amax_many([master])[0], functools.partial(requantize_into, quantizer, master, local)
-    )
-
 
 def _check_capturable(p: torch.Tensor, group: dict[str, Any]) -> None:
     """Refuses what a captured step cannot take ([Note: FusedAdam tensor-driven step])."""
     for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
-        if group[key] in _FP8_MOMENT_DTYPES:
+        if group[key] in FP8_MOMENT_DTYPES:
             raise ValueError(
                 f"capturable=True cannot keep {key}={group[key]}: fp8 moments are stored from their values with a "
                 "per-tensor scale, which a skipped step would change, so every step reads the skip verdict on the host. "
@@ -524,45 +401,3 @@ def _local_grad(p: torch.Tensor) -> torch.Tensor:
     if isinstance(grad, DTensor) and isinstance(p, DTensor) and tuple(grad.placements) != tuple(p.placements):
         grad = grad.redistribute(p.device_mesh, p.placements)
     return qt.local_shard(grad)
-
-
-@dataclass(eq=False)
-class _ParamUpdate:
-    """The local tensors one parameter's step reads and writes."""
-
-    local: torch.Tensor
-    """The parameter's local tensor (a DTensor's shard): fp32, bf16/fp16 or a QuantizedTensor."""
-    master: torch.Tensor
-    """The fp32 tensor the update runs on: the master weight, or `local` itself when fp32."""
-    grad: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    step: int
-    """The step count including this step."""
-    group: dict[str, Any]
-    fp8_moments: list[_Fp8Moment]
-    """Moments kept in fp8: `exp_avg`/`exp_avg_sq` above are then their fp32 values."""
-    shard_groups: tuple[dist.ProcessGroup, ...]
-    """The process groups the parameter is sharded over (none when it is not a DTensor)."""
-    amax: torch.Tensor | None = None
-    """max |master| after the update, for parameters requantized with a per-tensor amax."""
-
-    @property
-    def per_tensor_quantized(self) -> bool:
-        return isinstance(self.local, qt.QuantizedTensor) and self.local.quantizer.per_tensor_amax
-
-
-@dataclass(eq=False)
-class _Fp8Moment:
-    """A moment stored as fp8 codes with one fp32 scale for the whole unsharded tensor."""
-
-    codes: torch.Tensor
-    scale_inv: torch.Tensor
-    """The state's 0-d scale_inv (equal on every shard)."""
-    values: torch.Tensor
-    """fp32 values the step updates: dequantized before it, stored back by `store`."""
-
-    def store(self, amax: torch.Tensor) -> None:
-        scale, scale_inv = quant_core.fp8_scale(amax, self.codes.dtype)
-        quant_core.cast_to_fp8(self.values, scale, self.codes.dtype, rowwise_out=self.codes)
-        self.scale_inv.copy_(scale_inv)

@@ -1,15 +1,19 @@
-"""What FusedAdam's write-back shares between its steps: per-tensor amaxes agreed in one all-reduce."""
+"""FusedAdam's write-back after the update: quantized weights requantized from their masters, fp8
+moments stored from their fp32 values, per-tensor amaxes agreed in one all-reduce per process
+group ([Note: FusedAdam step] in quant_optim._step)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
+import quant_core
 import quant_tensors as qt
+from quant_optim._plan import Fp8Slot, Plan, Requantize, buffer_versions
 
 
 @dataclass(frozen=True)
@@ -39,14 +43,59 @@ def agree_amaxes_and_apply(pending: list[PendingAmax]) -> None:
             item.apply(amax)
 
 
-def requantize_into(
+def write_back(plan: Plan, amaxes: list[torch.Tensor | None]) -> None:
+    """Requantizes the plan's quantized weights from their masters and stores its fp8 moments from
+    their values; then records the weights' buffer versions (`Requantize.written`).
+
+    Per-tensor weights take their amax from `amaxes` (the Adam pass's, one tensor per bucket),
+    agreed over their amax group when they have one; block formats requantize with one
+    `quantize_many_` per (quantizer configuration, device). fp8 moments take theirs from one
+    `amax_many` call, agreed over their parameter's shard groups.
+    """
+    rows = [a.unbind() if b.compute_amax else None for a, b in zip(amaxes, plan.buckets, strict=True)]
+    pending = []
+    alike: dict[int | None, list[Requantize]] = {}
+    for r in plan.requantize:
+        quantizer = r.local.quantizer
+        if not quantizer.per_tensor_amax:  # a block-scaled format: its own scales, alike ones in one call below
+            alike.setdefault(r.like, []).append(r)
+        elif r.groups:  # agreed over the shard group first, in one all-reduce for all of them
+            pending.append(PendingAmax(r.groups, rows[r.bucket][r.position], _requantizer(r.local, r.master)))
+        else:
+            quantizer.quantize_(r.master, r.local, amax=rows[r.bucket][r.position])
+    for same in alike.values():
+        same[0].local.quantizer.quantize_many_([r.master for r in same], [r.local for r in same])
+    if plan.fp8_slots:
+        values = [slot.values[slot.position] for slot in plan.fp8_slots]
+        for slot, value, amax in zip(plan.fp8_slots, values, quant_core.amax_many(values), strict=True):
+            pending.append(PendingAmax(slot.groups, amax, functools.partial(_store_fp8, slot, value)))
+    if pending:
+        agree_amaxes_and_apply(pending)
+    for r in plan.requantize:
+        r.written[0] = buffer_versions(r.local)
+
+
+def requantize_from_master(local: qt.QuantizedTensor, master: torch.Tensor) -> PendingAmax:
+    """The requantization of a loaded quantized weight from its master (an amax to agree on for
+    per-tensor formats, over the group the weight's shards share it in)."""
+    quantizer = local.quantizer
+    if not quantizer.per_tensor_amax:
+        return PendingAmax((), None, lambda amax: quantizer.quantize_(master, local))
+    groups = () if quantizer.amax_group is None else (quantizer.amax_group,)
+    return PendingAmax(groups, quant_core.amax_many([master])[0], _requantizer(local, master))
+
+
+def _requantizer(local: qt.QuantizedTensor, master: torch.Tensor) -> Callable[[torch.Tensor | None], None]:
+    return functools.partial(_requantize_into, local.quantizer, master, local)
+
+
+def _requantize_into(
     quantizer: qt.Quantizer, master: torch.Tensor, local: qt.QuantizedTensor, amax: torch.Tensor
 ) -> None:
     quantizer.quantize_(master, local, amax=amax)
 
 
-def shard_groups(p: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
-    """The groups over whose ranks `p` is split: the mesh dims with a Shard placement."""
-    if not isinstance(p, DTensor):
-        return ()
-    return tuple(p.device_mesh.get_group(dim) for dim, placement in enumerate(p.placements) if placement.is_shard())
+def _store_fp8(slot: Fp8Slot, values: torch.Tensor, amax: torch.Tensor) -> None:
+    scale, scale_inv = quant_core.fp8_scale(amax, slot.codes.dtype)
+    quant_core.cast_to_fp8(values, scale, slot.codes.dtype, rowwise_out=slot.codes)
+    slot.scale_inv.copy_(scale_inv)

@@ -1,17 +1,23 @@
-"""FusedAdam's tensor-driven step ([Note: FusedAdam tensor-driven step]), run on the CPU with
-capturable=True (the reference kernels), against the host-decided step bit for bit: the same
-parameters, masters, moments, step counts and quantized bytes after steps, skipped steps and
-steps with a caller's found_inf. On CUDA the same step runs the Triton kernel
-(test_fused_adam_cuda.py)."""
+"""FusedAdam's step executor ([Note: FusedAdam step]) on its two verdict routes, both run on the
+CPU: the verdict left on the device ([Note: FusedAdam tensor-driven step]; capturable=True, the
+reference kernel of adam_step_capturable) against the verdict read on the host (the C++ adam_step)
+bit for bit: the same parameters, masters, moments, step counts and quantized bytes after steps,
+skipped steps and steps with a caller's found_inf. On CUDA the device route runs the Triton kernel
+(test_fused_adam_cuda.py). Also: the plan is built once and rebuilt when the parameters change."""
 
 from __future__ import annotations
 
 import copy
+import functools
 import io
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
+import quant_optim._plan
+import quant_optim._step
 import quant_tensors as qt
 from quant_core.testing import raw_bits
 from quant_optim import FusedAdam
@@ -74,7 +80,7 @@ def set_grads(params: list[torch.nn.Parameter], step: int, nan: bool = False) ->
 SCHEDULE = {0: (False, None), 1: (True, None), 2: (False, None), 3: (False, 1.0), 4: (False, 0.0), 5: (False, None)}
 
 
-def test_tensor_driven_step_equals_the_host_decided_step_bitwise():
+def test_the_device_verdict_route_equals_the_host_verdict_route_bitwise():
     runs = {}
     for capturable in (False, True):
         params = model()
@@ -144,6 +150,105 @@ def test_a_loaded_optimizer_continues_bitwise():
             optimizer.step()
         runs[capturable] = bits(params, optimizer)
     assert same(runs[False], runs[True])
+
+
+def test_parameters_at_different_step_counts_step_alike_on_both_routes():
+    # Two parameters of each bucket miss a gradient once: their buckets then hold two step counts
+    # (the host route makes one adam_step call per count, the device kernel reads each count).
+    runs = {}
+    for capturable in (False, True):
+        params = model()
+        optimizer = optimizer_for(params, capturable)
+        for step in range(4):
+            set_grads(params, step)
+            if step == 1:
+                params[0].grad = params[4].grad = None
+            optimizer.step()
+        runs[capturable] = bits(params, optimizer)
+        counts = [float(optimizer.state[p]["step"]) for p in params]
+        assert counts == [3.0, 4.0, 4.0, 4.0, 3.0, 4.0, 4.0, 4.0], capturable
+    assert same(runs[False], runs[True])
+
+
+def bits_and_histories(params: list[torch.nn.Parameter], optimizer: FusedAdam) -> list[list[torch.Tensor]]:
+    """`bits` and every quantizer's state (delayed scaling's amax history)."""
+    histories = [
+        [p.quantizer.state.clone()] if isinstance(p, qt.QuantizedTensor) and p.quantizer.state is not None else []
+        for p in params
+    ]
+    return [b + h for b, h in zip(bits(params, optimizer), histories, strict=True)]
+
+
+# step -> (a NaN in some gradient, the caller's found_inf); the first step skipped
+HOST_GATED_SCHEDULE = {0: (True, None), 1: (False, None), 2: (True, None), 3: (False, 1.0), 4: (False, 0.0)}
+
+
+@pytest.mark.parametrize("moment_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_the_device_route_reads_the_verdict_on_the_host_for_what_a_skip_would_change(moment_dtype, monkeypatch):
+    # fp8 moments, delayed scaling and bytes not yet written by the optimizer (the first step) on
+    # the device route, forced on the CPU without capturable=True (which refuses the first two),
+    # as CUDA tensors take it: bitwise the host route, histories included.
+    run = quant_optim._step.run
+    runs = {}
+    for route in ("host", "device"):
+        if route == "device":
+            monkeypatch.setattr(quant_optim._step, "run", functools.partial(_on_the_device, run))
+        generator = torch.Generator().manual_seed(3)
+        params = [
+            torch.nn.Parameter(torch.randn(96, 64, generator=generator)),
+            torch.nn.Parameter(torch.randn(300, generator=generator).to(torch.bfloat16)),
+            *(
+                qt.nn.quantized_parameter(
+                    torch.randn(128, 256, generator=generator), qt.recipe_from_name(r).quantizer("weight")
+                )
+                for r in ("fp8", "mxfp8", "fp8-delayed")
+            ),
+        ]
+        optimizer = FusedAdam(
+            params, lr=1e-2, weight_decay=0.1, exp_avg_dtype=moment_dtype, exp_avg_sq_dtype=moment_dtype
+        )
+        verdicts = []
+        for step, (nan, found) in HOST_GATED_SCHEDULE.items():
+            set_grads(params, step, nan)
+            before = bits_and_histories(params, optimizer)
+            optimizer.step(found_inf=None if found is None else torch.tensor([found]))
+            verdicts.append(optimizer.last_step_skipped)
+            assert same(bits_and_histories(params, optimizer), before) == verdicts[-1], (route, step)
+        runs[route] = (bits_and_histories(params, optimizer), verdicts, optimizer.skipped_steps)
+    assert runs["host"][1:] == ([True, False, True, True, False], 3)
+    assert runs["device"][1:] == runs["host"][1:]
+    assert same(runs["host"][0], runs["device"][0])
+
+
+def _on_the_device(run: Callable[..., torch.Tensor], *args: object, verdict_on_host: bool) -> torch.Tensor:
+    return run(*args, verdict_on_host=False)
+
+
+def test_the_plan_is_built_once_and_again_after_add_param_group_or_load_state_dict(monkeypatch):
+    build, built = quant_optim._plan.build_plan, []
+
+    def counted(*args: Any) -> quant_optim._plan.Plan:
+        built.append(len(args[0]))
+        return build(*args)
+
+    monkeypatch.setattr(quant_optim._plan, "build_plan", counted)
+    params = model()
+    optimizer = optimizer_for(params, capturable=False)
+    for step in range(3):
+        set_grads(params, step)
+        optimizer.step()
+    assert built == [8]
+    optimizer.add_param_group({"params": [torch.nn.Parameter(torch.randn(8))]})  # no gradient: not stepped
+    set_grads(params, 3)
+    optimizer.step()
+    assert built == [8, 8]
+    optimizer.load_state_dict(optimizer.state_dict())
+    set_grads(params, 4)
+    optimizer.step()
+    set_grads(params, 5)
+    params[0].grad = None
+    optimizer.step()
+    assert built == [8, 8, 8, 7]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,202 @@
+"""FusedAdam's step plan: the parameters with gradients bucketed by kind, with every tensor each
+kernel call reads and every write-back after it ([Note: FusedAdam step] in quant_optim._step).
+
+A plan is built once per list of parameters with gradients (and their gradients' dtypes) and
+kept until `add_param_group` or `load_state_dict`; it holds local tensors (a DTensor's shard),
+never DTensors, and no gradient (those are fresh each step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+import quant_tensors as qt
+
+FP8_MOMENT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+WrittenRecord = list[tuple[int | None, ...] | None]
+"""[a quantized weight's buffer versions when this optimizer last wrote them from its master, or None]."""
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Parameters stepped by one Adam kernel call: one group, one dtype per list, one device."""
+
+    group: dict[str, Any]
+    device: torch.device
+    indices: list[int] = field(default_factory=list)
+    """Positions of its parameters in the step's list of parameters with gradients."""
+    params: list[torch.Tensor] = field(default_factory=list)
+    """fp32 masters, or the parameters themselves (fp32, or bf16/fp16 without a master)."""
+    exp_avgs: list[torch.Tensor] = field(default_factory=list)
+    """Stored moments; an fp8 one is replaced by its fp32 values for the step (`Fp8Slot`)."""
+    exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
+    steps: list[torch.Tensor] = field(default_factory=list)
+    """fp32 0-d step counts, on the parameters' device."""
+    outs: list[torch.Tensor] = field(default_factory=list)
+    """Low-precision parameters written from their fp32 masters (empty, or one per parameter)."""
+    compute_amax: bool = False
+    """Whether a parameter of it is requantized with a per-tensor amax (the Adam pass returns it)."""
+    plain: bool = True
+    """Whether every state tensor owns its memory (else the reference kernels run: `is_plain`)."""
+
+
+@dataclass(eq=False)
+class Requantize:
+    """A quantized weight written from its master after the update."""
+
+    local: qt.QuantizedTensor
+    master: torch.Tensor
+    bucket: int
+    """Its bucket's index in the plan."""
+    position: int
+    """Its index in that bucket (the row of the bucket's amaxes)."""
+    groups: tuple[dist.ProcessGroup, ...]
+    """The process groups its per-tensor amax is agreed over (none for block formats)."""
+    written: WrittenRecord
+    """The optimizer's record for this weight (`written_record`), shared with every plan holding it."""
+    like: int | None = None
+    """Block formats: the number of its (quantizer configuration, device) among the plan's; the
+    weights of one number are requantized by one `quantize_many_` call (`number_block_weights`)."""
+
+
+@dataclass(eq=False)
+class Fp8Slot:
+    """A moment kept in fp8: dequantized into its bucket's list before the update, stored after."""
+
+    bucket: Bucket
+    position: int
+    key: str
+    """"exp_avg" or "exp_avg_sq"."""
+    codes: torch.Tensor
+    scale_inv: torch.Tensor
+    """The state's 0-d scale_inv (one for the whole unsharded moment, equal on every shard)."""
+    groups: tuple[dist.ProcessGroup, ...]
+    """The groups the parameter is sharded over: the moment's amax is agreed over them."""
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        """The bucket's list this moment's fp32 values take their place in."""
+        return self.bucket.exp_avgs if self.key == "exp_avg" else self.bucket.exp_avg_sqs
+
+
+@dataclass(eq=False)
+class Plan:
+    buckets: list[Bucket]
+    requantize: list[Requantize]
+    fp8_slots: list[Fp8Slot]
+    device: torch.device
+    """The device of the skip verdict (the first bucket's)."""
+    one_device: bool
+    """Whether every parameter (so every gradient) is on `device`."""
+
+
+def build_plan(
+    work: list[tuple[torch.Tensor, dict[str, Any]]],
+    states: list[dict[str, Any]],
+    grads: list[torch.Tensor],
+    records: WeakIdKeyDictionary,
+) -> Plan:
+    """Buckets the parameters with gradients by kind and names every tensor each kernel reads.
+
+    Args:
+        work: (parameter, its group) for every parameter with a gradient, in the groups' order.
+        states: the optimizer state of each (made already); step counts are moved to the
+            parameter's device here, once.
+        grads: their local gradients (only the dtypes are read).
+        records: the optimizer's `written_record`s, by local quantized weight.
+    """
+    buckets: dict[tuple[Any, ...], Bucket] = {}
+    requantize, fp8_slots = [], []
+    for index, ((p, group), state, grad) in enumerate(zip(work, states, grads, strict=True)):
+        local = qt.local_shard(p)
+        if state["step"].device != local.device:  # counted where the parameter is
+            state["step"] = state["step"].to(local.device)
+        master = qt.local_shard(state["master"]) if "master" in state else local
+        moments = [qt.local_shard(state[key]) for key in ("exp_avg", "exp_avg_sq")]
+        out = local if master is not local and not isinstance(local, qt.QuantizedTensor) else None
+        key = (
+            id(group),
+            grad.dtype,
+            master.dtype,
+            *(torch.float32 if m.dtype in FP8_MOMENT_DTYPES else m.dtype for m in moments),
+            None if out is None else out.dtype,
+            local.device,
+        )
+        bucket = buckets.setdefault(key, Bucket(group, local.device))
+        bucket_index = list(buckets).index(key)
+        position = len(bucket.params)
+        bucket.indices.append(index)
+        bucket.params.append(master)
+        bucket.steps.append(state["step"])
+        if out is not None:
+            bucket.outs.append(out)
+        for name, moment, values in zip(
+            ("exp_avg", "exp_avg_sq"), moments, (bucket.exp_avgs, bucket.exp_avg_sqs), strict=True
+        ):
+            values.append(moment)
+            if moment.dtype in FP8_MOMENT_DTYPES:
+                fp8_slots.append(Fp8Slot(bucket, position, name, moment, state[f"{name}_scale_inv"], shard_groups(p)))
+        bucket.plain = bucket.plain and all(map(is_plain, (master, *moments, *(() if out is None else (out,)))))
+        if isinstance(local, qt.QuantizedTensor):
+            quantizer = local.quantizer
+            groups = () if quantizer.amax_group is None or not quantizer.per_tensor_amax else (quantizer.amax_group,)
+            bucket.compute_amax = bucket.compute_amax or quantizer.per_tensor_amax
+            requantize.append(Requantize(local, master, bucket_index, position, groups, written_record(records, local)))
+    number_block_weights(requantize)
+    devices = {bucket.device for bucket in buckets.values()}
+    first = next(iter(buckets.values())).device if buckets else torch.device("cpu")
+    return Plan(list(buckets.values()), requantize, fp8_slots, first, len(devices) == 1)
+
+
+def number_block_weights(requantize: list[Requantize]) -> None:
+    """Sets `like` of every block-format weight: equal for weights on one device whose quantizers
+    quantize alike (`Quantizer.quantizes_like`: the same configuration, stateless), so that one
+    `quantize_many_` call requantizes them all (on CUDA one Triton launch, not one per weight)."""
+    firsts: list[Requantize] = []  # the first weight of each number
+    for r in requantize:
+        if r.local.quantizer.per_tensor_amax:
+            continue
+        r.like = next(
+            (
+                number
+                for number, first in enumerate(firsts)
+                if first.local.device == r.local.device and first.local.quantizer.quantizes_like(r.local.quantizer)
+            ),
+            len(firsts),
+        )
+        if r.like == len(firsts):
+            firsts.append(r)
+
+
+def written_record(records: WeakIdKeyDictionary, local: qt.QuantizedTensor) -> WrittenRecord:
+    """The optimizer's record of the buffer versions it left in `local` (made empty: [None]); plans
+    keep it, so a step updates it without a weak-dictionary lookup per weight."""
+    record = records.get(local)
+    if record is None:
+        record = records[local] = [None]
+    return record
+
+
+def buffer_versions(local: qt.QuantizedTensor) -> tuple[int | None, ...]:
+    return tuple(None if b is None else b._version for b in local.buffers().values())
+
+
+def shard_groups(p: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
+    """The groups over whose ranks `p` is split: the mesh dims with a Shard placement."""
+    if not isinstance(p, DTensor):
+        return ()
+    return tuple(p.device_mesh.get_group(dim) for dim, placement in enumerate(p.placements) if placement.is_shard())
+
+
+def is_plain(t: torch.Tensor) -> bool:
+    """Whether t's memory is its own, so quant-core's compiled kernels may read and write it; a
+    wrapper subclass (quant_fsdp's QuantizeOnGatherTensor) takes the reference kernels, whose
+    torch ops reach its `__torch_dispatch__`."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter)

@@ -1,0 +1,207 @@
+"""FusedAdam's step: one executor of the plan (quant_optim._plan), reading the skip verdict on the
+host or leaving it on the device.
+
+[Note: FusedAdam step] For every parameter with a gradient the step works on local tensors (a
+DTensor's shard), through the plan built from the parameters, their states and their gradients'
+dtypes (buckets by kind, the tensors of each, which write-backs need the verdict; kept until
+`add_param_group` or `load_state_dict`):
+1. the verdict: quant_core.has_non_finite of every gradient (one pass), or the caller's
+   `found_inf` instead; one all-reduce (MAX) makes it every rank's. A skipped step leaves
+   parameters, masters, moments, step counts and quantized bytes as they were;
+2. fp8 moments are dequantized into fp32 values (the update reads and writes fp32);
+3. one Adam kernel call per bucket (group, dtypes, device) updates the fp32 masters (the
+   parameter itself when it is fp32, or a bf16/fp16 parameter without a master, updated in fp32
+   and stored rounded), their moments and step counts, writes bf16/fp16 parameters from their
+   masters, and returns max |master| where a per-tensor format requantizes from it ([Note: Adam
+   numerics] in quant_core.adam._adam: fp32 results are within a few ulp of torch.optim.AdamW,
+   not bitwise: torch's rounding differs between its own kernels);
+4. the write-back (quant_optim._write_back): quantized weights are requantized from their
+   masters (block formats with one `quantize_many_` per quantizer configuration and device),
+   fp8 moments stored from their values; everything scaled by a per-tensor amax takes it from
+   one stacked all-reduce (MAX) per process group per step, not one per parameter.
+
+The verdict is read in one of two places, and that choice, with the Adam operator it implies,
+is the only difference between CPU and CUDA steps:
+- on the host (CPU tensors, `capturable=False`: reading a CPU tensor costs no sync): a skipped
+  step returns after step 1; otherwise `torch.ops.quant_core.adam_step` runs (the C++ kernel on
+  CPU) with the scalars of `quant_core.AdamScalars.of`, one call per distinct step count of the
+  bucket (the counts are read on the host and incremented after);
+- on the device (CUDA tensors, or `capturable=True` on any device): [Note: FusedAdam
+  tensor-driven step].
+Both give the same bits (tests/test_step.py runs both on the CPU; test_fused_adam_cuda.py
+compares CUDA with the CPU).
+
+[Note: FusedAdam tensor-driven step] The step without reading the device from the host, so a
+training loop never waits for the optimizer and a CUDA graph can capture it:
+- the verdict stays a device tensor; `torch.ops.quant_core.adam_step_capturable` (the Triton
+  kernel on CUDA, the reference elsewhere) reads it and writes nothing when it is set, step counts
+  included (device tensors, incremented by the kernel), and computes the bias corrections from
+  them and lr (a tensor lr is read by the kernel). `last_step_skipped` and `skipped_steps` read the
+  verdict when asked (a host sync then, not in the step);
+- a quantized weight is requantized from its master every step, skipped or not. When the step was
+  skipped, the master is unchanged and the kernel still returns its amax, so the requantize writes
+  the bytes it wrote last time: a stateless quantizer's bytes are a function of the master and
+  the agreed amax. That holds only where the bytes are the master's quantization already: after
+  this optimizer wrote them (their buffers' version counters as it left them). Where it does not
+  hold (the first step, bytes written by a load or by hand), and for what would change on a
+  skipped step however it is computed (delayed scaling's amax history, NVFP4's stochastic
+  rounding counter, fp8 moments, whose stored codes are not a function of their values), the step
+  reads the verdict on the host after the Adam pass (one sync) and writes back only when it was
+  not set;
+- the kernels' pointer tables are cached by content in quant_core ([Note: pointer tables]), so
+  gradients kept in the same memory cost no host-to-device copy and fresh ones (FSDP2) one
+  non-blocking copy per step.
+
+capturable=True (CUDA graphs) takes this route and refuses, when the optimizer is built, what needs
+the verdict on the host every step: fp8 moments and stateful weight quantizers. A captured step
+must follow at least one eager step with the same parameters and gradient storages (the warm-up
+that torch.cuda.graphs needs anyway: it compiles the kernels, moves step counts to the device,
+builds the plan and the pointer tables and writes the quantized bytes from the masters once);
+capturing otherwise raises, naming that fix. A Python float lr is captured as a constant: pass lr
+as a CUDA tensor to change it between replays. Collectives (the verdict's all-reduce, the
+per-tensor amax all-reduce of quantized weights) are captured as NCCL allows; per-tensor quantize
+kernels run as they would eagerly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+import quant_core
+from quant_optim._plan import Bucket, Plan, buffer_versions, is_plain
+from quant_optim._write_back import write_back
+
+
+def run(
+    plan: Plan, grads: list[torch.Tensor], found_inf: torch.Tensor | None, *, verdict_on_host: bool
+) -> torch.Tensor:
+    """One step of the plan ([Note: FusedAdam step]); returns the verdict (fp32 0-d on the plan's
+    device, 1.0: skipped).
+
+    Args:
+        plan: built for these gradients' parameters and dtypes.
+        grads: the local gradients, in the plan's order.
+        found_inf: the caller's verdict (nonzero: skip), or None to check the gradients.
+        verdict_on_host: read the verdict before updating (CPU tensors), or leave it on the
+            device ([Note: FusedAdam tensor-driven step]).
+    """
+    grads_plain = all(map(is_plain, grads))
+    found = _verdict(plan, grads, found_inf, grads_plain)
+    skipped = bool(found) if verdict_on_host else None  # None: known on the device only
+    if skipped:
+        return found
+    for slot in plan.fp8_slots:
+        slot.values[slot.position] = quant_core.dequantize_fp8(slot.codes, slot.scale_inv, torch.float32)
+    adam_step = _adam_step if verdict_on_host else _adam_step_capturable
+    amaxes = [
+        adam_step(bucket, [grads[i] for i in bucket.indices], found, grads_plain and bucket.plain)
+        for bucket in plan.buckets
+    ]
+    if skipped is None and (plan.fp8_slots or not _bytes_are_the_masters(plan)):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "FusedAdam(capturable=True) cannot capture this step: quantized weights whose bytes this optimizer has "
+                "not written yet (or that were written since, e.g. by a load) need the skip verdict on the host. Run "
+                "one eager step before capturing, and load checkpoints outside the captured region"
+            )
+        skipped = bool(found)
+    if not skipped:  # False, or None: a skipped step rewrites what the masters' quantization was
+        write_back(plan, amaxes)
+    return found
+
+
+def _verdict(plan: Plan, grads: list[torch.Tensor], found_inf: torch.Tensor | None, grads_plain: bool) -> torch.Tensor:
+    """fp32 0-d on the plan's device: 1.0 when some rank found a non-finite gradient (one all-reduce)."""
+    if found_inf is not None:
+        # any() of a float tensor is (found_inf != 0).any(): NaN counts as nonzero, -0.0 as zero.
+        bad = found_inf.any().to(device=plan.device, dtype=torch.float32)
+    elif plan.one_device and grads_plain:
+        # The operator without the public function's checks: FusedAdam checked the gradients' dtypes
+        # and shapes, and a gradient lives on its parameter's device.
+        bad = torch.ops.quant_core.has_non_finite(grads)
+    else:
+        bad = quant_core.has_non_finite(grads)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bad
+
+
+def _bytes_are_the_masters(plan: Plan) -> bool:
+    """Whether every quantized weight's bytes are what its stateless quantizer wrote from its
+    master at this optimizer's last write-back, so a skipped step may rewrite them unknowing."""
+    return all(r.local.quantizer.stateless and r.written[0] == buffer_versions(r.local) for r in plan.requantize)
+
+
+def _adam_step(bucket: Bucket, grads: list[torch.Tensor], found: torch.Tensor, plain: bool) -> torch.Tensor | None:
+    """The bucket's update when the step is known not skipped: `adam_step` (C++ on CPU) with the
+    host's scalars, one call per distinct step count. Returns the amaxes with `compute_amax`."""
+    group = bucket.group
+    lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
+    beta1, beta2 = group["betas"]
+    # The operator updates fp32 only: a bf16/fp16 parameter without a master steps an fp32 copy.
+    params = bucket.params if bucket.params[0].dtype == torch.float32 else [p.float() for p in bucket.params]
+    counts = [int(step) for step in bucket.steps]  # CPU tensors: no sync
+    distinct = dict.fromkeys(counts)
+    amaxes = None
+    for count in distinct:
+        chosen = list(range(len(params))) if len(distinct) == 1 else [i for i, c in enumerate(counts) if c == count]
+        scalars = quant_core.AdamScalars.of(
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            step=count + 1,
+            adam_w_mode=group["adam_w_mode"],
+        )
+        lists = [[tensors[i] for i in chosen] for tensors in (params, grads, bucket.exp_avgs, bucket.exp_avg_sqs)]
+        if plain:  # the operator without the public function's checks: FusedAdam made these states
+            result = torch.ops.quant_core.adam_step(*lists, list(dataclasses.astuple(scalars)), bucket.compute_amax)
+        else:  # wrapper subclasses: torch ops reach their __torch_dispatch__
+            result = quant_core.adam_step_reference(*lists, scalars, bucket.compute_amax)
+        if bucket.compute_amax and len(distinct) == 1:
+            amaxes = result
+        elif bucket.compute_amax:
+            amaxes = torch.empty(len(params), dtype=torch.float32) if amaxes is None else amaxes
+            amaxes[chosen] = result
+    torch._foreach_add_(bucket.steps, 1.0)
+    if params is not bucket.params:
+        for param, value in zip(bucket.params, params, strict=True):
+            param.copy_(value)  # round to nearest even
+    for out, master in zip(bucket.outs, params if bucket.outs else (), strict=True):
+        out.copy_(master)
+    return amaxes
+
+
+def _adam_step_capturable(
+    bucket: Bucket, grads: list[torch.Tensor], found: torch.Tensor, plain: bool
+) -> torch.Tensor | None:
+    """The bucket's update gated by the verdict on the device: `adam_step_capturable` (Triton on
+    CUDA). Returns the amaxes with `compute_amax`."""
+    group = bucket.group
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor) and lr.device != bucket.device:
+        lr = lr.item()  # a CPU tensor: no device sync
+    lr_tensor = lr if isinstance(lr, torch.Tensor) else None
+    beta1, beta2 = group["betas"]
+    hyperparameters = [0.0 if lr_tensor is not None else float(lr), beta1, beta2, group["eps"], group["weight_decay"]]
+    args = (
+        bucket.params,
+        grads,
+        bucket.exp_avgs,
+        bucket.exp_avg_sqs,
+        bucket.steps,
+        bucket.outs,
+        found if found.device == bucket.device else found.to(bucket.device),
+        lr_tensor,
+        hyperparameters,
+        group["adam_w_mode"],
+        bucket.compute_amax,
+    )
+    if not plain:  # wrapper subclasses: torch ops reach their __torch_dispatch__
+        return quant_core.adam_step_capturable_reference(*args)
+    # The operator without the public function's checks: FusedAdam made these states itself.
+    return torch.ops.quant_core.adam_step_capturable(*args)
