@@ -23,14 +23,15 @@ Gradients are read as `adam_step_` reads them; moments fp32 or bf16.
 
 Operator (unchecked; [Note: custom ops]): `torch.ops.quant_core.adam_step_capturable(params,
 grads, exp_avgs, exp_avg_sqs, steps, outs, found_inf, lr, hyperparameters, adam_w_mode,
-compute_amax, seed=0, stochastic_rounding_counters=None) -> Tensor`: non-empty lists of equal length of plain tensors on one device; params
-contiguous of one dtype out of fp32/bf16/fp16; grads and moments as for `adam_step`; steps fp32
-0-d tensors; outs empty or one contiguous tensor per param, of one float dtype; the i-th tensors
-of every list have equal numels; found_inf an fp32 tensor (its first element is read); lr a
-tensor of one element on the same device, or None; hyperparameters [lr (used when lr is None),
-beta1, beta2, eps, weight_decay]; seed an int in int64 range; stochastic_rounding_counters None,
-or (with bf16 params) one 0-d int64 tensor per param on their device. Returns the (len(params),)
-fp32 amaxes with compute_amax, else an empty tensor.
+compute_amax, seed=0, stochastic_rounding_counters=None) -> Tensor`: non-empty lists of equal
+length of plain tensors on one device; params contiguous of one dtype out of fp32/bf16/fp16;
+grads and moments as for `adam_step`; steps fp32 0-d tensors; outs empty or one contiguous tensor
+per param, of one float dtype; the i-th tensors of every list have equal numels; found_inf an
+fp32 tensor (its first element is read); lr a tensor of one element on the same device, or None;
+hyperparameters [lr (used when lr is None), beta1, beta2, eps, weight_decay]; seed an int in
+int64 range; stochastic_rounding_counters None, or (with bf16 params) one 0-d int64 tensor per
+param on their device. Returns the (len(params),) fp32 amaxes with compute_amax, else an empty
+tensor.
 """
 
 from __future__ import annotations
@@ -185,9 +186,9 @@ def adam_step_capturable_reference(
     skip = bool(found_inf.reshape(-1)[0] != 0)
     lr_value = float(lr.reshape(-1)[0]) if lr is not None else hyperparameters[0]
     _, beta1, beta2, eps, weight_decay = hyperparameters
+    stochastic = stochastic_rounding_counters is not None
     amaxes = []
     for i, (param, grad, exp_avg, exp_avg_sq) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
-        stochastic = stochastic_rounding_counters is not None
         value = param.view(-1).float()  # a view of an fp32 param, else a copy
         if not skip:
             scalars = AdamScalars.of(
