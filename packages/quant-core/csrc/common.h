@@ -291,6 +291,14 @@ inline uint64_t splitmix64(uint64_t seed, uint64_t index) {
   return z ^ (z >> 31);
 }
 
+// [Note: bf16 stochastic rounding] in _numerics.py: the bf16 bits of fp32 f with random16 (below
+// 2^16) added to its bits and the sum truncated; every NaN gives the canonical 0x7FC0.
+inline uint16_t float_to_bfloat16_stochastic(float f, uint32_t random16) {
+  const uint32_t u = float_to_bits(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return uint16_t((u + random16) >> 16);  // no carry past bit 31: u <= 0xFF800000
+}
+
 // ---- stores of dequantized values, round to nearest even, canonical NaN ([Note: FP8 NaN]) ----
 
 inline uint16_t float_to_bfloat16(float f) {

@@ -88,12 +88,16 @@ struct AdamScalars {
       step_size;
 };
 
-// One Adam step over many tensors (adam.cpp): params[t] (fp32), grads[t] (grad_dtype) and the
-// moments (fp32 or bf16) each hold numels[t] contiguous elements; params and moments are updated
-// in place. A nonzero amax_out receives max |p| of each updated parameter (fp32, one per tensor).
+// One Adam step over many tensors (adam.cpp): params[t] (fp32, or bf16 when counters are given),
+// grads[t] (grad_dtype) and the moments (fp32 or bf16) each hold numels[t] contiguous elements;
+// params and moments are updated in place. A nonzero amax_out receives max |p| of each updated
+// parameter (fp32, one per tensor). Non-empty `counters` (one int64 per tensor) round the bf16
+// params stochastically with the stream seed + *counters[t], then increment each counter
+// ([Note: Adam stochastic rounding]).
 void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t>& grads,
                const std::vector<uintptr_t>& exp_avgs, const std::vector<uintptr_t>& exp_avg_sqs,
                const std::vector<int64_t>& numels, int grad_dtype, int exp_avg_dtype, int exp_avg_sq_dtype,
-               const AdamScalars& scalars, uintptr_t amax_out, int num_threads);
+               const AdamScalars& scalars, uintptr_t amax_out, const std::vector<uintptr_t>& counters,
+               int64_t seed, int num_threads);
 
 }  // namespace quant_core

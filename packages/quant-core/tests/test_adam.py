@@ -6,7 +6,8 @@ import torch
 
 import quant_core
 from quant_core import AdamScalars, adam_step_, adam_step_reference
-from quant_core.testing import no_host_syncs, raw_bits
+from quant_core.shared._numerics import random16, round_to_bfloat16_stochastic, signed64
+from quant_core.testing import BF16_STOCHASTIC_CASES, float32_from_bits, kernel_backends, no_host_syncs, raw_bits
 
 SCALARS = {
     "adamw": AdamScalars.of(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=3, adam_w_mode=True),
@@ -318,3 +319,210 @@ def test_cuda_capturable_step_replays_in_a_cuda_graph_without_host_syncs():
             step(expected)
     assert_bitwise_equal(states, expected)
     assert [float(s) for s in states[4]] == [3.0 * i + 3 for i in range(len(numels))]  # the skip counted nothing
+
+
+# ---- bf16 masters rounded stochastically ([Note: Adam stochastic rounding]) --------------------
+
+BACKENDS = ("reference", *kernel_backends())
+# A step whose fp32 result from p = -0.0 is -exp_avg exactly (g = 0, v = 1, eps = 0; zeros come out
+# -0.0): it stores the rounding of any fp32 value chosen as -exp_avg, so rounding edges can be
+# aimed at through the whole step.
+PASS_THROUGH = AdamScalars(
+    decay=1.0,
+    weight_decay=0.0,
+    beta1=1.0,
+    one_minus_beta1=0.0,
+    beta2=1.0,
+    one_minus_beta2=0.0,
+    inv_bias_correction2_sqrt=1.0,
+    eps=0.0,
+    step_size=1.0,
+)
+
+
+def counters_for(numels, start=0):
+    """One counter per parameter, 5 apart, as 0-d int64 tensors holding their uint64 bits."""
+    return [torch.tensor(signed64(start + 5 * i), dtype=torch.int64) for i in range(len(numels))]
+
+
+def bf16_states(numels, grad_dtype=torch.float32, moment_dtypes=(torch.float32, torch.float32), seed=0):
+    params, grads, exp_avgs, exp_avg_sqs = make_states(numels, grad_dtype, moment_dtypes, seed)
+    return [p.bfloat16() for p in params], grads, exp_avgs, exp_avg_sqs, counters_for(numels)
+
+
+def adversarial_fp32(n: int) -> torch.Tensor:
+    """fp32 values at and around bf16 rounding edges: bf16 values and their bit neighbours, the
+    hand-worked edge cases, subnormals, huge values, +-0, +-Inf and NaNs of several payloads."""
+    generator = torch.Generator().manual_seed(7)
+    edges = torch.tensor([bits for bits, _, _ in BF16_STOCHASTIC_CASES], dtype=torch.int64)
+    bf16_bits = torch.randint(0, 2**16, (n // 10,), generator=generator, dtype=torch.int64) << 16
+    near = torch.cat([bf16_bits + low for low in (0, 1, 0x7FFF, 0x8000, 0xFFFF)])
+    random = torch.randint(0, 2**32, (n - len(near) - len(edges),), generator=generator, dtype=torch.int64)
+    return float32_from_bits(torch.cat([edges, near, random]))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_stochastic_rounding_stores_the_rule_applied_to_the_fp32_update(name):
+    many = adversarial_fp32(200_003)
+    targets = [many, many[: len(BF16_STOCHASTIC_CASES)].clone(), torch.empty(0)]
+    numels = [len(t) for t in targets]
+    params = [torch.full((n,), -0.0, dtype=torch.bfloat16) for n in numels]
+    counters = counters_for(numels, start=2**64 - 2)  # the first one wraps past 2^64 during the run
+    grads, moments = [torch.zeros(n) for n in numels], ([-t for t in targets], [torch.ones(n) for n in numels])
+    updates = [torch.full((n,), -0.0) for n in numels]  # the fp32 update, by the fp32 spec
+    adam_step_reference(updates, grads, *clone(moments), PASS_THROUGH)
+    for u, t in zip(updates, targets, strict=True):  # the edges reached: -0.0 - (-t) is t but for zeros and NaNs
+        assert torch.equal(u[(t != 0) & ~t.isnan()], t[(t != 0) & ~t.isnan()])
+        assert torch.equal(u.isnan(), t.isnan())
+    for step in range(3):
+        for p in params:
+            p.fill_(-0.0)
+        with quant_core.use_backend(name):
+            adam_step_(params, grads, *clone(moments), PASS_THROUGH, stochastic_rounding_counters=counters, seed=-99)
+        for i, (p, u) in enumerate(zip(params, updates, strict=True)):
+            stream = torch.tensor(signed64(2**64 - 2 + 5 * i + step - 99))
+            expected = round_to_bfloat16_stochastic(u, random16(stream, torch.arange(len(u))))
+            assert torch.equal(raw_bits(p), raw_bits(expected)), (name, step, i)
+        assert [int(c) for c in counters] == [signed64(2**64 - 2 + 5 * i + step + 1) for i in range(len(numels))]
+
+
+@pytest.mark.parametrize("mode", sorted(SCALARS))
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("moment_dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+def test_stochastic_rounding_kernel_equals_reference(backend, mode, grad_dtype, moment_dtypes):
+    states = bf16_states([1, 7, 200_003, 0, 65_536, 131_071], grad_dtype, moment_dtypes, seed=len(mode))
+    # A NaN update, +-Inf, the largest bf16s and a subnormal. (Adam-L2 carries a non-finite parameter
+    # into NaN moments, whose bf16 NaN bits the backends do not agree on: that mode keeps them finite.)
+    non_finite = (float("nan"), float("inf"), -float("inf")) if mode != "adam-l2" else (0.0, 1.0, -1.0)
+    for special, value in zip(states[0], (*non_finite, 0.0, 3e38, -1e-40), strict=True):
+        if special.numel():
+            special[-1] = value
+    expected_states = clone(states)
+    for _ in range(3):  # state across steps: the counters advance, the masters carry the rounding on
+        with quant_core.use_backend("reference"):
+            expected_amax = adam_step_(*expected_states[:4], SCALARS[mode], compute_amax=True,
+                                       stochastic_rounding_counters=expected_states[4], seed=2**63 + 11)  # fmt: skip
+        amax = adam_step_(*states[:4], SCALARS[mode], compute_amax=True, stochastic_rounding_counters=states[4],
+                          seed=2**63 + 11)  # fmt: skip
+        assert_bitwise_equal(states, expected_states)
+        assert torch.equal(amax, expected_amax)
+    assert [int(c) for c in states[4]] == [5 * i + 3 for i in range(6)]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_stochastic_rounding_streams_follow_seed_and_counter(name):
+    def step(states, seed=5):
+        with quant_core.use_backend(name):
+            adam_step_(*states[:4], SCALARS["adamw"], stochastic_rounding_counters=states[4], seed=seed)
+        return states
+
+    start = bf16_states([70_000, 300])
+    once = step(clone(start))
+    assert_bitwise_equal(step(clone(start)), once)  # same (seed, counter): same bits
+    assert [int(c) for c in once[4]] == [1, 6]
+    for changed in (step(clone(start), seed=6), step((*clone(start[:4]), counters_for([0, 0], start=1)))):
+        rounded_differently = [
+            not torch.equal(raw_bits(a), raw_bits(b)) for a, b in zip(changed[0], once[0], strict=True)
+        ]
+        assert all(rounded_differently)  # another seed or counter: other draws
+        assert_bitwise_equal(changed[2:4], once[2:4])  # the same fp32 update
+    # A run restored from its state after one step (counters included) continues bit for bit.
+    run = step(step(step(clone(start))))
+    resumed = step(step(clone(once)))
+    assert_bitwise_equal(resumed, run)
+    assert [int(c) for c in run[4]] == [3, 8]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_stochastic_rounding_is_unbiased_through_the_step(name):
+    # 1 + 0.3 ulp between bf16 neighbours 1 and 1 + 2^-7, rounded for 100_000 elements (each its
+    # own draw): the mean is within 5 standard deviations (fixed seed) of the fp32 value.
+    n, v = 100_000, torch.tensor(1.0 + 0.3 * 2**-7)
+    params, counters = [torch.full((n,), -0.0, dtype=torch.bfloat16)], [torch.tensor(41)]
+    with quant_core.use_backend(name):
+        adam_step_(params, [torch.zeros(n)], [-v.expand(n).clone()], [torch.ones(n)], PASS_THROUGH,
+                   stochastic_rounding_counters=counters, seed=3)  # fmt: skip
+    assert set(params[0].unique().tolist()) == {1.0, 1.0 + 2**-7}
+    sigma = 2**-7 * (0.3 * 0.7 / n) ** 0.5
+    assert abs(params[0].double().mean().item() - v.item()) < 5 * sigma
+
+
+def test_stochastic_rounding_refuses_what_it_cannot_take():
+    p, g, m, v, counters = bf16_states([8, 8])
+    with pytest.raises(TypeError, match=r"params\[0\] has dtype torch.bfloat16.*bf16 params with them"):
+        adam_step_(p, g, m, v, SCALARS["adamw"])
+    with pytest.raises(TypeError, match=r"params\[0\] has dtype torch.float32"):
+        adam_step_([t.float() for t in p], g, m, v, SCALARS["adamw"], stochastic_rounding_counters=counters)
+    with pytest.raises(ValueError, match="one counter per parameter, got 1 counters for 2 params"):
+        adam_step_(p, g, m, v, SCALARS["adamw"], stochastic_rounding_counters=counters[:1])
+    with pytest.raises(ValueError, match=r"stochastic_rounding_counters\[1\] must be a 0-d int64 tensor"):
+        adam_step_(p, g, m, v, SCALARS["adamw"], stochastic_rounding_counters=[counters[0], torch.zeros(())])
+    with pytest.raises(ValueError, match=r"stochastic_rounding_counters\[0\] must be a 0-d int64 tensor"):
+        adam_step_(p, g, m, v, SCALARS["adamw"], stochastic_rounding_counters=[torch.zeros(1, dtype=torch.int64)] * 2)
+    with pytest.raises(TypeError, match="stochastic rounding rounds bf16 params, got torch.float32"):
+        quant_core.adam_step_capturable_(
+            *capturable_states([8, 8]), lr=1e-3, weight_decay=0.0, adam_w_mode=True,
+            stochastic_rounding_counters=counters, **HYPER,
+        )  # fmt: skip
+
+
+def test_capturable_stochastic_rounding_equals_adam_step_and_skips_with_the_verdict():
+    numels = [1, 7, 20_003, 0]
+    states = capturable_states(numels, param_dtype=torch.bfloat16, moment_dtypes=(torch.bfloat16, torch.float32))
+    counters = counters_for(numels, start=100)
+    outs = [torch.empty(n, dtype=torch.float32) for n in numels]
+    expected, expected_counters = clone(states[:4]), clone([counters])[0]
+    kwargs = {"lr": 2e-3, "weight_decay": 0.01, "adam_w_mode": True, "compute_amax": True, **HYPER}
+    for found, step in ((0.0, 1), (1.0, None), (0.0, 2)):  # a skip between two steps
+        amax = quant_core.adam_step_capturable_(
+            *states, found_inf=torch.tensor([found]), outs=outs, stochastic_rounding_counters=counters, seed=77,
+            **kwargs,
+        )  # fmt: skip
+        if step is None:  # nothing written; the amaxes of the parameters as they are
+            assert_bitwise_equal((*states[:4], counters), (*expected, expected_counters))
+            assert torch.equal(amax, torch.stack([amax_of(p) for p in states[0]]))
+            continue
+        expected_amaxes = []
+        for i in range(len(numels)):
+            scalars = AdamScalars.of(lr=2e-3, step=3 * i + step, weight_decay=0.01, adam_w_mode=True, **HYPER)
+            one = tuple([tensors[i]] for tensors in expected)
+            expected_amaxes.append(adam_step_(*one, scalars, compute_amax=True,
+                                              stochastic_rounding_counters=[expected_counters[i]], seed=77))  # fmt: skip
+        assert_bitwise_equal((*states[:4], counters), (*expected, expected_counters))
+        assert torch.equal(amax, torch.cat(expected_amaxes))
+        assert_bitwise_equal([outs], [[p.float() for p in states[0]]])  # the rounded masters
+    assert [int(c) for c in counters] == [100 + 5 * i + 2 for i in range(len(numels))]
+    assert [float(s) for s in states[4]] == [3.0 * i + 2 for i in range(len(numels))]
+
+
+def amax_of(p: torch.Tensor) -> torch.Tensor:
+    return p.float().abs().max() if p.numel() else torch.tensor(0.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu-suite.sh)")
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("moment_dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+def test_cuda_capturable_stochastic_rounding_equals_reference(out_dtype, moment_dtypes):
+    assert quant_core.selected_backend("adam_step_capturable", torch.device("cuda")) == "triton"
+    numels = [1, 7, 200_003, 0, 65_536, 131_071]
+    expected = (*capturable_states(numels, torch.bfloat16, moment_dtypes), counters_for(numels, start=2**63 - 2))
+    outs = [torch.zeros(n, dtype=out_dtype) for n in numels] if out_dtype else None
+    on_cuda = tuple([t.cuda() for t in tensors] for tensors in expected)
+    outs_cuda = [t.cuda() for t in outs] if outs else None
+    for found in (0.0, 1.0, 0.0, 0.0):  # steps, a skip, and steps after it (the tickets were reset)
+        kwargs = {"lr": 2e-3, "weight_decay": 0.01, "adam_w_mode": True, "compute_amax": True, "seed": -3, **HYPER}
+        with quant_core.use_backend("reference"):
+            expected_amax = quant_core.adam_step_capturable_(
+                *expected[:5], found_inf=torch.tensor([found]), outs=outs, stochastic_rounding_counters=expected[5],
+                **kwargs,
+            )  # fmt: skip
+        amax = quant_core.adam_step_capturable_(
+            *on_cuda[:5], found_inf=torch.tensor([found], device="cuda"), outs=outs_cuda,
+            stochastic_rounding_counters=on_cuda[5], **kwargs,
+        )  # fmt: skip
+        assert_bitwise_equal(tuple([t.cpu() for t in tensors] for tensors in on_cuda), expected)
+        if outs:
+            assert_bitwise_equal([[t.cpu() for t in outs_cuda]], [outs])
+        assert torch.equal(amax.cpu(), expected_amax)
+    assert [int(c) for c in expected[5]] == [signed64(2**63 - 2 + 5 * i + 3) for i in range(len(numels))]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from quant_core.shared import _numerics
-from quant_core.testing import splitmix64_int
+from quant_core.testing import BF16_STOCHASTIC_CASES, float32_from_bits, splitmix64_int
 
 
 @pytest.mark.parametrize("seed", [0, 1, 123456789, 2**63 + 5, 2**64 - 1])
@@ -65,3 +65,49 @@ def test_nibbles_pack_even_element_low():
     packed = _numerics.pack_nibbles(codes)
     assert packed.tolist() == [[0x21, 0x8F]]
     assert torch.equal(_numerics.unpack_nibbles(packed), codes)
+
+
+def test_random16_is_the_top_16_bits():
+    draws = _numerics.random16(-7, torch.arange(5))
+    assert draws.tolist() == [splitmix64_int(2**64 - 7, i) >> 48 for i in range(5)]
+    counter = torch.tensor(2**63 - 1)  # seed + counter wraps modulo 2^64, as in the kernels
+    assert _numerics.random16(counter + 3, torch.arange(2)).tolist() == [
+        splitmix64_int(2**63 + 2, i) >> 48 for i in range(2)
+    ]
+
+
+def test_bf16_stochastic_rounding_known_answers():
+    columns = zip(*BF16_STOCHASTIC_CASES, strict=True)
+    bits, draws, expected = (torch.tensor(column, dtype=torch.int64) for column in columns)
+    got = (
+        _numerics.round_to_bfloat16_stochastic(float32_from_bits(bits), draws).view(torch.int16).to(torch.int64)
+        & 0xFFFF
+    )
+    assert got.tolist() == expected.tolist()
+
+
+def test_bf16_stochastic_rounding_is_add_and_truncate_on_every_non_nan():
+    generator = torch.Generator().manual_seed(3)
+    bits = torch.randint(-(2**31), 2**31, (100_000,), generator=generator, dtype=torch.int64).to(torch.int32)
+    v = bits.view(torch.float32)
+    draws = torch.randint(0, 2**16, (100_000,), generator=generator)
+    got = _numerics.round_to_bfloat16_stochastic(v, draws).view(torch.int16).to(torch.int64) & 0xFFFF
+    unsigned = bits.to(torch.int64) & 0xFFFFFFFF
+    assert torch.equal(got, torch.where(torch.isnan(v), 0x7FC0, (unsigned + draws) >> 16))
+
+
+@pytest.mark.parametrize("fraction", [1 / 65536, 0.1, 0.25, 0.5, 0.9])
+@pytest.mark.parametrize("base", [1.0, -3.0e-3, 1e-40])  # 1e-40: an fp32 subnormal
+def test_bf16_stochastic_rounding_is_unbiased(base, fraction):
+    # v between bf16 neighbours lo and hi = lo + ulp (about `fraction` of the way): over n draws
+    # of the counter RNG, the mean result is v within 5 standard deviations (ulp * sqrt(f (1 - f)
+    # / n)); fixed seed.
+    lo = torch.tensor(base, dtype=torch.float32).bfloat16().float()
+    ulp = (lo.view(torch.int32) + 0x10000).view(torch.float32) - lo  # towards larger magnitude
+    v = lo + ulp * fraction
+    n = 200_000
+    rounded = _numerics.round_to_bfloat16_stochastic(v.expand(n), _numerics.random16(12345, torch.arange(n)))
+    assert set(rounded.float().unique().tolist()) <= {lo.item(), (lo + ulp).item()}
+    mean = rounded.double().mean()
+    sigma = abs(ulp.double().item()) * (fraction * (1 - fraction) / n) ** 0.5
+    assert abs(mean.item() - v.double().item()) <= 5 * sigma

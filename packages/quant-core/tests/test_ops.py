@@ -225,6 +225,37 @@ def _cases() -> dict[str, tuple[torch._ops.OpOverload, tuple]]:
                 True,
             ),
         ),
+        "adam_step_stochastic": (  # bf16 masters rounded stochastically, counters written
+            OPS.adam_step.default,
+            (
+                [torch.randn(5).bfloat16(), torch.randn(3, 7).bfloat16()],
+                [torch.randn(5), torch.randn(7, 3).t()],
+                [torch.zeros(5), torch.zeros(3, 7)],
+                [torch.zeros(5), torch.zeros(3, 7)],
+                list(dataclasses.astuple(_scalars())),
+                True,
+                -(2**63) + 9,
+                [torch.tensor(3), torch.tensor(-1)],
+            ),
+        ),
+        "adam_step_capturable_stochastic": (
+            OPS.adam_step_capturable.default,
+            (
+                [torch.randn(5).bfloat16(), torch.randn(3, 7).bfloat16()],
+                [torch.randn(5), torch.randn(7, 3).t()],
+                [torch.zeros(5), torch.zeros(3, 7)],
+                [torch.zeros(5, dtype=torch.bfloat16), torch.zeros(3, 7, dtype=torch.bfloat16)],
+                [torch.zeros(()), torch.tensor(4.0)],
+                [torch.zeros(5), torch.zeros(3, 7)],
+                torch.zeros(1),
+                torch.tensor(1e-2),
+                [0.0, 0.9, 0.99, 1e-8, 0.1],
+                True,
+                True,
+                2**40,
+                [torch.tensor(0), torch.tensor(2**62)],
+            ),
+        ),
         "has_non_finite": (OPS.has_non_finite.default, ([x, torch.empty(0), x_strided.float()],)),
     }
 

@@ -4,8 +4,11 @@ Checks on every machine what the interpreter can: the per-tensor step counts and
 counters (across two calls), the skip, lr as a tensor, the float64 scalars, fp16 parameters and
 outs, sizes across chunk edges and an empty tensor, against the reference bit for bit. The
 interpreter truncates fp32 -> bf16 (Triton 3.9's `_convert_float` without a rounding mode) and
-has no libdevice, so bf16 outputs and the GPU's float64 division and sqrt are checked by the
-`cuda` tests (test_adam.py).
+has no libdevice, so bf16 outputs rounded to nearest and the GPU's float64 division and sqrt are
+checked by the `cuda` tests (test_adam.py). Stochastic rounding of bf16 masters ([Note: Adam
+stochastic rounding]) is integer arithmetic on the bits, which the interpreter runs exactly: its
+rounding rule on the hand-worked edges and random bit patterns, and whole steps (counters, the
+skip, outs and amaxes, non-finite values) are checked here bit for bit.
 """
 
 from __future__ import annotations
@@ -61,6 +64,53 @@ for param_dtype, out_dtype, found, lr, weight_decay, adam_w_mode in cases:
                 assert torch.equal(raw_bits(a.reshape(-1)), raw_bits(b.reshape(-1))), (param_dtype, out_dtype, found, lr)
         assert torch.equal(amax, expected_amax), (amax, expected_amax)
     assert [float(s) for s in ours[4]] == [7.0 * i + (found == 0.0) * 2 for i in range(len(numels))]
+
+# Stochastic rounding: bf16 masters (fp32 moments: bf16 ones would be truncated), outs of the
+# rounded values, non-finite updates, seeds of either int width, counters read and advanced by the
+# ticket's last program, none on a skip.
+for seed, found, out_dtype in [(0, 0.0, None), (2**63 - 5, 0.0, torch.float32), (-3, 1.0, torch.bfloat16)]:
+    ours = states(torch.bfloat16)
+    ours[0][2][:3] = torch.tensor([float("nan"), float("inf"), 3e38])
+    counters = [torch.tensor(11 * i - (i == 2) * 2**62) for i in range(len(numels))]
+    expected, expected_counters = tuple([t.clone() for t in tensors] for tensors in ours), [c.clone() for c in counters]
+    outs = [torch.zeros(n, dtype=out_dtype) for n in numels] if out_dtype else []
+    expected_outs = [t.clone() for t in outs]
+    args = (torch.tensor([found]), None, [1e-2, 0.9, 0.999, 1e-8, 0.01], True)
+    for _ in range(2):
+        amax = _triton._adam_step_capturable(*ours, outs, *args, True, seed, counters)
+        expected_amax = quant_core.adam_step_capturable_reference(*expected, expected_outs, *args, True, seed,
+                                                                  expected_counters)  # fmt: skip
+        for got, want in zip((*ours, outs, counters), (*expected, expected_outs, expected_counters), strict=True):
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(raw_bits(a.reshape(-1)), raw_bits(b.reshape(-1))), (seed, found, out_dtype)
+        assert torch.equal(amax, expected_amax), (amax, expected_amax)
+    assert [int(c) for c in counters] == [11 * i - (i == 2) * 2**62 + (found == 0.0) * 2 for i in range(len(numels))]
+
+# The rounding rule itself, in a kernel of its own.
+import triton
+import triton.language as tl
+
+from quant_core.shared import _numerics
+from quant_core.shared._triton_numerics import round_to_bfloat16_stochastic
+from quant_core.testing import BF16_STOCHASTIC_CASES, float32_from_bits
+
+
+@triton.jit
+def _round(v_ptr, r_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    v = tl.load(v_ptr + offsets, mask=mask)
+    r = tl.load(r_ptr + offsets, mask=mask).to(tl.uint32)
+    tl.store(out_ptr + offsets, round_to_bfloat16_stochastic(v, r), mask=mask)
+
+
+bits, draws, _ = (torch.tensor(column, dtype=torch.int64) for column in zip(*BF16_STOCHASTIC_CASES, strict=True))
+bits = torch.cat([bits, torch.randint(0, 2**32, (5000,), generator=generator, dtype=torch.int64)])
+draws = torch.cat([draws, torch.randint(0, 2**16, (5000,), generator=generator, dtype=torch.int64)])
+v = float32_from_bits(bits)
+out = torch.empty(len(v), dtype=torch.bfloat16)
+_round[(triton.cdiv(len(v), 1024),)](v, draws.to(torch.int32), out, len(v), BLOCK=1024)
+assert torch.equal(raw_bits(out), raw_bits(_numerics.round_to_bfloat16_stochastic(v, draws)))
 """
 
 

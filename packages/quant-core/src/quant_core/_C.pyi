@@ -67,6 +67,8 @@ def adam_step(
     exp_avg_sq_dtype: int,
     scalars: AdamScalars,
     amax_out: int,
+    counters: list[int],
+    seed: int,
     num_threads: int,
 ) -> None: ...
 def has_non_finite(tensors: list[int], dtypes: list[int], numels: list[int], num_threads: int) -> bool: ...

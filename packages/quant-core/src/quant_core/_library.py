@@ -189,7 +189,7 @@ def _define(
     fake: Callable[..., Any] | None,
     recomputable: bool,
 ) -> None:
-    _library.define(name + torch.library.infer_schema(prototype, mutates_args=tuple(mutates_args)))
+    _library.define(name + _infer_schema(prototype, mutates_args))
     _library.impl(name, torch.library.fallthrough_kernel, "Autograd")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake or _no_outputs, lib=_library)
     operator = Operator(name, body, mutates_args, recomputable)
@@ -198,6 +198,30 @@ def _define(
         f"{NAMESPACE}::{name}", FunctionalTensorMode, _traced_where_traceable(operator), lib=_library
     )
     OPERATORS[name] = operator
+
+
+# Annotations of an optional list of tensors (`Tensor[]?` in a schema), with and without
+# `from __future__ import annotations`.
+_OPTIONAL_TENSOR_LIST = ("list[torch.Tensor] | None", list[torch.Tensor] | None)
+
+
+def _infer_schema(prototype: Callable[..., Any], mutates_args: Sequence[str]) -> str:
+    """torch.library.infer_schema, plus optional tensor lists (`list[torch.Tensor] | None = None`),
+    which it does not take (torch 2.13): inferred as tensor lists defaulting to None, then marked
+    optional, `Tensor[]? name=None` (the only default a tensor list can have in a schema)."""
+    signature = inspect.signature(prototype)
+    optional = [p.name for p in signature.parameters.values() if p.annotation in _OPTIONAL_TENSOR_LIST]
+    if optional:
+        parameters = [
+            p.replace(annotation=list[torch.Tensor]) if p.name in optional else p for p in signature.parameters.values()
+        ]
+        prototype = types.FunctionType(prototype.__code__, prototype.__globals__, prototype.__name__)
+        prototype.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    schema = torch.library.infer_schema(prototype, mutates_args=tuple(mutates_args))
+    for name in optional:
+        assert f"[] {name}=None" in schema, (schema, name)
+        schema = schema.replace(f"[] {name}=None", f"[]? {name}=None")
+    return schema
 
 
 def register_kernel(
@@ -411,12 +435,14 @@ def _plain(args: Sequence[Any]) -> bool:
 
 def _bumping_versions(run: Callable[..., Any], positions: Sequence[int]) -> Callable[..., Any]:
     """run, then the version counters of the mutated tensors bumped (arguments given positionally:
-    a tensor, a list of tensors, or None)."""
+    a tensor, a list of tensors, or None; trailing defaulted ones, which hold None, may be left out)."""
 
     def bumping(*args: Any) -> Any:
         result = run(*args)
         written: list[torch.Tensor] = []
         for i in positions:
+            if i >= len(args):
+                continue
             if isinstance(args[i], torch.Tensor):
                 written.append(args[i])
             elif args[i] is not None:

@@ -120,6 +120,40 @@ def adversarial_amaxes(num_random: int = 400, seed: int = 0) -> torch.Tensor:
     return amaxes[torch.randperm(len(amaxes), generator=generator)]
 
 
+# fp32 bits, 16-bit draw, bf16 bits: [Note: bf16 stochastic rounding] worked by hand (the edges
+# every backend's rounding must meet; tests aim at them through the whole Adam step too).
+BF16_STOCHASTIC_CASES = [
+    (0x3F800000, 0xFFFF, 0x3F80),  # a bf16 value stays, whatever the draw
+    (0x3F808000, 0x7FFF, 0x3F80),  # halfway: down below 2^15
+    (0x3F808000, 0x8000, 0x3F81),  # ... up from 2^15
+    (0x3F80FFFF, 0x0000, 0x3F80),  # just below the upper neighbour: down only with draw 0
+    (0x3F80FFFF, 0x0001, 0x3F81),
+    (0x3FFFFFFF, 0x0001, 0x4000),  # up across a binade edge
+    (0xBF808000, 0x8000, 0xBF81),  # negative: the magnitude rounds up, away from zero
+    (0xBF808000, 0x7FFF, 0xBF80),
+    (0x00000000, 0xFFFF, 0x0000),  # +0
+    (0x80000000, 0xFFFF, 0x8000),  # -0 keeps its sign
+    (0x00000001, 0xFFFE, 0x0000),  # the smallest fp32 subnormal: to 0 ...
+    (0x00000001, 0xFFFF, 0x0001),  # ... or to the smallest bf16 subnormal
+    (0x807FFFFF, 0x0001, 0x8080),  # the largest subnormal up to the smallest normal
+    (0x7F7F0001, 0xFFFE, 0x7F7F),  # beyond the largest finite bf16: stays finite ...
+    (0x7F7F0001, 0xFFFF, 0x7F80),  # ... or becomes Inf, with probability low16 / 2^16
+    (0x7F7FFFFF, 0x0001, 0x7F80),  # fp32 max
+    (0xFF7FFFFF, 0x0000, 0xFF7F),
+    (0xFF7FFFFF, 0x0001, 0xFF80),  # -fp32 max to -Inf, never into the sign
+    (0x7F800000, 0xFFFF, 0x7F80),  # +-Inf stay
+    (0xFF800000, 0xFFFF, 0xFF80),
+    (0x7F800001, 0x0000, 0x7FC0),  # NaN: the canonical bf16 NaN (the bare rule would give Inf)
+    (0xFFFFFFFF, 0xFFFF, 0x7FC0),  # (the bare rule would carry past bit 31)
+    (0xFFC00000, 0x1234, 0x7FC0),  # x86's default NaN, negative
+]
+
+
+def float32_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of uint32 bit patterns held in an int64 tensor."""
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+
+
 def raw_bits(t: torch.Tensor | None) -> torch.Tensor | None:
     """The bytes of a quantized buffer as uint8, so comparisons are bitwise (NaN codes included)."""
     return None if t is None else t.view(torch.uint8)

@@ -18,15 +18,34 @@ a GPU kernel that computes them from a step count held on the device gets the sa
 capturable Adam step] in quant_core.adam._capturable). It differs from torch.optim.AdamW by
 rounding only (a few ulp of the update). Gradients may be fp32, bf16 or fp16; moments fp32 or
 bf16 (read as fp32, updated in fp32, stored rounded to nearest even, the update using the fp32
-value); parameters (fp32 masters) are updated in place.
+value); parameters (fp32 masters, or bf16 masters rounded stochastically: [Note: Adam stochastic
+rounding]) are updated in place.
+
+[Note: Adam stochastic rounding] A bf16 master is read as fp32, takes the fp32 update above
+unchanged, and is stored rounded stochastically ([Note: bf16 stochastic rounding] in
+quant_core.shared._numerics): element j of parameter i (its flat index in the tensor as given: a
+shard counts from its own first element) draws `random16(seed + counters[i], j)` ([Note: counter
+RNG], the stream NVFP4's stochastic rounding draws from), where `counters[i]` is the parameter's
+0-d int64 counter (its uint64 bits; seed + counter wraps modulo 2^64). Each step increments every
+counter it used by one, so no two steps of a parameter share a stream, and a run that saved and
+restored the counters continues their streams; a step that is skipped (the capturable step's
+verdict) changes no counter. The amax computed with the step, and the capturable step's outs, are
+of the rounded values (what every later read of the master sees). Parameters whose counters are
+equal at a step draw equal bits at equal indices (correlated roundings, each still unbiased): a
+caller that wants them independent starts the counters apart (parameter i at i << 32 keeps the
+streams of 2^32 parameters apart for 2^32 steps). Resharding changes which bits an element
+draws: a run resumed on another layout continues with the same statistics, not the same bits.
 
 Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
-- `torch.ops.quant_core.adam_step(params, grads, exp_avgs, exp_avg_sqs, scalars, compute_amax)
-  -> Tensor`: non-empty lists of equal length of plain tensors on one device; params contiguous
-  fp32, grads of one dtype out of fp32/bf16/fp16 (any strides), each moment list contiguous of one
-  dtype out of `MOMENT_DTYPES`; the i-th tensors of the lists have equal numels; scalars the
-  fields of `AdamScalars` in order (`dataclasses.astuple`). Updates params and moments in place;
-  returns the (len(params),) fp32 amaxes with compute_amax, else an empty tensor.
+- `torch.ops.quant_core.adam_step(params, grads, exp_avgs, exp_avg_sqs, scalars, compute_amax,
+  seed=0, stochastic_rounding_counters=None) -> Tensor`: non-empty lists of equal length of plain
+  tensors on one device; params contiguous fp32 (without counters) or bf16 (with counters), grads
+  of one dtype out of fp32/bf16/fp16 (any strides), each moment list contiguous of one dtype out of
+  `MOMENT_DTYPES`; the i-th tensors of the lists have equal numels; scalars the fields of
+  `AdamScalars` in order (`dataclasses.astuple`); seed an int in int64 range (`signed64`);
+  stochastic_rounding_counters None or one 0-d int64 tensor per param on params' device. Updates
+  params, moments and counters in place; returns the (len(params),) fp32 amaxes with compute_amax,
+  else an empty tensor.
 - `torch.ops.quant_core.has_non_finite(tensors) -> Tensor`: a non-empty list of plain fp32/bf16/
   fp16 tensors on one device, any strides. Returns fp32 0-d 1.0 if any element is NaN or +-Inf.
 """
@@ -45,6 +64,7 @@ from quant_core._library import Kernel, call, define_op, register_kernel
 from quant_core.fp8._fp8 import amax_reference
 from quant_core.shared._checks import FLOAT_DTYPES, check_float_input
 from quant_core.shared._cpp import _C, DTYPE_CODES, pointer
+from quant_core.shared._numerics import random16, round_to_bfloat16_stochastic, signed64
 
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -118,21 +138,33 @@ def adam_step_(
     scalars: AdamScalars,
     *,
     compute_amax: bool = False,
+    stochastic_rounding_counters: Sequence[torch.Tensor] | None = None,
+    seed: int = 0,
 ) -> torch.Tensor | None:
-    """Updates fp32 `params` and their moments in place by one Adam step ([Note: Adam numerics]).
+    """Updates `params` and their moments in place by one Adam step ([Note: Adam numerics]).
 
     All tensors of one list share a dtype and a device; the i-th of each list have the same
-    number of elements. With `compute_amax`, returns an fp32 tensor of shape (len(params),)
-    holding max |p| over the finite elements of each updated parameter (what per-tensor
-    requantizing needs), computed in the same pass.
+    number of elements.
+
+    Args:
+        params: fp32 masters, or bf16 masters with `stochastic_rounding_counters`.
+        compute_amax: also return an fp32 tensor of shape (len(params),) holding max |p| over the
+            finite elements of each updated parameter (what per-tensor requantizing needs),
+            computed in the same pass.
+        stochastic_rounding_counters: one 0-d int64 tensor per parameter, on its device: the bf16
+            params are stored rounded stochastically with the stream `seed + counters[i]`, and
+            each counter is incremented in place ([Note: Adam stochastic rounding]). Keep them as
+            optimizer state (saved and restored with it).
+        seed: the streams' base, an int (its low 64 bits count).
     """
-    _check_adam_inputs(params, grads, exp_avgs, exp_avg_sqs)
+    counters = _check_adam_inputs(params, grads, exp_avgs, exp_avg_sqs, stochastic_rounding_counters)
     if not params:
         return torch.zeros(0, dtype=torch.float32) if compute_amax else None
-    if not all(map(_is_plain, (*params, *grads, *exp_avgs, *exp_avg_sqs))):  # see _is_plain
+    args = (params, grads, exp_avgs, exp_avg_sqs)
+    if not all(map(_is_plain, (*params, *grads, *exp_avgs, *exp_avg_sqs, *(counters or ())))):  # see _is_plain
         with torch.no_grad():
-            return adam_step_reference(params, grads, exp_avgs, exp_avg_sqs, scalars, compute_amax)
-    amaxes = call("adam_step", params, grads, exp_avgs, exp_avg_sqs, list(dataclasses.astuple(scalars)), compute_amax)
+            return adam_step_reference(*args, scalars, compute_amax, signed64(seed), counters)
+    amaxes = call("adam_step", *args, list(dataclasses.astuple(scalars)), compute_amax, signed64(seed), counters)
     return amaxes if compute_amax else None
 
 
@@ -143,11 +175,17 @@ def _adam_step_fake(
     exp_avg_sqs: list[torch.Tensor],
     scalars: list[float],
     compute_amax: bool,
+    seed: int = 0,
+    stochastic_rounding_counters: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     return params[0].new_empty(len(params) if compute_amax else 0, dtype=torch.float32)
 
 
-@define_op("adam_step", mutates_args=("params", "exp_avgs", "exp_avg_sqs"), fake=_adam_step_fake)
+@define_op(
+    "adam_step",
+    mutates_args=("params", "exp_avgs", "exp_avg_sqs", "stochastic_rounding_counters"),
+    fake=_adam_step_fake,
+)
 def _adam_step_op(
     kernel: Kernel,
     params: list[torch.Tensor],
@@ -156,10 +194,14 @@ def _adam_step_op(
     exp_avg_sqs: list[torch.Tensor],
     scalars: list[float],
     compute_amax: bool,
+    seed: int = 0,
+    stochastic_rounding_counters: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
     step = kernel
-    amaxes = step(params, grads, exp_avgs, exp_avg_sqs, AdamScalars(*scalars), compute_amax)
+    amaxes = step(
+        params, grads, exp_avgs, exp_avg_sqs, AdamScalars(*scalars), compute_amax, seed, stochastic_rounding_counters
+    )
     return amaxes if amaxes is not None else params[0].new_empty(0, dtype=torch.float32)
 
 
@@ -205,18 +247,26 @@ def has_non_finite_reference(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return found.to(torch.float32)
 
 
+_PARAM_DTYPE_HINT = (
+    "; fp32 params step without stochastic_rounding_counters, bf16 params with them (one 0-d int64 tensor per "
+    "parameter)"
+)
+
+
 def _check_adam_inputs(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
-) -> None:
+    counters: Sequence[torch.Tensor] | None,
+) -> list[torch.Tensor] | None:
+    """Checks adam_step_'s arguments; returns the counters as the operator takes them."""
     lists = {"params": params, "grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
     lengths = {name: len(tensors) for name, tensors in lists.items()}
     if len(set(lengths.values())) > 1:
         raise ValueError(f"adam_step_ needs one grad and two moments per parameter, got lengths {lengths}")
     allowed = {
-        "params": (torch.float32,),
+        "params": (torch.float32,) if counters is None else (torch.bfloat16,),
         "grads": FLOAT_DTYPES,
         "exp_avgs": MOMENT_DTYPES,
         "exp_avg_sqs": MOMENT_DTYPES,
@@ -230,6 +280,7 @@ def _check_adam_inputs(
                 raise TypeError(
                     f"{name}[{i}] has dtype {t.dtype}; every tensor of {name} must share one dtype out of "
                     f"{', '.join(str(d) for d in allowed[name])} (call adam_step_ once per dtype combination)"
+                    + (_PARAM_DTYPE_HINT if name == "params" else "")
                 )
             if t.device != device:
                 raise ValueError(f"{name}[{i}] is on {t.device} but params[0] is on {device}; move it there")
@@ -237,6 +288,26 @@ def _check_adam_inputs(
                 raise ValueError(f"{name}[{i}] has {t.numel()} elements but params[{i}] has {params[i].numel()}")
             if name != "grads" and not t.is_contiguous():
                 raise ValueError(f"{name}[{i}] must be contiguous (it is updated in place)")
+    if counters is None:
+        return None
+    check_counters(counters, params)
+    return list(counters)
+
+
+def check_counters(counters: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
+    """Checks stochastic-rounding counters ([Note: Adam stochastic rounding]): one 0-d int64
+    tensor per parameter, on the parameters' device."""
+    if len(counters) != len(params):
+        raise ValueError(
+            f"stochastic rounding needs one counter per parameter, got {len(counters)} counters for {len(params)} params"
+        )
+    for i, counter in enumerate(counters):
+        if counter.dtype != torch.int64 or counter.dim() != 0 or counter.device != params[i].device:
+            raise ValueError(
+                f"stochastic_rounding_counters[{i}] must be a 0-d int64 tensor on {params[i].device}, got "
+                f"{counter.dtype} {tuple(counter.shape)} on {counter.device} "
+                f"(make it with torch.zeros((), dtype=torch.int64, device={str(params[i].device)!r}))"
+            )
 
 
 def _sqrt(v: torch.Tensor) -> torch.Tensor:
@@ -254,12 +325,16 @@ def adam_step_reference(
     exp_avg_sqs: Sequence[torch.Tensor],
     scalars: AdamScalars,
     compute_amax: bool = False,
+    seed: int = 0,
+    stochastic_rounding_counters: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
-    """Plain-torch Adam step: the spec of [Note: Adam numerics], one tensor at a time."""
+    """Plain-torch Adam step: the spec of [Note: Adam numerics] and [Note: Adam stochastic
+    rounding], one tensor at a time."""
     amaxes = []
-    for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+    counters = stochastic_rounding_counters or [None] * len(params)
+    for param, grad, exp_avg, exp_avg_sq, counter in zip(params, grads, exp_avgs, exp_avg_sqs, counters, strict=True):
         # Flat views: the i-th tensors of the lists share a size, not necessarily a shape.
-        p, g = param.view(-1), grad.reshape(-1).float()
+        p, g = param.view(-1).float(), grad.reshape(-1).float()  # p: a view of an fp32 master, else a copy
         m, v = exp_avg.view(-1).float(), exp_avg_sq.view(-1).float()  # views of fp32 states
         if scalars.decay != 1.0:
             p.mul_(scalars.decay)
@@ -273,6 +348,11 @@ def adam_step_reference(
             exp_avg.view(-1).copy_(m)  # round to nearest even
         if exp_avg_sq.dtype != torch.float32:
             exp_avg_sq.view(-1).copy_(v)
+        if counter is not None:
+            draws = random16(counter + seed, torch.arange(p.numel(), device=p.device))
+            param.view(-1).copy_(round_to_bfloat16_stochastic(p, draws))
+            counter.add_(1)
+            p = param.view(-1).float()  # the amax of the value stored
         if compute_amax:
             amaxes.append(amax_reference(p))
     if not compute_amax:
@@ -291,8 +371,11 @@ def _adam_step_cpp(
     exp_avg_sqs: Sequence[torch.Tensor],
     scalars: AdamScalars,
     compute_amax: bool,
+    seed: int,
+    stochastic_rounding_counters: Sequence[torch.Tensor] | None,
 ) -> torch.Tensor | None:
     amax = torch.zeros(len(params), dtype=torch.float32) if compute_amax else None
+    counters = stochastic_rounding_counters or []
     _C.adam_step(
         [p.data_ptr() for p in params],
         [g.data_ptr() for g in grads],
@@ -304,9 +387,11 @@ def _adam_step_cpp(
         DTYPE_CODES[exp_avg_sqs[0].dtype],
         _C.AdamScalars(**dataclasses.asdict(scalars)),
         pointer(amax),
+        [c.data_ptr() for c in counters],
+        seed,
         torch.get_num_threads(),
     )
-    for t in (*params, *exp_avgs, *exp_avg_sqs):  # written through pointers: tell autograd and caches
+    for t in (*params, *exp_avgs, *exp_avg_sqs, *counters):  # written through pointers: tell autograd and caches
         torch.autograd.graph.increment_version(t)
     return amax
 

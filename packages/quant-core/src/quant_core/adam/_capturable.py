@@ -14,20 +14,24 @@ without host syncs, or one captured in a CUDA graph and replayed):
   hyperparameters travel as the bits of their float64 values, so every bit of the result equals
   the host's `AdamScalars.of` (IEEE operations only; `power` squares as the kernel does);
 - params may be the fp32 masters or low-precision parameters themselves (bf16/fp16, updated in
-  fp32 and stored rounded to nearest even), and `outs` (optional) receive each updated parameter
-  rounded to their dtype in the same pass (a bf16 parameter written from its fp32 master without
-  a second read of the master).
+  fp32 and stored rounded to nearest even; bf16 rounded stochastically with per-parameter
+  counters, [Note: Adam stochastic rounding] in quant_core.adam._adam, each counter incremented
+  like the step count, by the same last program), and `outs` (optional) receive each updated
+  parameter rounded to their dtype in the same pass (a bf16 parameter written from its fp32
+  master without a second read of the master; with stochastic rounding, the rounded parameter).
 Gradients are read as `adam_step_` reads them; moments fp32 or bf16.
 
 Operator (unchecked; [Note: custom ops]): `torch.ops.quant_core.adam_step_capturable(params,
 grads, exp_avgs, exp_avg_sqs, steps, outs, found_inf, lr, hyperparameters, adam_w_mode,
-compute_amax) -> Tensor`: non-empty lists of equal length of plain tensors on one device; params
-contiguous of one dtype out of fp32/bf16/fp16; grads and moments as for `adam_step`; steps fp32
-0-d tensors; outs empty or one contiguous tensor per param, of one float dtype; the i-th tensors
-of every list have equal numels; found_inf an fp32 tensor (its first element is read); lr a
-tensor of one element on the same device, or None; hyperparameters [lr (used when lr is None),
-beta1, beta2, eps, weight_decay]. Returns the (len(params),) fp32 amaxes with compute_amax, else
-an empty tensor.
+compute_amax, seed=0, stochastic_rounding_counters=None) -> Tensor`: non-empty lists of equal
+length of plain tensors on one device; params contiguous of one dtype out of fp32/bf16/fp16;
+grads and moments as for `adam_step`; steps fp32 0-d tensors; outs empty or one contiguous tensor
+per param, of one float dtype; the i-th tensors of every list have equal numels; found_inf an
+fp32 tensor (its first element is read); lr a tensor of one element on the same device, or None;
+hyperparameters [lr (used when lr is None), beta1, beta2, eps, weight_decay]; seed an int in
+int64 range; stochastic_rounding_counters None, or (with bf16 params) one 0-d int64 tensor per
+param on their device. Returns the (len(params),) fp32 amaxes with compute_amax, else an empty
+tensor.
 """
 
 from __future__ import annotations
@@ -37,9 +41,10 @@ from collections.abc import Sequence
 import torch
 
 from quant_core._library import Kernel, call, define_op, register_kernel
-from quant_core.adam._adam import MOMENT_DTYPES, AdamScalars, adam_step_reference
+from quant_core.adam._adam import MOMENT_DTYPES, AdamScalars, adam_step_reference, check_counters
 from quant_core.fp8._fp8 import amax_reference
 from quant_core.shared._checks import FLOAT_DTYPES
+from quant_core.shared._numerics import signed64
 
 
 def adam_step_capturable_(
@@ -58,6 +63,8 @@ def adam_step_capturable_(
     found_inf: torch.Tensor | None = None,
     outs: Sequence[torch.Tensor] | None = None,
     compute_amax: bool = False,
+    stochastic_rounding_counters: Sequence[torch.Tensor] | None = None,
+    seed: int = 0,
 ) -> torch.Tensor | None:
     """One Adam step whose step counts, lr and skip verdict are tensors ([Note: capturable Adam step]).
 
@@ -65,10 +72,15 @@ def adam_step_capturable_(
     (fp32, or bf16/fp16 updated in fp32) and its moments take the step of
     `AdamScalars.of(lr=lr, ..., step=steps[i])`, bit for bit `adam_step_`'s; `outs[i]` (optional)
     receives the updated parameter rounded to its dtype. With `found_inf` nonzero nothing is
-    written. With `compute_amax`, returns the (len(params),) fp32 max |param| over finite values,
-    after the update (or of the parameters as they are, when skipped).
+    written (counters included). With `compute_amax`, returns the (len(params),) fp32 max |param|
+    over finite values, after the update (or of the parameters as they are, when skipped).
+
+    `stochastic_rounding_counters` (bf16 params only): one 0-d int64 tensor per parameter on the
+    parameters' device; the params are stored rounded stochastically with the stream
+    `seed + counters[i]` and each counter is incremented, as `adam_step_` does ([Note: Adam
+    stochastic rounding]). `seed`: an int (its low 64 bits count).
     """
-    _check_inputs(params, grads, exp_avgs, exp_avg_sqs, steps, outs or [], found_inf, lr)
+    _check_inputs(params, grads, exp_avgs, exp_avg_sqs, steps, outs or [], found_inf, lr, stochastic_rounding_counters)
     if not params:
         return torch.zeros(0, dtype=torch.float32) if compute_amax else None
     device = params[0].device
@@ -88,6 +100,8 @@ def adam_step_capturable_(
         [0.0 if lr_tensor is not None else float(lr), beta1, beta2, eps, weight_decay],
         adam_w_mode,
         compute_amax,
+        signed64(seed),
+        list(stochastic_rounding_counters) if stochastic_rounding_counters is not None else None,
     )
     return amaxes if compute_amax else None
 
@@ -115,11 +129,17 @@ def _fake(
     hyperparameters: list[float],
     adam_w_mode: bool,
     compute_amax: bool,
+    seed: int = 0,
+    stochastic_rounding_counters: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     return params[0].new_empty(len(params) if compute_amax else 0, dtype=torch.float32)
 
 
-@define_op("adam_step_capturable", mutates_args=("params", "exp_avgs", "exp_avg_sqs", "steps", "outs"), fake=_fake)
+@define_op(
+    "adam_step_capturable",
+    mutates_args=("params", "exp_avgs", "exp_avg_sqs", "steps", "outs", "stochastic_rounding_counters"),
+    fake=_fake,
+)
 def _adam_step_capturable_op(
     kernel: Kernel,
     params: list[torch.Tensor],
@@ -133,12 +153,15 @@ def _adam_step_capturable_op(
     hyperparameters: list[float],
     adam_w_mode: bool,
     compute_amax: bool,
+    seed: int = 0,
+    stochastic_rounding_counters: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
     step = kernel
     return step(
-        params, grads, exp_avgs, exp_avg_sqs, steps, outs, found_inf, lr, hyperparameters, adam_w_mode, compute_amax
-    )
+        params, grads, exp_avgs, exp_avg_sqs, steps, outs, found_inf, lr, hyperparameters, adam_w_mode, compute_amax,
+        seed, stochastic_rounding_counters,
+    )  # fmt: skip
 
 
 @register_kernel("adam_step_capturable", "reference")
@@ -154,6 +177,8 @@ def adam_step_capturable_reference(
     hyperparameters: Sequence[float],
     adam_w_mode: bool,
     compute_amax: bool = True,
+    seed: int = 0,
+    stochastic_rounding_counters: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The spec of [Note: capturable Adam step] through `adam_step_reference`, one tensor at a
     time (reads the verdict, lr and step counts on the host). Returns every parameter's amax
@@ -161,6 +186,7 @@ def adam_step_capturable_reference(
     skip = bool(found_inf.reshape(-1)[0] != 0)
     lr_value = float(lr.reshape(-1)[0]) if lr is not None else hyperparameters[0]
     _, beta1, beta2, eps, weight_decay = hyperparameters
+    stochastic = stochastic_rounding_counters is not None
     amaxes = []
     for i, (param, grad, exp_avg, exp_avg_sq) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
         value = param.view(-1).float()  # a view of an fp32 param, else a copy
@@ -174,9 +200,15 @@ def adam_step_capturable_reference(
                 step=int(steps[i]) + 1,
                 adam_w_mode=adam_w_mode,
             )
-            adam_step_reference([value], [grad], [exp_avg], [exp_avg_sq], scalars)
+            if stochastic:  # the bf16 param updated and rounded in place, its counter incremented
+                adam_step_reference(
+                    [param], [grad], [exp_avg], [exp_avg_sq], scalars, False, seed, [stochastic_rounding_counters[i]]
+                )
+                value = param.view(-1).float()
+            else:
+                adam_step_reference([value], [grad], [exp_avg], [exp_avg_sq], scalars)
             steps[i].add_(1)
-            if param.dtype != torch.float32:
+            if param.dtype != torch.float32 and not stochastic:
                 param.view(-1).copy_(value)  # round to nearest even
             if outs:
                 outs[i].view(-1).copy_(value)
@@ -194,6 +226,7 @@ def _check_inputs(
     outs: Sequence[torch.Tensor],
     found_inf: torch.Tensor | None,
     lr: float | torch.Tensor,
+    counters: Sequence[torch.Tensor] | None,
 ) -> None:
     lists = {"params": params, "grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "steps": steps}
     if outs:
@@ -239,3 +272,10 @@ def _check_inputs(
         )
     if isinstance(lr, torch.Tensor) and (lr.numel() != 1 or not lr.dtype.is_floating_point):
         raise ValueError(f"lr must be a float or a one-element floating-point tensor, got {lr.dtype} {tuple(lr.shape)}")
+    if counters is not None:
+        if params and params[0].dtype != torch.bfloat16:
+            raise TypeError(
+                f"stochastic rounding rounds bf16 params, got {params[0].dtype} params; pass "
+                "stochastic_rounding_counters only with bf16 params (masters kept in bf16)"
+            )
+        check_counters(counters, params)

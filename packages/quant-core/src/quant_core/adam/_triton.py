@@ -22,7 +22,7 @@ from triton.language.extra import libdevice
 
 from quant_core._library import register_kernel
 from quant_core.shared._triton_launch import launch
-from quant_core.shared._triton_numerics import finite_abs
+from quant_core.shared._triton_numerics import finite_abs, round_to_bfloat16_stochastic, splitmix64
 from quant_core.shared._triton_tables import CHUNK, CHUNK_BLOCK, chunk_table, pointer_table
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -82,7 +82,7 @@ def _power64(base, exponent):
     return result
 
 
-@triton.jit(do_not_specialize=["lr_bits", "beta1_bits", "beta2_bits", "eps_bits", "weight_decay_bits"])
+@triton.jit(do_not_specialize=["lr_bits", "beta1_bits", "beta2_bits", "eps_bits", "weight_decay_bits", "seed"])
 def _adam_capturable_kernel(
     pointers,
     num_tensors,
@@ -101,21 +101,24 @@ def _adam_capturable_kernel(
     beta2_bits,
     eps_bits,
     weight_decay_bits,
+    seed,
     DECAY: tl.constexpr,
     LR_TENSOR: tl.constexpr,
     OUT: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
     AMAX: tl.constexpr,
     EXACT: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """One chunk of one tensor of [Note: capturable Adam step]. `pointers` ([Note: pointer
-    tables]): rows of parameters, gradients, moments, step counts, outs (when OUT) and numels;
+    tables]): rows of parameters, gradients, moments, step counts, outs (when OUT), counters (when
+    STOCHASTIC: bf16 params rounded stochastically, [Note: Adam stochastic rounding]) and numels;
     `tickets` int32 (num_tensors,) zeros, restored to zero by the last program of each tensor.
     Scalars as AdamScalars.of computes them, in float64 from the hyperparameters' bits."""
     t = tl.load(chunks + 2 * tl.program_id(0))
     chunk = tl.load(chunks + 2 * tl.program_id(0) + 1).to(tl.int64)
-    n = tl.load(pointers + (5 + OUT) * num_tensors + t)
+    n = tl.load(pointers + (5 + OUT + STOCHASTIC) * num_tensors + t)
     p_ptr = tl.load(pointers + t).to(tl.pointer_type(p_like.dtype.element_ty))
     largest = tl.zeros((BLOCK,), dtype=tl.float32)
     if tl.load(found_ptr) != 0.0:  # skipped: nothing is written; the amaxes of the parameters as they are
@@ -146,6 +149,11 @@ def _adam_capturable_kernel(
         beta1_32, beta2_32 = beta1.to(tl.float32), beta2.to(tl.float32)
         if OUT:
             o_ptr = tl.load(pointers + 5 * num_tensors + t).to(tl.pointer_type(o_like.dtype.element_ty))
+        if STOCHASTIC:
+            counter_ptr = tl.load(pointers + (5 + OUT) * num_tensors + t).to(tl.pointer_type(tl.int64))
+            counter = tl.load(counter_ptr)
+            # seed is typed int32 or int64 by its value: widened first; the sum wraps modulo 2^64.
+            stream = seed.to(tl.int64).to(tl.uint64, bitcast=True) + counter.to(tl.uint64, bitcast=True)
         for start in range(0, CHUNK, BLOCK):
             offsets = chunk * CHUNK + start + tl.arange(0, BLOCK)
             mask = offsets < n
@@ -157,17 +165,25 @@ def _adam_capturable_kernel(
                 p, g, m, v, decay, l2_weight_decay, beta1_32, one_minus_beta1, beta2_32, one_minus_beta2,
                 inv_bias_correction2_sqrt, eps, step_size, DECAY,
             )  # fmt: skip
-            tl.store(p_ptr + offsets, p.to(p_ptr.dtype.element_ty), mask=mask)
+            if STOCHASTIC:  # p_ptr is bf16; p becomes the value stored, for outs and the amax
+                random16 = (splitmix64(stream, offsets.to(tl.uint64)) >> 48).to(tl.uint32)
+                stored = round_to_bfloat16_stochastic(p, random16)
+                tl.store(p_ptr + offsets, stored, mask=mask)
+                p = stored.to(tl.float32)
+            else:
+                tl.store(p_ptr + offsets, p.to(p_ptr.dtype.element_ty), mask=mask)
             tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty), mask=mask)
             tl.store(v_ptr + offsets, v.to(v_ptr.dtype.element_ty), mask=mask)
             if OUT:
                 tl.store(o_ptr + offsets, p.to(o_ptr.dtype.element_ty), mask=mask)
             if AMAX:
                 largest = tl.maximum(largest, tl.where(mask, finite_abs(p), 0.0))
-        # Every program of tensor t read its step count above; the last one to get here writes it
-        # (acq_rel atomics order those reads before this write) and resets the ticket.
+        # Every program of tensor t read its step count (and counter) above; the last one to get
+        # here writes them (acq_rel atomics order those reads before these writes) and resets the ticket.
         if tl.atomic_add(tickets + t, 1) == tl.cdiv(tl.maximum(n, 1), CHUNK) - 1:
             tl.store(step_ptr, step.to(tl.float32))
+            if STOCHASTIC:
+                tl.store(counter_ptr, counter + 1)
             tl.store(tickets + t, 0)
     if AMAX:
         tl.atomic_max(amax_ptr + t, tl.max(largest, axis=0))
@@ -186,10 +202,21 @@ def _adam_step_capturable(
     hyperparameters: Sequence[float],
     adam_w_mode: bool,
     compute_amax: bool,
+    seed: int = 0,
+    stochastic_rounding_counters: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     device = params[0].device
     amax = torch.zeros(len(params) if compute_amax else 0, dtype=torch.float32, device=device)
-    lists = (params, grads, exp_avgs, exp_avg_sqs, steps, *((outs,) if outs else ()))
+    counters = stochastic_rounding_counters
+    lists = (
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        steps,
+        *((outs,) if outs else ()),
+        *((counters,) if counters else ()),
+    )
     pointers = pointer_table(*lists)
     tickets = _tickets.get(pointers)
     if tickets is None:  # one per table: a table is one call's tensors ([Note: pointer tables])
@@ -216,9 +243,11 @@ def _adam_step_capturable(
         exp_avg_sqs[0],
         outs[0] if outs else params[0],
         *(_bits(value) for value in (lr_value, beta1, beta2, eps, weight_decay)),
+        seed,
         DECAY=decay,
         LR_TENSOR=lr is not None,
         OUT=bool(outs),
+        STOCHASTIC=bool(counters),
         AMAX=compute_amax,
         EXACT=not _INTERPRETED,
         CHUNK=CHUNK,

@@ -177,3 +177,33 @@ def splitmix64(seed: int | torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def random24(seed: int | torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """A uniform 24-bit integer per index: the top 24 bits of splitmix64(seed, index)."""
     return _logical_shift_right(splitmix64(seed, index), 40)
+
+
+def random16(seed: int | torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """A uniform 16-bit integer per index (int64): the top 16 bits of splitmix64(seed, index)."""
+    return _logical_shift_right(splitmix64(seed, index), 48)
+
+
+# ---- bf16 stochastic rounding ---------------------------------------------------------------------
+
+# [Note: bf16 stochastic rounding] fp32 v is rounded to bf16 by adding a uniform 16-bit integer r
+# to its bit pattern and truncating: `bits = float_as_uint32(v) + r; bf16 = bits >> 16`. A bf16
+# value (low 16 bits zero) stays as it is; any other v rounds its magnitude up (away from zero)
+# with probability low16(v) / 2^16 and down otherwise, so the result's mean is v: the fp32 values
+# between bf16 neighbours lo < hi are lo + k * (hi - lo) / 2^16 with k = low16(v). The edges are
+# what the rule gives: +-0 keep their sign; fp32 subnormals round the same way among bf16
+# subnormals (no flush to zero); +-Inf stay +-Inf (low bits zero); a finite v beyond the largest
+# finite bf16 (0x7F7F0000, ~3.39e38) rounds to +-Inf with probability low16(v) / 2^16 (the carry
+# reaches the exponent, never the sign: 0x7F7FFFFF + 0xFFFF < 0x80000000). NaN is the one exception
+# to the rule (which could carry it into the sign or truncate it to Inf): every NaN becomes the
+# canonical bf16 NaN 0x7FC0, as round-to-nearest conversions give ([Note: FP8 NaN]).
+BF16_CANONICAL_NAN = 0x7FC0
+
+
+def round_to_bfloat16_stochastic(v: torch.Tensor, random16: torch.Tensor) -> torch.Tensor:
+    """bf16 of fp32 `v` rounded stochastically with one uniform 16-bit integer per element
+    ([Note: bf16 stochastic rounding]); `random16` int64 of v's shape."""
+    bits = v.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    rounded = (bits + random16) >> 16  # below 2^16 for every non-NaN v: no carry into bit 32
+    rounded = torch.where(torch.isnan(v), BF16_CANONICAL_NAN, rounded)
+    return torch.where(rounded >= 0x8000, rounded - 0x10000, rounded).to(torch.int16).view(torch.bfloat16)

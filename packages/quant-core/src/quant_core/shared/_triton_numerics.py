@@ -226,6 +226,17 @@ def splitmix64(seed, index):
     return z ^ (z >> 31)
 
 
+@triton.jit
+def round_to_bfloat16_stochastic(v, random16):
+    """bf16 of fp32 v rounded stochastically ([Note: bf16 stochastic rounding]; random16: uint32
+    below 2^16), made from the bits: no conversion instruction (the GPU's would give NaN as 0x7FFF),
+    integer arithmetic only (exact in the interpreter too)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    rounded = (bits + random16) >> 16  # no carry past bit 31 for a non-NaN v
+    rounded = tl.where(v != v, 0x7FC0, rounded)
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
 @dataclass(frozen=True)
 class Tiles:
     """Tile shape and warps of a launch; each kernel module holds its tuned choices as constants."""
