@@ -79,11 +79,7 @@ from quant_core.fp8._scale import (
     fp8_scale_reference,
     push_amax_,
 )
-from quant_core.nvfp4._nvfp4 import (
-    NVFP4_BLOCK,
-    dequantize_nvfp4,
-    dequantize_nvfp4_pair,
-    dequantize_nvfp4_reference,
+from quant_core.nvfp4._hadamard import (
     hadamard_amaxes,
     hadamard_amaxes_reference,
     hadamard_inverse_16,
@@ -91,6 +87,12 @@ from quant_core.nvfp4._nvfp4 import (
     hadamard_signs,
     hadamard_transform_16,
     hadamard_transform_16_reference,
+)
+from quant_core.nvfp4._nvfp4 import (
+    NVFP4_BLOCK,
+    dequantize_nvfp4,
+    dequantize_nvfp4_pair,
+    dequantize_nvfp4_reference,
     nvfp4_gemm_output,
     nvfp4_gemm_output_reference,
     nvfp4_tensor_scale,

@@ -47,12 +47,7 @@ Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
   -> Tensor`: [Note: NVFP4 GEMM output]; see `_nvfp4_gemm_output_op` for its contract.
 - `torch.ops.quant_core.transpose_nvfp4(packed_MK) -> Tensor`: rowwise 16 x 16 data (M, K/2)
   uint8 with M even, any strides. Returns the packed codes of x^T, contiguous (K, M/2).
-- `torch.ops.quant_core.hadamard_transform_16(x_MK, seed) -> Tensor`: x_MK 2-D fp32/bf16/fp16
-  with K a multiple of 16, any strides; seed an int in int64 range (`signed64`). Returns the
-  contiguous (M, K) transform in x's dtype.
-- `torch.ops.quant_core.hadamard_amaxes(x_MK, seed) -> Tensor`: x_MK 2-D fp32/bf16/fp16, any
-  strides and M; seed as above. Returns fp32 (2,): amax(x) and amax(T(x^T)), T along M in runs
-  of 16 (a partial last run zero-padded).
+- the Hadamard operators' contracts are in quant_core.nvfp4._hadamard.
 """
 
 from __future__ import annotations
@@ -84,7 +79,8 @@ from quant_core.blocks._layout import (
     run_quantize_kernel,
 )
 from quant_core.fp8._fp8 import amax, amax_reference
-from quant_core.shared._checks import as_2d, check_float_input, check_output_dtype, check_scalar, with_shape
+from quant_core.nvfp4._hadamard import hadamard_amaxes, hadamard_amaxes_reference, hadamard_transform_16_reference
+from quant_core.shared._checks import as_2d, check_output_dtype, check_scalar, with_shape
 from quant_core.shared._cpp import _C, out_dtype_code, outputs, x_args
 from quant_core.shared._numerics import (
     E2M1_MAX,
@@ -99,7 +95,6 @@ from quant_core.shared._numerics import (
     random24,
     seed_tensor,
     signed64,
-    splitmix64,
     to_output_dtype,
     unpack_nibbles,
 )
@@ -635,127 +630,6 @@ def _transpose_nvfp4_reference(packed_MK: torch.Tensor, out_KM: torch.Tensor) ->
     out_KM.copy_(pack_nibbles(unpack_nibbles(packed_MK).t()))
 
 
-# ---- random Hadamard transform ------------------------------------------------------------------
-
-
-def hadamard_signs(seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The 16 random signs (+-1, fp32) of the transform: element j is -1 iff the top bit of draw j is set."""
-    draws = splitmix64(seed, torch.arange(NVFP4_BLOCK, device=device))
-    return torch.where(draws < 0, -1.0, 1.0)
-
-
-def hadamard_transform_16_reference(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """Plain-torch 16 x 16 random Hadamard transform along the last dim (the spec in code).
-
-    Each group of 16 is multiplied by the seed's signs, put through the 4-stage fast
-    Walsh-Hadamard butterfly (stage h adds and subtracts elements h apart, in fp32) and scaled by
-    1/4, so the transform is orthonormal; the result is rounded to x's dtype.
-    """
-    groups = x.float().reshape(-1, NVFP4_BLOCK) * hadamard_signs(seed, x.device)
-    for h in (1, 2, 4, 8):
-        pairs = groups.reshape(-1, NVFP4_BLOCK // (2 * h), 2, h)
-        first, second = pairs[:, :, 0, :], pairs[:, :, 1, :]
-        groups = torch.stack((first + second, first - second), dim=2).reshape(-1, NVFP4_BLOCK)
-    return to_output_dtype(groups * 0.25, x.dtype).reshape(x.shape)
-
-
-def hadamard_transform_16(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """16 x 16 random Hadamard transform of x along its last dim (which must be a multiple of 16)."""
-    check_float_input(x)
-    if x.dim() == 0 or x.shape[-1] % NVFP4_BLOCK:
-        raise ValueError(f"the Hadamard transform mixes groups of 16 along the last dim; got shape {tuple(x.shape)}")
-    return with_shape(call("hadamard_transform_16", as_2d(x), signed64(int(seed))), x.shape)
-
-
-def _hadamard_fake(x_MK: torch.Tensor, seed: int) -> torch.Tensor:
-    return x_MK.new_empty(x_MK.shape)
-
-
-@define_op("hadamard_transform_16", fake=_hadamard_fake)
-def _hadamard_transform_16_op(kernel: Kernel, x_MK: torch.Tensor, seed: int) -> torch.Tensor:
-    out_MK = torch.empty(x_MK.shape, dtype=x_MK.dtype, device=x_MK.device)
-    if out_MK.numel() > 0:
-        kernel(x_MK, seed, out_MK)
-    return out_MK
-
-
-@register_kernel("hadamard_transform_16", "reference")
-def _hadamard_reference_kernel(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) -> None:
-    out_MK.copy_(hadamard_transform_16_reference(x_MK, seed))
-
-
-def hadamard_inverse_16_reference(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """Plain-torch inverse of `hadamard_transform_16_reference` along the last dim (the spec in code).
-
-    T = (1/4) H_16 D is orthonormal and H_16 is symmetric, so T^-1 = T^T = D (1/4) H_16: each
-    group of 16 goes through the 4-stage butterfly (in fp32), is scaled by 1/4, then multiplied
-    by the seed's signs; the result is rounded to x's dtype.
-    """
-    groups = x.float().reshape(-1, NVFP4_BLOCK)
-    for h in (1, 2, 4, 8):
-        pairs = groups.reshape(-1, NVFP4_BLOCK // (2 * h), 2, h)
-        first, second = pairs[:, :, 0, :], pairs[:, :, 1, :]
-        groups = torch.stack((first + second, first - second), dim=2).reshape(-1, NVFP4_BLOCK)
-    return to_output_dtype(groups * 0.25 * hadamard_signs(seed, x.device), x.dtype).reshape(x.shape)
-
-
-def hadamard_inverse_16(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """The inverse of `hadamard_transform_16` along x's last dim (a multiple of 16), in fp32, rounded to x's dtype."""
-    check_float_input(x)
-    if x.dim() == 0 or x.shape[-1] % NVFP4_BLOCK:
-        raise ValueError(f"the Hadamard transform mixes groups of 16 along the last dim; got shape {tuple(x.shape)}")
-    return with_shape(call("hadamard_inverse_16", as_2d(x), signed64(int(seed))), x.shape)
-
-
-@define_op("hadamard_inverse_16", fake=_hadamard_fake)
-def _hadamard_inverse_16_op(kernel: Kernel, x_MK: torch.Tensor, seed: int) -> torch.Tensor:
-    out_MK = torch.empty(x_MK.shape, dtype=x_MK.dtype, device=x_MK.device)
-    if out_MK.numel() > 0:
-        kernel(x_MK, seed, out_MK)
-    return out_MK
-
-
-@register_kernel("hadamard_inverse_16", "reference")
-def _hadamard_inverse_reference_kernel(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) -> None:
-    out_MK.copy_(hadamard_inverse_16_reference(x_MK, seed))
-
-
-def hadamard_amaxes_reference(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """Plain-torch (2,) fp32: amax(x) and amax(T(x^T)), T the transform with `seed`'s signs along
-    dim 0 of x's (M, K) view in runs of 16, a partial last run zero-padded, computed in fp32."""
-    x_MK = as_2d(x).float()
-    padded = torch.nn.functional.pad(x_MK, (0, 0, 0, -x_MK.shape[0] % NVFP4_BLOCK))
-    transformed = hadamard_transform_16_reference(padded.t(), seed)
-    return torch.stack((amax_reference(x), amax_reference(transformed)))
-
-
-def hadamard_amaxes(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
-    """amax(x) and amax(T(x^T)) in one read of x: fp32 (2,) ([Note: NVFP4 random Hadamard transform]).
-
-    T runs along dim 0 of x's (M, K) view in runs of 16 rows (a partial last run zero-padded),
-    in fp32. Both amaxes ignore NaN and +-Inf (0 if nothing is finite).
-    """
-    check_float_input(x)
-    return call("hadamard_amaxes", as_2d(x), signed64(int(seed)))
-
-
-def _hadamard_amaxes_fake(x_MK: torch.Tensor, seed: int) -> torch.Tensor:
-    return x_MK.new_empty((2,), dtype=torch.float32)
-
-
-@define_op("hadamard_amaxes", fake=_hadamard_amaxes_fake)
-def _hadamard_amaxes_op(kernel: Kernel, x_MK: torch.Tensor, seed: int) -> torch.Tensor:
-    out = torch.zeros(2, dtype=torch.float32, device=x_MK.device)  # the Triton kernel takes atomic maxima
-    if x_MK.numel() > 0:
-        kernel(x_MK, seed, out)
-    return out
-
-
-@register_kernel("hadamard_amaxes", "reference")
-def _hadamard_amaxes_reference_kernel(x_MK: torch.Tensor, seed: int, out: torch.Tensor) -> None:
-    out.copy_(hadamard_amaxes_reference(x_MK, seed))
-
-
 # ---- C++ kernels (CPU tensors; [Note: C++ kernel arguments] in quant_core.shared._cpp) ----
 
 
@@ -816,23 +690,3 @@ register_kernel("dequantize_nvfp4_pair", "cpp")(pair_of(_dequantize_nvfp4_cpp, 2
 def _transpose_nvfp4_cpp(packed_MK: torch.Tensor, out_KM: torch.Tensor) -> None:
     R, C = packed_MK.shape[0], packed_MK.shape[1] * 2
     _C.transpose_nvfp4(packed_MK.data_ptr(), R, C, out_KM.data_ptr(), torch.get_num_threads())
-
-
-@register_kernel("hadamard_transform_16", "cpp")
-def _hadamard_transform_16_cpp(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) -> None:
-    _C.hadamard_transform_16(*x_args(x_MK), seed & 0xFFFFFFFFFFFFFFFF, out_MK.data_ptr(), torch.get_num_threads())
-
-
-@register_kernel("hadamard_inverse_16", "cpp")
-def _hadamard_inverse_16_cpp(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) -> None:
-    # D (1/4) H_16 y = D T(D y): the transform's kernel between two exact sign flips, in fp32.
-    signs = hadamard_signs(seed, x_MK.device)
-    flipped = (x_MK.float().reshape(-1, NVFP4_BLOCK) * signs).reshape(x_MK.shape)
-    values = torch.empty_like(flipped)
-    _hadamard_transform_16_cpp(flipped, seed, values)
-    out_MK.copy_(to_output_dtype(values.reshape(-1, NVFP4_BLOCK) * signs, out_MK.dtype).reshape(out_MK.shape))
-
-
-@register_kernel("hadamard_amaxes", "cpp")
-def _hadamard_amaxes_cpp(x_MK: torch.Tensor, seed: int, out: torch.Tensor) -> None:
-    _C.hadamard_amaxes(*x_args(x_MK), seed & 0xFFFFFFFFFFFFFFFF, out.data_ptr(), torch.get_num_threads())
