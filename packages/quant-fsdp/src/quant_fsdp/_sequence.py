@@ -246,7 +246,9 @@ def _gather_quantized(shard: QuantizedTensor, quantizer: Quantizer, group, world
     """The fast path of [Note: sequence gather]: the shard's bytes, rebuilt as in FSDP2's gather."""
     rowwise, columnwise = shard.usages
     derive_columnwise = columnwise and quantizer.can_derive_columnwise
-    inputs, payload = qt.fsdp.all_gather_inputs(shard, world_size, usages=(rowwise, columnwise and not derive_columnwise))
+    inputs, payload = qt.fsdp.all_gather_inputs(
+        shard, world_size, usages=(rowwise, columnwise and not derive_columnwise)
+    )
     outputs = [t.new_empty((world_size * t.shape[0], *t.shape[1:])) for t in inputs]
     works = [_all_gather(o, i, group=group, async_op=True) for o, i in zip(outputs, inputs, strict=True)]
     out = quantizer.make_empty((world_size * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
