@@ -42,6 +42,11 @@ def storage_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def local_numel(t: torch.Tensor) -> int:
+    """Elements this rank holds of `t`: a DTensor's local shard's (FSDP2 pads none), else t's own."""
+    return t._local_tensor.numel() if isinstance(t, DTensor) else t.numel()
+
+
 def _total_bytes(tensors: Iterable[torch.Tensor]) -> int:
     unique = {id(t): t for t in tensors}  # a tensor listed twice is held once
     return sum(storage_bytes(t) for t in unique.values())

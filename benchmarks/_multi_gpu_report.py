@@ -33,6 +33,8 @@ class Row:
     """Max over repeats and ranks."""
     memory_gib: dict[str, float] = field(default_factory=dict)
     """parameters, gradients, optimizer_states, activations_other of the rank and repeat with the peak."""
+    bytes_per_parameter: dict[str, float] = field(default_factory=dict)
+    """parameters, gradients, optimizer_states of that rank, per parameter element it holds."""
     all_gather_bytes: int | None = None
     """Per step per GPU, output (gathered) bytes; the input bytes are in `collectives`."""
     reduce_scatter_bytes: int | None = None
@@ -71,6 +73,9 @@ def build_row(run: str, launches: Sequence[dict]) -> Row:
     peak = max(results, key=lambda r: r["memory"]["peak"])
     row.peak_memory_gib = peak["memory"]["peak"] / GIB
     row.memory_gib = {k: v / GIB for k, v in peak["memory"].items() if k != "peak"}
+    row.bytes_per_parameter = {
+        k: peak["memory"][k] / peak["local_parameters"] for k in ("parameters", "gradients", "optimizer_states")
+    }
     row.collectives = results[0]["collectives"]  # the same bytes every repeat
     row.all_gather_bytes = row.collectives["all_gather"]["output_bytes"]
     row.reduce_scatter_bytes = row.collectives["reduce_scatter"]["input_bytes"]
@@ -108,6 +113,13 @@ def _spread(r: Row) -> str:
     return f"{r.tokens_per_s_min / 1e3:.1f}-{r.tokens_per_s_max / 1e3:.1f}k"
 
 
+def _per_parameter(split: dict[str, float]) -> str:
+    if not split:
+        return "-"
+    parts = (split["parameters"], split["gradients"], split["optimizer_states"])
+    return f"{sum(parts):.1f} ({' + '.join(f'{p:.1f}' for p in parts)})"
+
+
 def _bytes(value: int | None) -> str:
     return "-" if value is None else f"{value / MIB:.1f}"
 
@@ -124,6 +136,7 @@ FULL_COLUMNS = (
     "grads GiB",
     "optim GiB",
     "act+other GiB",
+    "B/param (params+grads+optim)",
     "AG MiB/step",
     "RS MiB/step",
     "loss",
@@ -148,6 +161,7 @@ def _full_cells(r: Row) -> list[str]:
         _value(r.step_ms, ".1f"),
         _value(r.peak_memory_gib, ".2f"),
         *memory,
+        _per_parameter(r.bytes_per_parameter),
         _bytes(r.all_gather_bytes),
         _bytes(r.reduce_scatter_bytes),
         _value(r.loss, ".4f"),

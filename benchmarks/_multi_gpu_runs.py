@@ -36,15 +36,18 @@ SEED = 0
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One configuration: what converts the Linears, which weights, eager or per-layer compiled."""
+    """One configuration: what converts the Linears, which weights, eager or per-layer compiled,
+    and the optimizer's states (OPTIMIZER_STATES; "" for the default)."""
 
     base: str
     weights: str  # a recipe's: "hp", "qw" or "qw-bf16" (WEIGHTS); "" for bf16 and torchao
     mode: str
+    states: str = ""
 
     @property
     def name(self) -> str:
-        return ":".join((self.base, self.weights, self.mode) if self.weights else (self.base, self.mode))
+        name = ":".join((self.base, self.weights, self.mode) if self.weights else (self.base, self.mode))
+        return f"{name}+{self.states}" if self.states else name
 
     @property
     def quantized_weights(self) -> bool:
@@ -62,14 +65,55 @@ def all_run_names() -> list[str]:
     return names + [f"{r}:{w}:{mode}" for r in RECIPES for w in WEIGHTS for mode in MODES]
 
 
+# Optimizer states a run may name after "+" (default: fp32 states). Quantized-weight runs step
+# with quant_optim.FusedAdam, whose fp32 masters and moment dtypes are its options; the others step
+# with torch's AdamW, whose peers with smaller states are torchao.optim's low-bit AdamWs.
+FUSED_ADAM_STATES = {
+    "m-bf16": {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16},
+    "m-fp8": {"exp_avg_dtype": torch.float8_e4m3fn, "exp_avg_sq_dtype": torch.bfloat16},
+}
+# (torchao's `_AdamW(bf16_stochastic_round=True)` is left out: it rounds bf16 parameters, and
+# these runs keep fp32 ones, as torchtitan does.)
+TORCHAO_OPTIMIZERS = ("ao-adamw8bit", "ao-adamwfp8")
+OPTIMIZER_STATES = (*FUSED_ADAM_STATES, *TORCHAO_OPTIMIZERS)
+
+
 def parse_run(name: str) -> RunSpec:
-    """The RunSpec called `name`; a ValueError listing the valid names otherwise."""
-    parts = name.strip().split(":")
-    if ":".join(parts) in all_run_names():
-        return RunSpec(parts[0], parts[1] if len(parts) == 3 else "", parts[-1])
-    raise ValueError(
-        f"unknown run {name!r}; runs are <base>[:{'|'.join(WEIGHTS)}]:eager|compiled: {', '.join(all_run_names())}"
-    )
+    """The RunSpec called `name` (`<base>[:<weights>]:<mode>[+<states>]`); a ValueError listing the
+    valid names otherwise."""
+    run, _, states = name.strip().partition("+")
+    parts = run.split(":")
+    if ":".join(parts) not in all_run_names():
+        raise ValueError(
+            f"unknown run {name!r}; runs are <base>[:{'|'.join(WEIGHTS)}]:eager|compiled[+<states>]: "
+            f"{', '.join(all_run_names())}"
+        )
+    spec = RunSpec(parts[0], parts[1] if len(parts) == 3 else "", parts[-1], states)
+    allowed = FUSED_ADAM_STATES if spec.quantized_weights else TORCHAO_OPTIMIZERS
+    if states and states not in allowed:
+        optimizer = "quant_optim.FusedAdam" if spec.quantized_weights else "torch's AdamW"
+        raise ValueError(
+            f"run {name!r}: {spec.name.partition('+')[0]} steps with {optimizer}, whose state options are "
+            f"{', '.join(allowed)}; got {states!r}"
+        )
+    return spec
+
+
+def make_optimizer(
+    spec: RunSpec, params: list[torch.nn.Parameter], lr: float, device: torch.device
+) -> torch.optim.Optimizer:
+    """The run's optimizer over `params` (weight decay 0): FusedAdam for quantized weights, else
+    torch's AdamW (fused on CUDA) or the torchao.optim AdamW its states name."""
+    if spec.quantized_weights:
+        from quant_optim import FusedAdam
+
+        return FusedAdam(params, lr=lr, **FUSED_ADAM_STATES.get(spec.states, {}))
+    if spec.states:
+        import torchao.optim
+
+        low_bit = torchao.optim.AdamW8bit if spec.states == "ao-adamw8bit" else torchao.optim.AdamWFp8
+        return low_bit(params, lr=lr, weight_decay=0.0)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=device.type == "cuda")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,14 +194,7 @@ def build_run(
     for layer in layers:
         shard(layer, mesh=mesh, mp_policy=policy)
     shard(model, mesh=mesh, mp_policy=policy)
-    if spec.quantized_weights:
-        from quant_optim import FusedAdam
-
-        optimizer: torch.optim.Optimizer = FusedAdam(model.parameters(), lr=options.learning_rate)
-    else:
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=options.learning_rate, weight_decay=0.0, fused=device.type == "cuda"
-        )
+    optimizer = make_optimizer(spec, list(model.parameters()), options.learning_rate, device)
     return model, optimizer, after_step
 
 

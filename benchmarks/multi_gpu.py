@@ -7,7 +7,7 @@ Usage:
     # the driver: each run its own torchrun, configurations alternated (a,b,c,a,b,c,...)
     python benchmarks/multi_gpu.py --drive --model llama-2b --runs bf16:compiled,fp8:qw:compiled --repeats 3 --out DIR
 
-Runs are named `<base>[:<weights>]:<mode>`:
+Runs are named `<base>[:<weights>]:<mode>[+<states>]`:
 - base `bf16` (torch's fully_shard), `torchao-tensorwise` (torchao.float8 with
   `enable_fsdp_float8_all_gather=True` and `precompute_float8_dynamic_scale_for_fsdp` after each
   step), `torchao-rowwise` (`Float8LinearConfig.from_recipe_name("rowwise")`), or a recipe of
@@ -17,7 +17,10 @@ Runs are named `<base>[:<weights>]:<mode>`:
   quantized primary weights (`quantized_weights=True`) stepped by quant_optim.FusedAdam; `qw-bf16`
   is `qw` with every other parameter in bf16 (FusedAdam keeps an fp32 master of each), so that
   the sharded gradients are bf16 (FSDP2 gives a layer's gradients its parameters' one dtype);
-- mode `eager`, or `compiled`: `block.compile()` on each decoder layer before sharding.
+- mode `eager`, or `compiled`: `block.compile()` on each decoder layer before sharding;
+- states (optional): smaller optimizer states. Quantized-weight runs (FusedAdam): `m-bf16` (both
+  moments bf16), `m-fp8` (first moment FP8 E4M3 with a per-tensor scale, second bf16); the others
+  (torch's AdamW): `ao-adamw8bit`, `ao-adamwfp8` (torchao.optim's low-bit AdamW instead).
 Layout (torchtitan's, DESIGN section 5): the model is built in fp32 on each rank's device from
 one seed, converted, then `fully_shard(layer, mesh=..., mp_policy=MixedPrecisionPolicy(
 param_dtype=bf16, reduce_dtype=fp32))` on each decoder layer and on the root. The lm_head is never
@@ -44,7 +47,8 @@ Columns of DIR/multi_gpu.md (DIR/multi_gpu.json holds the same and every launch)
   a QuantizeOnGatherTensor's high-precision shard); grads = local bytes of every .grad after the
   counted step's backward; optim = local bytes of every tensor in optimizer.state after that step
   (moments, step counts, FusedAdam's fp32 masters); act+other = peak - the three (activations,
-  gathered weights, caching, workspaces).
+  gathered weights, caching, workspaces). B/param: params, grads and optim divided by the
+  parameters this GPU holds (local elements of model.parameters()), in bytes.
 - AG MiB/step: bytes the all-gathers of the counted step delivered to this GPU (output size; the
   input bytes are in the JSON); RS MiB/step: bytes its reduce-scatters took in (the unsharded
   gradients). Counted by wrapping torch.distributed's all_gather_into_tensor/all_gather_single and
@@ -90,6 +94,7 @@ from _multi_gpu_measure import (
     exposed_time,
     gradient_bytes,
     kernel_intervals,
+    local_numel,
     optimizer_state_bytes,
     parameter_bytes,
     peak_memory_bytes,
@@ -142,6 +147,7 @@ def measure_rank(
         return loss.detach()
 
     params = parameter_bytes(model)
+    num_local_params = sum(local_numel(p) for p in model.parameters())
     reset_peak_memory(device)
     for i in range(options.num_warmup):
         step(i)
@@ -163,6 +169,7 @@ def measure_rank(
         "step_s": seconds,
         "loss": float(loss) / world_size,
         "memory": {"peak": peak, "parameters": params, "gradients": grads[0], "optimizer_states": states},
+        "local_parameters": num_local_params,
         "memory_phases": asdict(peaks),
         "memory_live_at_peak": at_peak,
         "collectives": {kind: asdict(c) for kind, c in collectives.kinds.items()},
@@ -241,6 +248,7 @@ def summarize(spec: RunSpec, options: Options, per_rank: list[dict], device: tor
         "step_ms_rank0": [s * 1e3 for s in per_rank[0]["step_s"]],
         "loss": per_rank[0]["loss"],
         "memory": memory,
+        "local_parameters": peak_rank["local_parameters"],
         "peak_by_rank": [r["memory"]["peak"] for r in per_rank],
         "memory_phases": peak_rank["memory_phases"],
         "memory_live_at_peak": per_rank[0]["memory_live_at_peak"],

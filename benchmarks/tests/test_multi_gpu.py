@@ -17,7 +17,9 @@ import sys
 
 import _multi_gpu_measure as measure
 import _multi_gpu_report as report_rows
+import _multi_gpu_runs as runs
 import pytest
+import torch
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1]
 RUNS = ("bf16:eager", "fp8:qw:eager", "fp8:hp:eager", "fp8:qw:compiled")
@@ -98,6 +100,9 @@ def test_memory_breakdown(report):
     assert quantized["memory_gib"]["optimizer_states"] > 1.3 * bf16["memory_gib"]["optimizer_states"]
     for key in ("parameters", "gradients", "optimizer_states"):
         assert high_precision["memory_gib"][key] == pytest.approx(bf16["memory_gib"][key], rel=1e-3), key
+    # fp32 parameters and gradients, AdamW's two fp32 moments (and a step count per tensor).
+    assert bf16["bytes_per_parameter"]["parameters"] == bf16["bytes_per_parameter"]["gradients"] == 4.0
+    assert bf16["bytes_per_parameter"]["optimizer_states"] == pytest.approx(8.0, rel=1e-3)
 
 
 def test_reports_hold_every_run(report):
@@ -165,7 +170,15 @@ def _result(tokens: float, peak: int) -> dict:
         "recompiles_after_warmup": 0,
     }
     speed = {"tokens_per_s_per_gpu": tokens, "step_ms": 1e3 / tokens}
-    return {"error": "", **speed, "loss": 2.0, "memory": memory, "collectives": collectives, "dynamo": dynamo}
+    return {
+        "error": "",
+        **speed,
+        "loss": 2.0,
+        "memory": memory,
+        "local_parameters": 2,
+        "collectives": collectives,
+        "dynamo": dynamo,
+    }
 
 
 def test_rows_take_medians_spreads_peaks_and_errors():
@@ -179,6 +192,7 @@ def test_rows_take_medians_spreads_peaks_and_errors():
     assert (row.tokens_per_s_per_gpu, row.tokens_per_s_min, row.tokens_per_s_max) == (200.0, 100.0, 300.0)
     assert row.peak_memory_gib == 12
     assert row.memory_gib["activations_other"] == pytest.approx(12 - 6 / 2**30)
+    assert row.bytes_per_parameter == {"parameters": 0.5, "gradients": 1.0, "optimizer_states": 1.5}
     assert row.repeats == 3
     assert row.exit_codes == [0, 1, 0, 0]
     assert row.error == "1/4 repeats failed: RuntimeError: out of memory"
@@ -225,3 +239,26 @@ def test_live_at_peak_replays_the_allocator_trace():
     }
     assert live["by_size"][0] == {"site": "transformers/models/llama/modeling_llama.py:7 f", "bytes": 120, "count": 1}
     assert live["by_size"][1] == {"site": "quant_tensors/nn.py:7 f", "bytes": 50, "count": 2}
+
+
+def test_run_names_take_optimizer_states():
+    spec = runs.parse_run("fp8:qw:compiled+m-fp8")
+    assert (spec.base, spec.weights, spec.mode, spec.states) == ("fp8", "qw", "compiled", "m-fp8")
+    assert spec.name == "fp8:qw:compiled+m-fp8"
+    assert runs.parse_run("bf16:compiled+ao-adamw8bit").states == "ao-adamw8bit"
+    with pytest.raises(ValueError, match="steps with quant_optim.FusedAdam, whose state options are m-bf16, m-fp8"):
+        runs.parse_run("fp8:qw:eager+ao-adamw8bit")
+    with pytest.raises(ValueError, match="steps with torch's AdamW"):
+        runs.parse_run("fp8:hp:eager+m-fp8")
+    with pytest.raises(ValueError, match="unknown run"):
+        runs.parse_run("fp8:eager+m-fp8")
+
+
+@pytest.mark.parametrize(
+    ("states", "moments"), [("", (torch.float32,) * 2), ("m-fp8", (torch.float8_e4m3fn, torch.bfloat16))]
+)
+def test_quantized_weight_runs_step_with_fused_adam_states(states, moments):
+    spec = runs.parse_run(f"fp8:qw:eager{'+' + states if states else ''}")
+    optimizer = runs.make_optimizer(spec, [torch.nn.Parameter(torch.randn(4, 4))], 1e-3, torch.device("cpu"))
+    assert type(optimizer).__name__ == "FusedAdam"
+    assert (optimizer.defaults["exp_avg_dtype"], optimizer.defaults["exp_avg_sq_dtype"]) == moments
