@@ -402,6 +402,28 @@ def _refuses_int_reshard(rank: int, world_size: int) -> None:
     assert type(model.layers[0].weight) is torch.nn.Parameter
 
 
+def _ranks_that_disagree_are_refused(rank: int, world_size: int) -> None:
+    # Rank 1 converts with another recipe, then not at all: every rank raises the same error at
+    # fully_shard, before anything is sharded, instead of hanging in (or garbling) an all-gather.
+    for rank_1_recipe in ("mxfp8", None):
+        model = stack("fp8" if rank == 0 else rank_1_recipe, "quantized-weights")
+        before = [layer.weight for layer in model.layers]
+        with pytest.raises(
+            ValueError,
+            match=r"ranks 0 and 1 would gather weight differently \(rank 0: per-tensor FP8, shape \(512, 256\)",
+        ):
+            quant_fsdp.fully_shard(model.layers[0])
+        assert [layer.weight for layer in model.layers] == before
+        assert not isinstance(model.layers[0].weight, DTensor)
+    model = stack("fp8", "quantized-weights")
+    quant_fsdp.fully_shard(model.layers[0])  # the same conversion everywhere shards as before
+    assert isinstance(model.layers[0].weight, DTensor)
+
+
+def test_ranks_that_disagree_on_the_weights_are_refused_at_fully_shard(world_2):
+    world_2.check("ranks disagree")
+
+
 def test_resharding_to_a_smaller_mesh_is_refused_before_anything_changes():
     run_ranks(_refuses_int_reshard, 1)
 
@@ -423,6 +445,7 @@ def world_2() -> SharedWorld:
                 ("quantized-weights", False, {"mxfp8": 1.0 + 1 / 32 + 1e-9}),
             ),
             "meta init": (_meta_init, ()),
+            "ranks disagree": (_ranks_that_disagree_are_refused, ()),
             "bytes under torch's fully_shard": (
                 _check_ratios,
                 ("quantized-weights", True, {"mxfp8": 0.52, "fp8": 0.52}, "torch"),

@@ -80,6 +80,7 @@ def fully_shard(
                     quantizer,
                 )
             )
+    _plan.check_ranks_agree([entry[0] for entry in entries], mesh)
     if entries and isinstance(reshard, int) and not isinstance(reshard, bool):
         raise ValueError(
             f"reshard_after_forward={reshard} (reshard to a smaller mesh) is not supported for quantized weights "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -47,6 +48,40 @@ class GatherPlan:
     @property
     def quantized_gather(self) -> bool:
         return not self.fallback_reason
+
+
+def check_ranks_agree(plans: Sequence[GatherPlan], mesh: Any) -> None:
+    """Raises the same ValueError on every rank of `mesh` if its ranks would gather differently.
+
+    FSDP2 sizes each all-gather from the local shard, so ranks whose weights differ in format,
+    shape or weight mode would hang in the collective or rebuild garbage from each other's bytes.
+    One all_gather_object of the plans per mesh dim, when fully_shard is called, finds that first.
+    """
+    mine = [(p.name, p.format, p.shape, p.mode) for p in plans]
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+        for rank, theirs in enumerate(every[1:], start=1):
+            if theirs != every[0]:
+                raise ValueError(
+                    _disagreement(every[0], theirs, dist.get_global_rank(group, 0), dist.get_global_rank(group, rank))
+                )
+
+
+def _disagreement(first: list[tuple], other: list[tuple], first_rank: int, other_rank: int) -> str:
+    def describe(entry: tuple | None) -> str:
+        return "not a quantized weight" if entry is None else f"{entry[1]}, shape {entry[2]}, {entry[3]}"
+
+    by_name = [dict((e[0], e) for e in plan) for plan in (first, other)]
+    names = [e[0] for e in first] + [e[0] for e in other if e[0] not in by_name[0]]
+    name = next(n for n in names if by_name[0].get(n) != by_name[1].get(n))
+    return (
+        f"quant_fsdp.fully_shard: ranks {first_rank} and {other_rank} would gather {name} differently "
+        f"(rank {first_rank}: {describe(by_name[0].get(name))}; rank {other_rank}: {describe(by_name[1].get(name))}), "
+        "which would hang the all-gather or mix their bytes. Build and qt.convert the model the same way on every "
+        "rank (same recipe, quantized_weights, module_filter_fn) before sharding; nothing was sharded."
+    )
 
 
 TENSOR_PARALLEL_REASON = (
