@@ -7,11 +7,13 @@ DTensors like it (mesh, placements, shape, stride), so torch.distributed.checkpo
 and reloads them onto another world size. fp8 moments keep one fp32 scale per (unsharded)
 tensor, equal on every shard, so they reshard too.
 
-[Note: checkpoints across weight forms] A quantized weight's value is its fp32 master (DESIGN
-section 6); its bytes are the master's quantization. Its form depends on the layout: where
-quant-fsdp's alignment fallback keeps it in high precision (its shards would split blocks, so
-blockwise FP8 at one world size and not at another, or any format with uneven shards), that
-fp32 shard is the master itself and FusedAdam keeps no copy. So:
+[Note: checkpoints across weight forms] A quantized weight's value is its master (DESIGN
+section 6; fp32, or bf16: [Note: FusedAdam bf16 masters] in quant_optim._plan); its bytes are the
+master's quantization. Its form depends on the layout: where quant-fsdp's alignment fallback
+keeps it in high precision (its shards would split blocks, so blockwise FP8 at one world size
+and not at another, or any format with uneven shards), that shard is the master itself and
+FusedAdam keeps no copy (with bf16 masters, an fp32 shard keeps a bf16 master and takes its
+value after each step). So:
 - `state_dict()` holds the "master" of every quantized weight in either form
   (`qt.nn.is_quantized_weight`): for a high-precision one, a copy of its shard. The keys are then
   the same on every layout and DCP plans a load from any world size, in every direction.
@@ -136,7 +138,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     # ---- state -------------------------------------------------------------------------------
 
-    def _state_of(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+    def _state_of(self, p: torch.Tensor, group: dict[str, Any], index: int | None = None) -> dict[str, Any]:
         """The parameter's state; for a DTensor parameter every tensor in it is a DTensor like it
         (mesh, placements, shape, stride), so torch.distributed.checkpoint can save and reshard it."""
         state = self.state[p]
@@ -153,14 +155,15 @@ class FusedAdam(torch.optim.Optimizer):
             if master is not None:
                 state["master"] = qt.shard_like(p, master)
             if _rounds_master(p, local, group):
-                state["master_rounding_counter"] = self._initial_rounding_counter(p, reference.device)
+                state["master_rounding_counter"] = self._initial_rounding_counter(p, reference.device, index)
         return state
 
-    def _initial_rounding_counter(self, p: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """The stochastic-rounding counter of p's bf16 master: p's position among the optimizer's
-        parameters (torch's numbering) << 32, so no two parameters draw one stream for 2^32 steps
-        ([Note: FusedAdam bf16 masters] in quant_optim._plan)."""
-        index = next(i for i, q in enumerate(q for g in self.param_groups for q in g["params"]) if q is p)
+    def _initial_rounding_counter(self, p: torch.Tensor, device: torch.device, index: int | None) -> torch.Tensor:
+        """The stochastic-rounding counter of p's bf16 master: p's `index` among the optimizer's
+        parameters (torch's numbering; looked up when None) << 32, so no two parameters draw one
+        stream for 2^32 steps ([Note: FusedAdam bf16 masters] in quant_optim._plan)."""
+        if index is None:
+            index = next(i for i, q in enumerate(q for g in self.param_groups for q in g["params"]) if q is p)
         return torch.tensor(index << 32, dtype=torch.int64, device=device)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -175,11 +178,12 @@ class FusedAdam(torch.optim.Optimizer):
         """
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        for p in group["params"]:
+        first = sum(len(g["params"]) for g in self.param_groups[:-1])
+        for index, p in enumerate(group["params"], start=first):
             if self.capturable:
                 _check_capturable(p, group)
             if p.requires_grad:
-                self._state_of(p, group)
+                self._state_of(p, group, index)
         self._plan_version += 1
 
     @property
@@ -282,7 +286,7 @@ class FusedAdam(torch.optim.Optimizer):
                     state["master"] = qt.shard_like(p, self._weight_value(local, group["master_weight_dtype"]))
                 if "master_rounding_counter" not in state and _rounds_master(p, local, group):
                     # Saved without a bf16 master (master_weights=False): its streams start here.
-                    state["master_rounding_counter"] = self._initial_rounding_counter(p, local.device)
+                    state["master_rounding_counter"] = self._initial_rounding_counter(p, local.device, None)
             agree_amaxes_and_apply(requantize)
             for local in requantized:  # the master's quantization ([Note: FusedAdam tensor-driven step])
                 written_record(self._requantized_bytes, local)[0] = buffer_versions(local)
@@ -437,7 +441,8 @@ def _check_saved_state(saved_id: int, p: torch.Tensor, saved: dict[str, Any], ma
     what = f"parameter {saved_id} of the state dict (shape {tuple(p.shape)}, local {tuple(qt.local_shard(p).shape)})"
     if p.requires_grad and qt.nn.is_quantized_weight(p) and "master" not in saved:
         raise ValueError(
-            f"the checkpoint holds no {_SHORT_NAMES[master_dtype]} master for {what}, a quantized weight: its master is its value "
+            f"the checkpoint holds no {_SHORT_NAMES[master_dtype]} master for {what}, a quantized weight: its master "
+            "is its value "
             "(DESIGN section 6), without it the weight could only be restored from its lossy quantization. Load a "
             "checkpoint saved from FusedAdam.state_dict (torch's get_state_dict), which holds the master of every "
             "quantized weight in either form, or load the model alone and build a new FusedAdam, whose masters start "
