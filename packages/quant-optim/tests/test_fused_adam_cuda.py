@@ -1,6 +1,6 @@
 """FusedAdam on CUDA tensors (the verdict on the device, [Note: FusedAdam tensor-driven step]) equals the
 C++ CPU step bit for bit ([Note: Adam numerics] uses only correctly rounded fp32 operations),
-skipped steps included; after its first step it makes no host sync; with capturable=True a
+with fp32 or bf16 masters (stochastic rounding draws the same bits), skipped steps included; after its first step it makes no host sync; with capturable=True a
 CUDA graph of one step replays as eager steps do."""
 
 from __future__ import annotations
@@ -67,13 +67,19 @@ def assert_same(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> Non
 SCHEDULE = {0: (True, None), 1: (False, None), 2: (False, None), 3: (True, None), 4: (False, 1.0), 5: (False, 0.0)}
 
 
+@pytest.mark.parametrize("master_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
-def test_cuda_step_equals_cpu_step_bitwise(moment_dtype):
+def test_cuda_step_equals_cpu_step_bitwise(moment_dtype, master_dtype):
     results = {}
     for device in ("cpu", "cuda"):
         params = params_on(device)
         optimizer = FusedAdam(
-            params, lr=1e-2, weight_decay=0.1, exp_avg_dtype=moment_dtype, exp_avg_sq_dtype=moment_dtype
+            params,
+            lr=1e-2,
+            weight_decay=0.1,
+            master_weight_dtype=master_dtype,
+            exp_avg_dtype=moment_dtype,
+            exp_avg_sq_dtype=moment_dtype,
         )
         verdicts = []
         for step, (nan, found) in SCHEDULE.items():

@@ -7,11 +7,13 @@ DTensors like it (mesh, placements, shape, stride), so torch.distributed.checkpo
 and reloads them onto another world size. fp8 moments keep one fp32 scale per (unsharded)
 tensor, equal on every shard, so they reshard too.
 
-[Note: checkpoints across weight forms] A quantized weight's value is its fp32 master (DESIGN
-section 6); its bytes are the master's quantization. Its form depends on the layout: where
-quant-fsdp's alignment fallback keeps it in high precision (its shards would split blocks, so
-blockwise FP8 at one world size and not at another, or any format with uneven shards), that
-fp32 shard is the master itself and FusedAdam keeps no copy. So:
+[Note: checkpoints across weight forms] A quantized weight's value is its master (DESIGN
+section 6; fp32, or bf16: [Note: FusedAdam bf16 masters] in quant_optim._plan); its bytes are the
+master's quantization. Its form depends on the layout: where quant-fsdp's alignment fallback
+keeps it in high precision (its shards would split blocks, so blockwise FP8 at one world size
+and not at another, or any format with uneven shards), that shard is the master itself and
+FusedAdam keeps no copy (with bf16 masters, an fp32 shard keeps a bf16 master and takes its
+value after each step). So:
 - `state_dict()` holds the "master" of every quantized weight in either form
   (`qt.nn.is_quantized_weight`): for a high-precision one, a copy of its shard. The keys are then
   the same on every layout and DCP plans a load from any world size, in every direction.
@@ -51,11 +53,14 @@ from quant_optim._plan import FP8_MOMENT_DTYPES, buffer_versions, written_record
 from quant_optim._write_back import agree_amaxes_and_apply, requantize_from_master
 
 _MOMENT_DTYPES = (*quant_core.MOMENT_DTYPES, *FP8_MOMENT_DTYPES)
+_MASTER_DTYPES = (torch.float32, torch.bfloat16)
+_SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class FusedAdam(torch.optim.Optimizer):
-    """Adam / AdamW keeping fp32 master weights; see [Note: FusedAdam step] in quant_optim._step."""
+    """Adam / AdamW keeping fp32 master weights, or bf16 ones rounded stochastically ([Note: FusedAdam
+    bf16 masters] in quant_optim._plan); see [Note: FusedAdam step] in quant_optim._step."""
 
     def __init__(
         self,
@@ -78,8 +83,11 @@ class FusedAdam(torch.optim.Optimizer):
             raise ValueError(f"betas must lie in [0, 1), got {betas}")
         if eps < 0.0 or weight_decay < 0.0:
             raise ValueError(f"eps and weight_decay must be >= 0, got {eps} and {weight_decay}")
-        if master_weight_dtype != torch.float32:
-            raise ValueError(f"master_weight_dtype must be torch.float32, got {master_weight_dtype}")
+        if master_weight_dtype not in _MASTER_DTYPES:
+            raise ValueError(
+                f"master_weight_dtype must be torch.float32 or torch.bfloat16 (rounded stochastically), "
+                f"got {master_weight_dtype}"
+            )
         for name, dtype in (("exp_avg_dtype", exp_avg_dtype), ("exp_avg_sq_dtype", exp_avg_sq_dtype)):
             if dtype not in _MOMENT_DTYPES:
                 raise ValueError(f"{name} must be one of {', '.join(map(str, _MOMENT_DTYPES))}, got {dtype}")
@@ -106,6 +114,7 @@ class FusedAdam(torch.optim.Optimizer):
             "weight_decay": weight_decay,
             "adam_w_mode": adam_w_mode,
             "master_weights": master_weights,
+            "master_weight_dtype": master_weight_dtype,
             "exp_avg_dtype": exp_avg_dtype,
             "exp_avg_sq_dtype": exp_avg_sq_dtype,
         }
@@ -114,18 +123,28 @@ class FusedAdam(torch.optim.Optimizer):
             for p in group["params"]:
                 if qt.local_quantized(p) is not None and not group["master_weights"]:
                     raise ValueError("quantized parameters need master_weights=True (an fp32 master to update)")
+                if (
+                    group["master_weights"]
+                    and group["master_weight_dtype"] != torch.float32
+                    and p.dtype == torch.float16
+                ):
+                    raise ValueError(
+                        f"a float16 parameter of shape {tuple(p.shape)} cannot keep a bfloat16 master (coarser than "
+                        "the parameter): put it in a param group with master_weight_dtype=torch.float32, or "
+                        "master_weights=False"
+                    )
         self._masters_given: WeakIdKeyDictionary = WeakIdKeyDictionary()
         """Local masters that `state_dict` handed out -> their version then (see `_loaded`)."""
 
     # ---- state -------------------------------------------------------------------------------
 
-    def _state_of(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+    def _state_of(self, p: torch.Tensor, group: dict[str, Any], index: int | None = None) -> dict[str, Any]:
         """The parameter's state; for a DTensor parameter every tensor in it is a DTensor like it
         (mesh, placements, shape, stride), so torch.distributed.checkpoint can save and reshard it."""
         state = self.state[p]
         if not state:
             local = qt.local_shard(p)
-            master = self._initial_master(p, local) if self._needs_master(local, group) else None
+            master = self._initial_master(p, local, group) if _needs_master(p, local, group) else None
             reference = local if master is None else master
             state["step"] = torch.zeros((), dtype=torch.float32)
             for key in ("exp_avg", "exp_avg_sq"):
@@ -135,7 +154,17 @@ class FusedAdam(torch.optim.Optimizer):
                     state[f"{key}_scale_inv"] = torch.ones((), dtype=torch.float32, device=reference.device)
             if master is not None:
                 state["master"] = qt.shard_like(p, master)
+            if _rounds_master(p, local, group):
+                state["master_rounding_counter"] = self._initial_rounding_counter(p, reference.device, index)
         return state
+
+    def _initial_rounding_counter(self, p: torch.Tensor, device: torch.device, index: int | None) -> torch.Tensor:
+        """The stochastic-rounding counter of p's bf16 master: p's `index` among the optimizer's
+        parameters (torch's numbering; looked up when None) << 32, so no two parameters draw one
+        stream for 2^32 steps ([Note: FusedAdam bf16 masters] in quant_optim._plan)."""
+        if index is None:
+            index = next(i for i, q in enumerate(q for g in self.param_groups for q in g["params"]) if q is p)
+        return torch.tensor(index << 32, dtype=torch.int64, device=device)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's add_param_group; then every trainable parameter of the group gets its state now,
@@ -149,11 +178,12 @@ class FusedAdam(torch.optim.Optimizer):
         """
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        for p in group["params"]:
+        first = sum(len(g["params"]) for g in self.param_groups[:-1])
+        for index, p in enumerate(group["params"], start=first):
             if self.capturable:
                 _check_capturable(p, group)
             if p.requires_grad:
-                self._state_of(p, group)
+                self._state_of(p, group, index)
         self._plan_version += 1
 
     @property
@@ -173,12 +203,13 @@ class FusedAdam(torch.optim.Optimizer):
         """torch's state_dict, with the master of every quantized weight that this layout holds in
         high precision: a copy of its shard ([Note: checkpoints across weight forms])."""
         state_dict = super().state_dict()
-        params = [p for group in self.param_groups for p in group["params"]]  # torch's numbering
-        for index, p in enumerate(params):
+        params = [(p, group) for group in self.param_groups for p in group["params"]]  # torch's numbering
+        for index, (p, group) in enumerate(params):
             saved = state_dict["state"].get(index)
             if saved is not None and "master" not in saved and qt.nn.is_quantized_weight(p):
                 local = qt.local_shard(p)
-                master = torch.empty(local.shape, dtype=torch.float32, device=local.device).copy_(local)
+                dtype = group["master_weight_dtype"]
+                master = torch.empty(local.shape, dtype=dtype, device=local.device).copy_(local)
                 state_dict["state"][index] = {**saved, "master": qt.shard_like(p, master)}
             if saved is not None and qt.nn.is_quantized_weight(p):
                 master = qt.local_shard(state_dict["state"][index]["master"])
@@ -203,11 +234,14 @@ class FusedAdam(torch.optim.Optimizer):
         """
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [(p, group) for group in self.param_groups for p in group["params"]]
+        master_dtypes = [group["master_weight_dtype"] for group in self.param_groups]
+        for group, saved_group in zip(self.param_groups, state_dict["param_groups"], strict=False):
+            _check_saved_master_dtype(group, saved_group)
         targets = []  # (parameter, key, saved tensor, dtype to keep it in), checked before any change
         for saved_id, (p, group) in zip(saved_ids, params, strict=False):
-            _check_saved_state(saved_id, p, state_dict["state"].get(saved_id, {}))
+            _check_saved_state(saved_id, p, state_dict["state"].get(saved_id, {}), group["master_weight_dtype"])
             dtypes = {
-                "master": torch.float32,
+                "master": group["master_weight_dtype"],
                 "exp_avg": group["exp_avg_dtype"],
                 "exp_avg_sq": group["exp_avg_sq_dtype"],
             }
@@ -222,6 +256,8 @@ class FusedAdam(torch.optim.Optimizer):
                     )
                 targets.append((p, key, value, dtype))
         super().load_state_dict(state_dict)  # checks the groups' sizes
+        for group, dtype in zip(self.param_groups, master_dtypes, strict=True):
+            group["master_weight_dtype"] = dtype  # absent from checkpoints made before bf16 masters (fp32)
         self._plan_version += 1
         for p, key, value, dtype in targets:
             self.state[p][key] = value.to(dtype=dtype, device=p.device)
@@ -240,14 +276,17 @@ class FusedAdam(torch.optim.Optimizer):
                         requantize.append(requantize_from_master(local, qt.local_shard(state["master"])))
                         requantized.append(local)
                 elif qt.nn.is_quantized_weight(p):  # held in high precision here: the master is its value
-                    master = state["master"] if self._needs_master(local, group) else state.pop("master")
+                    master = state["master"] if _needs_master(p, local, group) else state.pop("master")
                     if self._loaded(master):
                         local.copy_(qt.local_shard(master))
-                elif (fresh or "master" not in state) and self._needs_master(local, group):
+                elif (fresh or "master" not in state) and _needs_master(p, local, group):
                     # A bf16 parameter saved without a master (master_weights=False), or not saved:
                     # start from the loaded weight, not from the construction-time value, which the
                     # next step would write back over it.
-                    state["master"] = qt.shard_like(p, self._weight_value(local))
+                    state["master"] = qt.shard_like(p, self._weight_value(local, group["master_weight_dtype"]))
+                if "master_rounding_counter" not in state and _rounds_master(p, local, group):
+                    # Saved without a bf16 master (master_weights=False): its streams start here.
+                    state["master_rounding_counter"] = self._initial_rounding_counter(p, local.device, None)
             agree_amaxes_and_apply(requantize)
             for local in requantized:  # the master's quantization ([Note: FusedAdam tensor-driven step])
                 written_record(self._requantized_bytes, local)[0] = buffer_versions(local)
@@ -259,23 +298,20 @@ class FusedAdam(torch.optim.Optimizer):
         local = qt.local_shard(master)
         return self._masters_given.get(local) != local._version
 
-    @staticmethod
-    def _needs_master(local: torch.Tensor, group: dict[str, Any]) -> bool:
-        return isinstance(local, qt.QuantizedTensor) or (group["master_weights"] and local.dtype != torch.float32)
-
     @classmethod
-    def _initial_master(cls, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    def _initial_master(cls, p: torch.Tensor, local: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """The master's first value: the high-precision initial value of a quantized weight where
+        kept, else the weight's value; rounded to nearest even into a bf16 master."""
+        dtype = group["master_weight_dtype"]
         value = qt.high_precision_init_value(p) if isinstance(local, qt.QuantizedTensor) else None
-        return (
-            cls._weight_value(local) if value is None else qt.local_shard(value).detach().to(torch.float32, copy=True)
-        )
+        return cls._weight_value(local, dtype) if value is None else qt.local_shard(value).detach().to(dtype, copy=True)
 
     @staticmethod
-    def _weight_value(local: torch.Tensor) -> torch.Tensor:
-        """A new fp32 tensor holding the (dequantized) value of a parameter's local tensor."""
+    def _weight_value(local: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A new tensor of `dtype` holding the (dequantized) value of a parameter's local tensor."""
         if isinstance(local, qt.QuantizedTensor):
-            return local.dequantize(torch.float32)
-        return local.detach().to(torch.float32, copy=True)
+            return local.dequantize(torch.float32).to(dtype)
+        return local.detach().to(dtype, copy=True)
 
     # ---- step --------------------------------------------------------------------------------
 
@@ -367,12 +403,46 @@ def _check_capturable(p: torch.Tensor, group: dict[str, Any]) -> None:
         )
 
 
-def _check_saved_state(saved_id: int, p: torch.Tensor, saved: dict[str, Any]) -> None:
+def _keeps_master(p: torch.Tensor, local: torch.Tensor, group: dict[str, Any]) -> bool:
+    """Whether p's value is a master in the group's master dtype: a quantized weight (in either
+    form), or a bf16/fp16 parameter with master_weights (an fp32 parameter is its own master)."""
+    return (
+        isinstance(local, qt.QuantizedTensor)
+        or qt.nn.is_quantized_weight(p)
+        or (group["master_weights"] and local.dtype != torch.float32)
+    )
+
+
+def _needs_master(p: torch.Tensor, local: torch.Tensor, group: dict[str, Any]) -> bool:
+    """Whether p's master is a tensor of its own (else the parameter itself is updated)."""
+    return isinstance(local, qt.QuantizedTensor) or (
+        _keeps_master(p, local, group) and local.dtype != group["master_weight_dtype"]
+    )
+
+
+def _rounds_master(p: torch.Tensor, local: torch.Tensor, group: dict[str, Any]) -> bool:
+    """Whether p's master is bf16, rounded stochastically with a counter in p's state."""
+    return group["master_weight_dtype"] == torch.bfloat16 and _keeps_master(p, local, group)
+
+
+def _check_saved_master_dtype(group: dict[str, Any], saved_group: dict[str, Any]) -> None:
+    """Refuses, before anything changes, a checkpoint whose masters are kept in another dtype."""
+    saved = saved_group.get("master_weight_dtype", torch.float32)  # checkpoints before bf16 masters: fp32
+    if saved != group["master_weight_dtype"]:
+        raise ValueError(
+            f"the checkpoint holds masters as {saved} but this optimizer keeps them as {group['master_weight_dtype']}; "
+            "a bf16 master comes with its stochastic-rounding counter and an fp32 master would be rounded: "
+            f"load with master_weight_dtype={saved} (nothing was changed)"
+        )
+
+
+def _check_saved_state(saved_id: int, p: torch.Tensor, saved: dict[str, Any], master_dtype: torch.dtype) -> None:
     """Refuses, before anything changes, a saved state that cannot be this parameter's."""
     what = f"parameter {saved_id} of the state dict (shape {tuple(p.shape)}, local {tuple(qt.local_shard(p).shape)})"
     if p.requires_grad and qt.nn.is_quantized_weight(p) and "master" not in saved:
         raise ValueError(
-            f"the checkpoint holds no fp32 master for {what}, a quantized weight: its master is its value "
+            f"the checkpoint holds no {_SHORT_NAMES[master_dtype]} master for {what}, a quantized weight: its master "
+            "is its value "
             "(DESIGN section 6), without it the weight could only be restored from its lossy quantization. Load a "
             "checkpoint saved from FusedAdam.state_dict (torch's get_state_dict), which holds the master of every "
             "quantized weight in either form, or load the model alone and build a new FusedAdam, whose masters start "

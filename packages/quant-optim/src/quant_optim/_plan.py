@@ -4,6 +4,24 @@ kernel call reads and every write-back after it ([Note: FusedAdam step] in quant
 A plan is built once per list of parameters with gradients (and their gradients' dtypes) and
 kept until `add_param_group` or `load_state_dict`; it holds local tensors (a DTensor's shard),
 never DTensors, and no gradient (those are fresh each step).
+
+[Note: FusedAdam bf16 masters] With `master_weight_dtype=torch.bfloat16` the master of a
+parameter is kept in bf16 and stored rounded stochastically after each update ([Note: Adam
+stochastic rounding] in quant_core.adam._adam): 2 bytes per parameter instead of 4, and each
+update kept in expectation (round to nearest would drop every update below half a bf16 ulp).
+A master is a quantized weight's (in either form: a high-precision fallback of another dtype
+keeps a bf16 master and takes its value after each step), or a bf16 parameter's with
+master_weights=True, which is its own bf16 master (no copy); fp32 parameters stay fp32, bf16 ones
+without master_weights are rounded to nearest, fp16 ones need fp32 masters. The master starts
+as the initial value rounded to nearest.
+Every bf16 master has a counter, `state["master_rounding_counter"]` (0-d int64 on the parameter's
+device), advanced by one per step that updates it (not by a skipped step): element j of the
+master draws `random16(MASTER_ROUNDING_SEED + counter, j)`, j counted from its shard's first
+element. Counters start at the parameter's position among the optimizer's parameters << 32, so
+two parameters never draw one stream (for 2^32 steps); the seed is a constant, so a run is
+reproducible. Counters are saved and loaded with the state, so a resumed run continues bit for
+bit on the same layout (on another layout, shards count their elements from other starts: the
+same statistics, other bits).
 """
 
 from __future__ import annotations
@@ -19,6 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 import quant_tensors as qt
 
 FP8_MOMENT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+MASTER_ROUNDING_SEED = 0x6D6173746572  # "master": apart from other users of the counter RNG at seed 0
 
 WrittenRecord = list[tuple[int | None, ...] | None]
 """[a quantized weight's buffer versions when this optimizer last wrote them from its master, or None]."""
@@ -39,6 +58,8 @@ class Bucket:
     exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
     steps: list[torch.Tensor] = field(default_factory=list)
     """fp32 0-d step counts, on the parameters' device."""
+    counters: list[torch.Tensor] = field(default_factory=list)
+    """bf16 masters' stochastic-rounding counters (empty, or one per parameter: [Note: FusedAdam bf16 masters])."""
     outs: list[torch.Tensor] = field(default_factory=list)
     """Low-precision parameters written from their fp32 masters (empty, or one per parameter)."""
     compute_amax: bool = False
@@ -121,8 +142,10 @@ def build_plan(
         master = qt.local_shard(state["master"]) if "master" in state else local
         moments = [qt.local_shard(state[key]) for key in ("exp_avg", "exp_avg_sq")]
         out = local if master is not local and not isinstance(local, qt.QuantizedTensor) else None
+        counter = state.get("master_rounding_counter")
         key = (
             id(group),
+            counter is not None,
             grad.dtype,
             master.dtype,
             *(torch.float32 if m.dtype in FP8_MOMENT_DTYPES else m.dtype for m in moments),
@@ -135,6 +158,8 @@ def build_plan(
         bucket.indices.append(index)
         bucket.params.append(master)
         bucket.steps.append(state["step"])
+        if counter is not None:
+            bucket.counters.append(counter)
         if out is not None:
             bucket.outs.append(out)
         for name, moment, values in zip(

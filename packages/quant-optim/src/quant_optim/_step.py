@@ -9,12 +9,14 @@ dtypes (buckets by kind, the tensors of each, which write-backs need the verdict
    `found_inf` instead; one all-reduce (MAX) makes it every rank's. A skipped step leaves
    parameters, masters, moments, step counts and quantized bytes as they were;
 2. fp8 moments are dequantized into fp32 values (the update reads and writes fp32);
-3. one Adam kernel call per bucket (group, dtypes, device) updates the fp32 masters (the
-   parameter itself when it is fp32, or a bf16/fp16 parameter without a master, updated in fp32
-   and stored rounded), their moments and step counts, writes bf16/fp16 parameters from their
-   masters, and returns max |master| where a per-tensor format requantizes from it ([Note: Adam
-   numerics] in quant_core.adam._adam: fp32 results are within a few ulp of torch.optim.AdamW,
-   not bitwise: torch's rounding differs between its own kernels);
+3. one Adam kernel call per bucket (group, dtypes, device) updates the masters (fp32, or bf16
+   rounded stochastically with their counters: [Note: FusedAdam bf16 masters] in
+   quant_optim._plan; the parameter itself when it is fp32 or its own bf16 master, or a bf16/fp16
+   parameter without a master, updated in fp32 and stored rounded to nearest), their moments and
+   step counts, writes bf16/fp16 parameters from their masters, and returns max |master| where a
+   per-tensor format requantizes from it ([Note: Adam numerics] in quant_core.adam._adam: fp32
+   results are within a few ulp of torch.optim.AdamW, not bitwise: torch's rounding differs
+   between its own kernels);
 4. the write-back (quant_optim._write_back): quantized weights are requantized from their
    masters (block formats with one `quantize_many_` per quantizer configuration and device),
    fp8 moments stored from their values; everything scaled by a per-tensor amax takes it from
@@ -71,7 +73,7 @@ import torch
 import torch.distributed as dist
 
 import quant_core
-from quant_optim._plan import Bucket, Plan, buffer_versions, is_plain
+from quant_optim._plan import MASTER_ROUNDING_SEED, Bucket, Plan, buffer_versions, is_plain
 from quant_optim._write_back import write_back
 
 
@@ -141,8 +143,10 @@ def _adam_step(bucket: Bucket, grads: list[torch.Tensor], found: torch.Tensor, p
     group = bucket.group
     lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
     beta1, beta2 = group["betas"]
-    # The operator updates fp32 only: a bf16/fp16 parameter without a master steps an fp32 copy.
-    params = bucket.params if bucket.params[0].dtype == torch.float32 else [p.float() for p in bucket.params]
+    # The operator updates fp32, or bf16 rounded stochastically: a bf16/fp16 parameter without a
+    # master steps an fp32 copy.
+    in_place = bucket.params[0].dtype == torch.float32 or bool(bucket.counters)
+    params = bucket.params if in_place else [p.float() for p in bucket.params]
     counts = [int(step) for step in bucket.steps]  # CPU tensors: no sync
     distinct = dict.fromkeys(counts)
     amaxes = None
@@ -158,10 +162,14 @@ def _adam_step(bucket: Bucket, grads: list[torch.Tensor], found: torch.Tensor, p
             adam_w_mode=group["adam_w_mode"],
         )
         lists = [[tensors[i] for i in chosen] for tensors in (params, grads, bucket.exp_avgs, bucket.exp_avg_sqs)]
+        counters = [bucket.counters[i] for i in chosen] if bucket.counters else None
+        seed = MASTER_ROUNDING_SEED
         if plain:  # the operator without the public function's checks: FusedAdam made these states
-            result = torch.ops.quant_core.adam_step(*lists, list(dataclasses.astuple(scalars)), bucket.compute_amax)
+            result = torch.ops.quant_core.adam_step(
+                *lists, list(dataclasses.astuple(scalars)), bucket.compute_amax, seed, counters
+            )
         else:  # wrapper subclasses: torch ops reach their __torch_dispatch__
-            result = quant_core.adam_step_reference(*lists, scalars, bucket.compute_amax)
+            result = quant_core.adam_step_reference(*lists, scalars, bucket.compute_amax, seed, counters)
         if bucket.compute_amax and len(distinct) == 1:
             amaxes = result
         elif bucket.compute_amax:
@@ -200,6 +208,8 @@ def _adam_step_capturable(
         hyperparameters,
         group["adam_w_mode"],
         bucket.compute_amax,
+        MASTER_ROUNDING_SEED,
+        bucket.counters or None,
     )
     if not plain:  # wrapper subclasses: torch ops reach their __torch_dispatch__
         return quant_core.adam_step_capturable_reference(*args)
