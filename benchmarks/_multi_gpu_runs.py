@@ -71,6 +71,12 @@ def all_run_names() -> list[str]:
 FUSED_ADAM_STATES = {
     "m-bf16": {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16},
     "m-fp8": {"exp_avg_dtype": torch.float8_e4m3fn, "exp_avg_sq_dtype": torch.bfloat16},
+    "master-bf16": {"master_weight_dtype": torch.bfloat16},
+    "master-bf16-m-fp8": {
+        "master_weight_dtype": torch.bfloat16,
+        "exp_avg_dtype": torch.float8_e4m3fn,
+        "exp_avg_sq_dtype": torch.bfloat16,
+    },
 }
 # (torchao's `_AdamW(bf16_stochastic_round=True)` is left out: it rounds bf16 parameters, and
 # these runs keep fp32 ones, as torchtitan does.)

@@ -19,7 +19,8 @@ Runs are named `<base>[:<weights>]:<mode>[+<states>]`:
   the sharded gradients are bf16 (FSDP2 gives a layer's gradients its parameters' one dtype);
 - mode `eager`, or `compiled`: `block.compile()` on each decoder layer before sharding;
 - states (optional): smaller optimizer states. Quantized-weight runs (FusedAdam): `m-bf16` (both
-  moments bf16), `m-fp8` (first moment FP8 E4M3 with a per-tensor scale, second bf16); the others
+  moments bf16), `m-fp8` (first moment FP8 E4M3 with a per-tensor scale, second bf16),
+  `master-bf16` (bf16 masters with stochastic rounding), `master-bf16-m-fp8` (both); the others
   (torch's AdamW): `ao-adamw8bit`, `ao-adamwfp8` (torchao.optim's low-bit AdamW instead).
 Layout (torchtitan's, DESIGN section 5): the model is built in fp32 on each rank's device from
 one seed, converted, then `fully_shard(layer, mesh=..., mp_policy=MixedPrecisionPolicy(

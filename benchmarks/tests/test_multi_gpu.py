@@ -246,7 +246,9 @@ def test_run_names_take_optimizer_states():
     assert (spec.base, spec.weights, spec.mode, spec.states) == ("fp8", "qw", "compiled", "m-fp8")
     assert spec.name == "fp8:qw:compiled+m-fp8"
     assert runs.parse_run("bf16:compiled+ao-adamw8bit").states == "ao-adamw8bit"
-    with pytest.raises(ValueError, match="steps with quant_optim.FusedAdam, whose state options are m-bf16, m-fp8"):
+    with pytest.raises(
+        ValueError, match="steps with quant_optim.FusedAdam, whose state options are m-bf16, m-fp8, master-bf16, "
+    ):
         runs.parse_run("fp8:qw:eager+ao-adamw8bit")
     with pytest.raises(ValueError, match="steps with torch's AdamW"):
         runs.parse_run("fp8:hp:eager+m-fp8")
