@@ -22,9 +22,10 @@ TORCH_SPEC = os.environ.get("QUANT_TORCH_SPEC", "torch==2.13.0")
 # build and the two backends (as in the packages' build-system.requires; pybind11 is needed only to
 # compile): tests-integration/test_packaging.py builds each sdist without isolation.
 # matplotlib (the demo's extra): the demo test checks the loss plot it draws.
+# transformers: a sharded Hugging Face Llama must export to its plain class (test_export_llama.py).
 TEST_DEPS = (
     "pytest>=8", "hypothesis>=6.100", "numpy", "triton>=3.6",
-    "build>=1.2", "hatchling>=1.24", "scikit-build-core>=0.10", "matplotlib>=3.8",
+    "build>=1.2", "hatchling>=1.24", "scikit-build-core>=0.10", "matplotlib>=3.8", "transformers>=4.45",
 )  # fmt: skip
 
 nox.options.sessions = ["lint", "tests"]
