@@ -1,8 +1,10 @@
 """Single-process training parity: every recipe trains TinyTransformer like bf16 does.
 
-200 AdamW steps (4 sequences of 64 tokens each) on the synthetic Markov task, same seeds (initial weights and batches) for every
-run. The final loss (mean of the last 10 steps) must be within 3% of the bf16 run for the FP8
-recipes and within 6% for NVFP4, with high-precision weights and with quantized primary weights.
+100 AdamW steps (4 sequences of 64 tokens each) on the synthetic Markov task, same seeds (initial weights and batches) for every
+run (the bf16 loss reaches ~1.49). The final loss (mean of the last 10 steps) must be within
+1% of the bf16 run for the FP8 recipes and within 2% for NVFP4, with high-precision weights and
+with quantized primary weights. Measured on this CPU: at most 0.13% (FP8 recipes) and 0.80%
+(NVFP4) after 100 steps, 0.41% and 0.67% after 200.
 
 The 11 runs are independent, so they share out over two worker processes of one thread each (the
 CI machine's 2 cores), and each test asserts on its run's losses.
@@ -21,9 +23,9 @@ import torch
 import quant_tensors as qt
 from quant_fsdp.demo import MarkovTask, TinyTransformer, run_ranks, train
 
-STEPS = 200
+STEPS = 100
 BATCH = 4  # sequences of 64 tokens per step; keeps the 11 runs within a few minutes of CI
-TOLERANCE = {"fp8": 0.03, "fp8-delayed": 0.03, "mxfp8": 0.03, "fp8-block": 0.03, "nvfp4": 0.06}
+TOLERANCE = {"fp8": 0.01, "fp8-delayed": 0.01, "mxfp8": 0.01, "fp8-block": 0.01, "nvfp4": 0.02}
 RUNS = [(None, False), *((recipe, weights) for recipe in TOLERANCE for weights in (False, True))]
 WORKERS = 2
 
