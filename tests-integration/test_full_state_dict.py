@@ -27,8 +27,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 import quant_fsdp
 import quant_tensors as qt
 from quant_core.testing import raw_bits
-from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig
-from quant_fsdp.testing import SharedWorld, local_bytes, run_shared_world, train_with
+from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig, train
+from quant_fsdp.testing import SharedWorld, local_bytes, run_shared_world
 from quant_optim import FusedAdam
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
@@ -126,14 +126,13 @@ def _full_state_dict_and_export(rank: int, world_size: int, recipe_name: str, va
     assert_state_dicts_equal(at_start, unsharded.state_dict(), label)
 
     optimizer = FusedAdam(model.parameters(), lr=1e-3)
-    train_with(
+    train(
         model,
-        optimizer,
         MarkovTask(model.config.vocab),
-        range(STEPS),
+        steps=STEPS,
         batch_size=BATCH,
-        rank=rank,
-        world_size=world_size,
+        optimizer=optimizer,
+        batch_slice=(rank, world_size),
     )
     full = get_model_state_dict(model, options=FULL)
     offloaded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -206,7 +205,7 @@ def test_full_state_dict_round_trips_and_exports_to_the_original_model(world_siz
 def test_single_process_full_state_dict_and_export(recipe_name):
     model = build(recipe_name, QUANT_FSDP_WEIGHTS, sharded=False)
     optimizer = FusedAdam(model.parameters(), lr=1e-3)
-    train_with(model, optimizer, MarkovTask(CONFIG.vocab), range(STEPS), batch_size=BATCH)
+    train(model, MarkovTask(CONFIG.vocab), steps=STEPS, batch_size=BATCH, optimizer=optimizer)
     full = get_model_state_dict(model, options=FULL)
     assert_state_dicts_equal(full, model.state_dict(), recipe_name)
 

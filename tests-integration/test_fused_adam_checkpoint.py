@@ -39,8 +39,9 @@ from torch.distributed.tensor import DTensor
 import quant_fsdp
 import quant_tensors as qt
 from quant_core.testing import raw_bits
+from quant_fsdp import demo
 from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig, run_ranks
-from quant_fsdp.testing import local_state_bytes, quantized_transformer, train_with
+from quant_fsdp.testing import local_state_bytes, quantized_transformer
 from quant_optim import FusedAdam
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
@@ -74,8 +75,13 @@ def build(recipe_name: str) -> tuple[TinyTransformer, FusedAdam]:
 
 
 def train(model: TinyTransformer, optimizer: FusedAdam, steps: range, rank: int, world_size: int) -> list[float]:
-    return train_with(
-        model, optimizer, MarkovTask(CONFIG.vocab), steps, batch_size=BATCH, rank=rank, world_size=world_size
+    return demo.train(
+        model,
+        MarkovTask(CONFIG.vocab),
+        steps=steps,
+        batch_size=BATCH,
+        optimizer=optimizer,
+        batch_slice=(rank, world_size),
     )
 
 

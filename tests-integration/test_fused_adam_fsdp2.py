@@ -10,8 +10,9 @@ from torch.distributed.tensor import DTensor
 
 import quant_tensors as qt
 from quant_core.testing import raw_bits
+from quant_fsdp import demo
 from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig, run_ranks
-from quant_fsdp.testing import local_bytes, quantized_transformer, train_with
+from quant_fsdp.testing import local_bytes, quantized_transformer
 from quant_optim import FusedAdam
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
@@ -25,7 +26,8 @@ def train(
         model.parameters(), lr=1e-3, weight_decay=0.01, exp_avg_dtype=moment_dtype, exp_avg_sq_dtype=moment_dtype
     )
     task = MarkovTask(CONFIG.vocab)
-    return train_with(model, optimizer, task, range(steps), batch_size=8, rank=rank, world_size=world_size), optimizer
+    losses = demo.train(model, task, steps=steps, batch_size=8, optimizer=optimizer, batch_slice=(rank, world_size))
+    return losses, optimizer
 
 
 def _world_1(rank: int, world_size: int) -> None:

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from quant_fsdp import demo
 from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig
-from quant_fsdp.testing import SharedWorld, local_state_bytes, quantized_transformer, run_shared_world, train_with
+from quant_fsdp.testing import SharedWorld, local_state_bytes, quantized_transformer, run_shared_world
 from quant_optim import FusedAdam
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
@@ -29,8 +30,13 @@ def build(recipe_name: str, *, sharded: bool) -> TinyTransformer:
 def train(
     model: TinyTransformer, optimizer: FusedAdam, steps: range, rank: int = 0, world_size: int = 1
 ) -> list[float]:
-    return train_with(
-        model, optimizer, MarkovTask(CONFIG.vocab), steps, batch_size=BATCH, rank=rank, world_size=world_size
+    return demo.train(
+        model,
+        MarkovTask(CONFIG.vocab),
+        steps=steps,
+        batch_size=BATCH,
+        optimizer=optimizer,
+        batch_slice=(rank, world_size),
     )
 
 

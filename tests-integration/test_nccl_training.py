@@ -31,14 +31,13 @@ from torch.distributed.tensor.parallel import parallelize_module
 import quant_fsdp
 import quant_tensors as qt
 from quant_core.testing import raw_bits
-from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig, run_ranks
+from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig, run_ranks, train
 from quant_fsdp.testing import (
     TensorParallelModel,
     quantized_transformer,
     tensor_parallel_plan,
     train_data_parallel,
     train_replicas,
-    train_with,
 )
 from quant_optim import FusedAdam
 
@@ -154,7 +153,7 @@ def _built(recipe_name: str, device: torch.device) -> tuple[TinyTransformer, Fus
 
 
 def _train(model, optimizer, steps: range, rank: int, world_size: int) -> list[float]:
-    return train_with(model, optimizer, TASK, steps, batch_size=BATCH, rank=rank, world_size=world_size)
+    return train(model, TASK, steps=steps, batch_size=BATCH, optimizer=optimizer, batch_slice=(rank, world_size))
 
 
 def _full_states(model: TinyTransformer, optimizer: FusedAdam) -> dict[str, torch.Tensor]:

@@ -53,6 +53,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import quant_fsdp
 import quant_tensors as qt
+from quant_fsdp import demo
 from quant_fsdp.demo import MarkovTask, TransformerConfig
 from quant_fsdp.testing import (
     SharedWorld,
@@ -60,7 +61,6 @@ from quant_fsdp.testing import (
     run_shared_world,
     tensor_parallel_plan,
     train_replicas,
-    train_with,
 )
 from quant_optim import FusedAdam
 
@@ -215,14 +215,13 @@ class Run:
             dp_rank = dist.get_rank()
         elif self.scenario.layout == "FSDP+TP":
             dp_rank, group = self.mesh["dp"].get_local_rank(), self.mesh["dp"].get_group()
-        return train_with(
+        return demo.train(
             self.model,
-            self.optimizer,
             TASK,
-            steps,
+            steps=steps,
             batch_size=BATCH,
-            rank=dp_rank,
-            world_size=self.scenario.dp,
+            optimizer=self.optimizer,
+            batch_slice=(dp_rank, self.scenario.dp),
             group=group,
         )
 

@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
@@ -27,7 +26,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_fsdp.demo import MarkovTask, TransformerConfig
+from quant_fsdp.demo import MarkovTask, TransformerConfig, train
 from quant_fsdp.parallel import QuantColwiseParallel, QuantRowwiseParallel
 from quant_fsdp.testing import (
     SharedWorld,
@@ -45,7 +44,6 @@ LR = 3e-4  # as the parity tests
 CONFIG = TransformerConfig(vocab=256, hidden=256, layers=2, heads=4, sequence=64)
 STEPS, BATCH = 10, 8
 TASK = MarkovTask(CONFIG.vocab)
-VOCAB = CONFIG.vocab
 
 
 def make_model(recipe_name: str) -> TensorParallelModel:
@@ -295,15 +293,7 @@ def test_bad_inputs_get_clear_errors(world_2):
 
 def train_steps(model: TensorParallelModel, optimizer: torch.optim.Optimizer, steps: range) -> list[float]:
     """Whole batches (every TP rank sees the same ones); returns the losses."""
-    losses = []
-    for step in steps:
-        inputs, targets = TASK.batch(step, BATCH, CONFIG.sequence)
-        loss = F.cross_entropy(model(inputs).float().reshape(-1, VOCAB), targets.reshape(-1))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return train(model, TASK, steps=steps, batch_size=BATCH, optimizer=optimizer)
 
 
 # ---- quantized primary weights with FusedAdam -----------------------------------------------------

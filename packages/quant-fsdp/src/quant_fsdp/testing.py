@@ -1,11 +1,12 @@
 """Helpers for FSDP2 tests: train a sharded model, read a rank's bytes (and count_all_gather_bytes,
 re-exported from the demo's product code).
 
-Training follows quant_fsdp.demo.train (same task, batches and optimizer), with the global
-batch of each step split across the data-parallel ranks and the reported loss averaged over them.
-`TensorParallelModel` and `tensor_parallel_plan` are the transformer the tensor-parallel tests
-shard with torch's `parallelize_module`. `train_replicas` is the single-process reference of data-parallel training: one model replica
-per rank slice of the same global batch, gradients averaged. With quantized activations it is the
+Tests train with quant_fsdp.demo.train; `train_data_parallel` calls it on the slice of a process
+group's rank, with the loss averaged over the group. `TensorParallelModel` and
+`tensor_parallel_plan` are the transformer the tensor-parallel tests shard with torch's
+`parallelize_module`. `train_replicas` is the single-process reference of data-parallel training
+(its own loop: several models step together): one model replica per rank slice of the same global
+batch, gradients averaged. With quantized activations it is the
 reference that differs from FSDP2 only in the order gradients are summed: each replica quantizes
 its own slice, with that slice's per-tensor amax and its own stochastic-rounding stream, as each
 rank does (a whole-batch single model quantizes the whole batch at once). `run_shared_world` runs
@@ -19,7 +20,7 @@ import inspect
 import pathlib
 import tempfile
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,7 +51,6 @@ __all__ = [
     "tensor_parallel_plan",
     "train_data_parallel",
     "train_replicas",
-    "train_with",
 ]
 
 
@@ -68,15 +68,7 @@ def train_data_parallel(
     torch.distributed, the whole batch)."""
     world_size = dist.get_world_size(group) if dist.is_initialized() else 1
     rank = dist.get_rank(group) if dist.is_initialized() else 0
-
-    def mean_loss(loss: torch.Tensor) -> torch.Tensor:
-        if world_size > 1:
-            dist.all_reduce(loss, group=group)
-        return loss / world_size
-
-    return train(
-        model, task, steps=steps, batch_size=batch_size, lr=lr, batch_slice=(rank, world_size), mean_loss=mean_loss
-    )
+    return train(model, task, steps=steps, batch_size=batch_size, lr=lr, batch_slice=(rank, world_size), group=group)
 
 
 def train_replicas(
@@ -137,37 +129,6 @@ def quantized_transformer(recipe_name: str, config: TransformerConfig, *, sharde
             fully_shard(block)
         fully_shard(model)
     return model
-
-
-def train_with(
-    model: TinyTransformer,
-    optimizer: torch.optim.Optimizer,
-    task: MarkovTask,
-    steps: Iterable[int],
-    *,
-    batch_size: int,
-    rank: int = 0,
-    world_size: int = 1,
-    group: dist.ProcessGroup | None = None,
-) -> list[float]:
-    """Steps `optimizer` on slice `rank` of `world_size` of the global batch of every step in `steps`;
-    returns the global batch's losses (the slices' losses averaged over the `world_size` ranks of
-    `group`, default all ranks: pass the data-parallel group when other ranks hold the same slice)."""
-    device = next(model.parameters()).device  # the task's batches are drawn on the CPU
-    losses = []
-    for step in steps:
-        batch = task.batch(step, batch_size, model.config.sequence)
-        inputs, targets = (t.chunk(world_size)[rank].to(device) for t in batch)
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        mean = loss.detach().clone()
-        if world_size > 1:
-            dist.all_reduce(mean, group=group)
-        losses.append((mean / world_size).item())
-    return losses
 
 
 def local_bytes(t: torch.Tensor) -> list[torch.Tensor]:

@@ -1,5 +1,5 @@
 """The demo's model, task and training loop: a small transformer, a Markov next-token task, fp32
-master weights for plain torch optimizers, and an AdamW loop.
+master weights for plain torch optimizers, and the training loop.
 
 `quant-fsdp demo` trains TinyTransformer on MarkovTask; tests train it to compare recipes with
 bf16; the e2e benchmarks (benchmarks/e2e.py, benchmarks/multi_gpu.py) train their decoder on MarkovTask.
@@ -10,11 +10,12 @@ run with the same seeds sees the same initial weights and the same batches.
 
 from __future__ import annotations
 
-import math
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import quant_tensors as qt
@@ -172,33 +173,55 @@ def train(
     model: torch.nn.Module,
     task: MarkovTask,
     *,
-    steps: int,
+    steps: int | range,
     batch_size: int = 8,
+    optimizer: torch.optim.Optimizer | None = None,
     lr: float = 1e-3,
     batch_slice: tuple[int, int] = (0, 1),
-    mean_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    group: dist.ProcessGroup | None = None,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> list[float]:
-    """AdamW training on `task`; returns the loss of every step.
+    """Trains `model` on `task`; returns the global batch's loss of every step.
 
-    Data parallelism: `batch_slice=(i, n)` trains on slice i of n of every global batch, and
-    `mean_loss` turns the slice's loss into the global batch's (e.g. an all-reduce and a division).
+    One step: this rank's slice of the step's global batch -> forward -> cross-entropy over fp32
+    logits -> backward -> optimizer step -> the loss recorded.
+
+    Args:
+        steps: how many steps (steps 0 to steps - 1), or a range of steps (a resumed run goes on
+            with `range(first, last)`); step s trains on the task's batch s.
+        optimizer: stepped as given (e.g. quant_optim.FusedAdam, which keeps its own masters);
+            default: AdamW (`lr`, no weight decay) over a new MasterWeights(model).
+        batch_slice: (i, n): train on slice i of n of every global batch (data parallelism; cut
+            by `torch.chunk`, so the last slice is smaller where n does not divide batch_size);
+            with n > 1 the recorded loss is the mean of the n slices' losses, all-reduced over
+            `group` (default: all ranks; pass the data-parallel group when other ranks hold the
+            same slice).
+        on_step: called with the step and its recorded loss after each step.
     """
-    index, slices = batch_slice
-    if batch_size % slices:
-        raise ValueError(f"batch_size {batch_size} does not split into {slices} slices")
-    masters = MasterWeights(model)
-    optimizer = torch.optim.AdamW(masters.parameters, lr=lr, weight_decay=0.0)
-    losses = []
+    index, num_slices = batch_slice
+    if optimizer is None:
+        masters = MasterWeights(model)
+        optimizer = torch.optim.AdamW(masters.parameters, lr=lr, weight_decay=0.0)
+        step_optimizer = functools.partial(masters.step, optimizer)
+    else:
+        step_optimizer = optimizer.step
+    steps = range(steps) if isinstance(steps, int) else steps
     sequence = model.config.sequence if hasattr(model, "config") else 64
     device = next(model.parameters()).device  # the task's batches are drawn on the CPU
-    for step in range(steps):
-        inputs, targets = (t.chunk(slices)[index].to(device) for t in task.batch(step, batch_size, sequence))
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    batches = task.batches(steps, batch_size, sequence)
+    losses = []
+    for step, tokens in zip(steps, batches, strict=True):
+        tokens = tokens.chunk(num_slices)[index].to(device)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        masters.step(optimizer)
-        losses.append((loss.detach() if mean_loss is None else mean_loss(loss.detach())).item())
-        if not math.isfinite(losses[-1]):
-            raise FloatingPointError(f"loss became {losses[-1]} at step {step}")
+        step_optimizer()
+        mean = loss.detach()
+        if num_slices > 1:
+            mean = mean.clone()
+            dist.all_reduce(mean, group=group)
+        losses.append((mean / num_slices).item())
+        if on_step is not None:
+            on_step(step, losses[-1])
     return losses

@@ -18,8 +18,6 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -29,7 +27,7 @@ import quant_fsdp
 import quant_tensors as qt
 from quant_fsdp._all_gather_counter import count_all_gather_bytes
 from quant_fsdp.demo._launch import run_ranks
-from quant_fsdp.demo._model import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig
+from quant_fsdp.demo._model import MarkovTask, TinyTransformer, TransformerConfig, train
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 BATCH = 8  # sequences per global batch, split evenly over the ranks
@@ -118,14 +116,7 @@ def _linear_shard_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def _train_one(
-    recipe: str | None,
-    options: DemoOptions,
-    rank: int,
-    world_size: int,
-    batches: torch.Tensor,
-    progress: Progress | None,
-) -> dict:
+def _train_one(recipe: str | None, options: DemoOptions, rank: int, world_size: int, progress: Progress | None) -> dict:
     device = torch.device("cuda", rank) if options.device == "cuda" else torch.device("cpu")
     torch.manual_seed(options.seed)  # every rank and every run starts from the same weights
     model = TinyTransformer().to(torch.bfloat16).to(device)
@@ -137,30 +128,36 @@ def _train_one(
         shard(block)
     shard(model)
     plans = [] if recipe is None else quant_fsdp.gather_plan(model)
-    masters = MasterWeights(model)
-    optimizer = torch.optim.AdamW(masters.parameters, lr=LEARNING_RATE, weight_decay=0.0)
     name = recipe or "bf16"
     task_id = None if progress is None else progress.add_task(name, total=options.num_steps, loss="")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     losses, times, gathered = [], [], []
-    for step in range(options.num_steps):
-        start = time.perf_counter()
-        tokens = batches[step].chunk(world_size)[rank].to(device)
-        with count_all_gather_bytes() as counted:
-            logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-        masters.step(optimizer)
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss)
-        losses.append(global_loss.item() / world_size)  # .item() waits for the GPU: the time is the step's
-        times.append(time.perf_counter() - start)
-        gathered.append(counted.bytes)
-        if progress is not None:
-            window = statistics.fmean(losses[-FINAL_WINDOW:])
-            progress.update(task_id, advance=1, loss=f"{window:.3f}")
+    with count_all_gather_bytes() as counted:
+        # A step's time and bytes run from the end of the previous step's report to its own (the
+        # loop reads the loss with .item(), which waits for the GPU); the first step's time holds
+        # the loop's set-up too (fp32 masters, the run's batches), which the median leaves out.
+        last_time, last_bytes = time.perf_counter(), 0
+
+        def report(step: int, loss: float) -> None:
+            nonlocal last_time, last_bytes
+            times.append(time.perf_counter() - last_time)
+            gathered.append(counted.bytes - last_bytes)
+            losses.append(loss)
+            if progress is not None:
+                window = statistics.fmean(losses[-FINAL_WINDOW:])
+                progress.update(task_id, advance=1, loss=f"{window:.3f}")
+            last_time, last_bytes = time.perf_counter(), counted.bytes
+
+        train(
+            model,
+            MarkovTask(seed=options.seed),
+            steps=options.num_steps,
+            batch_size=BATCH,
+            lr=LEARNING_RATE,
+            batch_slice=(rank, world_size),
+            on_step=report,
+        )
     return {
         "losses": losses,
         "step_s": statistics.median(times),
@@ -172,8 +169,6 @@ def _train_one(
 
 
 def _train_all(rank: int, world_size: int, options: DemoOptions, result_path: str) -> None:
-    sequence = TransformerConfig().sequence
-    batches = MarkovTask(seed=options.seed).batches(range(options.num_steps), BATCH, sequence)
     progress = None
     if rank == 0:
         progress = Progress(
@@ -188,7 +183,7 @@ def _train_all(rank: int, world_size: int, options: DemoOptions, result_path: st
     results = {}
     try:
         for recipe in (None, *options.recipes):
-            results[recipe or "bf16"] = _train_one(recipe, options, rank, world_size, batches, progress)
+            results[recipe or "bf16"] = _train_one(recipe, options, rank, world_size, progress)
     finally:
         if progress is not None:
             progress.stop()
