@@ -19,8 +19,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from quant_core.testing import raw_bits
+from quant_fsdp import demo
 from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig, run_ranks
-from quant_fsdp.testing import local_state_bytes, quantized_transformer, train_with
+from quant_fsdp.testing import local_state_bytes, quantized_transformer
 from quant_optim import FusedAdam
 
 RECIPES = ("mxfp8", "fp8-block")
@@ -36,7 +37,8 @@ def build(recipe_name: str, master_weight_dtype: torch.dtype = torch.bfloat16) -
 
 
 def train(model: TinyTransformer, optimizer: FusedAdam, steps: range, rank: int) -> None:
-    train_with(model, optimizer, MarkovTask(CONFIG.vocab), steps, batch_size=BATCH, rank=rank, world_size=WORLD_SIZE)
+    task = MarkovTask(CONFIG.vocab)
+    demo.train(model, task, steps=steps, batch_size=BATCH, optimizer=optimizer, batch_slice=(rank, WORLD_SIZE))
 
 
 def load(model: TinyTransformer, optimizer: FusedAdam, path: pathlib.Path) -> None:

@@ -25,8 +25,8 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from quant_fsdp.demo import MarkovTask, TransformerConfig, run_ranks
-from quant_fsdp.testing import local_state_bytes, quantized_transformer, train_with
+from quant_fsdp.demo import MarkovTask, TransformerConfig, run_ranks, train
+from quant_fsdp.testing import local_state_bytes, quantized_transformer
 from quant_optim import FusedAdam
 
 CONFIG = TransformerConfig(vocab=128, hidden=128, layers=2, heads=2, sequence=32)
@@ -40,15 +40,9 @@ def _build() -> tuple[torch.nn.Module, FusedAdam]:
 
 
 def _train(model: torch.nn.Module, optimizer: FusedAdam, steps: range) -> list[float]:
-    return train_with(
-        model,
-        optimizer,
-        MarkovTask(CONFIG.vocab),
-        steps,
-        batch_size=BATCH,
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
-    )
+    task = MarkovTask(CONFIG.vocab)
+    slices = (dist.get_rank(), dist.get_world_size())
+    return train(model, task, steps=steps, batch_size=BATCH, optimizer=optimizer, batch_slice=slices)
 
 
 def _states(model: torch.nn.Module, optimizer: FusedAdam) -> dict:
