@@ -98,10 +98,11 @@ def stateless_params(device: str = "cuda") -> list[torch.nn.Parameter]:
     return params_on(device)[:-1]  # fp8-delayed left out: it reads the verdict on the host (and capturable refuses it)
 
 
-def test_cuda_steps_after_the_first_make_no_host_sync():
+@pytest.mark.parametrize("moments", [(torch.bfloat16, torch.float32), (torch.float8_e4m3fn, torch.float8_e5m2)])
+def test_cuda_steps_after_the_first_make_no_host_sync(moments):
     params = stateless_params()
     lr = torch.tensor(1e-2, device="cuda")
-    optimizer = FusedAdam(params, lr=lr, weight_decay=0.1, exp_avg_dtype=torch.bfloat16)
+    optimizer = FusedAdam(params, lr=lr, weight_decay=0.1, exp_avg_dtype=moments[0], exp_avg_sq_dtype=moments[1])
     grads = []
     for step in range(4):
         set_grads(params, step, "cuda")

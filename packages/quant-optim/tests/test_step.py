@@ -224,6 +224,43 @@ def _on_the_device(run: Callable[..., torch.Tensor], *args: object, verdict_on_h
     return run(*args, verdict_on_host=False)
 
 
+def test_fp8_moments_leave_the_verdict_on_the_device_and_a_skip_keeps_them(monkeypatch):
+    # Stateless weights and fp8 moments of both formats: after the first step the device route
+    # stores the moments every step, skipped or not, without reading the verdict ([Note: fp8
+    # moments on a skipped step]); bitwise the host route, a skipped step changing nothing.
+    run, write_back = quant_optim._step.run, quant_optim._step.write_back
+    stores: list[bool] = []
+
+    def recorded(plan: Any, amaxes: Any, device_verdict: torch.Tensor | None = None) -> None:
+        stores.append(device_verdict is not None)
+        write_back(plan, amaxes, device_verdict=device_verdict)
+
+    monkeypatch.setattr(quant_optim._step, "write_back", recorded)
+    runs = {}
+    for route in ("host", "device"):
+        if route == "device":
+            monkeypatch.setattr(quant_optim._step, "run", functools.partial(_on_the_device, run))
+        stores.clear()
+        params = [p for p in model(seed=4) if p.numel()]
+        optimizer = FusedAdam(
+            params, lr=1e-2, weight_decay=0.1, exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e5m2
+        )
+        verdicts = []
+        for step, (nan, found) in SCHEDULE.items():
+            set_grads(params, step, nan)
+            before = bits(params, optimizer)
+            optimizer.step(found_inf=None if found is None else torch.tensor([found]))
+            verdicts.append(optimizer.last_step_skipped)
+            assert same(bits(params, optimizer), before) == verdicts[-1], (route, step)
+        runs[route] = (bits(params, optimizer), verdicts)
+        if route == "host":  # skipped steps return before the store
+            assert stores == [False] * 4
+        else:  # every step stores, skipped ones too; the first reads the verdict for the weights' bytes
+            assert stores == [False] + [True] * (len(SCHEDULE) - 1)
+    assert runs["host"][1] == runs["device"][1] == [False, True, False, True, False, False]
+    assert same(runs["host"][0], runs["device"][0])
+
+
 def test_the_plan_is_built_once_and_again_after_add_param_group_or_load_state_dict(monkeypatch):
     build, built = quant_optim._plan.build_plan, []
 
@@ -254,7 +291,7 @@ def test_the_plan_is_built_once_and_again_after_add_param_group_or_load_state_di
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"exp_avg_dtype": torch.float8_e4m3fn}, "capturable=True cannot keep exp_avg_dtype=torch.float8_e4m3fn"),
+        ({"exp_avg_dtype": torch.float8_e4m3fn}, "capturable=True does not keep exp_avg_dtype=torch.float8_e4m3fn"),
         ({"recipe": "fp8-delayed"}, "capturable=True cannot step a Float8DelayedQuantizer weight .* stateless recipe"),
     ],
 )

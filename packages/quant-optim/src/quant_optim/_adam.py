@@ -388,9 +388,9 @@ def _check_capturable(p: torch.Tensor, group: dict[str, Any]) -> None:
     for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
         if group[key] in FP8_MOMENT_DTYPES:
             raise ValueError(
-                f"capturable=True cannot keep {key}={group[key]}: fp8 moments are stored from their values with a "
-                "per-tensor scale, which a skipped step would change, so every step reads the skip verdict on the host. "
-                f"Use {key}=torch.bfloat16 (or float32) with capturable=True, or capturable=False"
+                f"capturable=True does not keep {key}={group[key]}: a step with fp8 moments is not captured in CUDA "
+                f"graphs. Use {key}=torch.bfloat16 (or float32) with capturable=True, or capturable=False (whose steps "
+                "on CUDA read no verdict on the host for fp8 moments either)"
             )
     local = qt.local_shard(p)
     if isinstance(local, qt.QuantizedTensor) and not local.quantizer.stateless:

@@ -47,15 +47,18 @@ training loop never waits for the optimizer and a CUDA graph can capture it:
   this optimizer wrote them (their buffers' version counters as it left them). Where it does not
   hold (the first step, bytes written by a load or by hand), and for what would change on a
   skipped step however it is computed (delayed scaling's amax history, NVFP4's stochastic
-  rounding counter, fp8 moments, whose stored codes are not a function of their values), the step
-  reads the verdict on the host after the Adam pass (one sync) and writes back only when it was
-  not set;
+  rounding counter), the step reads the verdict on the host after the Adam pass (one sync) and
+  writes back only when it was not set;
+- fp8 moments are stored with the scale the verdict selects on the device: a skipped step
+  re-encodes the values it decoded with the scale they were stored with, which gives back the
+  same codes ([Note: fp8 moments on a skipped step] in quant_optim._write_back);
 - the kernels' pointer tables are cached by content in quant_core ([Note: pointer tables]), so
   gradients kept in the same memory cost no host-to-device copy and fresh ones (FSDP2) one
   non-blocking copy per step.
 
 capturable=True (CUDA graphs) takes this route and refuses, when the optimizer is built, what needs
-the verdict on the host every step: fp8 moments and stateful weight quantizers. A captured step
+the verdict on the host every step (stateful weight quantizers) and fp8 moments, whose capture is
+not supported. A captured step
 must follow at least one eager step with the same parameters and gradient storages (the warm-up
 that torch.cuda.graphs needs anyway: it compiles the kernels, moves step counts to the device,
 builds the plan and the pointer tables and writes the quantized bytes from the masters once);
@@ -102,7 +105,7 @@ def run(
         adam_step(bucket, [grads[i] for i in bucket.indices], found, grads_plain and bucket.plain)
         for bucket in plan.buckets
     ]
-    if skipped is None and (plan.fp8_slots or not _bytes_are_the_masters(plan)):
+    if skipped is None and not _bytes_are_the_masters(plan):
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "FusedAdam(capturable=True) cannot capture this step: quantized weights whose bytes this optimizer has "
@@ -111,7 +114,7 @@ def run(
             )
         skipped = bool(found)
     if not skipped:  # False, or None: a skipped step rewrites what the masters' quantization was
-        write_back(plan, amaxes)
+        write_back(plan, amaxes, device_verdict=found if skipped is None else None)
     return found
 
 

@@ -43,14 +43,16 @@ def agree_amaxes_and_apply(pending: list[PendingAmax]) -> None:
             item.apply(amax)
 
 
-def write_back(plan: Plan, amaxes: list[torch.Tensor | None]) -> None:
+def write_back(plan: Plan, amaxes: list[torch.Tensor | None], device_verdict: torch.Tensor | None = None) -> None:
     """Requantizes the plan's quantized weights from their masters and stores its fp8 moments from
     their values; then records the weights' buffer versions (`Requantize.written`).
 
     Per-tensor weights take their amax from `amaxes` (the Adam pass's, one tensor per bucket),
     agreed over their amax group when they have one; block formats requantize with one
     `quantize_many_` per (quantizer configuration, device). fp8 moments take theirs from one
-    `amax_many` call, agreed over their parameter's shard groups.
+    `amax_many` call, agreed over their parameter's shard groups. `device_verdict`: the step's
+    verdict when it was not read on the host (nonzero: skipped), which keeps the fp8 moments'
+    scales ([Note: fp8 moments on a skipped step]); None when the step is known to have run.
     """
     rows = [a.unbind() if b.compute_amax else None for a, b in zip(amaxes, plan.buckets, strict=True)]
     pending = []
@@ -67,8 +69,9 @@ def write_back(plan: Plan, amaxes: list[torch.Tensor | None]) -> None:
         same[0].local.quantizer.quantize_many_([r.master for r in same], [r.local for r in same])
     if plan.fp8_slots:
         values = [slot.values[slot.position] for slot in plan.fp8_slots]
+        keep = None if device_verdict is None else device_verdict != 0
         for slot, value, amax in zip(plan.fp8_slots, values, quant_core.amax_many(values), strict=True):
-            pending.append(PendingAmax(slot.groups, amax, functools.partial(_store_fp8, slot, value)))
+            pending.append(PendingAmax(slot.groups, amax, functools.partial(_store_fp8, slot, value, keep)))
     if pending:
         agree_amaxes_and_apply(pending)
     for r in plan.requantize:
@@ -95,7 +98,27 @@ def _requantize_into(
     quantizer.quantize_(master, local, amax=amax)
 
 
-def _store_fp8(slot: Fp8Slot, values: torch.Tensor, amax: torch.Tensor) -> None:
+def _store_fp8(slot: Fp8Slot, values: torch.Tensor, keep: torch.Tensor | None, amax: torch.Tensor) -> None:
+    """Stores an fp8 moment's values with the scale of their agreed amax, or, where `keep` (a
+    device verdict) is set, with the scale they were stored with ([Note: fp8 moments on a skipped
+    step])."""
     scale, scale_inv = quant_core.fp8_scale(amax, slot.codes.dtype)
+    if keep is not None:
+        kept_scale = torch.reciprocal(slot.scale_inv).clamp_(max=_FLOAT32_MAX)  # 1 / (1 / FLT_MAX) may round up to inf
+        scale = torch.where(keep, kept_scale, scale)
+        scale_inv = torch.where(keep, slot.scale_inv, scale_inv)
     quant_core.cast_to_fp8(values, scale, slot.codes.dtype, rowwise_out=slot.codes)
     slot.scale_inv.copy_(scale_inv)
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+# [Note: fp8 moments on a skipped step] When the skip verdict stays on the device, every step
+# stores the fp8 moments, and a skipped step must store the codes it read. Its values are the
+# decoded codes, v = fl(c * s_inv) (the Adam kernel wrote nothing), and they are encoded again
+# with s = fl(1 / s_inv) (clamped to the largest float, as fp8_scale clamps): fl(v * s) = c (1 + e)
+# with |e| <= 3 * 2^-24 for normal s_inv (a few 2^-10 at most for the subnormal s_inv of the
+# largest scale), which rounds to c in either fp8 format (neighbouring codes lie 2^-3 (E4M3) or 2^-2
+# (E5M2) apart relatively, or, below the normal range, a fixed step apart) and saturates to c at the
+# largest code. The state keeps s_inv as it was. tests/test_write_back.py checks this for every
+# finite code over the range of scales.
