@@ -261,6 +261,29 @@ def test_fp8_moments_leave_the_verdict_on_the_device_and_a_skip_keeps_them(monke
     assert same(runs["host"][0], runs["device"][0])
 
 
+def test_fp8_moments_hold_no_fp32_values_between_steps():
+    # The fp32 values exist during a step only: between steps (the forward and backward) a moment
+    # holds its codes, 1 byte per element, also after a step that raised.
+    params = [p for p in model() if p.numel()]
+    optimizer = FusedAdam(params, lr=1e-2, exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e5m2)
+
+    def held() -> set[torch.dtype]:
+        buckets = optimizer._plan[1].buckets
+        return {m.dtype for b in buckets for m in (*b.exp_avgs, *b.exp_avg_sqs)}
+
+    set_grads(params, 0)
+    optimizer.step()
+    assert held() == {torch.float8_e4m3fn, torch.float8_e5m2}
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("broken")
+
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(RuntimeError, match="broken"):
+        patch.setattr(quant_optim._step, "write_back", broken)
+        optimizer.step()
+    assert held() == {torch.float8_e4m3fn, torch.float8_e5m2}
+
+
 def test_the_plan_is_built_once_and_again_after_add_param_group_or_load_state_dict(monkeypatch):
     build, built = quant_optim._plan.build_plan, []
 

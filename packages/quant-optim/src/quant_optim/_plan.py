@@ -54,7 +54,7 @@ class Bucket:
     params: list[torch.Tensor] = field(default_factory=list)
     """fp32 masters, or the parameters themselves (fp32, or bf16/fp16 without a master)."""
     exp_avgs: list[torch.Tensor] = field(default_factory=list)
-    """Stored moments; an fp8 one is replaced by its fp32 values for the step (`Fp8Slot`)."""
+    """Stored moments; an fp8 one is replaced by its fp32 values during the step (`Fp8Slot`)."""
     exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
     steps: list[torch.Tensor] = field(default_factory=list)
     """fp32 0-d step counts, on the parameters' device."""
@@ -89,7 +89,8 @@ class Requantize:
 
 @dataclass(eq=False)
 class Fp8Slot:
-    """A moment kept in fp8: dequantized into its bucket's list before the update, stored after."""
+    """A moment kept in fp8: its fp32 values take the codes' place in its bucket's list for the
+    step (dequantized before the update, stored after, then the codes put back)."""
 
     bucket: Bucket
     position: int

@@ -98,23 +98,27 @@ def run(
     skipped = bool(found) if verdict_on_host else None  # None: known on the device only
     if skipped:
         return found
-    for slot in plan.fp8_slots:
-        slot.values[slot.position] = quant_core.dequantize_fp8(slot.codes, slot.scale_inv, torch.float32)
-    adam_step = _adam_step if verdict_on_host else _adam_step_capturable
-    amaxes = [
-        adam_step(bucket, [grads[i] for i in bucket.indices], found, grads_plain and bucket.plain)
-        for bucket in plan.buckets
-    ]
-    if skipped is None and not _bytes_are_the_masters(plan):
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "FusedAdam(capturable=True) cannot capture this step: quantized weights whose bytes this optimizer has "
-                "not written yet (or that were written since, e.g. by a load) need the skip verdict on the host. Run "
-                "one eager step before capturing, and load checkpoints outside the captured region"
-            )
-        skipped = bool(found)
-    if not skipped:  # False, or None: a skipped step rewrites what the masters' quantization was
-        write_back(plan, amaxes, device_verdict=found if skipped is None else None)
+    try:
+        for slot in plan.fp8_slots:
+            slot.values[slot.position] = quant_core.dequantize_fp8(slot.codes, slot.scale_inv, torch.float32)
+        adam_step = _adam_step if verdict_on_host else _adam_step_capturable
+        amaxes = [
+            adam_step(bucket, [grads[i] for i in bucket.indices], found, grads_plain and bucket.plain)
+            for bucket in plan.buckets
+        ]
+        if skipped is None and not _bytes_are_the_masters(plan):
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "FusedAdam(capturable=True) cannot capture this step: quantized weights whose bytes this optimizer "
+                    "has not written yet (or that were written since, e.g. by a load) need the skip verdict on the host. "
+                    "Run one eager step before capturing, and load checkpoints outside the captured region"
+                )
+            skipped = bool(found)
+        if not skipped:  # False, or None: a skipped step rewrites what the masters' quantization was
+            write_back(plan, amaxes, device_verdict=found if skipped is None else None)
+    finally:
+        for slot in plan.fp8_slots:  # the fp32 values live for the step only (4 bytes per element)
+            slot.values[slot.position] = slot.codes
     return found
 
 
