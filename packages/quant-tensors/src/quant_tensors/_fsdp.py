@@ -30,6 +30,12 @@ reads them; `usages` says which buffers a tensor holds), and (2) refills keep th
 counters, as FSDP2 does for its own all-gather outputs: autograd checks them on saved tensors, and
 a refill writes the same weight.
 
+[Note: shared per-tensor values] The unsharded tensor holds its shard's 0-d per-tensor values
+(the FP8 scale, the NVFP4 global amax) themselves, not copies: they are the unsharded tensor's
+already, so a gather launches nothing for them, and the tensor objects never change, as the
+compiled backward needs. An optimizer requantizing the shard writes them in place after the
+backward, and the next gather refills the codes to match.
+
 FSDP2 sizes its gather buffers on the first unshard, so every later gather of a parameter must
 send the same number of tensors with the same sizes: the forward and backward payloads of 1-D
 block formats do (rows * K codes and rows * K / block scales either way).
@@ -306,8 +312,8 @@ def unsharded_from_gather(
             buffers[name] = _join_columns(gathered[name], columnwise[name], world_size)
         elif name in columnwise:  # split gathers: [Note: refilled unsharded buffers]
             buffers[name] = columnwise[name]
-        elif local is not None and local.dim() == 0:  # per-tensor: equal on every shard
-            buffers[name] = local.clone() if out is None else _refill(getattr(out, name), local)
+        elif local is not None and local.dim() == 0:  # per-tensor: [Note: shared per-tensor values]
+            buffers[name] = local
         else:
             buffers[name] = None
     if out is not None:
@@ -323,11 +329,6 @@ def keeping_versions(*tensors: torch.Tensor) -> torch.autograd._unsafe_preserve_
     """A context that hides its in-place writes to `tensors` from autograd's version counters:
     refills of an unsharded tensor's buffers ([Note: refilled unsharded buffers])."""
     return torch.autograd._unsafe_preserve_version_counter(tensors)
-
-
-def _refill(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    with keeping_versions(target):
-        return target.copy_(value)
 
 
 def _columnwise_buffers(owner: Any, shard: QuantizedTensor, world_size: int) -> dict[str, torch.Tensor]:

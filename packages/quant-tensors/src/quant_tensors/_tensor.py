@@ -16,6 +16,7 @@ tensor with a one-time warning per (class, op): no silent slow paths.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -268,6 +269,9 @@ class QuantizedTensor(torch.Tensor):
         """FSDP2's hook: this shard's quantized bytes to all-gather, and the metadata that rebuilds the
         unsharded tensor (the policy's `before_gather` runs first)."""
         return _fsdp.pre_all_gather(self, mesh, module)
+
+    # FSDP2 reads this hook's signature at every gather (to pick the call form); computed once here.
+    fsdp_pre_all_gather.__signature__ = inspect.signature(fsdp_pre_all_gather)  # type: ignore[attr-defined]
 
     def fsdp_post_all_gather(
         self,
