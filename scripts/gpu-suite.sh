@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU suite, in one command on a CUDA machine: install, run the `cuda` tests, run the
 # benchmarks, print a short table last. Results go to $OUT (the device tool's folder) or results/.
-# GPU_SUITE_STEPS picks steps (comma-separated, default all but multi): tests, bench (kernels), linear
+# GPU_SUITE_STEPS picks steps (comma-separated, default all but nccl and multi): tests (the `cuda` tests of
+# GPU_SUITE_TESTS, default every package), bench (kernels), linear
 # (host time per Linear fwd+bwd, benchmarks/linear_host.py), e2e (benchmarks/e2e.py, ~8 min on an
 # H100; E2E_ARGS adds options, e.g. "--runs bf16,fp8"), optim (FusedAdam, benchmarks/optim.py), and on
 # every GPU of the host: nccl (the NCCL tests and collective bandwidth, ~3 min) and multi
@@ -42,8 +43,9 @@ if want tests; then
   if python3 -c 'import xdist' 2> /dev/null; then parallel=(-n "${GPU_SUITE_WORKERS:-8}"); fi
   # A test that hangs (e.g. a collective that never completes) fails after this many seconds.
   if python3 -c 'import pytest_timeout' 2> /dev/null; then parallel+=(--timeout "${GPU_SUITE_TEST_TIMEOUT:-300}"); fi
+  # shellcheck disable=SC2086  # GPU_SUITE_TESTS is a list of paths
   OMP_NUM_THREADS=1 python3 -m pytest -m cuda -rfE -v --durations=25 -p no:cacheprovider -p no:benchmark \
-    "${parallel[@]}" --junitxml="$out/cuda-tests.xml" 2>&1 | tee "$out/cuda-tests.log"
+    "${parallel[@]}" --junitxml="$out/cuda-tests.xml" ${GPU_SUITE_TESTS:-} 2>&1 | tee "$out/cuda-tests.log"
   tests_rc=${PIPESTATUS[0]}
 fi
 if want bench; then
