@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,8 @@ from quant_optim._plan import Fp8Slot, Plan, Requantize, buffer_versions
 
 @dataclass(frozen=True)
 class PendingAmax:
-    """A local amax to be agreed over `groups` (MAX), then handed to `apply`."""
+    """Local amaxes (a 0-d tensor, or a 1-D one of several) to be agreed over `groups` (MAX),
+    then handed to `apply`."""
 
     groups: tuple[dist.ProcessGroup, ...]
     amax: torch.Tensor | None
@@ -27,8 +29,9 @@ class PendingAmax:
 
 
 def agree_amaxes_and_apply(pending: list[PendingAmax]) -> None:
-    """Agrees every local amax over its groups, one stacked all-reduce (MAX) per set of groups,
-    then applies each; items without an amax are applied as they are."""
+    """Agrees every local amax over its groups, one all-reduce (MAX) of them all per set of
+    groups, then applies each (with the shape it came with); items without an amax are applied
+    as they are."""
     by_groups: dict[tuple[int, ...], list[PendingAmax]] = {}
     for item in pending:
         if item.amax is None:
@@ -36,11 +39,12 @@ def agree_amaxes_and_apply(pending: list[PendingAmax]) -> None:
         else:
             by_groups.setdefault(tuple(id(g) for g in item.groups), []).append(item)
     for items in by_groups.values():
-        amaxes = torch.stack([item.amax for item in items])
+        amaxes = torch.cat([item.amax.reshape(-1) for item in items])
         for group in items[0].groups:  # one group for FSDP; shard dims in turn on a 2-D mesh
             dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
-        for item, amax in zip(items, amaxes, strict=True):
-            item.apply(amax)
+        agreed = amaxes.split([item.amax.numel() for item in items])
+        for item, amax in zip(items, agreed, strict=True):
+            item.apply(amax.view(item.amax.shape))
 
 
 def write_back(plan: Plan, amaxes: list[torch.Tensor | None], device_verdict: torch.Tensor | None = None) -> None:
@@ -68,10 +72,16 @@ def write_back(plan: Plan, amaxes: list[torch.Tensor | None], device_verdict: to
     for same in alike.values():
         same[0].local.quantizer.quantize_many_([r.master for r in same], [r.local for r in same])
     if plan.fp8_slots:
-        values = [slot.values[slot.position] for slot in plan.fp8_slots]
         keep = None if device_verdict is None else device_verdict != 0
-        for slot, value, amax in zip(plan.fp8_slots, values, quant_core.amax_many(values), strict=True):
-            pending.append(PendingAmax(slot.groups, amax, functools.partial(_store_fp8, slot, value, keep)))
+        values = [slot.values[slot.position] for slot in plan.fp8_slots]
+        amaxes_of_slots = quant_core.amax_many(values)
+        alike_slots: dict[tuple[Any, ...], list[int]] = {}  # (shard groups, fp8 dtype) -> slot indices
+        for i, slot in enumerate(plan.fp8_slots):
+            alike_slots.setdefault((*map(id, slot.groups), slot.codes.dtype), []).append(i)
+        for indices in alike_slots.values():
+            slots = [plan.fp8_slots[i] for i in indices]
+            store = functools.partial(_store_fp8_moments, slots, [values[i] for i in indices], keep)
+            pending.append(PendingAmax(slots[0].groups, amaxes_of_slots[indices], store))
     if pending:
         agree_amaxes_and_apply(pending)
     for r in plan.requantize:
@@ -98,17 +108,23 @@ def _requantize_into(
     quantizer.quantize_(master, local, amax=amax)
 
 
-def _store_fp8(slot: Fp8Slot, values: torch.Tensor, keep: torch.Tensor | None, amax: torch.Tensor) -> None:
-    """Stores an fp8 moment's values with the scale of their agreed amax, or, where `keep` (a
-    device verdict) is set, with the scale they were stored with ([Note: fp8 moments on a skipped
-    step])."""
-    scale, scale_inv = quant_core.fp8_scale(amax, slot.codes.dtype)
+def _store_fp8_moments(
+    slots: list[Fp8Slot], values: list[torch.Tensor], keep: torch.Tensor | None, amaxes: torch.Tensor
+) -> None:
+    """Stores fp8 moments of one fp8 dtype from their values with the scales of their agreed
+    `amaxes` (1-D, one per slot), or, where `keep` (a device verdict) is set, with the scales
+    they were stored with ([Note: fp8 moments on a skipped step]): the scales in a few launches
+    for all of them, then one cast per moment."""
+    dtype = slots[0].codes.dtype
+    scales, scales_inv = quant_core.fp8_scale(amaxes, dtype)
     if keep is not None:
-        kept_scale = torch.reciprocal(slot.scale_inv).clamp_(max=_FLOAT32_MAX)  # 1 / (1 / FLT_MAX) may round up to inf
-        scale = torch.where(keep, kept_scale, scale)
-        scale_inv = torch.where(keep, slot.scale_inv, scale_inv)
-    quant_core.cast_to_fp8(values, scale, slot.codes.dtype, rowwise_out=slot.codes)
-    slot.scale_inv.copy_(scale_inv)
+        stored_inv = torch.stack([slot.scale_inv for slot in slots])
+        kept = torch.reciprocal(stored_inv).clamp_(max=_FLOAT32_MAX)  # 1 / (1 / FLT_MAX) may round up to inf
+        scales = torch.where(keep, kept, scales)
+        scales_inv = torch.where(keep, stored_inv, scales_inv)
+    for slot, value, scale in zip(slots, values, scales.unbind(), strict=True):
+        quant_core.cast_to_fp8(value, scale, dtype, rowwise_out=slot.codes)
+    torch._foreach_copy_([slot.scale_inv for slot in slots], list(scales_inv.unbind()))
 
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
