@@ -278,9 +278,10 @@ def test_fp8_moments_hold_no_fp32_values_between_steps():
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("broken")
 
-    with pytest.MonkeyPatch.context() as patch, pytest.raises(RuntimeError, match="broken"):
+    with pytest.MonkeyPatch.context() as patch:
         patch.setattr(quant_optim._step, "write_back", broken)
-        optimizer.step()
+        with pytest.raises(RuntimeError, match="broken"):
+            optimizer.step()
     assert held() == {torch.float8_e4m3fn, torch.float8_e5m2}
 
 
@@ -325,9 +326,10 @@ def test_capturable_refuses_what_reads_the_verdict_on_the_host(kwargs, message):
         FusedAdam([p], capturable=True, **kwargs)
 
 
-def block_model(device: str) -> list[torch.nn.Parameter]:
+def alike_model(device: str) -> list[torch.nn.Parameter]:
     """Block-format weights in three configurations (MXFP8, blockwise 128 x 128, blockwise 1 x 128),
-    two of them twice, shapes not multiples of every block, between fp32 and bf16 parameters."""
+    two of them twice, and per-tensor FP8 weights in two (E4M3 twice, E5M2), shapes not multiples
+    of every block, between fp32 and bf16 parameters."""
     generator = torch.Generator().manual_seed(7)
 
     def values(*shape: int) -> torch.Tensor:
@@ -335,14 +337,18 @@ def block_model(device: str) -> list[torch.nn.Parameter]:
 
     mxfp8 = qt.MXFP8BlockScaling().quantizer("weight")
     tiled, rows = qt.Float8BlockScaling().quantizer("weight"), qt.Float8BlockScaling().quantizer("input")
+    e4m3, e5m2 = qt.Float8CurrentScaling().quantizer("weight"), qt.Float8CurrentScaling().quantizer("grad_output")
     return [
         qt.nn.quantized_parameter(values(96, 160), mxfp8),
         torch.nn.Parameter(values(50)),
         qt.nn.quantized_parameter(values(130, 256), tiled),
         qt.nn.quantized_parameter(values(64, 200), rows),
+        qt.nn.quantized_parameter(values(48, 32), e4m3),
         qt.nn.quantized_parameter(values(33, 64), copy.deepcopy(mxfp8)),  # an equal quantizer, another object
+        qt.nn.quantized_parameter(values(16, 80), e5m2),
         torch.nn.Parameter(values(40, 8).to(torch.bfloat16)),
         qt.nn.quantized_parameter(values(128, 128), tiled),
+        qt.nn.quantized_parameter(values(64, 48), copy.deepcopy(e4m3)),
     ]
 
 
@@ -356,23 +362,23 @@ def block_model(device: str) -> list[torch.nn.Parameter]:
         ),
     ],
 )
-def test_block_weights_of_one_configuration_requantize_in_one_call_as_a_loop_would(device, monkeypatch):
-    # Bitwise what requantizing weight by weight gives (quantize_ per weight, as before
-    # quantize_many_), over four steps with a skipped third one; one call per configuration.
-    def loop(quantizer: qt.Quantizer, srcs: list[torch.Tensor], outs: list[qt.QuantizedTensor]) -> None:
-        for src, out in zip(srcs, outs, strict=True):
-            quantizer.quantize_(src, out)
+def test_weights_of_one_configuration_requantize_in_one_call_as_a_loop_would(device, monkeypatch):
+    # Bitwise what requantizing weight by weight gives (quantize_ per weight, with the Adam pass's
+    # amax for per-tensor FP8), over four steps with a skipped third one; one call per configuration.
+    def loop(quantizer: qt.Quantizer, srcs: list[torch.Tensor], outs: list[qt.QuantizedTensor], amaxes=None) -> None:
+        for i, (src, out) in enumerate(zip(srcs, outs, strict=True)):
+            quantizer.quantize_(src, out, amax=None if amaxes is None else amaxes[i])
 
     batched, sizes = qt.Quantizer.quantize_many_, []
 
-    def counted(quantizer: qt.Quantizer, srcs: list[torch.Tensor], outs: list[qt.QuantizedTensor]) -> None:
+    def counted(quantizer: qt.Quantizer, srcs: list[torch.Tensor], outs: list[qt.QuantizedTensor], amaxes=None) -> None:
         sizes.append(len(srcs))
-        batched(quantizer, srcs, outs)
+        batched(quantizer, srcs, outs, amaxes=amaxes)
 
     runs = {}
     for name, requantize in (("loop", loop), ("many", counted)):
         monkeypatch.setattr(qt.Quantizer, "quantize_many_", requantize)
-        params = block_model(device)
+        params = alike_model(device)
         optimizer = FusedAdam(params, lr=1e-2, weight_decay=0.01, capturable=device == "cpu")
         for step in range(4):
             generator = torch.Generator().manual_seed(100 + step)
@@ -384,4 +390,5 @@ def test_block_weights_of_one_configuration_requantize_in_one_call_as_a_loop_wou
             assert optimizer.last_step_skipped == (step == 2)
         runs[name] = bits(params, optimizer)
     assert same(runs["loop"], runs["many"])
-    assert sizes == [2, 2, 1] * 4  # MXFP8, 128 x 128, 1 x 128, in the parameters' order
+    # MXFP8, 128 x 128, 1 x 128 in the parameters' order, then E4M3 and E5M2
+    assert sizes == [2, 2, 1, 2, 1] * 4

@@ -55,6 +55,44 @@ def test_many_equals_a_loop_of_quantize_(name, role, dtype):
             assert torch.equal(looping.state, batched.state)
 
 
+PER_TENSOR = [(name, role) for name in ("fp8", "fp8-delayed", "nvfp4") for role in qt.ROLES]
+
+
+@pytest.mark.parametrize(("name", "role"), PER_TENSOR)
+@pytest.mark.parametrize("backend", quant_core.available_backends("cpu"))
+def test_many_with_given_amaxes_equals_a_loop_of_quantize_with_each(name, role, backend, monkeypatch):
+    # Amaxes as an optimizer hands them over (agreed elsewhere): tiny, zero, huge and ordinary ones.
+    # Current-scaled FP8 computes all the scales in one call, the other formats loop.
+    scale_calls = []
+    real_scale = quant_core.fp8_scale
+    monkeypatch.setattr(quant_core, "fp8_scale", lambda *a, **k: scale_calls.append(1) or real_scale(*a, **k))
+    looping = qt.recipe_from_name(name).quantizer(role)
+    batched = copy.deepcopy(looping)
+    xs = sources(seed=5)
+    looped_outs, batched_outs = outs_for(looping, xs), outs_for(batched, xs)
+    amaxes = [torch.tensor(v) for v in (3.5, 0.0, 1e-41, 3e38, 0.75)]
+    with quant_core.use_backend(backend):
+        for x, out, amax in zip(xs, looped_outs, amaxes, strict=True):
+            looping.quantize_(x, out, amax=amax)
+        scale_calls.clear()
+        batched.quantize_many_(xs, batched_outs, amaxes=amaxes)
+    assert len(scale_calls) == (1 if name == "fp8" else 0)
+    for x, a, b in zip(xs, looped_outs, batched_outs, strict=True):
+        assert all(torch.equal(u, v) for u, v in zip(raw(a), raw(b), strict=True)), tuple(x.shape)
+    if looping.state is not None:
+        assert torch.equal(looping.state, batched.state)
+
+
+def test_amaxes_are_refused_for_block_formats_and_in_the_wrong_number():
+    xs = sources(seed=6)[:2]
+    mxfp8 = qt.recipe_from_name("mxfp8").quantizer("weight")
+    with pytest.raises(ValueError, match="amaxes for per-tensor formats, one per source; got 2 for 2 sources"):
+        mxfp8.quantize_many_(xs, [mxfp8.quantize(x) for x in xs], amaxes=[torch.tensor(1.0)] * 2)
+    fp8 = qt.recipe_from_name("fp8").quantizer("weight")
+    with pytest.raises(ValueError, match="got 1 for 2 sources"):
+        fp8.quantize_many_(xs, [fp8.quantize(x) for x in xs], amaxes=[torch.tensor(1.0)])
+
+
 @pytest.mark.parametrize("name", ["mxfp8", "fp8-block"])
 def test_block_formats_take_one_quant_core_call(name, monkeypatch):
     function = {"mxfp8": "quantize_mxfp8_many", "fp8-block": "quantize_fp8_blockwise_many"}[name]

@@ -83,8 +83,9 @@ class Requantize:
     written: WrittenRecord
     """The optimizer's record for this weight (`written_record`), shared with every plan holding it."""
     like: int | None = None
-    """Block formats: the number of its (quantizer configuration, device) among the plan's; the
-    weights of one number are requantized by one `quantize_many_` call (`number_block_weights`)."""
+    """Stateless quantizers: the number of its (quantizer configuration, device) among the plan's;
+    the weights of one number (and amax groups) are requantized by one `quantize_many_` call
+    (`number_alike_weights`)."""
 
 
 @dataclass(eq=False)
@@ -175,19 +176,20 @@ def build_plan(
             groups = () if quantizer.amax_group is None or not quantizer.per_tensor_amax else (quantizer.amax_group,)
             bucket.compute_amax = bucket.compute_amax or quantizer.per_tensor_amax
             requantize.append(Requantize(local, master, bucket_index, position, groups, written_record(records, local)))
-    number_block_weights(requantize)
+    number_alike_weights(requantize)
     devices = {bucket.device for bucket in buckets.values()}
     first = next(iter(buckets.values())).device if buckets else torch.device("cpu")
     return Plan(list(buckets.values()), requantize, fp8_slots, first, len(devices) == 1)
 
 
-def number_block_weights(requantize: list[Requantize]) -> None:
-    """Sets `like` of every block-format weight: equal for weights on one device whose quantizers
-    quantize alike (`Quantizer.quantizes_like`: the same configuration, stateless), so that one
-    `quantize_many_` call requantizes them all (on CUDA one Triton launch, not one per weight)."""
+def number_alike_weights(requantize: list[Requantize]) -> None:
+    """Sets `like` of every weight with a stateless quantizer: equal for weights on one device
+    whose quantizers quantize alike (`Quantizer.quantizes_like`: the same configuration), so that
+    one `quantize_many_` call requantizes them all (block formats: on CUDA one Triton launch, not
+    one per weight; per-tensor FP8: one scale computation, then a cast per weight)."""
     firsts: list[Requantize] = []  # the first weight of each number
     for r in requantize:
-        if r.local.quantizer.per_tensor_amax:
+        if not r.local.quantizer.stateless:
             continue
         r.like = next(
             (

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,17 +60,21 @@ def write_back(plan: Plan, amaxes: list[torch.Tensor | None], device_verdict: to
     """
     rows = [a.unbind() if b.compute_amax else None for a, b in zip(amaxes, plan.buckets, strict=True)]
     pending = []
-    alike: dict[int | None, list[Requantize]] = {}
+    blocks: dict[int | None, list[Requantize]] = {}
+    per_tensor: dict[tuple[int | None, ...], list[Requantize]] = {}
     for r in plan.requantize:
         quantizer = r.local.quantizer
         if not quantizer.per_tensor_amax:  # a block-scaled format: its own scales, alike ones in one call below
-            alike.setdefault(r.like, []).append(r)
-        elif r.groups:  # agreed over the shard group first, in one all-reduce for all of them
+            blocks.setdefault(r.like, []).append(r)
+        elif r.like is None:  # stateful: one at a time, agreed over the shard group in the all-reduce below
             pending.append(PendingAmax(r.groups, rows[r.bucket][r.position], _requantizer(r.local, r.master)))
-        else:
-            quantizer.quantize_(r.master, r.local, amax=rows[r.bucket][r.position])
-    for same in alike.values():
+        else:  # alike weights of one amax group: their amaxes agreed together, then one quantize_many_
+            per_tensor.setdefault((*map(id, r.groups), r.like), []).append(r)
+    for same in blocks.values():
         same[0].local.quantizer.quantize_many_([r.master for r in same], [r.local for r in same])
+    for same in per_tensor.values():
+        local_amaxes = torch.stack([rows[r.bucket][r.position] for r in same])
+        pending.append(PendingAmax(same[0].groups, local_amaxes, functools.partial(_requantize_many, same)))
     if plan.fp8_slots:
         keep = None if device_verdict is None else device_verdict != 0
         values = [slot.values[slot.position] for slot in plan.fp8_slots]
@@ -96,6 +100,12 @@ def requantize_from_master(local: qt.QuantizedTensor, master: torch.Tensor) -> P
         return PendingAmax((), None, lambda amax: quantizer.quantize_(master, local))
     groups = () if quantizer.amax_group is None else (quantizer.amax_group,)
     return PendingAmax(groups, quant_core.amax_many([master])[0], _requantizer(local, master))
+
+
+def _requantize_many(same: list[Requantize], amaxes: torch.Tensor) -> None:
+    same[0].local.quantizer.quantize_many_(
+        [r.master for r in same], [r.local for r in same], amaxes=list(amaxes.unbind())
+    )
 
 
 def _requantizer(local: qt.QuantizedTensor, master: torch.Tensor) -> Callable[[torch.Tensor | None], None]:

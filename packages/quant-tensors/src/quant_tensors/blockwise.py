@@ -68,7 +68,7 @@ class Float8BlockQuantizer(BlockQuantizer):
             out=out,
         )
 
-    def _quantize_many(self, srcs, outs):
+    def _quantize_many(self, srcs, outs, amaxes):  # block scales: amaxes is None
         quant_core.quantize_fp8_blockwise_many(
             srcs,
             [out._block_quantized() for out in outs],

@@ -164,6 +164,28 @@ class Float8Quantizer(Quantizer):
         )
         return out
 
+    def _quantize_many(self, srcs, outs, amaxes):
+        # Given amaxes, current scaling's scales are one fp8_scale call for all the sources (what
+        # each quantize_'s fused operator computes from its amax), then one cast per source.
+        if amaxes is None or not self.stateless or any(out.fp8_dtype != self.fp8_dtype for out in outs):
+            return super()._quantize_many(srcs, outs, amaxes)
+        stacked = torch.stack([amax.reshape(()).float() for amax in amaxes])
+        scales, scales_inv = quant_core.fp8_scale(stacked, self.fp8_dtype, power_2_scales=self.power_2_scales)
+        for src, out, scale in zip(srcs, outs, scales.unbind(), strict=True):
+            rowwise_out = None if out.rowwise_data is None else _contiguous_target(out.rowwise_data)
+            columnwise_out = None if out.columnwise_data is None else _contiguous_target(out.columnwise_data)
+            quant_core.cast_to_fp8(
+                src,
+                scale,
+                self.fp8_dtype,
+                rowwise=rowwise_out is not None,
+                columnwise=columnwise_out is not None,
+                rowwise_out=rowwise_out,
+                columnwise_out=columnwise_out,
+            )
+        torch._foreach_copy_([out.scale_inv for out in outs], list(scales_inv.unbind()))
+        return None
+
     @property
     def recasts_columnwise(self) -> bool:
         return True  # with the forward's scale, whatever the amax history did since

@@ -40,5 +40,5 @@ class MXFP8Quantizer(BlockQuantizer):
     def _quantize_core(self, x, rowwise, columnwise, out, amax, state):
         return quant_core.quantize_mxfp8(x, rowwise=rowwise, columnwise=columnwise, out=out)
 
-    def _quantize_many(self, srcs, outs):
+    def _quantize_many(self, srcs, outs, amaxes):  # block scales: amaxes is None
         quant_core.quantize_mxfp8_many(srcs, [out._block_quantized() for out in outs])

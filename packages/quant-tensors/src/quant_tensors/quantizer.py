@@ -166,16 +166,30 @@ class Quantizer:
         self._check_out(src, out)
         return self._quantize(src, out=out, amax=amax, state=self._state_for(src, state), usages=out.usages)
 
-    def quantize_many_(self, srcs: Sequence[torch.Tensor], outs: Sequence[QuantizedTensor]) -> None:
+    def quantize_many_(
+        self,
+        srcs: Sequence[torch.Tensor],
+        outs: Sequence[QuantizedTensor],
+        *,
+        amaxes: Sequence[torch.Tensor] | None = None,
+    ) -> None:
         """Requantizes every srcs[i] into outs[i]'s existing buffers, in place: the bytes of
-        `quantize_(srcs[i], outs[i])`, bit for bit (each source's own amax, agreed over
-        `amax_group` where one is bound; the bound state). MXFP8 and blockwise FP8 do it in one
-        quant-core call (on CUDA one Triton launch per group of like tensors); other formats loop.
-        Every pair is checked before anything is written; one device per call."""
+        `quantize_(srcs[i], outs[i], amax=amaxes[i])`, bit for bit (without `amaxes`, each source's
+        own amax, agreed over `amax_group` where one is bound; the bound state). MXFP8 and
+        blockwise FP8 do it in one quant-core call (on CUDA one Triton launch per group of like
+        tensors); per-tensor current-scaled FP8 with `amaxes` computes every scale in one call,
+        then casts each source; other formats loop. `amaxes` (per-tensor formats): each source's
+        amax, as `quantize_` takes it. Every pair is checked before anything is written; one
+        device per call."""
         if isinstance(srcs, torch.Tensor) or isinstance(outs, torch.Tensor):
             raise TypeError("quantize_many_ takes a sequence of sources and one of outs; for one pair call quantize_")
         if len(srcs) != len(outs):
             raise ValueError(f"quantize_many_ got {len(srcs)} sources but {len(outs)} outs; pass one out per source")
+        if amaxes is not None and (not self.per_tensor_amax or len(amaxes) != len(srcs)):
+            raise ValueError(
+                f"quantize_many_ takes amaxes for per-tensor formats, one per source; got {len(amaxes)} for "
+                f"{len(srcs)} sources with a {type(self).__name__} (per_tensor_amax={self.per_tensor_amax})"
+            )
         if not srcs:
             return
         device = srcs[0].device if isinstance(srcs[0], torch.Tensor) else None
@@ -190,7 +204,7 @@ class Quantizer:
                     f"srcs[{i}] is on {src.device} and outs[{i}] on {out.device}, but srcs[0] is on {device}; "
                     "quantize_many_ quantizes on one device per call: call it once per device"
                 )
-        self._quantize_many(srcs, outs)
+        self._quantize_many(srcs, outs, amaxes)
 
     # [Note: weights recast in backward] A Linear with a high-precision weight needs the weight's
     # columnwise data only in backward (dgrad). Saving it from the forward keeps a quantized copy
@@ -337,11 +351,14 @@ class Quantizer:
         """(M, K) multiples a tensor needs for the quantized GEMM and all-gather."""
         raise NotImplementedError
 
-    def _quantize_many(self, srcs: Sequence[torch.Tensor], outs: Sequence[QuantizedTensor]) -> None:
-        """Requantizes checked (src, out) pairs as `quantize_` would: here one `_quantize` per pair;
-        formats with a multi-tensor kernel override it."""
-        for src, out in zip(srcs, outs, strict=True):
-            self._quantize(src, out=out, amax=None, state=self._state_for(src, None), usages=out.usages)
+    def _quantize_many(
+        self, srcs: Sequence[torch.Tensor], outs: Sequence[QuantizedTensor], amaxes: Sequence[torch.Tensor] | None
+    ) -> None:
+        """Requantizes checked (src, out) pairs as `quantize_` would (with amaxes[i] if given): here
+        one `_quantize` per pair; formats with a multi-tensor path override it."""
+        for i, (src, out) in enumerate(zip(srcs, outs, strict=True)):
+            amax = None if amaxes is None else amaxes[i]
+            self._quantize(src, out=out, amax=amax, state=self._state_for(src, None), usages=out.usages)
 
     def _quantize(
         self,
