@@ -123,6 +123,10 @@ def test_quantize_on_gather_equals_quantizing_the_unsharded_weight(recipe_name):
     unsharded, _ = gather(shards, 2, 5, value.shape)
     reference = qt.recipe_from_name(recipe_name).quantizer("weight").quantize(value)
     assert_same(unsharded, expected_gather(reference))
+    # The shard kept for the backward's gather holds what the gathers send: no columnwise copy
+    # where the unsharded tensor derives it (per-tensor FP8, 128 x 128 tiles).
+    kept = shards[0]._quantize_shard()
+    assert (kept.columnwise_data is None) == quantizer.can_derive_columnwise
 
 
 @pytest.mark.parametrize("recipe_name", RECIPES)

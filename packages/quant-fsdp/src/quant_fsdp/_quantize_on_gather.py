@@ -231,7 +231,13 @@ class QuantizeOnGatherTensor(torch.Tensor):
         synced = self._synced_amax
         amax = synced[1] if synced is not None and synced[0] == version else None
         if self._quantized_shard is None:
-            self._quantized_shard = self.quantizer.quantize(self._data, amax=amax)
+            # Only what the gathers send: a columnwise copy that the unsharded tensor derives would
+            # hold a byte per element from the forward's gather to the backward's for nothing.
+            rowwise, columnwise = self.quantizer.usages_for()
+            columnwise = columnwise and not (rowwise and self.quantizer.can_derive_columnwise)
+            self._quantized_shard = self.quantizer.quantize(
+                self._data, amax=amax, rowwise=rowwise, columnwise=columnwise
+            )
         else:
             self.quantizer.quantize_(self._data, self._quantized_shard, amax=amax)
         self._quantized_version = version

@@ -54,7 +54,7 @@ def write_back(plan: Plan, amaxes: list[torch.Tensor | None], device_verdict: to
     Per-tensor weights take their amax from `amaxes` (the Adam pass's, one tensor per bucket),
     agreed over their amax group when they have one; block formats requantize with one
     `quantize_many_` per (quantizer configuration, device). fp8 moments take theirs from one
-    `amax_many` call, agreed over their parameter's shard groups. `device_verdict`: the step's
+    `amax_many` call per (shard groups, fp8 dtype), agreed over those groups. `device_verdict`: the step's
     verdict when it was not read on the host (nonzero: skipped), which keeps the fp8 moments'
     scales ([Note: fp8 moments on a skipped step]); None when the step is known to have run.
     """
@@ -77,15 +77,13 @@ def write_back(plan: Plan, amaxes: list[torch.Tensor | None], device_verdict: to
         pending.append(PendingAmax(same[0].groups, local_amaxes, functools.partial(_requantize_many, same)))
     if plan.fp8_slots:
         keep = None if device_verdict is None else device_verdict != 0
-        values = [slot.values[slot.position] for slot in plan.fp8_slots]
-        amaxes_of_slots = quant_core.amax_many(values)
-        alike_slots: dict[tuple[Any, ...], list[int]] = {}  # (shard groups, fp8 dtype) -> slot indices
-        for i, slot in enumerate(plan.fp8_slots):
-            alike_slots.setdefault((*map(id, slot.groups), slot.codes.dtype), []).append(i)
-        for indices in alike_slots.values():
-            slots = [plan.fp8_slots[i] for i in indices]
-            store = functools.partial(_store_fp8_moments, slots, [values[i] for i in indices], keep)
-            pending.append(PendingAmax(slots[0].groups, amaxes_of_slots[indices], store))
+        alike_slots: dict[tuple[Any, ...], list[Fp8Slot]] = {}  # by (shard groups, fp8 dtype)
+        for slot in plan.fp8_slots:
+            alike_slots.setdefault((*map(id, slot.groups), slot.codes.dtype), []).append(slot)
+        for slots in alike_slots.values():
+            values = [slot.values[slot.position] for slot in slots]
+            store = functools.partial(_store_fp8_moments, slots, values, keep)
+            pending.append(PendingAmax(slots[0].groups, quant_core.amax_many(values), store))
     if pending:
         agree_amaxes_and_apply(pending)
     for r in plan.requantize:
