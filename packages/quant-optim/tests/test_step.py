@@ -225,40 +225,72 @@ def _on_the_device(run: Callable[..., torch.Tensor], *args: object, verdict_on_h
 
 
 def test_fp8_moments_leave_the_verdict_on_the_device_and_a_skip_keeps_them(monkeypatch):
-    # Stateless weights and fp8 moments of both formats: after the first step the device route
-    # stores the moments every step, skipped or not, without reading the verdict ([Note: fp8
-    # moments on a skipped step]); bitwise the host route, a skipped step changing nothing.
-    run, write_back = quant_optim._step.run, quant_optim._step.write_back
+    # Stateless weights and fp8 moments of both formats: the device route stores the moments
+    # every step, skipped or not, with the verdict left on the device ([Note: fp8 moments on a
+    # skipped step]); bitwise the host route, a skipped step changing nothing.
+    run, store = quant_optim._step.run, quant_optim._step.store_fp8_moments
     stores: list[bool] = []
 
-    def recorded(plan: Any, amaxes: Any, device_verdict: torch.Tensor | None = None) -> None:
-        stores.append(device_verdict is not None)
-        write_back(plan, amaxes, device_verdict=device_verdict)
+    def recorded(slots: Any, keep: torch.Tensor | None) -> None:
+        stores.append(keep is not None)
+        store(slots, keep)
 
-    monkeypatch.setattr(quant_optim._step, "write_back", recorded)
+    monkeypatch.setattr(quant_optim._step, "store_fp8_moments", recorded)
     runs = {}
     for route in ("host", "device"):
         if route == "device":
             monkeypatch.setattr(quant_optim._step, "run", functools.partial(_on_the_device, run))
-        stores.clear()
         params = [p for p in model(seed=4) if p.numel()]
         optimizer = FusedAdam(
             params, lr=1e-2, weight_decay=0.1, exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e5m2
         )
-        verdicts = []
+        verdicts, stored = [], []  # per step: the store calls (one per bucket), whether each had a device verdict
         for step, (nan, found) in SCHEDULE.items():
             set_grads(params, step, nan)
             before = bits(params, optimizer)
+            stores.clear()
             optimizer.step(found_inf=None if found is None else torch.tensor([found]))
             verdicts.append(optimizer.last_step_skipped)
+            stored.append(set(stores))
             assert same(bits(params, optimizer), before) == verdicts[-1], (route, step)
         runs[route] = (bits(params, optimizer), verdicts)
         if route == "host":  # skipped steps return before the store
-            assert stores == [False] * 4
-        else:  # every step stores, skipped ones too; the first reads the verdict for the weights' bytes
-            assert stores == [False] + [True] * (len(SCHEDULE) - 1)
+            assert stored == [set() if skipped else {False} for skipped in verdicts]
+        else:  # every step stores, skipped ones too
+            assert stored == [{True}] * len(SCHEDULE)
     assert runs["host"][1] == runs["device"][1] == [False, True, False, True, False, False]
     assert same(runs["host"][0], runs["device"][0])
+
+
+@pytest.mark.parametrize("route", ["host", "device"])
+def test_fp8_moments_step_in_chunks_bitwise_as_in_one_bucket(route, monkeypatch):
+    # [Note: fp8 moments stepped in chunks]: with chunks of a few thousand elements each bucket
+    # splits, one chunk's fp32 values exist at a time, and every tensor ends bit for bit as with
+    # one bucket per kind, over steps with skips.
+    if route == "device":
+        monkeypatch.setattr(quant_optim._step, "run", functools.partial(_on_the_device, quant_optim._step.run))
+    store, live = quant_optim._step.store_fp8_moments, []
+
+    def counted(slots: Any, keep: torch.Tensor | None) -> None:
+        buckets = slots[0].bucket, *(b for b in optimizer._plan[1].buckets if b is not slots[0].bucket)
+        live.append(sum(any(m.dtype == torch.float32 for m in (*b.exp_avgs, *b.exp_avg_sqs)) for b in buckets))
+        store(slots, keep)
+
+    monkeypatch.setattr(quant_optim._step, "store_fp8_moments", counted)
+    runs = {}
+    for chunk in (2**27, 5000):
+        monkeypatch.setattr(quant_optim._plan, "FP8_MOMENT_CHUNK", chunk)
+        params = [p for p in model(seed=5) if p.numel()]
+        optimizer = FusedAdam(
+            params, lr=1e-2, weight_decay=0.1, exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e5m2
+        )
+        for step, (nan, found) in SCHEDULE.items():
+            set_grads(params, step, nan)
+            optimizer.step(found_inf=None if found is None else torch.tensor([found]))
+        runs[chunk] = (bits(params, optimizer), len(optimizer._plan[1].buckets))
+    assert same(runs[2**27][0], runs[5000][0])
+    assert runs[5000][1] > runs[2**27][1]
+    assert set(live) == {1}  # the bucket being stored, no other
 
 
 def test_fp8_moments_hold_no_fp32_values_between_steps():

@@ -38,6 +38,9 @@ import quant_tensors as qt
 
 FP8_MOMENT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 MASTER_ROUNDING_SEED = 0x6D6173746572  # "master": apart from other users of the counter RNG at seed 0
+FP8_MOMENT_CHUNK = 2**27
+"""Elements (of the unsharded parameters) per bucket of parameters with fp8 moments: a step holds
+the fp32 values of one such bucket's fp8 moments at a time ([Note: fp8 moments stepped in chunks])."""
 
 WrittenRecord = list[tuple[int | None, ...] | None]
 """[a quantized weight's buffer versions when this optimizer last wrote them from its master, or None]."""
@@ -66,6 +69,8 @@ class Bucket:
     """Whether a parameter of it is requantized with a per-tensor amax (the Adam pass returns it)."""
     plain: bool = True
     """Whether every state tensor owns its memory (else the reference kernels run: `is_plain`)."""
+    fp8_slots: list[Fp8Slot] = field(default_factory=list)
+    """Its moments kept in fp8."""
 
 
 @dataclass(eq=False)
@@ -136,6 +141,7 @@ def build_plan(
         records: the optimizer's `written_record`s, by local quantized weight.
     """
     buckets: dict[tuple[Any, ...], Bucket] = {}
+    chunks: dict[tuple[Any, ...], tuple[int, int]] = {}  # kind -> (its current chunk, elements in it)
     requantize, fp8_slots = [], []
     for index, ((p, group), state, grad) in enumerate(zip(work, states, grads, strict=True)):
         local = qt.local_shard(p)
@@ -154,6 +160,14 @@ def build_plan(
             None if out is None else out.dtype,
             local.device,
         )
+        if any(m.dtype in FP8_MOMENT_DTYPES for m in moments):
+            # Chunks by the unsharded sizes, so that every rank makes the same buckets (each stores
+            # its fp8 moments with collectives of its own).
+            chunk, elements = chunks.get(key, (0, 0))
+            if elements and elements + p.numel() > FP8_MOMENT_CHUNK:
+                chunk, elements = chunk + 1, 0
+            chunks[key] = (chunk, elements + p.numel())
+            key = (*key, chunk)
         bucket = buckets.setdefault(key, Bucket(group, local.device))
         bucket_index = list(buckets).index(key)
         position = len(bucket.params)
@@ -169,7 +183,9 @@ def build_plan(
         ):
             values.append(moment)
             if moment.dtype in FP8_MOMENT_DTYPES:
-                fp8_slots.append(Fp8Slot(bucket, position, name, moment, state[f"{name}_scale_inv"], shard_groups(p)))
+                slot = Fp8Slot(bucket, position, name, moment, state[f"{name}_scale_inv"], shard_groups(p))
+                fp8_slots.append(slot)
+                bucket.fp8_slots.append(slot)
         bucket.plain = bucket.plain and all(map(is_plain, (master, *moments, *(() if out is None else (out,)))))
         if isinstance(local, qt.QuantizedTensor):
             quantizer = local.quantizer

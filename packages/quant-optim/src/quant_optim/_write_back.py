@@ -1,6 +1,6 @@
-"""FusedAdam's write-back after the update: quantized weights requantized from their masters, fp8
-moments stored from their fp32 values, per-tensor amaxes agreed in one all-reduce per process
-group ([Note: FusedAdam step] in quant_optim._step)."""
+"""FusedAdam's write-back after the update: quantized weights requantized from their masters
+(per-tensor amaxes agreed in one all-reduce per process group), fp8 moments stored from their
+fp32 values after each bucket's update ([Note: FusedAdam step] in quant_optim._step)."""
 
 from __future__ import annotations
 
@@ -47,16 +47,13 @@ def agree_amaxes_and_apply(pending: list[PendingAmax]) -> None:
             item.apply(amax.view(item.amax.shape))
 
 
-def write_back(plan: Plan, amaxes: list[torch.Tensor | None], device_verdict: torch.Tensor | None = None) -> None:
-    """Requantizes the plan's quantized weights from their masters and stores its fp8 moments from
-    their values; then records the weights' buffer versions (`Requantize.written`).
+def write_back(plan: Plan, amaxes: list[torch.Tensor | None]) -> None:
+    """Requantizes the plan's quantized weights from their masters, then records their buffer
+    versions (`Requantize.written`).
 
     Per-tensor weights take their amax from `amaxes` (the Adam pass's, one tensor per bucket),
-    agreed over their amax group when they have one; block formats requantize with one
-    `quantize_many_` per (quantizer configuration, device). fp8 moments take theirs from one
-    `amax_many` call per (shard groups, fp8 dtype), agreed over those groups. `device_verdict`: the step's
-    verdict when it was not read on the host (nonzero: skipped), which keeps the fp8 moments'
-    scales ([Note: fp8 moments on a skipped step]); None when the step is known to have run.
+    agreed over their amax group when they have one, alike ones in one `quantize_many_`; block
+    formats requantize with one `quantize_many_` per (quantizer configuration, device).
     """
     rows = [a.unbind() if b.compute_amax else None for a, b in zip(amaxes, plan.buckets, strict=True)]
     pending = []
@@ -75,19 +72,27 @@ def write_back(plan: Plan, amaxes: list[torch.Tensor | None], device_verdict: to
     for same in per_tensor.values():
         local_amaxes = torch.stack([rows[r.bucket][r.position] for r in same])
         pending.append(PendingAmax(same[0].groups, local_amaxes, functools.partial(_requantize_many, same)))
-    if plan.fp8_slots:
-        keep = None if device_verdict is None else device_verdict != 0
-        alike_slots: dict[tuple[Any, ...], list[Fp8Slot]] = {}  # by (shard groups, fp8 dtype)
-        for slot in plan.fp8_slots:
-            alike_slots.setdefault((*map(id, slot.groups), slot.codes.dtype), []).append(slot)
-        for slots in alike_slots.values():
-            values = [slot.values[slot.position] for slot in slots]
-            store = functools.partial(_store_fp8_moments, slots, values, keep)
-            pending.append(PendingAmax(slots[0].groups, quant_core.amax_many(values), store))
     if pending:
         agree_amaxes_and_apply(pending)
     for r in plan.requantize:
         r.written[0] = buffer_versions(r.local)
+
+
+def store_fp8_moments(slots: list[Fp8Slot], keep: torch.Tensor | None) -> None:
+    """Stores fp8 moments from the fp32 values their bucket's update wrote, each with the scale of
+    its amax agreed over its parameter's shard groups (one `amax_many` and one all-reduce per
+    (shard groups, fp8 dtype)); where `keep` (the step's device verdict, None when the step is
+    known to have run) is set, with the scale it was stored with ([Note: fp8 moments on a skipped
+    step])."""
+    alike: dict[tuple[Any, ...], list[Fp8Slot]] = {}
+    for slot in slots:
+        alike.setdefault((*map(id, slot.groups), slot.codes.dtype), []).append(slot)
+    pending = []
+    for same in alike.values():
+        values = [slot.values[slot.position] for slot in same]
+        store = functools.partial(_store_fp8_moments, same, values, keep)
+        pending.append(PendingAmax(same[0].groups, quant_core.amax_many(values), store))
+    agree_amaxes_and_apply(pending)
 
 
 def requantize_from_master(local: qt.QuantizedTensor, master: torch.Tensor) -> PendingAmax:
