@@ -9,12 +9,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+import quant_optim._plan
 import quant_tensors as qt
 from quant_core.testing import raw_bits
 from quant_fsdp import demo
 from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig, run_ranks
 from quant_fsdp.testing import local_bytes, quantized_transformer
-import quant_optim._plan
 from quant_optim import FusedAdam
 from quant_optim._plan import FP8_MOMENT_CHUNK
 
@@ -94,7 +94,8 @@ def _one_amax_all_reduce(rank: int, world_size: int) -> None:
         # weight's amax.
         weights = [(len(per_tensor),)] if per_tensor else []
         moments = calls[1 : len(calls) - len(weights)]
-        assert calls[0] == () and calls[len(calls) - len(weights) :] == weights, (recipe_name, calls)
+        assert calls[0] == (), (recipe_name, calls)
+        assert calls[len(calls) - len(weights) :] == weights, (recipe_name, calls)
         assert sum(shape[0] for shape in moments) == fp8_moments, (recipe_name, calls)
         if not fp8_moments:
             assert not moments, calls
