@@ -80,8 +80,8 @@ def write_back(plan: Plan, amaxes: list[torch.Tensor | None]) -> None:
 
 def store_fp8_moments(slots: list[Fp8Slot], keep: torch.Tensor | None) -> None:
     """Stores fp8 moments from the fp32 values their bucket's update wrote, each with the scale of
-    its amax agreed over its parameter's shard groups (one `amax_many` and one all-reduce per
-    (shard groups, fp8 dtype)); where `keep` (the step's device verdict, None when the step is
+    its amax agreed over its parameter's shard groups (one `amax_many` per (shard groups, fp8
+    dtype), one all-reduce per shard groups); where `keep` (the step's device verdict, None when the step is
     known to have run) is set, with the scale it was stored with ([Note: fp8 moments on a skipped
     step])."""
     alike: dict[tuple[Any, ...], list[Fp8Slot]] = {}
