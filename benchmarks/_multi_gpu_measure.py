@@ -187,6 +187,30 @@ def exposed_time(communication: Iterable[tuple[float, float]], compute: Iterable
     return exposed
 
 
+HOST_SPANS = {
+    "fsdp_hooks": ("FSDP::pre_forward", "FSDP::post_forward", "FSDP::pre_backward", "FSDP::post_backward"),
+    "compiled_graphs": ("## Call CompiledFxGraph",),
+    "optimizer": ("Optimizer.step#",),
+}
+"""Host work by kind, as torch.profiler names its spans: FSDP2's hooks (its unshards and
+reduce-scatters included), the Python of compiled graphs (Inductor's wrapper: its launches and
+allocations), the optimizer's step."""
+
+
+def host_time_by_kind(trace_events: Sequence[dict]) -> dict[str, float]:
+    """Microseconds of host time under each kind of HOST_SPANS in a chrome trace's `traceEvents`:
+    the union of the spans whose names start with the kind's prefixes (nested or concurrent spans
+    of one kind counted once)."""
+    spans: dict[str, list[tuple[float, float]]] = {kind: [] for kind in HOST_SPANS}
+    for event in trace_events:
+        if event.get("ph") != "X" or event.get("cat") not in ("cpu_op", "user_annotation"):
+            continue
+        for kind, prefixes in HOST_SPANS.items():
+            if event.get("name", "").startswith(prefixes):
+                spans[kind].append((float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0))))
+    return {kind: sum(end - start for start, end in union(intervals)) for kind, intervals in spans.items()}
+
+
 def kernel_intervals(trace_events: Sequence[dict]) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
     """(communication, compute) intervals in microseconds of the GPU kernels in a chrome trace's
     `traceEvents` (torch.profiler's export_chrome_trace): NCCL kernels (names containing "nccl")

@@ -46,6 +46,10 @@ class Row:
     """graph_breaks/recompiles, total and after_warmup; max over repeats."""
     exposed_comm_ms: float | None = None
     """Per step, rank 0, median over repeats (--profile only)."""
+    gpu_compute_ms: float | None = None
+    """Per step, rank 0: time some non-NCCL kernel runs; median over repeats (--profile only)."""
+    host_ms: dict[str, float] = field(default_factory=dict)
+    """Per step, rank 0: host time by kind (fsdp_hooks, compiled_graphs, optimizer); medians (--profile only)."""
     error: str = ""
     exit_codes: list[int] = field(default_factory=list)
 
@@ -81,6 +85,9 @@ def build_row(run: str, launches: Sequence[dict]) -> Row:
     row.reduce_scatter_bytes = row.collectives["reduce_scatter"]["input_bytes"]
     row.dynamo = {k: max(r["dynamo"][k] for r in results) for k in results[0]["dynamo"]}
     row.exposed_comm_ms = _median([r.get("exposed_comm_ms") for r in results])
+    row.gpu_compute_ms = _median([r.get("gpu_compute_ms") for r in results])
+    kinds = {kind for r in results for kind in r.get("host_ms") or {}}
+    row.host_ms = {kind: _median([(r.get("host_ms") or {}).get(kind) for r in results]) for kind in sorted(kinds)}
     return row
 
 
@@ -120,6 +127,11 @@ def _per_parameter(split: dict[str, float]) -> str:
     return f"{sum(parts):.1f} ({' + '.join(f'{p:.1f}' for p in parts)})"
 
 
+def _host(host_ms: dict[str, float]) -> str:
+    kinds = ("fsdp_hooks", "compiled_graphs", "optimizer")
+    return " / ".join(_value(host_ms.get(kind), ".1f") for kind in kinds) if host_ms else "-"
+
+
 def _bytes(value: int | None) -> str:
     return "-" if value is None else f"{value / MIB:.1f}"
 
@@ -143,6 +155,8 @@ FULL_COLUMNS = (
     "breaks",
     "recompiles",
     "exposed comm ms",
+    "GPU compute ms",
+    "host ms hooks/graphs/optim",
     "error",
 )
 COMPACT_COLUMNS = ("run", "tok/s/GPU", "spread", "vs bf16c", "vs torchao", "peak GiB", "AG MiB", "loss", "error")
@@ -168,6 +182,8 @@ def _full_cells(r: Row) -> list[str]:
         _pair(r.dynamo, "graph_breaks"),
         _pair(r.dynamo, "recompiles"),
         _value(r.exposed_comm_ms, ".2f"),
+        _value(r.gpu_compute_ms, ".1f"),
+        _host(r.host_ms),
         r.error,
     ]
 

@@ -60,6 +60,10 @@ Columns of DIR/multi_gpu.md (DIR/multi_gpu.json holds the same and every launch)
   the counted and timed steps); max over repeats.
 - exposed comm ms (--profile): per step, the time NCCL kernels run on rank 0's GPU while no other
   kernel does (_multi_gpu_measure.exposed_time); the chrome trace of every rank is in DIR/traces.
+- GPU compute ms (--profile): per step, the time some non-NCCL kernel runs on rank 0's GPU; a step
+  longer than it by more than the exposed communication waited for its host.
+- host ms hooks/graphs/optim (--profile): per step, rank 0's host time in FSDP2's hooks, in the
+  Python of compiled graphs and in the optimizer step (_multi_gpu_measure.host_time_by_kind).
 - error: the first line of what a run raised; a launch that exits non-zero without a result
   takes the error a rank printed, else its exit code. The other runs go on.
 """
@@ -94,6 +98,7 @@ from _multi_gpu_measure import (
     dynamo_counts,
     exposed_time,
     gradient_bytes,
+    host_time_by_kind,
     kernel_intervals,
     local_numel,
     optimizer_state_bytes,
@@ -102,6 +107,7 @@ from _multi_gpu_measure import (
     phase,
     recorded_memory,
     reset_peak_memory,
+    union,
 )
 from _multi_gpu_report import Row, build_row, compact_table, markdown, with_ratios
 from _multi_gpu_runs import MODELS, Options, RunSpec, build_run, parse_run, rank_batches
@@ -224,9 +230,15 @@ def _profile(
     profiler.export_chrome_trace(str(trace))
     if rank != 0:
         return {}
-    communication, compute = kernel_intervals(json.loads(trace.read_text())["traceEvents"])
-    exposed_ms = exposed_time(communication, compute) / 1e3 / PROFILED_STEPS if communication or compute else None
-    return {"trace": str(trace), "exposed_comm_ms": exposed_ms}
+    events = json.loads(trace.read_text())["traceEvents"]
+    communication, compute = kernel_intervals(events)
+    per_step_ms = 1e-3 / PROFILED_STEPS
+    return {
+        "trace": str(trace),
+        "exposed_comm_ms": exposed_time(communication, compute) * per_step_ms if communication or compute else None,
+        "gpu_compute_ms": sum(end - start for start, end in union(compute)) * per_step_ms if compute else None,
+        "host_ms": {kind: us * per_step_ms for kind, us in host_time_by_kind(events).items()},
+    }
 
 
 def summarize(spec: RunSpec, options: Options, per_rank: list[dict], device: torch.device) -> dict:
@@ -256,6 +268,8 @@ def summarize(spec: RunSpec, options: Options, per_rank: list[dict], device: tor
         "collectives": per_rank[0]["collectives"],
         "dynamo": per_rank[0]["dynamo"],
         "exposed_comm_ms": per_rank[0].get("exposed_comm_ms"),
+        "gpu_compute_ms": per_rank[0].get("gpu_compute_ms"),
+        "host_ms": per_rank[0].get("host_ms", {}),
         "trace": per_rank[0].get("trace"),
     }
 

@@ -35,6 +35,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
         sys.executable, str(BENCHMARKS / "multi_gpu.py"), "--drive", "--device", "cpu", "--nproc-per-node", "2",
         "--model", "tiny", "--num-layers", "8", "--model-source", "builtin", "--compile-backend", "aot_eager",
         "--runs", ",".join(RUNS), "--repeats", str(REPEATS), "--warmup", "1", "--steps", "1", "--out", str(out),
+        "--profile",
     ]  # fmt: skip
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
@@ -113,6 +114,15 @@ def test_reports_hold_every_run(report):
     assert report["backend"] == "gloo"
 
 
+def test_profiles_split_host_time_by_kind(report):
+    # On the CPU there are no kernels (no GPU compute, no exposed communication), but the host spans
+    # of FSDP2's hooks and the optimizer step are in every run's trace.
+    for row in report["rows"]:
+        assert row["gpu_compute_ms"] is None, row["run"]
+        assert row["host_ms"]["fsdp_hooks"] > 0, row["run"]
+        assert row["host_ms"]["optimizer"] > 0, row["run"]
+
+
 def test_a_run_that_raises_becomes_a_row_with_its_error(tmp_path):
     # AdamW refuses a negative learning rate on every rank, after the model is built and sharded.
     command = [
@@ -160,6 +170,20 @@ def test_kernel_intervals_split_nccl_from_compute():
     assert measure.exposed_time(communication, compute) == 40.0
 
 
+def test_host_time_by_kind_unites_nested_and_repeated_spans():
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "FSDP::pre_forward (layers.0)", "ts": 0.0, "dur": 10.0},
+        {"ph": "X", "cat": "user_annotation", "name": "FSDP::pre_backward (layers.0)", "ts": 5.0, "dur": 10.0},
+        {"ph": "X", "cat": "user_annotation", "name": "FSDP::all_gather (layers.0)", "ts": 1.0, "dur": 2.0},
+        {"ph": "X", "cat": "cpu_op", "name": "## Call CompiledFxGraph abc ##", "ts": 20.0, "dur": 4.0},
+        {"ph": "X", "cat": "cpu_op", "name": "## Call CompiledFxGraph def ##", "ts": 30.0, "dur": 6.0},
+        {"ph": "X", "cat": "user_annotation", "name": "Optimizer.step#FusedAdam.step", "ts": 40.0, "dur": 3.0},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "Optimizer.step#FusedAdam.step", "ts": 40.0, "dur": 9.0},
+        {"ph": "X", "cat": "kernel", "name": "FSDP::pre_forward", "ts": 0.0, "dur": 99.0},
+    ]
+    assert measure.host_time_by_kind(events) == {"fsdp_hooks": 15.0, "compiled_graphs": 10.0, "optimizer": 3.0}
+
+
 def _result(tokens: float, peak: int) -> dict:
     collectives = {"all_gather": {"output_bytes": 8}, "reduce_scatter": {"input_bytes": 16}}
     memory = {"peak": peak, "parameters": 1, "gradients": 2, "optimizer_states": 3, "activations_other": peak - 6}
@@ -170,9 +194,11 @@ def _result(tokens: float, peak: int) -> dict:
         "recompiles_after_warmup": 0,
     }
     speed = {"tokens_per_s_per_gpu": tokens, "step_ms": 1e3 / tokens}
+    profile = {"gpu_compute_ms": 1e3 / tokens / 2, "host_ms": {"fsdp_hooks": tokens / 100, "optimizer": 1.0}}
     return {
         "error": "",
         **speed,
+        **profile,
         "loss": 2.0,
         "memory": memory,
         "local_parameters": 2,
@@ -194,6 +220,8 @@ def test_rows_take_medians_spreads_peaks_and_errors():
     assert row.memory_gib["activations_other"] == pytest.approx(12 - 6 / 2**30)
     assert row.bytes_per_parameter == {"parameters": 0.5, "gradients": 1.0, "optimizer_states": 1.5}
     assert row.repeats == 3
+    assert row.gpu_compute_ms == 1e3 / 200 / 2
+    assert row.host_ms == {"fsdp_hooks": 2.0, "optimizer": 1.0}
     assert row.exit_codes == [0, 1, 0, 0]
     assert row.error == "1/4 repeats failed: RuntimeError: out of memory"
     failed = report_rows.build_row("nvfp4:hp:eager", [launches[1]])
