@@ -23,6 +23,7 @@ the wrapper; in-place ops return it; everything else returns plain tensors (opti
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -194,6 +195,9 @@ class QuantizeOnGatherTensor(torch.Tensor):
         shard = _padded_shard(self._data, padded).to(param_dtype)
         count_gather(self.quantizer.format_name, (shard,), world_size, quantized=False)
         return (shard,), full_shape
+
+    # FSDP2 reads the pre-all-gather hook's signature at every gather (to pick the call form).
+    fsdp_pre_all_gather.__signature__ = inspect.signature(fsdp_pre_all_gather)  # type: ignore[attr-defined]
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         if not self.fallback:
