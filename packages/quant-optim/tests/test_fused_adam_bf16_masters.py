@@ -5,19 +5,17 @@ verdict routes equal, state_dict round trips continuing bitwise, and the dtype-m
 
 from __future__ import annotations
 
-import functools
 import io
-from collections.abc import Callable
 
 import pytest
 import torch
 
 import quant_core
-import quant_optim._step
 import quant_tensors as qt
 from quant_core.testing import raw_bits
 from quant_optim import FusedAdam
 from quant_optim._plan import MASTER_ROUNDING_SEED
+from quant_optim.testing import force_device_route, same_bits, state_bits, step_through
 
 COUNTER = "master_rounding_counter"
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-2, (0.9, 0.999), 1e-8, 0.1
@@ -49,21 +47,6 @@ def set_grads(params: list[torch.nn.Parameter], step: int, nan: bool = False) ->
         p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
     if nan:
         params[1].grad[7] = float("nan")
-
-
-def bits(params: list[torch.nn.Parameter], optimizer: FusedAdam) -> list[list[torch.Tensor]]:
-    def of(t: torch.Tensor) -> torch.Tensor:
-        return raw_bits(t.detach().reshape(-1)).clone()
-
-    out = []
-    for p in params:
-        tensors = [b for b in p.buffers().values() if b is not None] if isinstance(p, qt.QuantizedTensor) else [p]
-        out.append([of(t) for t in tensors] + [of(v) for _, v in sorted(optimizer.state[p].items())])
-    return out
-
-
-def same(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bool:
-    return all(torch.equal(x, y) for ta, tb in zip(a, b, strict=True) for x, y in zip(ta, tb, strict=True))
 
 
 def test_masters_are_bf16_with_counters_started_apart():
@@ -123,40 +106,28 @@ def test_a_skipped_step_changes_no_counter(capturable):
     optimizer = optimizer_for(params, capturable=capturable)
     set_grads(params, 0)
     optimizer.step()
-    before = bits(params, optimizer)
+    before = state_bits(params, optimizer)
     set_grads(params, 1, nan=True)
     optimizer.step()
     assert optimizer.last_step_skipped
-    assert same(bits(params, optimizer), before)
+    assert same_bits(state_bits(params, optimizer), before)
     optimizer.step(found_inf=torch.tensor([1.0]))
-    assert same(bits(params, optimizer), before)
+    assert same_bits(state_bits(params, optimizer), before)
     assert [int(optimizer.state[p][COUNTER]) for p in params[1:]] == [(i << 32) + 1 for i in (1, 2, 3)]
 
 
 # step -> (a NaN in some gradient, the caller's found_inf)
-SCHEDULE = {0: (False, None), 1: (True, None), 2: (False, None), 3: (False, 1.0), 4: (False, 0.0), 5: (False, None)}
-
-
-def _on_the_device(run: Callable[..., torch.Tensor], *args: object, verdict_on_host: bool) -> torch.Tensor:
-    return run(*args, verdict_on_host=False)
-
-
 def test_the_device_route_equals_the_host_route_bitwise(monkeypatch):
-    run = quant_optim._step.run
     runs = {}
     for route in ("host", "device"):
         if route == "device":  # forced on the CPU, as CUDA tensors take it
-            monkeypatch.setattr(quant_optim._step, "run", functools.partial(_on_the_device, run))
+            force_device_route(monkeypatch)
         params = model()
         optimizer = optimizer_for(params, exp_avg_dtype=torch.bfloat16)
-        verdicts = []
-        for step, (nan, found) in SCHEDULE.items():
-            set_grads(params, step, nan)
-            optimizer.step(found_inf=None if found is None else torch.tensor([found]))
-            verdicts.append(optimizer.last_step_skipped)
-        runs[route] = (bits(params, optimizer), verdicts)
+        verdicts = step_through(params, optimizer, set_grads)
+        runs[route] = (state_bits(params, optimizer), verdicts)
     assert runs["host"][1] == runs["device"][1] == [False, True, False, True, False, False]
-    assert same(runs["host"][0], runs["device"][0])
+    assert same_bits(runs["host"][0], runs["device"][0])
 
 
 @pytest.mark.parametrize("capturable", [False, True])
@@ -171,7 +142,7 @@ def test_a_resumed_run_continues_bitwise(capturable):
     for step in range(3, 6):
         set_grads(params, step, nan=step == 4)
         optimizer.step()
-    uninterrupted = bits(params, optimizer)
+    uninterrupted = state_bits(params, optimizer)
 
     buffer.seek(0)
     weights, state_dict = torch.load(buffer, weights_only=False)
@@ -190,7 +161,7 @@ def test_a_resumed_run_continues_bitwise(capturable):
     for step in range(3, 6):
         set_grads(resumed, step, nan=step == 4)
         optimizer.step()
-    assert same(bits(resumed, optimizer), uninterrupted)
+    assert same_bits(state_bits(resumed, optimizer), uninterrupted)
 
 
 @pytest.mark.parametrize(("saved", "loaded"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
@@ -200,10 +171,10 @@ def test_a_checkpoint_of_another_master_dtype_is_refused_and_changes_nothing(sav
     set_grads(params, 0)
     source.step()
     target = FusedAdam(params, lr=LR, master_weight_dtype=loaded)
-    before = bits(params, target)
+    before = state_bits(params, target)
     with pytest.raises(ValueError, match=rf"holds masters as {saved} .* load with master_weight_dtype={saved}"):
         target.load_state_dict(source.state_dict())
-    assert same(bits(params, target), before)
+    assert same_bits(state_bits(params, target), before)
 
 
 def test_bad_master_settings_are_refused():

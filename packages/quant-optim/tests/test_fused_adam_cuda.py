@@ -9,18 +9,14 @@ import pytest
 import torch
 
 import quant_tensors as qt
-from quant_core.testing import no_host_syncs, raw_bits
+from quant_core.testing import no_host_syncs
 from quant_optim import FusedAdam
+from quant_optim.testing import assert_same_bits, state_bits
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu-suite.sh)"),
 ]
-
-
-def tensors_of(p: torch.Tensor) -> list[torch.Tensor | None]:
-    """A quantized parameter's buffers (None for a usage it does not hold), else [p]."""
-    return list(p.buffers().values()) if isinstance(p, qt.QuantizedTensor) else [p]
 
 
 def params_on(device: str) -> list[torch.nn.Parameter]:
@@ -47,22 +43,6 @@ def set_grads(params: list[torch.nn.Parameter], step: int, device: str, nan: boo
         params[-2].grad[7, 9] = float("nan")
 
 
-def snapshot(params: list[torch.nn.Parameter], optimizer: FusedAdam) -> list[list[torch.Tensor]]:
-    """Every byte the step may write: buffers, delayed-scaling histories, optimizer states."""
-    return [
-        [raw_bits(t.reshape(-1)).cpu() for t in tensors_of(p) if t is not None]
-        + ([p.quantizer.state.cpu()] if isinstance(p, qt.QuantizedTensor) and p.quantizer.state is not None else [])
-        + [raw_bits(v.reshape(-1)).cpu() for _, v in sorted(optimizer.state[p].items())]
-        for p in params
-    ]
-
-
-def assert_same(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> None:
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        for j, (u, v) in enumerate(zip(x, y, strict=True)):
-            assert torch.equal(u, v), f"parameter {i}, tensor {j}: {(u != v).sum()} of {u.numel()} differ"
-
-
 # step -> (a NaN in a gradient, the caller's found_inf)
 SCHEDULE = {0: (True, None), 1: (False, None), 2: (False, None), 3: (True, None), 4: (False, 1.0), 5: (False, 0.0)}
 
@@ -84,14 +64,14 @@ def test_cuda_step_equals_cpu_step_bitwise(moment_dtype, master_dtype):
         verdicts = []
         for step, (nan, found) in SCHEDULE.items():
             set_grads(params, step, device, nan)
-            before = snapshot(params, optimizer)
+            before = state_bits(params, optimizer)
             optimizer.step(found_inf=None if found is None else torch.tensor([found], device=device))
             verdicts.append(optimizer.last_step_skipped)
             if verdicts[-1]:  # a skipped step (the first one too) writes nothing, histories included
-                assert_same(snapshot(params, optimizer), before)
-        results[device] = (snapshot(params, optimizer), verdicts, optimizer.skipped_steps)
+                assert_same_bits(state_bits(params, optimizer), before)
+        results[device] = (state_bits(params, optimizer), verdicts, optimizer.skipped_steps)
     assert results["cuda"][1:] == results["cpu"][1:] == ([True, False, False, True, True, False], 3)
-    assert_same(results["cpu"][0], results["cuda"][0])
+    assert_same_bits(results["cpu"][0], results["cuda"][0])
 
 
 def stateless_params(device: str = "cuda") -> list[torch.nn.Parameter]:
@@ -146,6 +126,6 @@ def test_capturable_step_replays_in_a_cuda_graph_as_eager_steps():
             found[run].fill_(1.0 if step == 3 else 0.0)
             graph.replay() if run == "graph" else optimizer.step(found_inf=found[run])
         torch.cuda.synchronize()
-        runs[run] = (snapshot(params, optimizer), optimizer.skipped_steps)
+        runs[run] = (state_bits(params, optimizer), optimizer.skipped_steps)
     assert runs["graph"][1] == runs["eager"][1] == 1
-    assert_same(runs["eager"][0], runs["graph"][0])
+    assert_same_bits(runs["eager"][0], runs["graph"][0])

@@ -8,9 +8,7 @@ skipped steps and steps with a caller's found_inf. On CUDA the device route runs
 from __future__ import annotations
 
 import copy
-import functools
 import io
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,6 +19,7 @@ import quant_optim._step
 import quant_tensors as qt
 from quant_core.testing import raw_bits
 from quant_optim import FusedAdam
+from quant_optim.testing import SKIP_SCHEDULE, force_device_route, same_bits, state_bits, step_through
 
 STATELESS = ("fp8", "mxfp8", "fp8-block", "nvfp4")
 
@@ -53,21 +52,6 @@ def optimizer_for(params: list[torch.nn.Parameter], capturable: bool, lr: float 
     )
 
 
-def bits(params: list[torch.nn.Parameter], optimizer: FusedAdam) -> list[list[torch.Tensor]]:
-    def of(t: torch.Tensor) -> torch.Tensor:
-        return raw_bits(t.detach().reshape(-1)).clone()
-
-    out = []
-    for p in params:
-        tensors = [b for b in p.buffers().values() if b is not None] if isinstance(p, qt.QuantizedTensor) else [p]
-        out.append([of(t) for t in tensors] + [of(v) for _, v in sorted(optimizer.state[p].items())])
-    return out
-
-
-def same(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bool:
-    return all(torch.equal(x, y) for ta, tb in zip(a, b, strict=True) for x, y in zip(ta, tb, strict=True))
-
-
 def set_grads(params: list[torch.nn.Parameter], step: int, nan: bool = False) -> None:
     generator = torch.Generator().manual_seed(100 + step)
     for p in params:
@@ -76,42 +60,32 @@ def set_grads(params: list[torch.nn.Parameter], step: int, nan: bool = False) ->
         params[-1].grad[3, 5] = float("nan")
 
 
-# step -> (a NaN in some gradient, the caller's found_inf)
-SCHEDULE = {0: (False, None), 1: (True, None), 2: (False, None), 3: (False, 1.0), 4: (False, 0.0), 5: (False, None)}
-
-
 def test_the_device_verdict_route_equals_the_host_verdict_route_bitwise():
     runs = {}
     for capturable in (False, True):
         params = model()
         optimizer = optimizer_for(params, capturable, lr=torch.tensor(1e-2))
-        verdicts = []
-        for step, (nan, found) in SCHEDULE.items():
-            set_grads(params, step, nan)
-            before = bits(params, optimizer)
-            optimizer.step(found_inf=None if found is None else torch.tensor([found]))
-            verdicts.append(optimizer.last_step_skipped)
-            assert same(bits(params, optimizer), before) == verdicts[-1], step  # skipped: nothing changed
-        runs[capturable] = (bits(params, optimizer), verdicts, optimizer.skipped_steps)
+        verdicts = step_through(params, optimizer, set_grads)  # skipped steps change nothing
+        runs[capturable] = (state_bits(params, optimizer), verdicts, optimizer.skipped_steps)
     assert runs[False][1:] == ([False, True, False, True, False, False], 2)
     assert runs[True][1:] == runs[False][1:]
-    assert same(runs[False][0], runs[True][0])
+    assert same_bits(runs[False][0], runs[True][0])
 
 
 def test_a_skipped_step_leaves_everything_as_it_was():
     params = model()
     optimizer = optimizer_for(params, capturable=True)
-    before = bits(params, optimizer)  # the quantized bytes are not yet the masters' quantization
+    before = state_bits(params, optimizer)  # the quantized bytes are not yet the masters' quantization
     set_grads(params, 0, nan=True)
     optimizer.step()
     assert optimizer.last_step_skipped
-    assert same(bits(params, optimizer), before)
+    assert same_bits(state_bits(params, optimizer), before)
     set_grads(params, 1)
     optimizer.step()
-    stepped = bits(params, optimizer)
+    stepped = state_bits(params, optimizer)
     set_grads(params, 2, nan=True)
     optimizer.step()  # requantizes from the unchanged masters: the same bytes
-    assert same(bits(params, optimizer), stepped)
+    assert same_bits(state_bits(params, optimizer), stepped)
     assert [float(optimizer.state[p]["step"]) for p in params] == [1.0] * len(params)
 
 
@@ -148,8 +122,8 @@ def test_a_loaded_optimizer_continues_bitwise():
         for step in (2, 3):
             set_grads(params, step, nan=step == 3)
             optimizer.step()
-        runs[capturable] = bits(params, optimizer)
-    assert same(runs[False], runs[True])
+        runs[capturable] = state_bits(params, optimizer)
+    assert same_bits(runs[False], runs[True])
 
 
 def test_parameters_at_different_step_counts_step_alike_on_both_routes():
@@ -164,19 +138,10 @@ def test_parameters_at_different_step_counts_step_alike_on_both_routes():
             if step == 1:
                 params[0].grad = params[4].grad = None
             optimizer.step()
-        runs[capturable] = bits(params, optimizer)
+        runs[capturable] = state_bits(params, optimizer)
         counts = [float(optimizer.state[p]["step"]) for p in params]
         assert counts == [3.0, 4.0, 4.0, 4.0, 3.0, 4.0, 4.0, 4.0], capturable
-    assert same(runs[False], runs[True])
-
-
-def bits_and_histories(params: list[torch.nn.Parameter], optimizer: FusedAdam) -> list[list[torch.Tensor]]:
-    """`bits` and every quantizer's state (delayed scaling's amax history)."""
-    histories = [
-        [p.quantizer.state.clone()] if isinstance(p, qt.QuantizedTensor) and p.quantizer.state is not None else []
-        for p in params
-    ]
-    return [b + h for b, h in zip(bits(params, optimizer), histories, strict=True)]
+    assert same_bits(runs[False], runs[True])
 
 
 # step -> (a NaN in some gradient, the caller's found_inf); the first step skipped
@@ -188,11 +153,10 @@ def test_the_device_route_reads_the_verdict_on_the_host_for_what_a_skip_would_ch
     # fp8 moments, delayed scaling and bytes not yet written by the optimizer (the first step) on
     # the device route, forced on the CPU without capturable=True (which refuses the first two),
     # as CUDA tensors take it: bitwise the host route, histories included.
-    run = quant_optim._step.run
     runs = {}
     for route in ("host", "device"):
         if route == "device":
-            monkeypatch.setattr(quant_optim._step, "run", functools.partial(_on_the_device, run))
+            force_device_route(monkeypatch)
         generator = torch.Generator().manual_seed(3)
         params = [
             torch.nn.Parameter(torch.randn(96, 64, generator=generator)),
@@ -207,59 +171,47 @@ def test_the_device_route_reads_the_verdict_on_the_host_for_what_a_skip_would_ch
         optimizer = FusedAdam(
             params, lr=1e-2, weight_decay=0.1, exp_avg_dtype=moment_dtype, exp_avg_sq_dtype=moment_dtype
         )
-        verdicts = []
-        for step, (nan, found) in HOST_GATED_SCHEDULE.items():
-            set_grads(params, step, nan)
-            before = bits_and_histories(params, optimizer)
-            optimizer.step(found_inf=None if found is None else torch.tensor([found]))
-            verdicts.append(optimizer.last_step_skipped)
-            assert same(bits_and_histories(params, optimizer), before) == verdicts[-1], (route, step)
-        runs[route] = (bits_and_histories(params, optimizer), verdicts, optimizer.skipped_steps)
+        verdicts = step_through(params, optimizer, set_grads, HOST_GATED_SCHEDULE)  # histories included
+        runs[route] = (state_bits(params, optimizer), verdicts, optimizer.skipped_steps)
     assert runs["host"][1:] == ([True, False, True, True, False], 3)
     assert runs["device"][1:] == runs["host"][1:]
-    assert same(runs["host"][0], runs["device"][0])
-
-
-def _on_the_device(run: Callable[..., torch.Tensor], *args: object, verdict_on_host: bool) -> torch.Tensor:
-    return run(*args, verdict_on_host=False)
+    assert same_bits(runs["host"][0], runs["device"][0])
 
 
 def test_fp8_moments_leave_the_verdict_on_the_device_and_a_skip_keeps_them(monkeypatch):
     # Stateless weights and fp8 moments of both formats: the device route stores the moments
     # every step, skipped or not, with the verdict left on the device ([Note: fp8 moments on a
     # skipped step]); bitwise the host route, a skipped step changing nothing.
-    run, store = quant_optim._step.run, quant_optim._step.store_fp8_moments
-    stores: list[bool] = []
+    store, current = quant_optim._step.store_fp8_moments, [0]
+    stores: list[tuple[int, bool]] = []  # (step, whether the store had a device verdict), one per bucket
 
     def recorded(slots: Any, keep: torch.Tensor | None) -> None:
-        stores.append(keep is not None)
+        stores.append((current[0], keep is not None))
         store(slots, keep)
+
+    def grads_of_step(params: list[torch.nn.Parameter], step: int, nan: bool) -> None:
+        current[0] = step
+        set_grads(params, step, nan)
 
     monkeypatch.setattr(quant_optim._step, "store_fp8_moments", recorded)
     runs = {}
     for route in ("host", "device"):
         if route == "device":
-            monkeypatch.setattr(quant_optim._step, "run", functools.partial(_on_the_device, run))
+            force_device_route(monkeypatch)
         params = [p for p in model(seed=4) if p.numel()]
         optimizer = FusedAdam(
             params, lr=1e-2, weight_decay=0.1, exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e5m2
         )
-        verdicts, stored = [], []  # per step: the store calls (one per bucket), whether each had a device verdict
-        for step, (nan, found) in SCHEDULE.items():
-            set_grads(params, step, nan)
-            before = bits(params, optimizer)
-            stores.clear()
-            optimizer.step(found_inf=None if found is None else torch.tensor([found]))
-            verdicts.append(optimizer.last_step_skipped)
-            stored.append(set(stores))
-            assert same(bits(params, optimizer), before) == verdicts[-1], (route, step)
-        runs[route] = (bits(params, optimizer), verdicts)
+        stores.clear()
+        verdicts = step_through(params, optimizer, grads_of_step)  # skipped steps change nothing
+        stored = [{device for step_, device in stores if step_ == step} for step in SKIP_SCHEDULE]
+        runs[route] = (state_bits(params, optimizer), verdicts)
         if route == "host":  # skipped steps return before the store
             assert stored == [set() if skipped else {False} for skipped in verdicts]
         else:  # every step stores, skipped ones too
-            assert stored == [{True}] * len(SCHEDULE)
+            assert stored == [{True}] * len(SKIP_SCHEDULE)
     assert runs["host"][1] == runs["device"][1] == [False, True, False, True, False, False]
-    assert same(runs["host"][0], runs["device"][0])
+    assert same_bits(runs["host"][0], runs["device"][0])
 
 
 @pytest.mark.parametrize("route", ["host", "device"])
@@ -268,7 +220,7 @@ def test_fp8_moments_step_in_chunks_bitwise_as_in_one_bucket(route, monkeypatch)
     # splits, one chunk's fp32 values exist at a time, and every tensor ends bit for bit as with
     # one bucket per kind, over steps with skips.
     if route == "device":
-        monkeypatch.setattr(quant_optim._step, "run", functools.partial(_on_the_device, quant_optim._step.run))
+        force_device_route(monkeypatch)
     store, live = quant_optim._step.store_fp8_moments, []
 
     def counted(slots: Any, keep: torch.Tensor | None) -> None:
@@ -284,11 +236,9 @@ def test_fp8_moments_step_in_chunks_bitwise_as_in_one_bucket(route, monkeypatch)
         optimizer = FusedAdam(
             params, lr=1e-2, weight_decay=0.1, exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e5m2
         )
-        for step, (nan, found) in SCHEDULE.items():
-            set_grads(params, step, nan)
-            optimizer.step(found_inf=None if found is None else torch.tensor([found]))
-        runs[chunk] = (bits(params, optimizer), len(optimizer._plan[1].buckets))
-    assert same(runs[2**27][0], runs[5000][0])
+        step_through(params, optimizer, set_grads)
+        runs[chunk] = (state_bits(params, optimizer), len(optimizer._plan[1].buckets))
+    assert same_bits(runs[2**27][0], runs[5000][0])
     assert runs[5000][1] > runs[2**27][1]
     assert set(live) == {1}  # the bucket being stored, no other
 
@@ -420,7 +370,7 @@ def test_weights_of_one_configuration_requantize_in_one_call_as_a_loop_would(dev
                 params[-1].grad[3, 5] = float("nan")
             optimizer.step()
             assert optimizer.last_step_skipped == (step == 2)
-        runs[name] = bits(params, optimizer)
-    assert same(runs["loop"], runs["many"])
+        runs[name] = state_bits(params, optimizer)
+    assert same_bits(runs["loop"], runs["many"])
     # MXFP8, 128 x 128, 1 x 128 in the parameters' order, then E4M3 and E5M2
     assert sizes == [2, 2, 1, 2, 1] * 4
