@@ -10,52 +10,10 @@ import torch
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_core.testing import raw_bits
 from quant_fsdp import _plan
+from quant_tensors.testing import assert_same, expected_gather, fsdp_gather
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
-
-
-class FakeMesh:
-    """The part of a DeviceMesh the hooks use."""
-
-    def __init__(self, size: int) -> None:
-        self._size = size
-
-    def size(self) -> int:
-        return self._size
-
-    def get_group(self):
-        return None
-
-
-def gather(shards, world_size: int, signature: int, full_shape, out=None):
-    mesh = FakeMesh(world_size)
-    results = [
-        s.fsdp_pre_all_gather(mesh) if signature == 1 else s.fsdp_pre_all_gather(mesh, full_shape, None, None, None)
-        for s in shards
-    ]
-    inputs = [r[0] for r in results]
-    outputs = tuple(torch.cat([i[k] for i in inputs]) for k in range(len(inputs[0])))
-    return shards[0].fsdp_post_all_gather(outputs, results[0][1], torch.float32, out=out)
-
-
-def assert_same(a: qt.QuantizedTensor, b: qt.QuantizedTensor) -> None:
-    assert type(a) is type(b)
-    assert a.shape == b.shape
-    for name, buffer in b.buffers().items():
-        got = getattr(a, name)
-        assert (got is None) == (buffer is None), name
-        if buffer is not None:
-            assert torch.equal(raw_bits(got.reshape(-1)), raw_bits(buffer.reshape(-1))), name
-
-
-def expected_gather(full: qt.QuantizedTensor) -> qt.QuantizedTensor:
-    """What a gather rebuilds: formats that derive columnwise locally gather rowwise only."""
-    if full.quantizer.can_derive_columnwise:
-        full = full._rebuilt()
-        full.update_usage(columnwise=False)
-    return full
 
 
 def test_quantize_on_gather_wrapper_ops():
@@ -120,7 +78,7 @@ def test_quantize_on_gather_equals_quantizing_the_unsharded_weight(recipe_name):
         # (sync_amax_, or the quantizer's amax_group); here it is given as sync_amax_ leaves it.
         for s in shards:
             s._synced_amax = (s._data._version, value.abs().max())
-    unsharded, _ = gather(shards, 2, 5, value.shape)
+    unsharded, _ = fsdp_gather(shards, 2, 5, value.shape)
     reference = qt.recipe_from_name(recipe_name).quantizer("weight").quantize(value)
     assert_same(unsharded, expected_gather(reference))
     # The shard kept for the backward's gather holds what the gathers send: no columnwise copy
@@ -141,7 +99,7 @@ def test_fallback_gathers_padded_high_precision_and_quantizes_after(recipe_name)
             padded[: chunk.shape[0]].copy_(chunk)
             shards.append(padded[: chunk.shape[0]])  # FSDP2's narrow of the padded shard
         stats_before = quant_fsdp.comm_stats().get(quantizer.format_name, {}).get("fallback", 0)
-        unsharded, _ = gather(shards, world_size, 5, value.shape)
+        unsharded, _ = fsdp_gather(shards, world_size, 5, value.shape)
         reference = qt.recipe_from_name(recipe_name).quantizer("weight").quantize(value)
         assert_same(unsharded, reference)
         stats = quant_fsdp.comm_stats()[quantizer.format_name]["fallback"] - stats_before
@@ -161,12 +119,12 @@ def test_gather_only_fallback_hands_over_the_high_precision_weight():
     ]
     assert not shards[0].detach()[:8].quantize_after_gather  # FSDP2's views of the shard keep it
     before = quant_fsdp.comm_stats().get(quantizer.format_name, {}).get("fallback", 0)
-    unsharded, inner_tensors = gather(shards, 2, 5, value.shape)
+    unsharded, inner_tensors = fsdp_gather(shards, 2, 5, value.shape)
     assert type(unsharded) is torch.Tensor
     assert inner_tensors == ()
     assert torch.equal(unsharded, value)
     assert quant_fsdp.comm_stats()[quantizer.format_name]["fallback"] - before == 2 * 48 * 64 * 4 * 2
-    assert gather(shards, 2, 5, value.shape, out=unsharded) is None  # FSDP2 refilled the gathered storage
+    assert fsdp_gather(shards, 2, 5, value.shape, out=unsharded) is None  # FSDP2 refilled the gathered storage
     with pytest.raises(ValueError, match="quantize_after_gather=False needs fallback=True"):
         quant_fsdp.QuantizeOnGatherTensor(torch.randn(64, 32), quantizer, quantize_after_gather=False)
 

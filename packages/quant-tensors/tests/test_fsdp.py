@@ -12,50 +12,9 @@ import torch
 import quant_tensors as qt
 from quant_core.testing import raw_bits
 from quant_tensors import _fsdp
+from quant_tensors.testing import FakeMesh, assert_same, expected_gather, fsdp_gather
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
-
-
-class FakeMesh:
-    """The part of a DeviceMesh the hooks use."""
-
-    def __init__(self, size: int) -> None:
-        self._size = size
-
-    def size(self) -> int:
-        return self._size
-
-    def get_group(self):
-        return None
-
-
-def gather(shards, world_size: int, signature: int, full_shape, out=None):
-    mesh = FakeMesh(world_size)
-    results = [
-        s.fsdp_pre_all_gather(mesh) if signature == 1 else s.fsdp_pre_all_gather(mesh, full_shape, None, None, None)
-        for s in shards
-    ]
-    inputs = [r[0] for r in results]
-    outputs = tuple(torch.cat([i[k] for i in inputs]) for k in range(len(inputs[0])))
-    return shards[0].fsdp_post_all_gather(outputs, results[0][1], torch.float32, out=out)
-
-
-def assert_same(a: qt.QuantizedTensor, b: qt.QuantizedTensor) -> None:
-    assert type(a) is type(b)
-    assert a.shape == b.shape
-    for name, buffer in b.buffers().items():
-        got = getattr(a, name)
-        assert (got is None) == (buffer is None), name
-        if buffer is not None:
-            assert torch.equal(raw_bits(got.reshape(-1)), raw_bits(buffer.reshape(-1))), name
-
-
-def expected_gather(full: qt.QuantizedTensor) -> qt.QuantizedTensor:
-    """What a gather rebuilds: formats that derive columnwise locally gather rowwise only."""
-    if full.quantizer.can_derive_columnwise:
-        full = full._rebuilt()
-        full.update_usage(columnwise=False)
-    return full
 
 
 @pytest.mark.parametrize("signature", [1, 5])
@@ -64,7 +23,7 @@ def expected_gather(full: qt.QuantizedTensor) -> qt.QuantizedTensor:
 def test_quantized_shards_gather_into_the_unsharded_tensor(recipe_name, world_size, signature):
     full = qt.recipe_from_name(recipe_name).quantizer("weight").quantize(torch.randn(512, 256))
     shards = [s.clone() for s in full.chunk(world_size)]  # FSDP2 copies each shard into its own buffers
-    unsharded, to_free = gather(shards, world_size, signature, full.shape)
+    unsharded, to_free = fsdp_gather(shards, world_size, signature, full.shape)
     assert_same(unsharded, expected_gather(full))
     assert unsharded.quantizer is full.quantizer  # no quantizer copies
     buffers_before = {n: b for n, b in unsharded.buffers().items() if b is not None}
@@ -72,7 +31,7 @@ def test_quantized_shards_gather_into_the_unsharded_tensor(recipe_name, world_si
     new_full = full.quantizer.quantize(torch.randn(512, 256))
     for shard, new in zip(shards, new_full.chunk(world_size), strict=True):
         shard.copy_(new)
-    assert gather(shards, world_size, signature, full.shape, out=unsharded) is None
+    assert fsdp_gather(shards, world_size, signature, full.shape, out=unsharded) is None
     assert_same(unsharded, expected_gather(new_full))
     for name, buffer in unsharded.buffers().items():
         if buffer is not None and buffer.dim() == 0:  # per-tensor values: the shard's own, never copied
@@ -84,7 +43,7 @@ def test_mxfp8_gathers_rowwise_forward_and_columnwise_backward_when_backward_reg
     monkeypatch.setattr(_fsdp, "_reshards_after_forward", lambda module: True)
     full = qt.MXFP8BlockScaling().quantizer("weight").quantize(torch.randn(128, 64))
     shards = [s.clone() for s in full.chunk(2)]
-    unsharded, to_free = gather(shards, 2, 5, full.shape)
+    unsharded, to_free = fsdp_gather(shards, 2, 5, full.shape)
     assert [tuple(t.shape) for t in to_free] == [(64, 128), (64, 4)]  # the owned columnwise buffers
     # The forward's tensor holds them already, not yet filled: a compiled backward reads the
     # buffers the forward had ([Note: refilled unsharded buffers]).
@@ -97,7 +56,7 @@ def test_mxfp8_gathers_rowwise_forward_and_columnwise_backward_when_backward_reg
     seen = {}
 
     def backward_gather(grad):
-        seen["result"] = gather(shards, 2, 5, full.shape, out=unsharded)
+        seen["result"] = fsdp_gather(shards, 2, 5, full.shape, out=unsharded)
         return grad
 
     x = torch.ones(1, requires_grad=True)
@@ -114,7 +73,7 @@ def test_mxfp8_gathers_rowwise_forward_and_columnwise_backward_when_backward_reg
 def test_mxfp8_gathers_both_usages_when_no_fsdp_module_is_found():
     full = qt.MXFP8BlockScaling().quantizer("weight").quantize(torch.randn(128, 64))
     shards = [s.clone() for s in full.chunk(2)]
-    unsharded, _ = gather(shards, 2, 5, full.shape)  # module None: no FSDP2 module, no backward gather known
+    unsharded, _ = fsdp_gather(shards, 2, 5, full.shape)  # module None: no FSDP2 module, no backward gather known
     assert shards[0].fsdp_pre_all_gather(FakeMesh(2))[1].names == (
         "rowwise_data",
         "rowwise_scale_inv",
