@@ -48,32 +48,47 @@ def hadamard_transform_16_reference(x: torch.Tensor, seed: int = 0) -> torch.Ten
     Walsh-Hadamard butterfly (stage h adds and subtracts elements h apart, in fp32) and scaled by
     1/4, so the transform is orthonormal; the result is rounded to x's dtype.
     """
-    groups = x.float().reshape(-1, GROUP) * hadamard_signs(seed, x.device)
+    groups = _butterfly(x.float().reshape(-1, GROUP) * hadamard_signs(seed, x.device))
+    return to_output_dtype(groups * 0.25, x.dtype).reshape(x.shape)
+
+
+def _butterfly(groups: torch.Tensor) -> torch.Tensor:
+    """The 4-stage fast Walsh-Hadamard butterfly of each row of 16 (stage h adds and subtracts
+    elements h apart), unscaled, in the rows' dtype."""
     for h in (1, 2, 4, 8):
         pairs = groups.reshape(-1, GROUP // (2 * h), 2, h)
         first, second = pairs[:, :, 0, :], pairs[:, :, 1, :]
         groups = torch.stack((first + second, first - second), dim=2).reshape(-1, GROUP)
-    return to_output_dtype(groups * 0.25, x.dtype).reshape(x.shape)
+    return groups
 
 
 def hadamard_transform_16(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
     """16 x 16 random Hadamard transform of x along its last dim (which must be a multiple of 16)."""
+    return _checked_call("hadamard_transform_16", x, seed)
+
+
+def _checked_call(name: str, x: torch.Tensor, seed: int) -> torch.Tensor:
+    """The transform operator `name` on x's (M, K) view, after the checks both transforms share."""
     check_float_input(x)
     if x.dim() == 0 or x.shape[-1] % GROUP:
         raise ValueError(f"the Hadamard transform mixes groups of 16 along the last dim; got shape {tuple(x.shape)}")
-    return with_shape(call("hadamard_transform_16", as_2d(x), signed64(int(seed))), x.shape)
+    return with_shape(call(name, as_2d(x), signed64(int(seed))), x.shape)
 
 
 def _hadamard_fake(x_MK: torch.Tensor, seed: int) -> torch.Tensor:
     return x_MK.new_empty(x_MK.shape)
 
 
-@define_op("hadamard_transform_16", fake=_hadamard_fake)
-def _hadamard_transform_16_op(kernel: Kernel, x_MK: torch.Tensor, seed: int) -> torch.Tensor:
+def _transform_op(kernel: Kernel, x_MK: torch.Tensor, seed: int) -> torch.Tensor:
+    """The body of both transform operators: the kernel fills a fresh contiguous (M, K) output."""
     out_MK = torch.empty(x_MK.shape, dtype=x_MK.dtype, device=x_MK.device)
     if out_MK.numel() > 0:
         kernel(x_MK, seed, out_MK)
     return out_MK
+
+
+define_op("hadamard_transform_16", fake=_hadamard_fake)(_transform_op)
+define_op("hadamard_inverse_16", fake=_hadamard_fake)(_transform_op)
 
 
 @register_kernel("hadamard_transform_16", "reference")
@@ -88,28 +103,13 @@ def hadamard_inverse_16_reference(x: torch.Tensor, seed: int = 0) -> torch.Tenso
     group of 16 goes through the 4-stage butterfly (in fp32), is scaled by 1/4, then multiplied
     by the seed's signs; the result is rounded to x's dtype.
     """
-    groups = x.float().reshape(-1, GROUP)
-    for h in (1, 2, 4, 8):
-        pairs = groups.reshape(-1, GROUP // (2 * h), 2, h)
-        first, second = pairs[:, :, 0, :], pairs[:, :, 1, :]
-        groups = torch.stack((first + second, first - second), dim=2).reshape(-1, GROUP)
+    groups = _butterfly(x.float().reshape(-1, GROUP))
     return to_output_dtype(groups * 0.25 * hadamard_signs(seed, x.device), x.dtype).reshape(x.shape)
 
 
 def hadamard_inverse_16(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
     """The inverse of `hadamard_transform_16` along x's last dim (a multiple of 16), in fp32, rounded to x's dtype."""
-    check_float_input(x)
-    if x.dim() == 0 or x.shape[-1] % GROUP:
-        raise ValueError(f"the Hadamard transform mixes groups of 16 along the last dim; got shape {tuple(x.shape)}")
-    return with_shape(call("hadamard_inverse_16", as_2d(x), signed64(int(seed))), x.shape)
-
-
-@define_op("hadamard_inverse_16", fake=_hadamard_fake)
-def _hadamard_inverse_16_op(kernel: Kernel, x_MK: torch.Tensor, seed: int) -> torch.Tensor:
-    out_MK = torch.empty(x_MK.shape, dtype=x_MK.dtype, device=x_MK.device)
-    if out_MK.numel() > 0:
-        kernel(x_MK, seed, out_MK)
-    return out_MK
+    return _checked_call("hadamard_inverse_16", x, seed)
 
 
 @register_kernel("hadamard_inverse_16", "reference")
