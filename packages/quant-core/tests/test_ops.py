@@ -194,7 +194,7 @@ def _cases() -> dict[str, tuple[torch._ops.OpOverload, tuple]]:
             OPS.nvfp4_gemm_output.default,
             (_x((6, 40), torch.float32), nv.amax, torch.tensor(0.0), _x((40,), seed=1), torch.bfloat16),
         ),
-        "transpose_nvfp4": (OPS.transpose_nvfp4.default, (nv.rowwise_data,)),
+        "transpose_nvfp4": (OPS.transpose_nvfp4.default, (nv.rowwise_data, nv.rowwise_scale_inv)),
         "hadamard_transform_16": (OPS.hadamard_transform_16.default, (x_strided, -3)),
         "hadamard_inverse_16": (OPS.hadamard_inverse_16.default, (x_strided, -(2**63) + 5)),
         "hadamard_amaxes": (OPS.hadamard_amaxes.default, (x_strided, 2**62)),

@@ -7,7 +7,12 @@ A quantized Linear's backward reads the codes of its input (wgrad), so a compile
 the FP8 codes of every Linear input on top of the high-precision tensors it saves anyway (the
 norm's input, attention's output, the MLP's gate and up outputs, from which the Linear inputs
 are recomputed): per decoder layer of the 2.2B Llama, 104 MiB that torchao, whose casts are aten
-ops, does not hold. Ops defined `recomputable` are tagged as selective activation checkpointing
+ops, does not hold. Likewise a weight gathered by FSDP2 arrives rowwise only, and the forward
+derives its columnwise (transposed) bytes for the backward's dgrad: saved, they would hold a byte
+per weight element of every layer from its forward to its backward, where the gathered weight
+itself costs nothing to save (FSDP2 frees it after the forward and refills the same storage for
+the backward); recomputed, the backward transposes its own gather. Ops defined `recomputable`
+(the quantizes, `transpose_bytes`, `transpose_nvfp4`) are tagged as selective activation checkpointing
 tags its region (`CheckpointPolicy.PREFER_RECOMPUTE`, node meta "recompute"), so their outputs are
 recomputed from their inputs in the backward: one or two more reads of a tensor that is alive
 anyway.
@@ -78,3 +83,4 @@ def _node_of(proxy_mode: Any, tensor: torch.Tensor) -> Any:
     inner = torch._from_functional_tensor(tensor.elem) if hasattr(tensor, "elem") else tensor
     tracked = proxy_mode.tracer.tensor_tracker.get(inner)
     return None if tracked is None else tracked.proxy.node
+

@@ -229,7 +229,7 @@ def _transpose_bytes_fake(data_MK: torch.Tensor) -> torch.Tensor:
     return data_MK.new_empty((data_MK.shape[1], data_MK.shape[0]))
 
 
-@define_op("transpose_bytes", fake=_transpose_bytes_fake)
+@define_op("transpose_bytes", fake=_transpose_bytes_fake, recomputable=True)
 def _transpose_bytes_op(kernel: Kernel, data_MK: torch.Tensor) -> torch.Tensor:
     out_KM = torch.empty((data_MK.shape[1], data_MK.shape[0]), dtype=data_MK.dtype, device=data_MK.device)
     if out_KM.numel() > 0:

@@ -45,8 +45,9 @@ Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
   operand as `dequantize_nvfp4`'s, one device ([Note: dequantizing two operands]).
 - `torch.ops.quant_core.nvfp4_gemm_output(product, a_global_amax, b_global_amax, bias, dtype)
   -> Tensor`: [Note: NVFP4 GEMM output]; see `_nvfp4_gemm_output_op` for its contract.
-- `torch.ops.quant_core.transpose_nvfp4(packed_MK) -> Tensor`: rowwise 16 x 16 data (M, K/2)
-  uint8 with M even, any strides. Returns the packed codes of x^T, contiguous (K, M/2).
+- `torch.ops.quant_core.transpose_nvfp4(packed_MK, scale_inv) -> (Tensor, Tensor)`: rowwise
+  16 x 16 data (M, K/2) uint8 with M even, any strides, and its (M/16, K/16) scales. Returns the
+  packed codes of x^T, contiguous (K, M/2), and the scales transposed, contiguous.
 - the Hadamard operators' contracts are in quant_core.nvfp4._hadamard.
 """
 
@@ -605,7 +606,7 @@ def transpose_nvfp4(data: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.
             f"scale_inv of 16 x 16 tiles for data of shape {tuple(data.shape)} must have shape {expected}, got "
             f"{tuple(scale_inv.shape)} (1 x 16 data cannot be transposed losslessly: quantize x^T instead)"
         )
-    return call("transpose_nvfp4", packed), scale_inv.t().contiguous()
+    return call("transpose_nvfp4", packed, scale_inv)
 
 
 def _transposed_packed_shape(packed_MK: torch.Tensor) -> tuple[int, int]:
@@ -613,16 +614,20 @@ def _transposed_packed_shape(packed_MK: torch.Tensor) -> tuple[int, int]:
     return packed_MK.shape[1] * 2, packed_MK.shape[0] // 2
 
 
-def _transpose_nvfp4_fake(packed_MK: torch.Tensor) -> torch.Tensor:
-    return packed_MK.new_empty(_transposed_packed_shape(packed_MK))
+def _transpose_nvfp4_fake(packed_MK: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return packed_MK.new_empty(_transposed_packed_shape(packed_MK)), scale_inv.new_empty(scale_inv.shape[::-1])
 
 
-@define_op("transpose_nvfp4", fake=_transpose_nvfp4_fake)
-def _transpose_nvfp4_op(kernel: Kernel, packed_MK: torch.Tensor) -> torch.Tensor:
+@define_op("transpose_nvfp4", fake=_transpose_nvfp4_fake, recomputable=True)
+def _transpose_nvfp4_op(
+    kernel: Kernel, packed_MK: torch.Tensor, scale_inv: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # The scales are transposed here, not by the caller, so that torch.compile recomputes them in
+    # the backward with the codes ([Note: recomputed quantizations] in quant_core._recompute).
     out_KM = torch.empty(_transposed_packed_shape(packed_MK), dtype=torch.uint8, device=packed_MK.device)
     if out_KM.numel() > 0:
         kernel(packed_MK.contiguous(), out_KM)
-    return out_KM
+    return out_KM, scale_inv.t().clone(memory_format=torch.contiguous_format)
 
 
 @register_kernel("transpose_nvfp4", "reference")
