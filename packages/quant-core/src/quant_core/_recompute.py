@@ -83,4 +83,3 @@ def _node_of(proxy_mode: Any, tensor: torch.Tensor) -> Any:
     inner = torch._from_functional_tensor(tensor.elem) if hasattr(tensor, "elem") else tensor
     tracked = proxy_mode.tracer.tensor_tracker.get(inner)
     return None if tracked is None else tracked.proxy.node
-
