@@ -97,8 +97,15 @@ def _gathered_equals_unsharded(rank: int, world_size: int, mode: str) -> None:
         masters = MasterWeights(model)
         # foreach: the step torch's optimizers take on CUDA, writing a list of shards at once.
         optimizer = torch.optim.AdamW(masters.parameters, lr=1e-2, foreach=True)
+        ahead = mode == "quantize-on-gather" and qt.recipe_from_name(recipe_name).quantizer("weight").stateless
         for _ in range(2):  # after steps, so the shards were requantized (mode 1) or changed (mode 2)
             one_step(model, rank)
+            if ahead:  # the backward's gather was the last: the quantized shard's codes are freed
+                for layer in model.layers:
+                    kept = layer.weight._local_tensor._quantized_shard
+                    assert all(
+                        b.untyped_storage().nbytes() == 0 for b in kept.buffers().values() if b is not None and b.dim()
+                    ), recipe_name
             # The quantizers as they are before quantizing this step's weights (delayed scaling's
             # history decides the scale); the expected quantization below starts from them.
             quantizers = [copy.deepcopy(weight_quantizer(layer)) for layer in model.layers]
@@ -107,6 +114,10 @@ def _gathered_equals_unsharded(rank: int, world_size: int, mode: str) -> None:
             synced = quant_fsdp.sync_amax_(model.parameters())
             per_tensor = qt.recipe_from_name(recipe_name).quantizer("weight").per_tensor_amax
             assert synced == (len(model.layers) if per_tensor and mode == "quantize-on-gather" else 0)
+            if ahead and per_tensor:  # [Note: shards quantized ahead] in quant_fsdp._quantize_on_gather
+                for layer in model.layers:
+                    local = layer.weight._local_tensor
+                    assert local._quantized_version == local.shard_version(), recipe_name
         for i, layer in enumerate(model.layers):
             if mode == "quantized-weights":
                 master = dict(masters.pairs)[layer.weight]

@@ -12,16 +12,17 @@ import torch.distributed as dist
 
 import quant_core
 import quant_tensors as qt
-from quant_fsdp._quantize_on_gather import QuantizeOnGatherTensor
+from quant_fsdp._quantize_on_gather import QuantizeOnGatherTensor, quantize_synced_shards
 
 
 def sync_amax_(params: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None) -> int:
     """All-reduces (MAX) the amaxes of every per-tensor-scaled quantize-on-gather shard in one collective.
 
     Without it, each such shard's pre-all-gather hook all-reduces its own amax (one collective per
-    weight per step). Call it after `optimizer.step()`: the next gathers then quantize with the
-    synced amaxes, as long as the shards are unchanged (a later in-place change makes a shard
-    all-reduce on its own again). `group` defaults to the shard group fully_shard gave the
+    weight per step) and quantizes the shard. Call it after `optimizer.step()`: it quantizes the
+    shards of stateless quantizers right away, alike ones in one call ([Note: shards quantized
+    ahead]), so the next gathers send them as they are, as long as the shards are unchanged (a
+    later in-place change makes a shard all-reduce and quantize on its own again). `group` defaults to the shard group fully_shard gave the
     quantizers. Parameters of other kinds are skipped: quantized primary weights agree on their
     scales whenever they are quantized (their quantizers all-reduce), fallback weights are quantized
     after the gather. Returns the number of amaxes synced. Every rank of the group must call it.
@@ -44,6 +45,7 @@ def sync_amax_(params: Iterable[torch.Tensor], group: dist.ProcessGroup | None =
     dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
     for shard, amax in zip(shards, amaxes, strict=True):
         shard._synced_amax = (shard.shard_version(), amax)
+    quantize_synced_shards(shards)
     return len(shards)
 
 
