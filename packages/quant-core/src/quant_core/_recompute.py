@@ -15,7 +15,8 @@ the backward); recomputed, the backward transposes its own gather. Ops defined `
 (the quantizes, `transpose_bytes`, `transpose_nvfp4`) are tagged as selective activation checkpointing
 tags its region (`CheckpointPolicy.PREFER_RECOMPUTE`, node meta "recompute"), so their outputs are
 recomputed from their inputs in the backward: one or two more reads of a tensor that is alive
-anyway.
+anyway. Of a quantize traced into several kernels, the ones that make only scalars (an amax, a
+scale) are not tagged: their few bytes are saved, and the backward recomputes only the cast.
 
 Only a pure call is tagged: every buffer it writes must have been allocated in the graph for it
 (an `empty`, possibly viewed), which the tag covers too. A call that writes a graph input (a
@@ -56,7 +57,24 @@ def prefer_recompute(args: Sequence[Any], mutated_positions: Sequence[int]) -> I
         return
     created = list(itertools.islice(reversed(graph.nodes), len(graph.nodes) - count))
     for node in itertools.chain(created, allocations):
-        node.meta.setdefault("recompute", CheckpointPolicy.PREFER_RECOMPUTE)
+        if not _only_scalars(node):
+            node.meta.setdefault("recompute", CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+# A traced Triton quantize is several nodes: per-tensor FP8's amax launch (partial amaxes), scale
+# launch (0-d scale and inverse) and cast launch. Only the cast is worth recomputing: the amax
+# reads the whole input again for a few bytes that cost nothing to save. Nodes whose outputs are
+# all this small are left untagged, and the partitioner saves what the backward needs of them
+# (it recomputes no untagged custom kernel).
+_SCALARS = 4096
+
+
+def _only_scalars(node: Any) -> bool:
+    """Whether every tensor `node` produces has at most _SCALARS elements (amaxes, scales)."""
+    value = node.meta.get("val")
+    values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    return bool(tensors) and all(t.numel() <= _SCALARS for t in tensors)
 
 
 def _fresh_allocations(proxy_mode: Any, args: Sequence[Any], positions: Sequence[int]) -> list[Any] | None:
