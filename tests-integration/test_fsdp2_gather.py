@@ -8,6 +8,8 @@ import functools
 import gc
 import io
 import itertools
+import logging
+import time
 from dataclasses import replace
 
 import pytest
@@ -435,6 +437,58 @@ def test_ranks_that_disagree_on_the_weights_are_refused_at_fully_shard(world_2):
     world_2.check("ranks disagree")
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _watch_names_a_stuck_gather(rank: int, world_size: int) -> None:
+    # [Note: gather watch] in quant_fsdp._watch. Rank 1 reaches a step's forward 2 s after rank 0,
+    # whose first all-gather (layer 0's weight) then stays open that long: the watch (0.3 s) logs
+    # it once on rank 0, naming the weight; steps where the ranks keep pace log nothing.
+    records = _Records()
+    logging.getLogger("quant_fsdp").addHandler(records)
+    try:
+        for mode in MODES:
+            model = stack("fp8", mode)
+            for layer in model.layers:
+                quant_fsdp.fully_shard(layer, quantize_on_gather=mode == "quantize-on-gather")
+            quant_fsdp.fully_shard(model, quantize_on_gather=mode == "quantize-on-gather")
+            quant_fsdp.watch_gathers(0.3)
+            records.messages.clear()
+            for _ in range(2):
+                one_step(model, rank)
+            assert records.messages == [], (mode, records.messages)
+            dist.barrier()
+            if rank == 1:
+                time.sleep(2.0)
+            one_step(model, rank)
+            if rank == 0:
+                assert len(records.messages) == 1, (mode, records.messages)
+                assert records.messages[0].startswith(
+                    "rank 0: the all-gather of Linear holding weight (per-tensor FP8) began"
+                ), records.messages
+            else:
+                assert records.messages == [], (mode, records.messages)
+            quant_fsdp.watch_gathers(None)
+    finally:
+        quant_fsdp.watch_gathers(None)
+        logging.getLogger("quant_fsdp").removeHandler(records)
+
+
+def test_an_all_gather_that_does_not_complete_is_logged_with_its_weights(world_2):
+    world_2.check("gather watch")
+
+
+def test_watch_gathers_refuses_a_timeout_that_is_not_positive():
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        quant_fsdp.watch_gathers(0)
+
+
 def test_resharding_to_a_smaller_mesh_is_refused_before_anything_changes():
     run_ranks(_refuses_int_reshard, 1)
 
@@ -457,6 +511,7 @@ def world_2() -> SharedWorld:
             ),
             "meta init": (_meta_init, ()),
             "ranks disagree": (_ranks_that_disagree_are_refused, ()),
+            "gather watch": (_watch_names_a_stuck_gather, ()),
             "bytes under torch's fully_shard": (
                 _check_ratios,
                 ("quantized-weights", True, {"mxfp8": 0.52, "fp8": 0.52}, "torch"),

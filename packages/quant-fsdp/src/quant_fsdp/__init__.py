@@ -26,6 +26,7 @@ from quant_fsdp._sequence import (
 )
 from quant_fsdp._stats import comm_stats, reset_comm_stats
 from quant_fsdp._version import __version__
+from quant_fsdp._watch import watch_gathers
 
 qt.fsdp.register_gather_policy(FullyShardGatherPolicy())
 
@@ -37,6 +38,7 @@ __all__ = [
     "GatherPlan",
     "comm_stats",
     "reset_comm_stats",
+    "watch_gathers",
     # export: plain high-precision weights for the unconverted model
     "export_state_dict",
     # per-tensor amax agreement across ranks

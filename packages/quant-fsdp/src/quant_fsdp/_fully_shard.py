@@ -88,7 +88,7 @@ def fully_shard(
         )
     init_values: dict[str, torch.Tensor] = {}
     for plan, owner, attribute, param, quantizer in entries:
-        _plan.register_fsdp_module(quantizer, module)
+        _plan.register_fsdp_module(quantizer, module, plan.name)
         if plan.fallback_reason:
             logger.warning(
                 "%s (%s, %s): gathers in high precision, then quantizes: %s",

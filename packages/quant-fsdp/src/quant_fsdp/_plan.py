@@ -116,8 +116,18 @@ def fallback_reason(quantizer: Any, shape: tuple[int, ...], world_size: int, *, 
 _FSDP_MODULE_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def register_fsdp_module(quantizer: Any, module: torch.nn.Module) -> None:
+_NAME_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def register_fsdp_module(quantizer: Any, module: torch.nn.Module, name: str) -> None:
+    """Records that `module` shards the weight of `quantizer`, called `name` under it."""
     _FSDP_MODULE_OF[quantizer] = weakref.ref(module)
+    _NAME_OF[quantizer] = name
+
+
+def name_of(quantizer: Any) -> str | None:
+    """The name `register_fsdp_module` recorded for the weight of `quantizer`, or None."""
+    return _NAME_OF.get(quantizer)
 
 
 def fsdp_module_of(quantizer: Any) -> torch.nn.Module | None:

@@ -33,7 +33,7 @@ import torch
 from torch.utils._pytree import tree_map, tree_map_only
 
 import quant_tensors as qt
-from quant_fsdp import _checkpoint
+from quant_fsdp import _checkpoint, _watch
 from quant_fsdp._stats import count_gather
 from quant_tensors import QuantizedTensor, Quantizer
 
@@ -189,6 +189,7 @@ class QuantizeOnGatherTensor(torch.Tensor):
         if _checkpoint.pending():  # a checkpoint loaded without load_state_dict after dcp.load
             _checkpoint.requantize_pending()
         world_size = mesh.size()
+        _watch.gather_began(self.quantizer)
         if not self.fallback:
             return qt.fsdp.all_gather_inputs(self._quantize_shard(), world_size, module=module)
         param_dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
@@ -202,6 +203,7 @@ class QuantizeOnGatherTensor(torch.Tensor):
     fsdp_pre_all_gather.__signature__ = inspect.signature(fsdp_pre_all_gather)  # type: ignore[attr-defined]
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        _watch.gather_ended(self.quantizer)
         if not self.fallback:
             unsharded = qt.fsdp.unsharded_from_gather(self, all_gather_outputs, metadata, param_dtype, out)
             if torch._C._current_graph_task_id() != -1 and self.quantizer.stateless:  # in a backward

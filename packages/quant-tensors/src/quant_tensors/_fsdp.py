@@ -94,6 +94,10 @@ class GatherPolicy:
         """
         return _find_fsdp_module(owner)
 
+    def after_gather(self, shard: QuantizedTensor) -> None:
+        """Runs first in every `fsdp_post_all_gather` of `shard`, which FSDP2 calls once the
+        collective has completed. Default: nothing."""
+
     def count_gather(self, format_name: str, inputs: Sequence[torch.Tensor], world_size: int) -> None:
         """Called with the all-gather inputs of every quantized gather of this rank. Default: nothing."""
 
@@ -147,6 +151,19 @@ def pre_all_gather(shard: QuantizedTensor, mesh: Any, module: torch.nn.Module | 
     """`fsdp_pre_all_gather` of a QuantizedTensor: the policy's preparation, then the shard's bytes."""
     _policy.before_gather(shard, mesh)
     return all_gather_inputs(shard, mesh.size(), module=module)
+
+
+def post_all_gather(
+    shard: QuantizedTensor,
+    outputs: tuple[torch.Tensor, ...],
+    payload: GatherPayload,
+    param_dtype: torch.dtype,
+    out: QuantizedTensor | None,
+) -> tuple[QuantizedTensor, tuple[torch.Tensor, ...]] | None:
+    """`fsdp_post_all_gather` of a QuantizedTensor: the policy's `after_gather`, then the
+    unsharded tensor (`unsharded_from_gather`)."""
+    _policy.after_gather(shard)
+    return unsharded_from_gather(shard, outputs, payload, param_dtype, out)
 
 
 def all_gather_inputs(

@@ -281,8 +281,9 @@ class QuantizedTensor(torch.Tensor):
         *,
         out: QuantizedTensor | None = None,
     ) -> tuple[QuantizedTensor, tuple[torch.Tensor, ...]] | None:
-        """FSDP2's hook: the unsharded tensor built from the gathered bytes, or `out` refilled in place."""
-        return _fsdp.unsharded_from_gather(self, all_gather_outputs, metadata, param_dtype, out)
+        """FSDP2's hook: the unsharded tensor built from the gathered bytes, or `out` refilled in place
+        (the policy's `after_gather` runs first)."""
+        return _fsdp.post_all_gather(self, all_gather_outputs, metadata, param_dtype, out)
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
         """torch.distributed.checkpoint's protocol (DTensor hands it to its local tensor): what DCP
