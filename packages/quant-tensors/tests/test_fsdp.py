@@ -131,3 +131,47 @@ def test_one_sharding_layer_registers_its_policy(monkeypatch):
     assert qt.fsdp.gather_policy() is not first
     with pytest.raises(RuntimeError, match="already the gather policy"):
         qt.fsdp.register_gather_policy(OtherLayer())
+
+
+@pytest.mark.parametrize("recipe_name", RECIPES)
+def test_a_shard_refilled_in_place_sends_the_views_it_sent_before(recipe_name):
+    # [Note: gathers prepared once] in quant_tensors._fsdp.
+    quantizer = qt.recipe_from_name(recipe_name).quantizer("weight")
+    shard = quantizer.quantize(torch.randn(256, 256))
+    first, payload = _fsdp.all_gather_inputs(shard, 2)
+    quantizer.quantize_(torch.randn(256, 256), shard)  # an optimizer's requantize: same buffers
+    again, payload_again = _fsdp.all_gather_inputs(shard, 2)
+    assert all(a is b for a, b in zip(again, first, strict=True))
+    assert payload_again.names == payload.names
+    assert payload_again.shard is shard
+    for name, sent in zip(payload.names, again, strict=True):  # views: they carry the new bytes
+        assert torch.equal(raw_bits(sent.reshape(-1)), raw_bits(getattr(shard, name).reshape(-1)))
+    # A buffer replaced by another tensor (e.g. a checkpoint load) is sent from the new one.
+    name = payload.names[0]
+    setattr(shard, name, getattr(shard, name).clone())
+    replaced, _ = _fsdp.all_gather_inputs(shard, 2)
+    assert replaced[0] is not first[0]
+    assert replaced[0].data_ptr() == getattr(shard, name).data_ptr()
+    # One rank's inputs are not kept (several travel packed into one copy, made at every gather).
+    assert _fsdp.all_gather_inputs(shard, 1)[0][0] is not _fsdp.all_gather_inputs(shard, 1)[0][0]
+
+
+def test_an_unsharded_tensor_holding_views_of_the_gathered_bytes_is_left_as_it_is():
+    quantizer = qt.recipe_from_name("fp8").quantizer("weight")
+    shards = [s.clone() for s in quantizer.quantize(torch.randn(512, 256)).chunk(2)]
+    unsharded, _ = fsdp_gather(shards, 2, 5, (512, 256))
+    inputs = [shard.fsdp_pre_all_gather(FakeMesh(2), None, None, None, None) for shard in shards]
+    payload = inputs[0][1]
+    outputs = tuple(torch.cat(parts) for parts in zip(*(i[0] for i in inputs), strict=True))
+    assert shards[0].fsdp_post_all_gather(outputs, payload, torch.float32, out=unsharded) is None
+    refilled = unsharded.rowwise_data
+    assert refilled.data_ptr() == outputs[0].data_ptr()
+    # FSDP2 hands views of the same storage again: nothing to set.
+    views = tuple(o.view(o.shape) for o in outputs)
+    assert shards[0].fsdp_post_all_gather(views, payload, torch.float32, out=unsharded) is None
+    assert unsharded.rowwise_data is refilled
+    # Other storage: refilled from it.
+    elsewhere = tuple(o.clone() for o in outputs)
+    assert shards[0].fsdp_post_all_gather(elsewhere, payload, torch.float32, out=unsharded) is None
+    assert unsharded.rowwise_data.data_ptr() == elsewhere[0].data_ptr()
+    assert unsharded.scale_inv is shards[0].scale_inv

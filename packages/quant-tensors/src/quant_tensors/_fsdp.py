@@ -53,6 +53,7 @@ own (plans, the explicit fallback, comm_stats(), checkpoint loads across weight 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -181,8 +182,18 @@ def all_gather_inputs(
     """
     if usages is None:
         usages = _gathered_usages(shard, module)
+    buffers = tuple(shard.buffers().values())
+    prepared = getattr(shard, "_prepared_gather", None)  # [Note: gathers prepared once]
+    if prepared is not None and prepared[0] == (usages, world_size) and all(map(operator.is_, prepared[1], buffers)):
+        _, _, inputs, names = prepared
+        _policy.count_gather(shard.quantizer.format_name, inputs, world_size)
+        return inputs, GatherPayload(shard, names, world_size)
     inputs, names = _payload_of(shard, usages, world_size)
-    if world_size == 1 and len(inputs) > 1:
+    if world_size > 1:
+        if all(b is None or b.is_contiguous() for b in buffers):  # the inputs are views of the buffers
+            shard._prepared_gather = ((usages, world_size), buffers, tuple(inputs), tuple(names))
+        return tuple(inputs), GatherPayload(shard, tuple(names), world_size)
+    if len(inputs) > 1:
         # FSDP2 (torch 2.11 to 2.13) copies only the first input when its shard group has one rank.
         packed = tuple((t.dtype, t.shape) for t in inputs)
         pieces = []
@@ -190,6 +201,42 @@ def all_gather_inputs(
             pieces += [t.reshape(-1).view(torch.uint8), t.new_zeros(-_nbytes(t.dtype, t.shape) % 16, dtype=torch.uint8)]
         return (torch.cat(pieces),), GatherPayload(shard, tuple(names), world_size, packed)
     return tuple(inputs), GatherPayload(shard, tuple(names), world_size)
+
+
+# [Note: gathers prepared once] A weight is gathered twice a step, each time by hooks of a few
+# dozen Python calls and tensor views per parameter, on the host's critical path between the
+# layers. A shard whose buffers are the same tensors as at its last gather (quantized primary
+# weights and quantize-on-gather shards are refilled in place) sends the same views: its
+# all-gather inputs and their buffer names are kept on the shard (for world sizes above 1, where
+# the inputs are views rather than a packed copy, and contiguous buffers; not the payload, which
+# refers to the shard and would make a reference cycle of it). After the gather, an unsharded
+# tensor that already holds views of the storage FSDP2 refilled, and its shard's per-tensor
+# values, needs nothing ([Note: refilled unsharded buffers]).
+
+
+def _already_refilled(
+    out: QuantizedTensor, shard: QuantizedTensor, payload: GatherPayload, outputs: Sequence[torch.Tensor]
+) -> bool:
+    """Whether `out` holds what refilling it from `outputs` would give it ([Note: gathers
+    prepared once]): gathered rowwise buffers viewing the same bytes, the shard's per-tensor values
+    themselves, nothing else."""
+    if payload.packed is not None:
+        return False
+    gathered = dict(zip(payload.names, outputs, strict=True))
+    for name, local in shard.buffers().items():
+        current = getattr(out, name)
+        output = gathered.get(name)
+        if output is not None:
+            if not name.startswith("rowwise") or current is None or current.data_ptr() != output.data_ptr():
+                return False
+            if current.nbytes != output.nbytes:
+                return False
+        elif local is not None and local.dim() == 0:
+            if current is not local:
+                return False
+        elif current is not None:
+            return False
+    return True
 
 
 def in_backward() -> bool:
@@ -316,6 +363,8 @@ def unsharded_from_gather(
     reshard) the first time, None when `out` was refilled.
     """
     shard, world_size = payload.shard, payload.world_size
+    if out is not None and _already_refilled(out, shard, payload, outputs):
+        return None
     gathered = {
         name: output.view(getattr(shard, name).dtype)
         for name, output in zip(payload.names, _unpacked(outputs, payload), strict=True)
