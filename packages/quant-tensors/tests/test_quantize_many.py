@@ -58,9 +58,10 @@ def test_many_equals_a_loop_of_quantize_(name, role, dtype):
 PER_TENSOR = [(name, role) for name in ("fp8", "fp8-delayed", "nvfp4") for role in qt.ROLES]
 
 
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["amax-list", "amax-tensor"])
 @pytest.mark.parametrize(("name", "role"), PER_TENSOR)
 @pytest.mark.parametrize("backend", quant_core.available_backends("cpu"))
-def test_many_with_given_amaxes_equals_a_loop_of_quantize_with_each(name, role, backend, monkeypatch):
+def test_many_with_given_amaxes_equals_a_loop_of_quantize_with_each(name, role, backend, as_tensor, monkeypatch):
     # Amaxes as an optimizer hands them over (agreed elsewhere): tiny, zero, huge and ordinary ones.
     # Current-scaled FP8 computes all the scales in one call, the other formats loop.
     scale_calls = []
@@ -75,7 +76,7 @@ def test_many_with_given_amaxes_equals_a_loop_of_quantize_with_each(name, role, 
         for x, out, amax in zip(xs, looped_outs, amaxes, strict=True):
             looping.quantize_(x, out, amax=amax)
         scale_calls.clear()
-        batched.quantize_many_(xs, batched_outs, amaxes=amaxes)
+        batched.quantize_many_(xs, batched_outs, amaxes=torch.stack(amaxes) if as_tensor else amaxes)
     assert len(scale_calls) == (1 if name == "fp8" else 0)
     for x, a, b in zip(xs, looped_outs, batched_outs, strict=True):
         assert all(torch.equal(u, v) for u, v in zip(raw(a), raw(b), strict=True)), tuple(x.shape)
@@ -91,6 +92,8 @@ def test_amaxes_are_refused_for_block_formats_and_in_the_wrong_number():
     fp8 = qt.recipe_from_name("fp8").quantizer("weight")
     with pytest.raises(ValueError, match="got 1 for 2 sources"):
         fp8.quantize_many_(xs, [fp8.quantize(x) for x in xs], amaxes=[torch.tensor(1.0)])
+    with pytest.raises(ValueError, match="amaxes as a 1-D tensor or a sequence; got a 0-D tensor"):
+        fp8.quantize_many_(xs, [fp8.quantize(x) for x in xs], amaxes=torch.tensor(1.0))
 
 
 @pytest.mark.parametrize("name", ["mxfp8", "fp8-block"])

@@ -106,9 +106,7 @@ def requantize_from_master(local: qt.QuantizedTensor, master: torch.Tensor) -> P
 
 
 def _requantize_many(same: list[Requantize], amaxes: torch.Tensor) -> None:
-    same[0].local.quantizer.quantize_many_(
-        [r.master for r in same], [r.local for r in same], amaxes=list(amaxes.unbind())
-    )
+    same[0].local.quantizer.quantize_many_([r.master for r in same], [r.local for r in same], amaxes=amaxes)
 
 
 def _requantizer(local: qt.QuantizedTensor, master: torch.Tensor) -> Callable[[torch.Tensor | None], None]:

@@ -169,7 +169,10 @@ class Float8Quantizer(Quantizer):
         # each quantize_'s fused operator computes from its amax), then one cast per source.
         if amaxes is None or not self.stateless or any(out.fp8_dtype != self.fp8_dtype for out in outs):
             return super()._quantize_many(srcs, outs, amaxes)
-        stacked = torch.stack([amax.reshape(()).float() for amax in amaxes])
+        if isinstance(amaxes, torch.Tensor):
+            stacked = amaxes.reshape(-1).float()
+        else:
+            stacked = torch.stack([amax.reshape(()).float() for amax in amaxes])
         scales, scales_inv = quant_core.fp8_scale(stacked, self.fp8_dtype, power_2_scales=self.power_2_scales)
         for src, out, scale in zip(srcs, outs, scales.unbind(), strict=True):
             rowwise_out = None if out.rowwise_data is None else _contiguous_target(out.rowwise_data)

@@ -171,7 +171,7 @@ class Quantizer:
         srcs: Sequence[torch.Tensor],
         outs: Sequence[QuantizedTensor],
         *,
-        amaxes: Sequence[torch.Tensor] | None = None,
+        amaxes: Sequence[torch.Tensor] | torch.Tensor | None = None,
     ) -> None:
         """Requantizes every srcs[i] into outs[i]'s existing buffers, in place: the bytes of
         `quantize_(srcs[i], outs[i], amax=amaxes[i])`, bit for bit (without `amaxes`, each source's
@@ -179,12 +179,16 @@ class Quantizer:
         blockwise FP8 do it in one quant-core call (on CUDA one Triton launch per group of like
         tensors); per-tensor current-scaled FP8 with `amaxes` computes every scale in one call,
         then casts each source; other formats loop. `amaxes` (per-tensor formats): each source's
-        amax, as `quantize_` takes it. Every pair is checked before anything is written; one
-        device per call."""
+        amax, as `quantize_` takes it, or all of them in one 1-D tensor. Every pair is checked
+        before anything is written; one device per call."""
         if isinstance(srcs, torch.Tensor) or isinstance(outs, torch.Tensor):
             raise TypeError("quantize_many_ takes a sequence of sources and one of outs; for one pair call quantize_")
         if len(srcs) != len(outs):
             raise ValueError(f"quantize_many_ got {len(srcs)} sources but {len(outs)} outs; pass one out per source")
+        if isinstance(amaxes, torch.Tensor) and amaxes.dim() != 1:
+            raise ValueError(
+                f"quantize_many_ takes amaxes as a 1-D tensor or a sequence; got a {amaxes.dim()}-D tensor"
+            )
         if amaxes is not None and (not self.per_tensor_amax or len(amaxes) != len(srcs)):
             raise ValueError(
                 f"quantize_many_ takes amaxes for per-tensor formats, one per source; got {len(amaxes)} for "
@@ -352,7 +356,10 @@ class Quantizer:
         raise NotImplementedError
 
     def _quantize_many(
-        self, srcs: Sequence[torch.Tensor], outs: Sequence[QuantizedTensor], amaxes: Sequence[torch.Tensor] | None
+        self,
+        srcs: Sequence[torch.Tensor],
+        outs: Sequence[QuantizedTensor],
+        amaxes: Sequence[torch.Tensor] | torch.Tensor | None,
     ) -> None:
         """Requantizes checked (src, out) pairs as `quantize_` would (with amaxes[i] if given): here
         one `_quantize` per pair; formats with a multi-tensor path override it."""
