@@ -22,8 +22,8 @@ def sync_amax_(params: Iterable[torch.Tensor], group: dist.ProcessGroup | None =
     weight per step) and quantizes the shard. Call it after `optimizer.step()`: it quantizes the
     shards of stateless quantizers right away, alike ones in one call ([Note: shards quantized
     ahead]), so the next gathers send them as they are, as long as the shards are unchanged (a
-    later in-place change makes a shard all-reduce and quantize on its own again). `group` defaults to the shard group fully_shard gave the
-    quantizers. Parameters of other kinds are skipped: quantized primary weights agree on their
+    later in-place change makes a shard all-reduce and quantize on its own again). `group`
+    defaults to the shard group fully_shard gave the quantizers. Parameters of other kinds are skipped: quantized primary weights agree on their
     scales whenever they are quantized (their quantizers all-reduce), fallback weights are quantized
     after the gather. Returns the number of amaxes synced. Every rank of the group must call it.
     """

@@ -5,7 +5,7 @@ until the backend gives up (NCCL's watchdog, 10 minutes by default, then aborts 
 gloo raises), and neither backend says what was being gathered. While `watch_gathers(seconds)`
 is on, every quantized weight's pre-all-gather hook records when its gather began and its
 post-all-gather hook (which runs once FSDP2 has waited for the collective) forgets it; a daemon
-thread logs, once, each gather still open after `seconds`, on the "quant_fsdp" logger at ERROR:
+thread logs each gather still open after `seconds`, once, on the "quant_fsdp" logger at ERROR:
 this rank, the weights that collective holds (names relative to the module `fully_shard` sharded,
 formats), and how long it has waited. So a hang says where the ranks parted before the backend's
 timeout ends the run. Off (the default), the hooks record nothing.
@@ -58,6 +58,7 @@ def gather_ended(quantizer: Any) -> None:
     """Called by the post-all-gather hooks of quantized weights."""
     if _timeout is not None:
         _open.pop(id(quantizer), None)
+        _reported.discard(id(quantizer))  # a later gather of this weight that hangs is reported again
 
 
 def _watch() -> None:
@@ -67,7 +68,7 @@ def _watch() -> None:
             return
         time.sleep(min(timeout / 4, 5.0))
         now = time.monotonic()
-        with _lock:
+        with _lock:  # the hooks write `_open` without it: list() copies it under the GIL in one call
             stuck = [(key, began, q) for key, (began, q) in list(_open.items()) if now - began > timeout]
             stuck = [entry for entry in stuck if entry[0] not in _reported]
             _reported.update(key for key, _, _ in stuck)
