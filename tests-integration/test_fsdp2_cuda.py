@@ -1,6 +1,7 @@
 """FSDP2 with quantized weights on two GPUs over NCCL: the gathered weights equal the unsharded
-quantization bit for bit, bytes on the wire, and a few training steps, for every recipe and mode.
-On one GPU: FusedAdam's steps on FSDP2-sharded quantized weights make no host sync."""
+quantization bit for bit, bytes on the wire, and a few training steps, for every recipe and mode;
+memory allocated after each of 300 steps stays flat (every recipe, both weight modes, eager and
+compiled). On one GPU: FusedAdam's steps on FSDP2-sharded quantized weights make no host sync."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from torch.distributed.tensor import DTensor
 import quant_fsdp
 import quant_tensors as qt
 from quant_core.testing import no_host_syncs, raw_bits
-from quant_fsdp.demo import MarkovTask, MasterWeights, TransformerConfig, run_ranks
+from quant_fsdp.demo import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig, run_ranks
 from quant_fsdp.testing import count_all_gather_bytes, quantized_transformer
 from quant_optim import FusedAdam
 
@@ -114,3 +115,75 @@ def test_fused_adam_steps_on_fsdp2_sharded_weights_make_no_host_sync():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (scripts/gpu-suite.sh)")
     run_ranks(_fused_adam_steps, 1, backend="nccl")
+
+
+# ---- leaks: memory after each step, 300 steps ------------------------------------------------------
+
+LEAK_STEPS = 300
+LEAK_WARMUP = 10  # steps before the memory after a step must stay flat (optimizer states, compiles)
+LEAK_BOUND_PER_LAYER = 50 * 1024  # bytes: TransformerEngine's bound in its FSDP2 tests
+LEAK_CONFIG = TransformerConfig(vocab=128, hidden=256, layers=2, heads=4, sequence=64)
+MODES = ("quantized-weights", "quantize-on-gather")
+
+
+def _memory_after_each_step(rank: int, world_size: int, steps: int, out: str) -> None:
+    """For every recipe, weight mode and eager/compiled: the spread of memory allocated after each
+    step from LEAK_WARMUP on, and the graphs compiled after it; saved by rank 0 to `out`."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    mesh = init_device_mesh("cuda", (world_size,))
+    task = MarkovTask(LEAK_CONFIG.vocab)
+    found = {}
+    for recipe_name, mode, compiled in itertools.product(RECIPES, MODES, (False, True)):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = TinyTransformer(LEAK_CONFIG)
+        qt.convert(model, qt.recipe_from_name(recipe_name), quantized_weights=mode == MODES[0])
+        for block in model.blocks:
+            if compiled:
+                block.compile()
+            quant_fsdp.fully_shard(block, mesh=mesh, quantize_on_gather=mode == MODES[1])
+        quant_fsdp.fully_shard(model, mesh=mesh, quantize_on_gather=mode == MODES[1])
+        optimizer = (
+            FusedAdam(model.parameters(), lr=1e-3)
+            if mode == MODES[0]
+            else torch.optim.AdamW(model.parameters(), lr=1e-3)
+        )
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        after, graphs = [], 0
+        for step in range(steps):
+            if step == LEAK_WARMUP:
+                graphs = -counters["stats"]["unique_graphs"]
+            inputs, targets = (t.chunk(world_size)[rank].to(device) for t in task.batch(step, 8, LEAK_CONFIG.sequence))
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if mode == MODES[1]:
+                quant_fsdp.sync_amax_(model.parameters())
+            del logits, loss
+            after.append(torch.cuda.memory_allocated(device))
+        graphs += counters["stats"]["unique_graphs"]
+        found[(recipe_name, mode, compiled)] = (max(after[LEAK_WARMUP:]) - min(after[LEAK_WARMUP:]), graphs)
+        del model, optimizer
+    if rank == 0:
+        torch.save(found, out)
+
+
+def test_memory_after_each_step_stays_flat_for_300_steps(tmp_path):
+    """A cache that grows (gathered weights, quantized shards, compiled graphs, optimizer plans)
+    shows in the memory allocated after each step: within 50 KiB per layer from step 10 to 300,
+    and no graph compiled after step 10."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs (scripts/gpu-suite.sh on a 2-GPU machine)")
+    out = tmp_path / "memory.pt"
+    run_ranks(_memory_after_each_step, 2, LEAK_STEPS, str(out), backend="nccl")
+    found = torch.load(out)
+    for (recipe_name, mode, compiled), (spread, graphs) in found.items():
+        print(f"{recipe_name} {mode} {'compiled' if compiled else 'eager'}: spread {spread} B, graphs {graphs}")
+    bound = LEAK_BOUND_PER_LAYER * LEAK_CONFIG.layers
+    assert {key: v for key, v in found.items() if v[0] > bound or v[1] != 0} == {}
+    assert len(found) == len(RECIPES) * len(MODES) * 2
