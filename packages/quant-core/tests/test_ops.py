@@ -83,6 +83,15 @@ def _cases() -> dict[str, tuple[torch._ops.OpOverload, tuple]]:
     return {
         "amax": (OPS.amax.default, (x_strided,)),
         "amax_many": (OPS.amax_many.default, ([x_strided, torch.empty(0, 3), x.float()[::2], torch.tensor(-2.0)],)),
+        "cast_to_fp8_many": (
+            OPS.cast_to_fp8_many.default,
+            (
+                [x_strided, torch.empty(0, 3), x.float()[::2]],
+                torch.tensor([0.5, 2.0, 7.0]),
+                torch.float8_e5m2,
+                [torch.empty(s, dtype=torch.float8_e5m2) for s in (x_strided.shape, (0, 3), x.float()[::2].shape)],
+            ),
+        ),
         "fp8_scale": (OPS.fp8_scale.default, (torch.tensor([[3.0, 0.0], [1e-40, 7e5]]), 448.0, 2, True)),
         "delayed_fp8_scale": (
             OPS.delayed_fp8_scale.default,

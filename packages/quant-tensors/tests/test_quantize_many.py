@@ -58,19 +58,29 @@ def test_many_equals_a_loop_of_quantize_(name, role, dtype):
 PER_TENSOR = [(name, role) for name in ("fp8", "fp8-delayed", "nvfp4") for role in qt.ROLES]
 
 
+@pytest.mark.parametrize("rowwise_only", [False, True], ids=["usages-mixed", "rowwise-only"])
 @pytest.mark.parametrize("as_tensor", [False, True], ids=["amax-list", "amax-tensor"])
 @pytest.mark.parametrize(("name", "role"), PER_TENSOR)
 @pytest.mark.parametrize("backend", quant_core.available_backends("cpu"))
-def test_many_with_given_amaxes_equals_a_loop_of_quantize_with_each(name, role, backend, as_tensor, monkeypatch):
+def test_many_with_given_amaxes_equals_a_loop_of_quantize_with_each(
+    name, role, backend, as_tensor, rowwise_only, monkeypatch
+):
     # Amaxes as an optimizer hands them over (agreed elsewhere): tiny, zero, huge and ordinary ones.
-    # Current-scaled FP8 computes all the scales in one call, the other formats loop.
-    scale_calls = []
-    real_scale = quant_core.fp8_scale
+    # Current-scaled FP8 computes all the scales in one call, then casts rowwise-only outs (sharded
+    # weights) in one cast_to_fp8_many call; the other formats loop.
+    scale_calls, many_calls = [], []
+    real_scale, real_many = quant_core.fp8_scale, quant_core.cast_to_fp8_many
     monkeypatch.setattr(quant_core, "fp8_scale", lambda *a, **k: scale_calls.append(1) or real_scale(*a, **k))
+    monkeypatch.setattr(quant_core, "cast_to_fp8_many", lambda *a, **k: many_calls.append(1) or real_many(*a, **k))
     looping = qt.recipe_from_name(name).quantizer(role)
     batched = copy.deepcopy(looping)
     xs = sources(seed=5)
-    looped_outs, batched_outs = outs_for(looping, xs), outs_for(batched, xs)
+    if rowwise_only:
+        looped_outs, batched_outs = (
+            [q.quantize(x, rowwise=True, columnwise=False) for x in xs] for q in (looping, batched)
+        )
+    else:
+        looped_outs, batched_outs = outs_for(looping, xs), outs_for(batched, xs)
     amaxes = [torch.tensor(v) for v in (3.5, 0.0, 1e-41, 3e38, 0.75)]
     with quant_core.use_backend(backend):
         for x, out, amax in zip(xs, looped_outs, amaxes, strict=True):
@@ -78,6 +88,7 @@ def test_many_with_given_amaxes_equals_a_loop_of_quantize_with_each(name, role, 
         scale_calls.clear()
         batched.quantize_many_(xs, batched_outs, amaxes=torch.stack(amaxes) if as_tensor else amaxes)
     assert len(scale_calls) == (1 if name == "fp8" else 0)
+    assert len(many_calls) == (1 if name == "fp8" and rowwise_only else 0)
     for x, a, b in zip(xs, looped_outs, batched_outs, strict=True):
         assert all(torch.equal(u, v) for u, v in zip(raw(a), raw(b), strict=True)), tuple(x.shape)
     if looping.state is not None:

@@ -52,6 +52,7 @@ from quant_core.blocks._mxfp8 import (
     quantize_mxfp8_reference,
 )
 from quant_core.fp8._amax_many import amax_many, amax_many_reference
+from quant_core.fp8._cast_many import cast_to_fp8_many
 from quant_core.fp8._fp8 import (
     amax,
     amax_reference,
@@ -132,6 +133,7 @@ __all__ = [
     "amax_from_history",
     "amax_many",
     "amax_many_reference",
+    "cast_to_fp8_many",
     "amax_reference",
     "cast_to_fp8",
     "cast_to_fp8_reference",

@@ -363,6 +363,7 @@ TRITON_MODULES = (
     "quant_core.blocks._triton_many",
     "quant_core.fp8._triton",
     "quant_core.fp8._triton_amax_many",
+    "quant_core.fp8._triton_cast_many",
     "quant_core.fp8._triton_scale",
     "quant_core.nvfp4._triton",
 )

@@ -166,7 +166,9 @@ class Float8Quantizer(Quantizer):
 
     def _quantize_many(self, srcs, outs, amaxes):
         # Given amaxes, current scaling's scales are one fp8_scale call for all the sources (what
-        # each quantize_'s fused operator computes from its amax), then one cast per source.
+        # each quantize_'s fused operator computes from its amax), then the casts: one
+        # cast_to_fp8_many call where every out holds rowwise data only (sharded weights), else
+        # one cast per source.
         if amaxes is None or not self.stateless or any(out.fp8_dtype != self.fp8_dtype for out in outs):
             return super()._quantize_many(srcs, outs, amaxes)
         if isinstance(amaxes, torch.Tensor):
@@ -174,6 +176,11 @@ class Float8Quantizer(Quantizer):
         else:
             stacked = torch.stack([amax.reshape(()).float() for amax in amaxes])
         scales, scales_inv = quant_core.fp8_scale(stacked, self.fp8_dtype, power_2_scales=self.power_2_scales)
+        if all(out.columnwise_data is None for out in outs):
+            rowwise_outs = [_contiguous_target(out.rowwise_data) for out in outs]
+            quant_core.cast_to_fp8_many(list(srcs), scales, self.fp8_dtype, rowwise_outs)
+            torch._foreach_copy_([out.scale_inv for out in outs], list(scales_inv.unbind()))
+            return None
         for src, out, scale in zip(srcs, outs, scales.unbind(), strict=True):
             rowwise_out = None if out.rowwise_data is None else _contiguous_target(out.rowwise_data)
             columnwise_out = None if out.columnwise_data is None else _contiguous_target(out.columnwise_data)
