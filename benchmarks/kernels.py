@@ -399,19 +399,6 @@ def _benchmark_cpu(size: int, min_run_time: float, device: torch.device) -> list
     return results
 
 
-class _OneRankMesh:
-    """The part of a DeviceMesh the all-gather hooks read, for timing them without processes."""
-
-    def __init__(self, size: int) -> None:
-        self._size = size
-
-    def size(self) -> int:
-        return self._size
-
-    def get_group(self) -> None:
-        return None
-
-
 def benchmark_hooks(min_run_time: float, device: torch.device, size: int = 1024, world_size: int = 2) -> list[Result]:
     """CPU time of one pre- plus post-all-gather hook call (the `out=` refill FSDP2 makes every
     unshard) per parameter, for a size x size fp32 weight sharded `world_size` ways, per recipe and mode.
@@ -423,8 +410,9 @@ def benchmark_hooks(min_run_time: float, device: torch.device, size: int = 1024,
     import quant_fsdp  # noqa: F401  (installs the hooks)
     import quant_tensors as qt
     from quant_fsdp import QuantizeOnGatherTensor
+    from quant_tensors.testing import FakeMesh
 
-    mesh = _OneRankMesh(world_size)
+    mesh = FakeMesh(world_size)
     results = []
     for name in ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4"):
         value = torch.randn(size, size, device=device)
