@@ -125,7 +125,7 @@ def _store_fp8_moments(
     """Stores fp8 moments of one fp8 dtype from their values with the scales of their agreed
     `amaxes` (1-D, one per slot), or, where `keep` (a device verdict) is set, with the scales
     they were stored with ([Note: fp8 moments on a skipped step]): the scales in a few launches
-    for all of them, then one cast per moment."""
+    for all of them, then one `cast_to_fp8_many` call."""
     dtype = slots[0].codes.dtype
     scales, scales_inv = quant_core.fp8_scale(amaxes, dtype)
     if keep is not None:
@@ -133,8 +133,7 @@ def _store_fp8_moments(
         kept = torch.reciprocal(stored_inv).clamp_(max=_FLOAT32_MAX)  # 1 / (1 / FLT_MAX) may round up to inf
         scales = torch.where(keep, kept, scales)
         scales_inv = torch.where(keep, stored_inv, scales_inv)
-    for slot, value, scale in zip(slots, values, scales.unbind(), strict=True):
-        quant_core.cast_to_fp8(value, scale, dtype, rowwise_out=slot.codes)
+    quant_core.cast_to_fp8_many(values, scales, dtype, [slot.codes for slot in slots])
     torch._foreach_copy_([slot.scale_inv for slot in slots], list(scales_inv.unbind()))
 
 

@@ -178,7 +178,8 @@ class Quantizer:
         own amax, agreed over `amax_group` where one is bound; the bound state). MXFP8 and
         blockwise FP8 do it in one quant-core call (on CUDA one Triton launch per group of like
         tensors); per-tensor current-scaled FP8 with `amaxes` computes every scale in one call,
-        then casts each source; other formats loop. `amaxes` (per-tensor formats): each source's
+        then casts every source in one `cast_to_fp8_many` call where the outs hold rowwise data
+        only (one cast each otherwise); other formats loop. `amaxes` (per-tensor formats): each source's
         amax, as `quantize_` takes it, or all of them in one 1-D tensor. Every pair is checked
         before anything is written; one device per call."""
         if isinstance(srcs, torch.Tensor) or isinstance(outs, torch.Tensor):
