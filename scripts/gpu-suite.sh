@@ -5,9 +5,10 @@
 # GPU_SUITE_TESTS, default every package), bench (kernels), linear
 # (host time per Linear fwd+bwd, benchmarks/linear_host.py), e2e (benchmarks/e2e.py, ~8 min on an
 # H100; E2E_ARGS adds options, e.g. "--runs bf16,fp8"), optim (FusedAdam, benchmarks/optim.py), and on
-# every GPU of the host: nccl (the NCCL tests and collective bandwidth, ~3 min) and multi
+# every GPU of the host: nccl (the NCCL tests and collective bandwidth, ~3 min), leak (memory after
+# each of 300 steps on 2 GPUs, every recipe and weight mode, eager and compiled) and multi
 # (benchmarks/multi_gpu.py with MULTI_GPU_ARGS, e.g. "--runs bf16:compiled,fp8:qw:compiled --repeats 3";
-# ~35 s per run on the 2.2B model). `--multi` is GPU_SUITE_STEPS=nccl,multi.
+# ~35 s per run on the 2.2B model). `--multi` is GPU_SUITE_STEPS=nccl,leak,multi.
 #
 # The GPU image has torch, Triton, pytest, hypothesis, rich, scikit-build-core and pybind11 but no
 # network and no hatchling, so quant-core is built in place without build isolation and the three
@@ -18,7 +19,7 @@ cd "$(dirname "$0")/.."
 out="${OUT:-results}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-if [[ "${1:-}" == "--multi" ]]; then GPU_SUITE_STEPS=nccl,multi; fi
+if [[ "${1:-}" == "--multi" ]]; then GPU_SUITE_STEPS=nccl,leak,multi; fi
 steps=",${GPU_SUITE_STEPS:-tests,bench,linear,e2e,optim},"
 # NVLink multicast stays off: on shared hosts a program using it can take the GPUs out of service.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -61,12 +62,24 @@ if want e2e; then
   python3 benchmarks/e2e.py --device cuda --out "$out" ${E2E_ARGS:-} 2>&1 | tee "$out/e2e.log"
   bench_rc=$(( bench_rc | PIPESTATUS[0] ))
 fi
+nccl_tests=(tests-integration/test_fsdp2_cuda.py tests-integration/test_nccl_training.py)
+nccl_timeout=() leak_timeout=()
+if python3 -c 'import pytest_timeout' 2> /dev/null; then
+  nccl_timeout=(--timeout "${GPU_SUITE_TEST_TIMEOUT:-300}") leak_timeout=(--timeout 600)
+fi
 if want nccl; then
   gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-  OMP_NUM_THREADS=1 python3 -m pytest -rfE -v -p no:cacheprovider -p no:benchmark tests-integration/test_fsdp2_cuda.py tests-integration/test_nccl_training.py \
-    2>&1 | tee "$out/multi-tests.log"
+  OMP_NUM_THREADS=1 python3 -m pytest -rfE -v -p no:cacheprovider -p no:benchmark "${nccl_timeout[@]}" \
+    -k "not stays_flat" "${nccl_tests[@]}" 2>&1 | tee "$out/multi-tests.log"
   tests_rc=${PIPESTATUS[0]}
   torchrun --standalone --nproc-per-node="$gpus" benchmarks/collective_bandwidth.py 2>&1 | tee "$out/bandwidth.log"
+fi
+if want leak; then
+  # Each of the two tests (eager, compiled) runs 10 configurations of 300 steps.
+  OMP_NUM_THREADS=1 python3 -m pytest -rfE -v -s -p no:cacheprovider -p no:benchmark "${leak_timeout[@]}" \
+    -k "stays_flat" "${nccl_tests[@]}" 2>&1 | tee "$out/leak-tests.log"
+  leak_rc=${PIPESTATUS[0]}
+  tests_rc=$(( tests_rc == 5 ? leak_rc : tests_rc | leak_rc ))
 fi
 if want multi; then
   # shellcheck disable=SC2086  # MULTI_GPU_ARGS is a list of options
@@ -95,6 +108,7 @@ fi
 if want linear; then grep -A40 "Host time per Linear" "$out/linear.log" || true; fi
 if want e2e && [[ -f "$out/e2e.md" ]]; then cat "$out/e2e.md"; fi
 if want nccl; then tail -n 1 "$out/multi-tests.log"; grep '"collective"' "$out/bandwidth.log" || true; fi
+if want leak; then grep -E "spread|passed|failed" "$out/leak-tests.log" || true; fi
 if want multi; then grep "^|" "$out/multi_gpu/multi_gpu.md" || true; fi
 if want optim; then sed -n "/^FusedAdam vs torch AdamW/,/^wrote /{/^wrote /!p}" "$out/bench_optim.log" || true; fi
 exit $(( tests_rc == 5 ? bench_rc : tests_rc | bench_rc ))

@@ -446,27 +446,37 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _watch_names_a_stuck_gather(rank: int, world_size: int) -> None:
+def watch_names_a_stuck_gather(rank: int, world_size: int) -> None:
     # [Note: gather watch] in quant_fsdp._watch. Rank 1 reaches a step's forward 2 s after rank 0,
     # whose first all-gather (layer 0's weight) then stays open that long: the watch (0.3 s) logs
-    # it once on rank 0, naming the weight; steps where the ranks keep pace log nothing.
+    # it once on rank 0, naming the weight; steps where the ranks keep pace log nothing. On gloo
+    # rank 0's host waits in that gather; on NCCL (tests-integration/test_fsdp2_cuda.py) it queues
+    # the whole step and the gathers behind the stuck one, then waits in the synchronize.
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     records = _Records()
     logging.getLogger("quant_fsdp").addHandler(records)
     try:
         for mode in MODES:
-            model = stack("fp8", mode)
+            with device:
+                model = stack("fp8", mode)
             for layer in model.layers:
                 quant_fsdp.fully_shard(layer, quantize_on_gather=mode == "quantize-on-gather")
             quant_fsdp.fully_shard(model, quantize_on_gather=mode == "quantize-on-gather")
             quant_fsdp.watch_gathers(0.3)
             records.messages.clear()
             for _ in range(2):
-                one_step(model, rank)
+                with device:
+                    one_step(model, rank)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
             assert records.messages == [], (mode, records.messages)
             dist.barrier()
             if rank == 1:
                 time.sleep(2.0)
-            one_step(model, rank)
+            with device:
+                one_step(model, rank)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
             if rank == 0:
                 assert len(records.messages) == 1, (mode, records.messages)
                 assert records.messages[0].startswith(
@@ -511,7 +521,7 @@ def world_2() -> SharedWorld:
             ),
             "meta init": (_meta_init, ()),
             "ranks disagree": (_ranks_that_disagree_are_refused, ()),
-            "gather watch": (_watch_names_a_stuck_gather, ()),
+            "gather watch": (watch_names_a_stuck_gather, ()),
             "bytes under torch's fully_shard": (
                 _check_ratios,
                 ("quantized-weights", True, {"mxfp8": 0.52, "fp8": 0.52}, "torch"),

@@ -6,9 +6,11 @@ checkpoint tests, on CUDA ranks (every GPU kernel, NCCL's collectives and stream
   (quant_fsdp.testing.train_replicas: one replica per rank slice, gradients averaged), within
   LOSS_TOLERANCE at every step: the order in which gradients are summed is the only difference.
 - TP=N with sequence parallelism (quant_fsdp.parallel's styles) trains to a single GPU's losses.
-- DCP with FusedAdam on quantized weights: saved on N GPUs and loaded on 1, and the reverse,
-  restores every optimizer state (fp32 masters, moments, steps) and every quantizer state bit for
-  bit, and training continues to the uninterrupted run's losses.
+- DCP with FusedAdam on quantized weights, every recipe and state configuration (fp32 or bf16
+  masters, fp32 or FP8 + bf16 moments): saved on N GPUs, resumed there, loaded on 1 GPU, trained
+  and saved again, loaded back on N; every load restores every optimizer state (masters, moments,
+  steps) and every quantizer state bit for bit, and training continues to the uninterrupted run's
+  losses.
 
 Every scenario runs with backend "gloo" on CPU ranks too (`_device` picks the device), which is
 how these workers are checked on a machine without GPUs; CI runs the gloo tests they mirror.
@@ -145,11 +147,28 @@ def test_tensor_parallel_with_sequence_parallel_trains_as_one_gpu():
 
 # ---- DCP across world sizes: N GPUs -> 1 GPU -> N GPUs ----------------------------------------------
 
+# FusedAdam's state configurations (benchmarks/multi_gpu.py names them the same way).
+STATES = {
+    "fp32": {},
+    "master-bf16": {"master_weight_dtype": torch.bfloat16},
+    "m-fp8": {"exp_avg_dtype": torch.float8_e4m3fn, "exp_avg_sq_dtype": torch.bfloat16},
+    "master-bf16-m-fp8": {
+        "master_weight_dtype": torch.bfloat16,
+        "exp_avg_dtype": torch.float8_e4m3fn,
+        "exp_avg_sq_dtype": torch.bfloat16,
+    },
+}
+CASES = tuple((recipe_name, states) for recipe_name in RECIPES for states in STATES)
+# A resume on the layout it was saved on restores every state bit for bit; the losses after it may
+# still differ in the last bits, since CUDA kernels (attention's backward) may sum in another order
+# from one run to the next.
+SAME_LAYOUT_TOLERANCE = 1e-6
 
-def _built(recipe_name: str, device: torch.device) -> tuple[TinyTransformer, FusedAdam]:
+
+def _built(recipe_name: str, states: str, device: torch.device) -> tuple[TinyTransformer, FusedAdam]:
     with device:
         model = quantized_transformer(recipe_name, CONFIG, sharded=True)
-    return model, FusedAdam(model.parameters(), lr=1e-3, weight_decay=0.01)
+    return model, FusedAdam(model.parameters(), lr=1e-3, weight_decay=0.01, **STATES[states])
 
 
 def _train(model, optimizer, steps: range, rank: int, world_size: int) -> list[float]:
@@ -164,54 +183,87 @@ def _full_states(model: TinyTransformer, optimizer: FusedAdam) -> dict[str, torc
     full = {}
     for fqn, state in optimizer_state["state"].items():
         for key, value in state.items():
-            value = value.full_tensor() if isinstance(value, DTensor) else value
+            if isinstance(value, DTensor):  # gathered as bytes: gloo has no FP8 or int16 collectives
+                shape = (*value.shape[:-1], value.shape[-1] * value.dtype.itemsize)
+                value = DTensor.from_local(
+                    raw_bits(value.to_local()),
+                    value.device_mesh,
+                    value.placements,
+                    shape=shape,
+                    stride=torch.empty(shape, device="meta").stride(),
+                ).full_tensor()
             full[f"{fqn}/{key}"] = raw_bits(value.reshape(-1))
     full.update({name: raw_bits(b.reshape(-1)) for name, b in model.named_buffers()})
     return {k: v.to("cpu", copy=True) for k, v in full.items()}  # training goes on after it
 
 
-def _save_on_this_world(rank: int, world_size: int, root: pathlib.Path, recipes: tuple[str, ...]) -> None:
-    """Trains SAVE_STEP steps, saves root/<world>/<recipe>, writes the full states and the losses of
-    STEPS_AFTER_LOAD more steps (the uninterrupted run)."""
-    device = _device(rank)
-    for recipe_name in recipes:
-        model, optimizer = _built(recipe_name, device)
+def _save(model, optimizer, directory: pathlib.Path, rank: int, world_size: int, steps: range) -> None:
+    """Saves `directory`/checkpoint, then trains `steps` on: the full states and these losses (the
+    uninterrupted run) go to `directory`/saved.pt."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory / "checkpoint")
+    states = _full_states(model, optimizer)
+    losses = _train(model, optimizer, steps, rank, world_size)
+    if rank == 0:
+        torch.save({"states": states, "losses": losses}, directory / "saved.pt")
+    dist.barrier()
+
+
+def _resumed(
+    case: tuple[str, str], directory: pathlib.Path, rank: int, world_size: int, steps: range, tolerance: float
+):
+    """A fresh model and optimizer loaded from `directory`: every state bit for bit as saved, then
+    `steps` trained to the uninterrupted run's losses within `tolerance` (relative)."""
+    saved = torch.load(directory / "saved.pt", weights_only=True)
+    model, optimizer = _built(*case, _device(rank))
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory / "checkpoint")
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    loaded = _full_states(model, optimizer)
+    assert loaded.keys() == saved["states"].keys(), (case, sorted(loaded.keys() ^ saved["states"].keys()))
+    different = [k for k, v in saved["states"].items() if not torch.equal(loaded[k], v)]
+    assert not different, (case, directory.name, world_size, different)
+    worst = _worst(_train(model, optimizer, steps, rank, world_size), saved["losses"])
+    if rank == 0:
+        print(f"{case} {directory.name} -> {world_size}: states bitwise, loss difference {worst:.2e}", flush=True)
+    assert worst <= tolerance, (case, directory.name, world_size, worst)
+    return model, optimizer
+
+
+def _first_layout(rank: int, world_size: int, root: pathlib.Path) -> None:
+    """Trains SAVE_STEP steps and saves root/<case>/first; then resumes from it on this layout."""
+    after = range(SAVE_STEP, SAVE_STEP + STEPS_AFTER_LOAD)
+    for case in CASES:
+        directory = root / "-".join(case) / "first"
+        directory.mkdir(parents=True, exist_ok=True)
+        model, optimizer = _built(*case, _device(rank))
         _train(model, optimizer, range(SAVE_STEP), rank, world_size)
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        directory = root / f"saved_on_{world_size}" / recipe_name
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory / "checkpoint")
-        states = _full_states(model, optimizer)
-        losses = _train(model, optimizer, range(SAVE_STEP, SAVE_STEP + STEPS_AFTER_LOAD), rank, world_size)
-        if rank == 0:
-            torch.save({"states": states, "losses": losses}, directory / "saved.pt")
+        _save(model, optimizer, directory, rank, world_size, after)
+        _resumed(case, directory, rank, world_size, after, SAME_LAYOUT_TOLERANCE)
 
 
-def _load_from(rank: int, world_size: int, root: pathlib.Path, saved_on: int, recipes: tuple[str, ...]) -> None:
-    """Loads root/saved_on_<saved_on>/<recipe>: states bit for bit as saved, then the uninterrupted
-    run's losses within LOSS_TOLERANCE (another world size sums gradients in another order and
-    quantizes per-tensor activations per slice)."""
-    device = _device(rank)
-    for recipe_name in recipes:
-        directory = root / f"saved_on_{saved_on}" / recipe_name
-        saved = torch.load(directory / "saved.pt", weights_only=True)
-        model, optimizer = _built(recipe_name, device)
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory / "checkpoint")
-        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
-        loaded = _full_states(model, optimizer)
-        assert loaded.keys() == saved["states"].keys(), (recipe_name, sorted(loaded.keys() ^ saved["states"].keys()))
-        different = [k for k, v in saved["states"].items() if not torch.equal(loaded[k], v)]
-        assert not different, (recipe_name, saved_on, world_size, different)
-        losses = _train(model, optimizer, range(SAVE_STEP, SAVE_STEP + STEPS_AFTER_LOAD), rank, world_size)
-        worst = _worst(losses, saved["losses"])
-        if rank == 0:
-            print(f"{recipe_name} {saved_on} -> {world_size}: states bitwise, loss difference {worst:.2e}")
-        assert worst <= LOSS_TOLERANCE, (recipe_name, saved_on, world_size, worst)
+def _other_layout(rank: int, world_size: int, root: pathlib.Path) -> None:
+    """Resumes root/<case>/first on this world size (states bitwise, losses within LOSS_TOLERANCE:
+    another world size sums gradients in another order and quantizes per-tensor activations per
+    slice), then saves root/<case>/second after those steps."""
+    after = range(SAVE_STEP, SAVE_STEP + STEPS_AFTER_LOAD)
+    for case in CASES:
+        model, optimizer = _resumed(case, root / "-".join(case) / "first", rank, world_size, after, LOSS_TOLERANCE)
+        directory = root / "-".join(case) / "second"
+        directory.mkdir(parents=True, exist_ok=True)
+        _save(model, optimizer, directory, rank, world_size, range(after.stop, after.stop + STEPS_AFTER_LOAD))
 
 
-def test_checkpoints_reshard_between_two_gpus_and_one_bitwise(tmp_path):
+def _back_on_first_layout(rank: int, world_size: int, root: pathlib.Path) -> None:
+    after = range(SAVE_STEP + STEPS_AFTER_LOAD, SAVE_STEP + 2 * STEPS_AFTER_LOAD)
+    for case in CASES:
+        _resumed(case, root / "-".join(case) / "second", rank, world_size, after, LOSS_TOLERANCE)
+
+
+def test_checkpoints_resume_and_reshard_two_gpus_to_one_and_back(tmp_path):
+    """Every recipe and FusedAdam state configuration: saved on 2 GPUs, resumed there; loaded on
+    1 GPU, trained on and saved; loaded back on 2 GPUs."""
     _needs_gpus(2)
-    run_ranks(_save_on_this_world, 2, tmp_path, RECIPES, backend="nccl")
-    run_ranks(_load_from, 1, tmp_path, 2, RECIPES, backend="nccl")
-    run_ranks(_save_on_this_world, 1, tmp_path, RECIPES, backend="nccl")
-    run_ranks(_load_from, 2, tmp_path, 1, RECIPES, backend="nccl")
+    run_ranks(_first_layout, 2, tmp_path, backend="nccl")
+    run_ranks(_other_layout, 1, tmp_path, backend="nccl")
+    run_ranks(_back_on_first_layout, 2, tmp_path, backend="nccl")

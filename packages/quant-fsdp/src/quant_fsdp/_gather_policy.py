@@ -28,7 +28,7 @@ class FullyShardGatherPolicy(qt.fsdp.GatherPolicy):
         _watch.gather_began(shard.quantizer)
 
     def after_gather(self, shard: qt.QuantizedTensor) -> None:
-        _watch.gather_ended(shard.quantizer)
+        _watch.gather_ended(shard.quantizer, shard.device)
 
     def fsdp_module(self, quantizer: Any, owner: torch.nn.Module | None) -> torch.nn.Module | None:
         return _plan.fsdp_module_of(quantizer) or super().fsdp_module(quantizer, owner)

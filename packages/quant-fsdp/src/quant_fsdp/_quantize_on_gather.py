@@ -203,7 +203,7 @@ class QuantizeOnGatherTensor(torch.Tensor):
     fsdp_pre_all_gather.__signature__ = inspect.signature(fsdp_pre_all_gather)  # type: ignore[attr-defined]
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        _watch.gather_ended(self.quantizer)
+        _watch.gather_ended(self.quantizer, self.device)
         if not self.fallback:
             unsharded = qt.fsdp.unsharded_from_gather(self, all_gather_outputs, metadata, param_dtype, out)
             if torch._C._current_graph_task_id() != -1 and self.quantizer.stateless:  # in a backward

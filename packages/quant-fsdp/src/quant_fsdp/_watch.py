@@ -4,20 +4,27 @@
 until the backend gives up (NCCL's watchdog, 10 minutes by default, then aborts the process;
 gloo raises), and neither backend says what was being gathered. While `watch_gathers(seconds)`
 is on, every quantized weight's pre-all-gather hook records when its gather began and its
-post-all-gather hook (which runs once FSDP2 has waited for the collective) forgets it; a daemon
-thread logs each gather still open after `seconds`, once, on the "quant_fsdp" logger at ERROR:
-this rank, the weights that collective holds (names relative to the module `fully_shard` sharded,
-formats), and how long it has waited. So a hang says where the ranks parted before the backend's
-timeout ends the run. Off (the default), the hooks record nothing.
+post-all-gather hook marks where it completes: on CPU tensors (gloo), the hook runs once the
+collective has completed, and forgets it; on CUDA tensors (NCCL) the host does not wait for the
+collective (FSDP2 makes the compute stream wait), so the hook records a CUDA event on the current
+stream, which completes after the collective, and the gather stays open until the event has. A
+daemon thread logs, once, the gather that began first among those still open after `seconds`, on
+the "quant_fsdp" logger at ERROR: this rank, the weights that collective holds (names relative to
+the module `fully_shard` sharded, formats), how long it has waited, and how many later gathers
+wait behind it (on NCCL every later collective of the group is queued behind the stuck one). So a
+hang says where the ranks parted before the backend's timeout ends the run. Off (the default),
+the hooks record nothing.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from quant_fsdp import _plan
@@ -25,8 +32,11 @@ from quant_fsdp import _plan
 logger = logging.getLogger("quant_fsdp")
 
 _timeout: float | None = None
-_open: dict[int, tuple[float, Any]] = {}  # id(quantizer) -> (when its gather began, quantizer)
-_reported: set[int] = set()
+# Gathers in the order they began: [began, quantizer, done, CUDA event or None]; the watch drops
+# completed ones from the front. `_last` finds a weight's latest gather for its post hook.
+_gathers: collections.deque[list[Any]] = collections.deque()
+_last: dict[int, list[Any]] = {}
+_reported: set[int] = set()  # id() of the gather records already logged
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 
@@ -41,7 +51,8 @@ def watch_gathers(seconds: float | None) -> None:
         raise ValueError(f"watch_gathers takes a positive number of seconds (or None to stop); got {seconds!r}")
     with _lock:
         _timeout = seconds
-        _open.clear()
+        _gathers.clear()
+        _last.clear()
         _reported.clear()
         if seconds is not None and (_thread is None or not _thread.is_alive()):
             _thread = threading.Thread(target=_watch, name="quant_fsdp gather watch", daemon=True)
@@ -51,47 +62,69 @@ def watch_gathers(seconds: float | None) -> None:
 def gather_began(quantizer: Any) -> None:
     """Called by the pre-all-gather hooks of quantized weights."""
     if _timeout is not None:
-        _open[id(quantizer)] = (time.monotonic(), quantizer)
+        record = [time.monotonic(), quantizer, False, None]
+        _gathers.append(record)
+        _last[id(quantizer)] = record
 
 
-def gather_ended(quantizer: Any) -> None:
-    """Called by the post-all-gather hooks of quantized weights."""
-    if _timeout is not None:
-        _open.pop(id(quantizer), None)
-        _reported.discard(id(quantizer))  # a later gather of this weight that hangs is reported again
+def gather_ended(quantizer: Any, device: torch.device) -> None:
+    """Called by the post-all-gather hooks of quantized weights, with the gathered tensors' device."""
+    if _timeout is None:
+        return
+    record = _last.pop(id(quantizer), None)
+    if record is None:
+        return
+    if device.type == "cuda":  # completes with an event the watch polls ([Note: gather watch])
+        event = torch.cuda.Event()
+        event.record()
+        record[3] = event
+    else:
+        record[2] = True
+
+
+def _completed(record: list[Any]) -> bool:
+    return record[2] or (record[3] is not None and record[3].query())
 
 
 def _watch() -> None:
+    front, front_since = None, 0.0  # the oldest open gather and since when it is the oldest
     while True:
         timeout = _timeout
         if timeout is None:
             return
         time.sleep(min(timeout / 4, 5.0))
         now = time.monotonic()
-        with _lock:  # the hooks write `_open` without it: list() copies it under the GIL in one call
-            stuck = [(key, began, q) for key, (began, q) in list(_open.items()) if now - began > timeout]
-            stuck = [entry for entry in stuck if entry[0] not in _reported]
-            _reported.update(key for key, _, _ in stuck)
-        by_module: dict[int, list[tuple[float, Any]]] = {}
-        for _, began, quantizer in stuck:
-            module = _plan.fsdp_module_of(quantizer)
-            by_module.setdefault(id(module), []).append((began, quantizer))
-        for entries in by_module.values():
-            _report(entries, now)
+        with _lock:  # the hooks append without it; the watch alone removes, from the front
+            while _gathers and _completed(_gathers[0]):
+                _reported.discard(id(_gathers.popleft()))
+            if not _gathers:
+                continue
+            if _gathers[0] is not front:  # gathers queued behind a completed one wait from then on
+                front, front_since = _gathers[0], now
+            if now - max(front[0], front_since) <= timeout or id(front) in _reported:
+                continue
+            _reported.add(id(front))
+            waiting = [r for r in list(_gathers) if not _completed(r)]
+        module = _plan.fsdp_module_of(front[1])
+        together = 1  # the collective's other weights: the gathers that follow of its module
+        while module is not None and together < len(waiting) and _plan.fsdp_module_of(waiting[together][1]) is module:
+            together += 1
+        _report(module, [r[1] for r in waiting[:together]], now - front[0], later=len(waiting) - together)
 
 
-def _report(entries: list[tuple[float, Any]], now: float) -> None:
-    module = _plan.fsdp_module_of(entries[0][1])
-    weights = ", ".join(f"{_plan.name_of(q) or '?'} ({q.format_name})" for _, q in entries)
+def _report(module: Any, quantizers: list[Any], waited: float, later: int) -> None:
+    weights = ", ".join(f"{_plan.name_of(q) or '?'} ({q.format_name})" for q in quantizers)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    behind = f"; {later} later weight gathers wait behind it" if later else ""
     logger.error(
-        "rank %d: the all-gather of %s holding %s began %.1f s ago and has not completed: another rank of "
+        "rank %d: the all-gather of %s holding %s began %.1f s ago and has not completed%s: another rank of "
         "its shard group has not issued it (it stopped, raised, or runs other collectives: compare "
         "quant_fsdp.gather_plan(model) on every rank)",
         rank,
         _class_name(module),
         weights,
-        now - min(began for began, _ in entries),
+        waited,
+        behind,
     )
 
 
