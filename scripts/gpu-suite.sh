@@ -5,7 +5,7 @@
 # GPU_SUITE_TESTS, default every package), bench (kernels), linear
 # (host time per Linear fwd+bwd, benchmarks/linear_host.py), e2e (benchmarks/e2e.py, ~8 min on an
 # H100; E2E_ARGS adds options, e.g. "--runs bf16,fp8"), optim (FusedAdam, benchmarks/optim.py), and on
-# every GPU of the host: nccl (the NCCL tests and collective bandwidth, ~3 min), leak (memory after
+# every GPU of the host: nccl (the NCCL tests and collective bandwidth, ~7 min), leak (memory after
 # each of 300 steps on 2 GPUs, every recipe and weight mode, eager and compiled) and multi
 # (benchmarks/multi_gpu.py with MULTI_GPU_ARGS, e.g. "--runs bf16:compiled,fp8:qw:compiled --repeats 3";
 # ~35 s per run on the 2.2B model). `--multi` is GPU_SUITE_STEPS=nccl,leak,multi.
@@ -62,14 +62,14 @@ if want e2e; then
   python3 benchmarks/e2e.py --device cuda --out "$out" ${E2E_ARGS:-} 2>&1 | tee "$out/e2e.log"
   bench_rc=$(( bench_rc | PIPESTATUS[0] ))
 fi
-nccl_tests=(tests-integration/test_fsdp2_cuda.py tests-integration/test_nccl_training.py)
+nccl_tests=(tests-integration/test_fsdp2_cuda.py tests-integration/test_nccl_training.py tests-integration/test_long_run.py)
 nccl_timeout=() leak_timeout=()
 if python3 -c 'import pytest_timeout' 2> /dev/null; then
   nccl_timeout=(--timeout "${GPU_SUITE_TEST_TIMEOUT:-300}") leak_timeout=(--timeout 600)
 fi
 if want nccl; then
   gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-  OMP_NUM_THREADS=1 python3 -m pytest -rfE -v -p no:cacheprovider -p no:benchmark "${nccl_timeout[@]}" \
+  OMP_NUM_THREADS=1 python3 -m pytest -m cuda -rfE -v -s -p no:cacheprovider -p no:benchmark "${nccl_timeout[@]}" \
     -k "not stays_flat" "${nccl_tests[@]}" 2>&1 | tee "$out/multi-tests.log"
   tests_rc=${PIPESTATUS[0]}
   torchrun --standalone --nproc-per-node="$gpus" benchmarks/collective_bandwidth.py 2>&1 | tee "$out/bandwidth.log"
