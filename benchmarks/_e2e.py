@@ -6,9 +6,8 @@ same batches of the Markov task. Runs are named `<base>[:<weights>]:<mode>`:
   `convert_to_float8_training`), or a recipe of ours (`qt.convert`);
 - weights (recipes only): `hp` keeps high-precision weights, quantized every forward, stepped by
   torch.optim.AdamW (fused on CUDA); `qw` makes them quantized primary weights
-  (`quantized_weights=True`) whose fp32 masters torch.optim.AdamW steps, requantizing each weight
-  afterwards (`quant_fsdp.demo.MasterWeights`; quant-optim's fused equivalent is measured by
-  benchmarks/optim.py);
+  (`quantized_weights=True`) stepped by quant_optim.FusedAdam (fp32 masters and moments, or the
+  state configuration a `+<states>` suffix names: FUSED_ADAM_STATES in _optimizer_states);
 - mode: `eager`; `compiled` (`torch.compile(model)`); or `graphed`: eager code whose whole
   training step (forward, backward, optimizer) is captured once in a CUDA graph and replayed
   ([Note: graphed runs]; CUDA only).
@@ -55,12 +54,14 @@ from _e2e_model import (
     describe_model,
     resolve_model_source,
 )
+from _optimizer_states import FUSED_ADAM_STATES
 from rich.console import Console
 from rich.table import Table
 
 import quant_core
 import quant_tensors as qt
-from quant_fsdp.demo import MarkovTask, MasterWeights
+from quant_fsdp.demo import MarkovTask
+from quant_optim import FusedAdam
 
 # Variants of the named recipes, each run only when a --runs pattern names it ("nvfp4-rht", not "*"):
 # NVFP4 with the random Hadamard transform on its wgrad operands ([Note: NVFP4 random Hadamard
@@ -73,7 +74,7 @@ OPT_IN_RECIPES: dict[str, Callable[[], qt.Recipe]] = {
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4", *OPT_IN_RECIPES)
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
 MODES = ("eager", "compiled", "graphed")
-# Every eager run and the compiled runs the issue-16 targets compare (~7 min on one H100).
+# Every eager run and the compiled runs DESIGN section 9's one-GPU targets compare (~7 min on one H100).
 DEFAULT_RUNS = "*:eager,bf16:compiled,torchao-tensorwise:compiled,fp8:*:compiled"
 DEFAULT_FIDELITY_RUNS = "bf16:eager,*:hp:eager"
 BF16_BASELINE = "bf16:eager"
@@ -89,14 +90,17 @@ class RunSpec:
     base: str
     """"bf16", "torchao-<recipe>" or one of RECIPES (`recipe_of`)."""
     quantized_weights: bool = False
-    """Recipes only: quantized primary weights, stepped through fp32 masters."""
+    """Recipes only: quantized primary weights, stepped by quant_optim.FusedAdam."""
     mode: str = "eager"
     """One of MODES: eager, torch.compile(model), or the eager step captured in a CUDA graph."""
+    states: str = ""
+    """Quantized weights only: FusedAdam's state configuration, a key of FUSED_ADAM_STATES ("":
+    fp32 masters and moments)."""
 
     @property
     def name(self) -> str:
         weights = ("qw" if self.quantized_weights else "hp",) if self.base in RECIPES else ()
-        return ":".join((self.base, *weights, self.mode))
+        return ":".join((self.base, *weights, self.mode)) + (f"+{self.states}" if self.states else "")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,26 +194,41 @@ def select_runs(patterns: str) -> list[RunSpec]:
     A pattern is a glob on run names (`*:compiled`, `torchao-*`, `fp8:qw:eager`) and also matches
     the names it prefixes up to a colon: `fp8` is fp8's four runs, `fp8:qw` its two with quantized
     weights. `all` is every run but those of OPT_IN_RECIPES, which only a pattern starting with
-    their name selects. A pattern that matches nothing is a ValueError naming the runs.
+    their name selects. A pattern may end in `+<states>` (FUSED_ADAM_STATES): its quantized-weight
+    runs with FusedAdam's states of that name (`fp8:qw:eager+m-fp8`). A pattern that matches
+    nothing is a ValueError naming the runs.
     """
     runs = all_runs()
     names = [r.name for r in runs]
-    chosen: set[str] = set()
-    for pattern in (p.strip() for p in patterns.split(",")):
+    chosen: list[RunSpec] = []
+    for pattern, _, states in (p.strip().partition("+") for p in patterns.split(",")):
         pattern = "*" if pattern == "all" else pattern
-        matched = {
-            r.name
+        matched = [
+            r
             for r in runs
             if (fnmatch.fnmatchcase(r.name, pattern) or fnmatch.fnmatchcase(r.name, f"{pattern}:*"))
             and (r.base not in OPT_IN_RECIPES or pattern.startswith(r.base))
-        }
+        ]
         if not matched:
             raise ValueError(
                 f"--runs: {pattern!r} matches no run. Runs: {', '.join(names)}. Patterns are comma-separated globs "
-                "('fp8', 'fp8:qw', '*:compiled', 'torchao-*', 'all')"
+                "('fp8', 'fp8:qw', '*:compiled', 'torchao-*', 'all'), each optionally followed by +<states>"
             )
-        chosen |= matched
-    return [r for r in runs if r.name in chosen]
+        if states:
+            if states not in FUSED_ADAM_STATES:
+                raise ValueError(
+                    f"--runs: {pattern}+{states}: FusedAdam's state configurations are {', '.join(FUSED_ADAM_STATES)}"
+                )
+            if not all(r.quantized_weights for r in matched):
+                raise ValueError(
+                    f"--runs: {pattern}+{states} matches runs without quantized weights "
+                    f"({', '.join(r.name for r in matched if not r.quantized_weights)}); only FusedAdam "
+                    "(quantized weights) takes states"
+                )
+            matched = [replace(r, states=states) for r in matched]
+        chosen += [r for r in matched if r not in chosen]
+    order = {r.name: i for i, r in enumerate(runs)}
+    return sorted(chosen, key=lambda r: (order[replace(r, states="").name], r.states))
 
 
 def torchao_missing() -> str:
@@ -232,17 +251,19 @@ def _not_lm_head(module: torch.nn.Module, name: str) -> bool:
     return name != "lm_head"
 
 
-def _optimizer_step(
+def _optimizer(
     model: torch.nn.Module, spec: RunSpec, options: E2EOptions, device: torch.device
-) -> tuple[torch.optim.Optimizer, Callable[[], None]]:
-    """(optimizer, step): AdamW over the parameters, or over the fp32 masters of quantized weights."""
-    masters = MasterWeights(model) if spec.quantized_weights else None
-    parameters = model.parameters() if masters is None else masters.parameters
-    fused, capturable = device.type == "cuda", spec.mode == "graphed"
-    optimizer = torch.optim.AdamW(
-        parameters, lr=options.learning_rate, weight_decay=0.0, fused=fused, capturable=capturable
+) -> torch.optim.Optimizer:
+    """quant_optim.FusedAdam (the run's states) for quantized weights, else torch's AdamW (fused on
+    CUDA); no weight decay; capturable for graphed runs."""
+    capturable = spec.mode == "graphed"
+    if spec.quantized_weights:
+        states = FUSED_ADAM_STATES.get(spec.states, {})
+        return FusedAdam(model.parameters(), lr=options.learning_rate, capturable=capturable, **states)
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(
+        model.parameters(), lr=options.learning_rate, weight_decay=0.0, fused=fused, capturable=capturable
     )
-    return optimizer, optimizer.step if masters is None else lambda: masters.step(optimizer)
 
 
 def build_run(
@@ -261,7 +282,7 @@ def build_run(
         qt.convert(model, recipe, quantized_weights=spec.quantized_weights, module_filter_fn=_not_lm_head)
     if spec.mode == "graphed" and device.type != "cuda":
         raise ValueError(f"{spec.name} captures CUDA graphs: run it with --device cuda")
-    optimizer, optimizer_step = _optimizer_step(model, spec, options, device)
+    optimizer = _optimizer(model, spec, options, device)
     forward = torch.compile(model, backend=options.compile_backend) if spec.mode == "compiled" else model
     cached = options.weight_cache and spec.base in RECIPES and not spec.quantized_weights
     parts = options.micro_batches
@@ -275,7 +296,7 @@ def build_run(
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), part_targets.flatten())
                 (loss / parts if parts > 1 else loss).backward()
                 losses.append(loss.detach())
-        optimizer_step()
+        optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return losses[0] if parts == 1 else torch.stack(losses).mean()
 

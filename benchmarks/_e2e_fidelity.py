@@ -8,7 +8,7 @@ the unigram loss for 200-450 steps and drops when it leaves it; when that happen
 to run (bf16, fp8 and fp8-block left it 150 steps apart, H100, 2026-11-24), so a final loss after
 a few hundred steps measured that moment, not the recipe's numerics. The final loss is the
 mean of the last tenth of the steps; its relative difference to bf16 eager's is compared with
-issue 16's bounds (every FP8 recipe within 0.5%, NVFP4 within 2%; published anchors: DeepSeek-V3
+the project's bounds (every FP8 recipe within 0.5%, NVFP4 within 2%; published anchors: DeepSeek-V3
 blockwise FP8 within 0.25% of bf16, the NVFP4 paper within ~1% of FP8).
 
 `--baseline FILE` takes bf16 eager's row from an earlier e2e_fidelity.json of the same training
@@ -47,7 +47,7 @@ from rich.table import Table
 
 # Token ids the fidelity task's chain visits (see above).
 FIDELITY_STATES = 2048
-# Largest |final loss / bf16's - 1| of issue 16; runs without a bound (bf16, torchao) are reported only.
+# Largest |final loss / bf16's - 1| allowed; runs without a bound (bf16, torchao) are reported only.
 TOLERANCE = {**dict.fromkeys(RECIPES, 0.005), "nvfp4": 0.02, "nvfp4-rht": 0.02}
 
 

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from _e2e_model import CONFIGS, DecoderConfig, build_decoder, resolve_model_source
+from _optimizer_states import FUSED_ADAM_STATES
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -65,19 +66,9 @@ def all_run_names() -> list[str]:
     return names + [f"{r}:{w}:{mode}" for r in RECIPES for w in WEIGHTS for mode in MODES]
 
 
-# Optimizer states a run may name after "+" (default: fp32 states). Quantized-weight runs step
-# with quant_optim.FusedAdam, whose fp32 masters and moment dtypes are its options; the others step
-# with torch's AdamW, whose peers with smaller states are torchao.optim's low-bit AdamWs.
-FUSED_ADAM_STATES = {
-    "m-bf16": {"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16},
-    "m-fp8": {"exp_avg_dtype": torch.float8_e4m3fn, "exp_avg_sq_dtype": torch.bfloat16},
-    "master-bf16": {"master_weight_dtype": torch.bfloat16},
-    "master-bf16-m-fp8": {
-        "master_weight_dtype": torch.bfloat16,
-        "exp_avg_dtype": torch.float8_e4m3fn,
-        "exp_avg_sq_dtype": torch.bfloat16,
-    },
-}
+# Optimizer states a run may name after "+" (default: fp32 states): FUSED_ADAM_STATES for
+# quantized-weight runs; the others step with torch's AdamW, whose peers with smaller states are
+# torchao.optim's low-bit AdamWs.
 # (torchao's `_AdamW(bf16_stochastic_round=True)` is left out: it rounds bf16 parameters, and
 # these runs keep fp32 ones, as torchtitan does.)
 TORCHAO_OPTIMIZERS = ("ao-adamw8bit", "ao-adamwfp8")

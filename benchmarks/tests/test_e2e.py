@@ -26,6 +26,7 @@ from _e2e import (
     select_runs,
 )
 from _e2e_model import CONFIGS, Decoder
+from _optimizer_states import FUSED_ADAM_STATES
 from e2e import main
 from rich.console import Console
 
@@ -68,6 +69,31 @@ def test_an_unknown_run_is_refused_when_parsing_arguments(capsys):
         main(["--runs", "fp9"])
     assert exit_info.value.code == 2
     assert "matches no run" in capsys.readouterr().err
+
+
+def test_quantized_weight_runs_take_fused_adam_states_after_a_plus():
+    assert _names("fp8:qw:eager+m-fp8,fp8:qw:eager,bf16:eager") == ["bf16:eager", "fp8:qw:eager", "fp8:qw:eager+m-fp8"]
+    assert _names("fp8:qw+master-bf16") == [
+        "fp8:qw:eager+master-bf16",
+        "fp8:qw:compiled+master-bf16",
+        "fp8:qw:graphed+master-bf16",
+    ]
+    with pytest.raises(ValueError, match=r"FusedAdam's state configurations are m-bf16, m-fp8"):
+        select_runs("fp8:qw:eager+m-fp4")
+    with pytest.raises(ValueError, match=r"matches runs without quantized weights \(fp8:hp:eager\)"):
+        select_runs("fp8:hp:eager+m-fp8")
+    options = E2EOptions(config="tiny", device="cpu", model_source="builtin")
+    for run, states in (
+        ("fp8:qw:eager", {}),
+        ("fp8:qw:eager+master-bf16-m-fp8", FUSED_ADAM_STATES["master-bf16-m-fp8"]),
+    ):
+        _, optimizer, step = build_run(select_runs(run)[0], options, torch.device("cpu"), "builtin")
+        assert type(optimizer).__name__ == "FusedAdam", run
+        group = optimizer.param_groups[0]
+        assert group["master_weight_dtype"] == states.get("master_weight_dtype", torch.float32), run
+        assert group["exp_avg_dtype"] == states.get("exp_avg_dtype", torch.float32), run
+        batch = markov_batches(options.decoder, 1)[0]
+        assert torch.isfinite(step(batch[:, :-1], batch[:, 1:])), run
 
 
 def test_a_graphed_run_needs_cuda():
