@@ -1,4 +1,5 @@
 """`python benchmarks/e2e.py --fidelity STEPS`: does each recipe train the e2e model like bf16 does?
+(and each FusedAdam state configuration of quantized weights like fp32 states do: `vs fp32 states`)
 
 Each run trains a fresh model (same seed) for STEPS steps on the same batches of the Markov task
 over the configuration's vocabulary (32000 by default), visiting FIDELITY_STATES of its ids, with
@@ -60,6 +61,8 @@ class FidelityRow:
     """Mean loss of the last tenth of the steps."""
     vs_bf16: float | None = None
     """final_loss / bf16 eager's - 1."""
+    vs_fp32_states: float | None = None
+    """Runs with FusedAdam states (`+<states>`): final_loss / that of the same run with fp32 states - 1."""
     tolerance: float | None = None
     tokens_per_s: float | None = None
     """Over the whole training, data transfers and warm-up included."""
@@ -142,13 +145,23 @@ def _train(
 
 
 def _with_gaps(rows: list[FidelityRow]) -> list[FidelityRow]:
-    bf16 = next((r.final_loss for r in rows if r.run == BF16_BASELINE), None)
-    if not bf16:
-        return rows
-    return [replace(r, vs_bf16=r.final_loss / bf16 - 1 if r.final_loss else None) for r in rows]
+    final = {r.run: r.final_loss for r in rows}
+    bf16 = final.get(BF16_BASELINE)
+
+    def gap(loss: float | None, baseline: float | None) -> float | None:
+        return loss / baseline - 1 if loss and baseline else None
+
+    return [
+        replace(
+            r, vs_bf16=gap(r.final_loss, bf16), vs_fp32_states=gap(r.final_loss, final.get(r.run.partition("+")[0]))
+        )
+        if "+" in r.run
+        else replace(r, vs_bf16=gap(r.final_loss, bf16))
+        for r in rows
+    ]
 
 
-COLUMNS = ("run", "final loss", "vs bf16", "bound", "within", "tokens/s", "error")
+COLUMNS = ("run", "final loss", "vs bf16", "vs fp32 states", "bound", "within", "tokens/s", "error")
 
 
 def _cells(r: FidelityRow) -> list[str]:
@@ -158,6 +171,7 @@ def _cells(r: FidelityRow) -> list[str]:
         r.run,
         format_value(r.final_loss, ".4f"),
         format_value(None if r.vs_bf16 is None else 100 * r.vs_bf16, "+.2f", "%"),
+        format_value(None if r.vs_fp32_states is None else 100 * r.vs_fp32_states, "+.2f", "%"),
         format_value(None if r.tolerance is None else 100 * r.tolerance, ".1f", "%"),
         within,
         format_value(tokens, ".1f", "k"),

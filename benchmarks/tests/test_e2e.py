@@ -329,3 +329,20 @@ def test_a_step_count_below_one_exits_2_with_one_line(capsys):
     error = capsys.readouterr().err
     assert len(error.splitlines()) == 1, error
     assert "--steps: must be >= 1" in error
+
+
+def test_fidelity_rows_compare_state_configurations_with_their_fp32_state_run():
+    from _e2e_fidelity import FidelityRow, _with_gaps
+
+    rows = _with_gaps(
+        [
+            FidelityRow("bf16:eager", final_loss=2.0),
+            FidelityRow("fp8:qw:eager", final_loss=2.02),
+            FidelityRow("fp8:qw:eager+m-fp8", final_loss=2.0402),
+            FidelityRow("nvfp4:qw:eager+m-fp8", final_loss=2.1),  # no fp32-state twin in this report
+        ]
+    )
+    assert [r.vs_fp32_states for r in rows][:2] == [None, None]
+    assert rows[2].vs_fp32_states == pytest.approx(0.01)
+    assert rows[2].vs_bf16 == pytest.approx(0.0201)
+    assert rows[3].vs_fp32_states is None
