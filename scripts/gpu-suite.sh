@@ -75,7 +75,8 @@ if want nccl; then
   torchrun --standalone --nproc-per-node="$gpus" benchmarks/collective_bandwidth.py 2>&1 | tee "$out/bandwidth.log"
 fi
 if want leak; then
-  # Each of the two tests (eager, compiled) runs 10 configurations of 300 steps.
+  # Eager: every recipe and weight mode in one test (~2.5 min on 2 H200s); compiled: a test per
+  # recipe (Inductor compiles first: budget ~10 min in all).
   OMP_NUM_THREADS=1 python3 -m pytest -rfE -v -s -p no:cacheprovider -p no:benchmark "${leak_timeout[@]}" \
     -k "stays_flat" "${nccl_tests[@]}" 2>&1 | tee "$out/leak-tests.log"
   leak_rc=${PIPESTATUS[0]}
