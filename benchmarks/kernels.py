@@ -111,6 +111,10 @@ def _kernel_cases(shape: tuple[int, int], device: torch.device) -> list[_Case]:
     blockwise = quant_core.quantize_fp8_blockwise(x, (128, 128))
     nvfp4 = quant_core.quantize_nvfp4(x, (16, 16))
     bf16 = torch.bfloat16
+    # FusedAdam's requantize and sync_amax_'s shards: many tensors cast with a scale each.
+    pieces = list(x.split(shape[0] // 8))
+    piece_outs = [torch.empty(p.shape, dtype=e4m3, device=device) for p in pieces]
+    piece_scales = torch.ones(len(pieces), device=device)
     return [
         _Case("amax", ("amax",), 2 * n, lambda: quant_core.amax(x), lambda: quant_core.amax_reference(x)),
         _Case(
@@ -126,6 +130,23 @@ def _kernel_cases(shape: tuple[int, int], device: torch.device) -> list[_Case]:
             4 * n,
             lambda: quant_core.quantize_fp8(x, columnwise=True),
             lambda: _tensors(quant_core.quantize_fp8_reference(x, columnwise=True)),
+        ),
+        _Case(
+            "fp8 cast of 8 tensors, one call",
+            ("cast_to_fp8_many",),
+            3 * n,
+            lambda: quant_core.cast_to_fp8_many(pieces, piece_scales, e4m3, piece_outs),
+            lambda: [quant_core.cast_to_fp8_reference(p, piece_scales[0], e4m3)[0] for p in pieces],
+        ),
+        _Case(
+            "fp8 cast of 8 tensors, a call each",
+            ("cast_to_fp8",),
+            3 * n,
+            lambda: [
+                quant_core.cast_to_fp8(p, piece_scales[i], e4m3, rowwise_out=o)
+                for i, (p, o) in enumerate(zip(pieces, piece_outs, strict=True))
+            ],
+            lambda: [quant_core.cast_to_fp8_reference(p, piece_scales[0], e4m3)[0] for p in pieces],
         ),
         # The out= path of FSDP2's all-gather reuse (delayed scaling: the scale is known): one read.
         _Case(
