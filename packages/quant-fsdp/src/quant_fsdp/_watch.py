@@ -42,10 +42,10 @@ _thread: threading.Thread | None = None
 
 
 def watch_gathers(seconds: float | None) -> None:
-    """Logs the weights of every quantized all-gather of this rank that has not completed after
-    `seconds` ([Note: gather watch]); None stops watching. Call it on every rank (each watches its
-    own gathers), e.g. with a few times a step's duration: the backward's prefetched gathers stay
-    open while the layer before them computes."""
+    """Logs the weights of the oldest quantized all-gather of this rank that has not completed
+    after `seconds`, once ([Note: gather watch]); None stops watching. Call it on every rank
+    (each watches its own gathers), e.g. with a few times a step's duration: the backward's
+    prefetched gathers stay open while the layer before them computes."""
     global _timeout, _thread
     if seconds is not None and not seconds > 0:
         raise ValueError(f"watch_gathers takes a positive number of seconds (or None to stop); got {seconds!r}")
