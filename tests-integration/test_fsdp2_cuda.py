@@ -120,12 +120,26 @@ def test_fused_adam_steps_on_fsdp2_sharded_weights_make_no_host_sync():
     run_ranks(_fused_adam_steps, 1, backend="nccl")
 
 
-def test_an_all_gather_that_does_not_complete_is_logged_with_its_weights_on_nccl():
-    """NCCL's host does not wait in a gather: the watch follows its completion on the GPU."""
+# ---- the gloo fault scenarios of tests-integration, on 2 GPUs ---------------------------------------
+
+
+def _gloo_scenario(file: str, name: str):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs (scripts/gpu-suite.sh on a 2-GPU machine)")
-    gather_tests = load_by_path(str(pathlib.Path(__file__).with_name("test_fsdp2_gather.py")))
-    run_ranks(gather_tests.watch_names_a_stuck_gather, 2, backend="nccl")
+    return getattr(load_by_path(str(pathlib.Path(__file__).with_name(file))), name)
+
+
+def test_an_all_gather_that_does_not_complete_is_logged_with_its_weights_on_nccl():
+    """NCCL's host does not wait in a gather: the watch follows its completion on the GPU."""
+    run_ranks(_gloo_scenario("test_fsdp2_gather.py", "watch_names_a_stuck_gather"), 2, backend="nccl")
+
+
+def test_ranks_that_disagree_on_the_weights_are_refused_at_fully_shard_on_nccl():
+    run_ranks(_gloo_scenario("test_fsdp2_gather.py", "ranks_that_disagree_are_refused"), 2, backend="nccl")
+
+
+def test_a_nan_gradient_on_one_rank_skips_the_step_on_every_rank_on_nccl():
+    run_ranks(_gloo_scenario("test_fused_adam_parity.py", "nan_on_one_rank"), 2, backend="nccl")
 
 
 # ---- leaks: memory after each step, 300 steps ------------------------------------------------------

@@ -415,11 +415,14 @@ def _refuses_int_reshard(rank: int, world_size: int) -> None:
     assert type(model.layers[0].weight) is torch.nn.Parameter
 
 
-def _ranks_that_disagree_are_refused(rank: int, world_size: int) -> None:
+def ranks_that_disagree_are_refused(rank: int, world_size: int) -> None:
     # Rank 1 converts with another recipe, then not at all: every rank raises the same error at
     # fully_shard, before anything is sharded, instead of hanging in (or garbling) an all-gather.
+    # Also on NCCL (tests-integration/test_fsdp2_cuda.py).
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     for rank_1_recipe in ("mxfp8", None):
-        model = stack("fp8" if rank == 0 else rank_1_recipe, "quantized-weights")
+        with device:
+            model = stack("fp8" if rank == 0 else rank_1_recipe, "quantized-weights")
         before = [layer.weight for layer in model.layers]
         with pytest.raises(
             ValueError,
@@ -428,7 +431,8 @@ def _ranks_that_disagree_are_refused(rank: int, world_size: int) -> None:
             quant_fsdp.fully_shard(model.layers[0])
         assert [layer.weight for layer in model.layers] == before
         assert not isinstance(model.layers[0].weight, DTensor)
-    model = stack("fp8", "quantized-weights")
+    with device:
+        model = stack("fp8", "quantized-weights")
     quant_fsdp.fully_shard(model.layers[0])  # the same conversion everywhere shards as before
     assert isinstance(model.layers[0].weight, DTensor)
 
@@ -520,7 +524,7 @@ def world_2() -> SharedWorld:
                 ("quantized-weights", False, {"mxfp8": 1.0 + 1 / 32 + 1e-9}),
             ),
             "meta init": (_meta_init, ()),
-            "ranks disagree": (_ranks_that_disagree_are_refused, ()),
+            "ranks disagree": (ranks_that_disagree_are_refused, ()),
             "gather watch": (watch_names_a_stuck_gather, ()),
             "bytes under torch's fully_shard": (
                 _check_ratios,

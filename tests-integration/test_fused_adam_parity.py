@@ -7,6 +7,7 @@ import functools
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
@@ -77,12 +78,15 @@ def test_losses_match_single_process_training(world_size, request):
 # ---- a non-finite gradient on one rank ---------------------------------------------------------------
 
 
-def _nan_on_one_rank(rank: int, world_size: int) -> None:
+def nan_on_one_rank(rank: int, world_size: int) -> None:
+    # Also on NCCL (tests-integration/test_fsdp2_cuda.py), where the verdict stays on the GPUs.
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     for recipe_name in RECIPES:
-        model = build(recipe_name, sharded=True)
+        with device:
+            model = build(recipe_name, sharded=True)
         optimizer = FusedAdam(model.parameters(), lr=LR, weight_decay=0.01)
         train(model, optimizer, range(2), rank, world_size)
-        inputs, targets = MarkovTask(CONFIG.vocab).batch(2, BATCH, CONFIG.sequence)
+        inputs, targets = (t.to(device) for t in MarkovTask(CONFIG.vocab).batch(2, BATCH, CONFIG.sequence))
         logits = model(inputs.chunk(world_size)[rank])
         loss = F.cross_entropy(logits.reshape(-1, CONFIG.vocab), targets.chunk(world_size)[rank].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
@@ -123,7 +127,7 @@ def parity() -> tuple:
 
 @pytest.fixture(scope="module")
 def world_2() -> SharedWorld:
-    return run_shared_world(2, {"parity": parity(), "nan on one rank": (_nan_on_one_rank, ())})
+    return run_shared_world(2, {"parity": parity(), "nan on one rank": (nan_on_one_rank, ())})
 
 
 @pytest.fixture(scope="module")
