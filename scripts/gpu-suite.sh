@@ -65,7 +65,8 @@ fi
 nccl_tests=(tests-integration/test_fsdp2_cuda.py tests-integration/test_nccl_training.py tests-integration/test_long_run.py)
 nccl_timeout=() leak_timeout=()
 if python3 -c 'import pytest_timeout' 2> /dev/null; then
-  nccl_timeout=(--timeout "${GPU_SUITE_TEST_TIMEOUT:-300}") leak_timeout=(--timeout 600)
+  # The 2000-step long run takes ~3 min of the nccl step; a compiled leak test several.
+  nccl_timeout=(--timeout "${GPU_SUITE_TEST_TIMEOUT:-600}") leak_timeout=(--timeout 600)
 fi
 if want nccl; then
   gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
