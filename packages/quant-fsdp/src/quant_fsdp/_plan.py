@@ -111,31 +111,29 @@ def fallback_reason(quantizer: Any, shape: tuple[int, ...], world_size: int, *, 
 
 # ---- which FSDP2 module gathers a quantizer's weight ---------------------------------------------
 
-# Keyed by identity: quantizers compare by value, and equal quantizers of two layers may belong to
-# differently sharded modules.
+# quantizer -> (weak reference to the module, the weight's name under it). Keyed by identity:
+# quantizers compare by value, and equal quantizers of two layers may belong to differently
+# sharded modules.
 _FSDP_MODULE_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-_NAME_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def register_fsdp_module(quantizer: Any, module: torch.nn.Module, name: str) -> None:
     """Records that `module` shards the weight of `quantizer`, called `name` under it."""
-    _FSDP_MODULE_OF[quantizer] = weakref.ref(module)
-    _NAME_OF[quantizer] = name
+    _FSDP_MODULE_OF[quantizer] = (weakref.ref(module), name)
 
 
 def name_of(quantizer: Any) -> str | None:
     """The name `register_fsdp_module` recorded for the weight of `quantizer`, or None."""
-    return _NAME_OF.get(quantizer)
+    entry = _FSDP_MODULE_OF.get(quantizer)
+    return None if entry is None else entry[1]
 
 
 def fsdp_module_of(quantizer: Any) -> torch.nn.Module | None:
     """The module `quant_fsdp.fully_shard` sharded the weight of `quantizer` with (None if none,
     or gone): what decides whether the backward gathers the weight again ([Note: quantized
     all-gather] in quant_tensors._fsdp)."""
-    module_ref = _FSDP_MODULE_OF.get(quantizer)
-    return None if module_ref is None else module_ref()
+    entry = _FSDP_MODULE_OF.get(quantizer)
+    return None if entry is None else entry[0]()
 
 
 # ---- reporting --------------------------------------------------------------------------------------

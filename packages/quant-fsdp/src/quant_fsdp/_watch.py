@@ -22,6 +22,7 @@ import collections
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,12 +32,28 @@ from quant_fsdp import _plan
 
 logger = logging.getLogger("quant_fsdp")
 
+
+@dataclass(slots=True)
+class _Gather:
+    """One quantized weight's gather as the watch follows it."""
+
+    began: float
+    quantizer: Any
+    done: bool = False
+    """Its post-all-gather hook ran on CPU tensors (gloo: the collective had completed)."""
+    event: torch.cuda.Event | None = None
+    """On CUDA tensors: recorded by the post-all-gather hook, completes after the collective."""
+    reported: bool = False
+
+    def completed(self) -> bool:
+        return self.done or (self.event is not None and self.event.query())
+
+
 _timeout: float | None = None
-# Gathers in the order they began: [began, quantizer, done, CUDA event or None]; the watch drops
-# completed ones from the front. `_last` finds a weight's latest gather for its post hook.
-_gathers: collections.deque[list[Any]] = collections.deque()
-_last: dict[int, list[Any]] = {}
-_reported: set[int] = set()  # id() of the gather records already logged
+# Gathers in the order they began; the watch drops completed ones from the front. `_last` finds a
+# weight's latest gather for its post hook.
+_gathers: collections.deque[_Gather] = collections.deque()
+_last: dict[int, _Gather] = {}
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 
@@ -53,7 +70,6 @@ def watch_gathers(seconds: float | None) -> None:
         _timeout = seconds
         _gathers.clear()
         _last.clear()
-        _reported.clear()
         if seconds is not None and (_thread is None or not _thread.is_alive()):
             _thread = threading.Thread(target=_watch, name="quant_fsdp gather watch", daemon=True)
             _thread.start()
@@ -62,28 +78,24 @@ def watch_gathers(seconds: float | None) -> None:
 def gather_began(quantizer: Any) -> None:
     """Called by the pre-all-gather hooks of quantized weights."""
     if _timeout is not None:
-        record = [time.monotonic(), quantizer, False, None]
-        _gathers.append(record)
-        _last[id(quantizer)] = record
+        gather = _Gather(time.monotonic(), quantizer)
+        _gathers.append(gather)
+        _last[id(quantizer)] = gather
 
 
 def gather_ended(quantizer: Any, device: torch.device) -> None:
     """Called by the post-all-gather hooks of quantized weights, with the gathered tensors' device."""
     if _timeout is None:
         return
-    record = _last.pop(id(quantizer), None)
-    if record is None:
+    gather = _last.pop(id(quantizer), None)
+    if gather is None:
         return
     if device.type == "cuda":  # completes with an event the watch polls ([Note: gather watch])
         event = torch.cuda.Event()
         event.record()
-        record[3] = event
+        gather.event = event
     else:
-        record[2] = True
-
-
-def _completed(record: list[Any]) -> bool:
-    return record[2] or (record[3] is not None and record[3].query())
+        gather.done = True
 
 
 def _watch() -> None:
@@ -95,21 +107,26 @@ def _watch() -> None:
         time.sleep(min(timeout / 4, 5.0))
         now = time.monotonic()
         with _lock:  # the hooks append without it; the watch alone removes, from the front
-            while _gathers and _completed(_gathers[0]):
-                _reported.discard(id(_gathers.popleft()))
+            while _gathers and _gathers[0].completed():
+                _gathers.popleft()
             if not _gathers:
                 continue
             if _gathers[0] is not front:  # gathers queued behind a completed one wait from then on
                 front, front_since = _gathers[0], now
-            if now - max(front[0], front_since) <= timeout or id(front) in _reported:
+            if now - max(front.began, front_since) <= timeout or front.reported:
                 continue
-            _reported.add(id(front))
-            waiting = [r for r in list(_gathers) if not _completed(r)]
-        module = _plan.fsdp_module_of(front[1])
+            front.reported = True
+            waiting = [g for g in list(_gathers) if not g.completed()]
+        module = _plan.fsdp_module_of(front.quantizer)
         together = 1  # the collective's other weights: the gathers that follow of its module
-        while module is not None and together < len(waiting) and _plan.fsdp_module_of(waiting[together][1]) is module:
+        while (
+            module is not None
+            and together < len(waiting)
+            and _plan.fsdp_module_of(waiting[together].quantizer) is module
+        ):
             together += 1
-        _report(module, [r[1] for r in waiting[:together]], now - front[0], later=len(waiting) - together)
+        quantizers = [g.quantizer for g in waiting[:together]]
+        _report(module, quantizers, now - front.began, later=len(waiting) - together)
 
 
 def _report(module: Any, quantizers: list[Any], waited: float, later: int) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from quant_core._library import Kernel, backend_kernel, call, define_op, register_kernel
+from quant_core._library import Backend, Kernel, backend_kernel, call, define_op, register_kernel
 from quant_core.shared._checks import as_2d, check_float_input, check_fp8_dtype
 
 
@@ -83,11 +83,11 @@ def _cast_to_fp8_many_op(
     kernel(xs, scales, fp8_dtype, outs)
 
 
-def _each(backend: str) -> Kernel:
+def _each(backend: Backend) -> Kernel:
     """`backend`'s kernel of `cast_to_fp8_many`: its single cast kernel on each tensor's (M, K) view."""
 
     def cast_each(xs: list[torch.Tensor], scales: torch.Tensor, fp8_dtype: torch.dtype, outs: list[torch.Tensor]):
-        cast = backend_kernel("cast_to_fp8", backend)  # type: ignore[arg-type]
+        cast = backend_kernel("cast_to_fp8", backend)
         for x, scale, out in zip(xs, scales.unbind(), outs, strict=True):
             if x.numel() > 0:
                 cast(as_2d(x), scale, fp8_dtype, as_2d(out), None)
