@@ -5,7 +5,8 @@
 # GPU_SUITE_TESTS, default every package), bench (kernels), linear
 # (host time per Linear fwd+bwd, benchmarks/linear_host.py), e2e (benchmarks/e2e.py, ~8 min on an
 # H100; E2E_ARGS adds options, e.g. "--runs bf16,fp8"), optim (FusedAdam, benchmarks/optim.py), and on
-# every GPU of the host: nccl (the NCCL tests and collective bandwidth, ~9 min), leak (memory after
+# every GPU of the host, side by side (~9 min for both): nccl (the NCCL tests and collective
+# bandwidth), leak (memory after
 # each of 300 steps on 2 GPUs, every recipe and weight mode, eager and compiled) and multi
 # (benchmarks/multi_gpu.py with MULTI_GPU_ARGS, e.g. "--runs bf16:compiled,fp8:qw:compiled --repeats 3";
 # ~35 s per run on the 2.2B model). `--multi` is GPU_SUITE_STEPS=nccl,leak,multi.
@@ -65,23 +66,35 @@ fi
 nccl_tests=(tests-integration/test_fsdp2_cuda.py tests-integration/test_nccl_training.py tests-integration/test_long_run.py)
 nccl_timeout=() leak_timeout=()
 if python3 -c 'import pytest_timeout' 2> /dev/null; then
-  # The 2000-step long run takes ~3 min of the nccl step; a compiled leak test several.
+  # The 2000-step long run takes ~3 min of the nccl step; a compiled leak case several.
   nccl_timeout=(--timeout "${GPU_SUITE_TEST_TIMEOUT:-600}") leak_timeout=(--timeout 600)
 fi
+# The 2-GPU tests run side by side: the nccl step's tests one after another in one pytest, each
+# leak case in a pytest of its own (each holds well under 1 GiB of either GPU, and a compiled case
+# spends most of its minutes compiling on the CPU), so both steps take about as long as the longest.
+jobs_rc=() job_pids=()
 if want nccl; then
-  gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   OMP_NUM_THREADS=1 python3 -m pytest -m cuda -rfE -v -s -p no:cacheprovider -p no:benchmark "${nccl_timeout[@]}" \
-    -k "not stays_flat" "${nccl_tests[@]}" 2>&1 | tee "$out/multi-tests.log"
-  tests_rc=${PIPESTATUS[0]}
-  torchrun --standalone --nproc-per-node="$gpus" benchmarks/collective_bandwidth.py 2>&1 | tee "$out/bandwidth.log"
+    -k "not stays_flat" "${nccl_tests[@]}" > "$out/multi-tests.log" 2>&1 &
+  job_pids+=($!)
 fi
 if want leak; then
-  # Eager: every recipe and weight mode in one test (~2.5 min on 2 H200s); compiled: a test per
-  # recipe (Inductor compiles first: budget ~10 min in all).
-  OMP_NUM_THREADS=1 python3 -m pytest -rfE -v -s -p no:cacheprovider -p no:benchmark "${leak_timeout[@]}" \
-    -k "stays_flat" "${nccl_tests[@]}" 2>&1 | tee "$out/leak-tests.log"
-  leak_rc=${PIPESTATUS[0]}
-  tests_rc=$(( tests_rc == 5 ? leak_rc : tests_rc | leak_rc ))
+  mapfile -t leak_ids < <(python3 -m pytest --collect-only -q -p no:cacheprovider -k "stays_flat" "${nccl_tests[@]}" | grep "::")
+  for id in "${leak_ids[@]}"; do
+    case_name="${id##*[}"
+    OMP_NUM_THREADS=1 python3 -m pytest -rfE -v -s -p no:cacheprovider -p no:benchmark "${leak_timeout[@]}" \
+      "$id" > "$out/leak-${case_name%]}.log" 2>&1 &
+    job_pids+=($!)
+  done
+fi
+for pid in "${job_pids[@]}"; do
+  wait "$pid"
+  jobs_rc+=($?)
+done
+for rc in "${jobs_rc[@]}"; do tests_rc=$(( tests_rc == 5 ? rc : tests_rc | rc )); done
+if want nccl; then
+  gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  torchrun --standalone --nproc-per-node="$gpus" benchmarks/collective_bandwidth.py 2>&1 | tee "$out/bandwidth.log"
 fi
 if want multi; then
   # shellcheck disable=SC2086  # MULTI_GPU_ARGS is a list of options
@@ -110,7 +123,7 @@ fi
 if want linear; then grep -A40 "Host time per Linear" "$out/linear.log" || true; fi
 if want e2e && [[ -f "$out/e2e.md" ]]; then cat "$out/e2e.md"; fi
 if want nccl; then tail -n 1 "$out/multi-tests.log"; grep '"collective"' "$out/bandwidth.log" || true; fi
-if want leak; then grep -E "spread|passed|failed" "$out/leak-tests.log" || true; fi
+if want leak; then grep -hE "spread|passed|failed" "$out"/leak-*.log || true; fi
 if want multi; then grep "^|" "$out/multi_gpu/multi_gpu.md" || true; fi
 if want optim; then sed -n "/^FusedAdam vs torch AdamW/,/^wrote /{/^wrote /!p}" "$out/bench_optim.log" || true; fi
 exit $(( tests_rc == 5 ? bench_rc : tests_rc | bench_rc ))
