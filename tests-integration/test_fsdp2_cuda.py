@@ -198,8 +198,10 @@ def _memory_after_each_step(
         spread = max(after[LEAK_WARMUP:]) - min(after[LEAK_WARMUP:])
         found[(recipe_name, mode)] = (spread, graphs, time.perf_counter() - start)
         if rank == 0:  # as it goes: a run cut short by a time limit still tells what it saw
+            moves = [(s, after[s] - after[s - 1]) for s in range(LEAK_WARMUP + 1, steps) if after[s] != after[s - 1]]
             print(
-                f"{recipe_name} {mode}: spread {spread} B, graphs {graphs}, {found[(recipe_name, mode)][2]:.0f} s",
+                f"{recipe_name} {mode}: spread {spread} B, graphs {graphs}, {found[(recipe_name, mode)][2]:.0f} s"
+                + (f"; moved at (step, bytes) {moves[:12]}{' ...' if len(moves) > 12 else ''}" if moves else ""),
                 flush=True,
             )
         del model, optimizer
