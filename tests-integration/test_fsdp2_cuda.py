@@ -147,6 +147,13 @@ def test_a_nan_gradient_on_one_rank_skips_the_step_on_every_rank_on_nccl():
 LEAK_STEPS = 300
 LEAK_WARMUP = 10  # steps before the memory after a step must stay flat (optimizer states, compiles)
 LEAK_BOUND_PER_LAYER = 50 * 1024  # bytes: TransformerEngine's bound in its FSDP2 tests
+# [Note: memory after a step on NCCL] ProcessGroupNCCL keeps each collective's tensors alive until
+# it sees the collective completed (its watchdog thread polls; FSDP2 waits on streams, not on the
+# work), so the memory allocated after a step now and then includes a layer's gather or
+# reduce-scatter buffers, more often on a busy GPU (10 MB once on 2 H200s shared with other
+# tests). A leak grows the memory that every step leaves; those buffers come and go. So the growth
+# compared is between the least memory of the first and of the last LEAK_WINDOW steps.
+LEAK_WINDOW = 50
 LEAK_CONFIG = TransformerConfig(vocab=128, hidden=256, layers=2, heads=4, sequence=64)
 MODES = ("quantized-weights", "quantize-on-gather")
 
@@ -154,8 +161,8 @@ MODES = ("quantized-weights", "quantize-on-gather")
 def _memory_after_each_step(
     rank: int, world_size: int, steps: int, recipes: tuple[str, ...], compiled: bool, out: str
 ) -> None:
-    """For each recipe and weight mode: the spread of memory allocated after each step from
-    LEAK_WARMUP on, the graphs compiled after it and the seconds taken; saved by rank 0 to `out`."""
+    """For each recipe and weight mode: the growth of the memory allocated after each step ([Note:
+    memory after a step on NCCL]), the graphs compiled after step LEAK_WARMUP and the seconds taken; saved by rank 0 to `out`."""
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     mesh = init_device_mesh("cuda", (world_size,))
@@ -195,12 +202,13 @@ def _memory_after_each_step(
             del logits, loss
             after.append(torch.cuda.memory_allocated(device))
         graphs += counters["stats"]["unique_graphs"]
-        spread = max(after[LEAK_WARMUP:]) - min(after[LEAK_WARMUP:])
-        found[(recipe_name, mode)] = (spread, graphs, time.perf_counter() - start)
+        growth = min(after[-LEAK_WINDOW:]) - min(after[LEAK_WARMUP : LEAK_WARMUP + LEAK_WINDOW])
+        found[(recipe_name, mode)] = (growth, graphs, time.perf_counter() - start)
         if rank == 0:  # as it goes: a run cut short by a time limit still tells what it saw
             moves = [(s, after[s] - after[s - 1]) for s in range(LEAK_WARMUP + 1, steps) if after[s] != after[s - 1]]
             print(
-                f"{recipe_name} {mode}: spread {spread} B, graphs {graphs}, {found[(recipe_name, mode)][2]:.0f} s"
+                f"{recipe_name} {mode}: growth {growth} B, spread {max(after[LEAK_WARMUP:]) - min(after[LEAK_WARMUP:])} B, "
+                f"graphs {graphs}, {found[(recipe_name, mode)][2]:.0f} s"
                 + (f"; moved at (step, bytes) {moves[:12]}{' ...' if len(moves) > 12 else ''}" if moves else ""),
                 flush=True,
             )
@@ -217,8 +225,8 @@ LEAK_CASES = [("eager", RECIPES), *((f"compiled-{r}", (r,)) for r in RECIPES)]
 @pytest.mark.parametrize(("case", "recipes"), LEAK_CASES, ids=[case for case, _ in LEAK_CASES])
 def test_memory_after_each_step_stays_flat_for_300_steps(tmp_path, case, recipes):
     """A cache that grows (gathered weights, quantized shards, compiled graphs, optimizer plans)
-    shows in the memory allocated after each step: within 50 KiB per layer from step 10 to 300,
-    and no graph compiled after step 10."""
+    shows in the memory allocated after each step: the least of steps 251-300 within 50 KiB per
+    layer of the least of steps 11-60, and no graph compiled after step 10."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs (scripts/gpu-suite.sh on a 2-GPU machine)")
     out = tmp_path / "memory.pt"
