@@ -5,11 +5,11 @@
 # GPU_SUITE_TESTS, default every package), bench (kernels), linear
 # (host time per Linear fwd+bwd, benchmarks/linear_host.py), e2e (benchmarks/e2e.py, ~8 min on an
 # H100; E2E_ARGS adds options, e.g. "--runs bf16,fp8"), optim (FusedAdam, benchmarks/optim.py), and on
-# every GPU of the host, side by side (~9 min for both): nccl (the NCCL tests and collective
-# bandwidth), leak (memory after
-# each of 300 steps on 2 GPUs, every recipe and weight mode, eager and compiled) and multi
-# (benchmarks/multi_gpu.py with MULTI_GPU_ARGS, e.g. "--runs bf16:compiled,fp8:qw:compiled --repeats 3";
-# ~35 s per run on the 2.2B model). `--multi` is GPU_SUITE_STEPS=nccl,leak,multi.
+# every GPU of the host: nccl (the NCCL tests and collective bandwidth) and leak (memory after each
+# of 300 steps on 2 GPUs, every recipe and weight mode, eager and compiled), side by side (~7 min
+# for both on 2 H200s), then multi (benchmarks/multi_gpu.py with MULTI_GPU_ARGS, e.g.
+# "--runs bf16:compiled,fp8:qw:compiled --repeats 3"; ~35 s per run on the 2.2B model).
+# `--multi` is GPU_SUITE_STEPS=nccl,leak,multi.
 #
 # The GPU image has torch, Triton, pytest, hypothesis, rich, scikit-build-core and pybind11 but no
 # network and no hatchling, so quant-core is built in place without build isolation and the three
