@@ -231,6 +231,11 @@ def markdown(report: dict, rows: Sequence[Row]) -> str:
         f"- {report['repeats']} repeats per run, launched round-robin; each: median of {report['num_steps']} steps after "
         f"{report['num_warmup']} warm-up steps and 1 counted step. vs torchao: over {torchao or '-'}. breaks and "
         "recompiles: total/after warm-up. Memory split: see benchmarks/multi_gpu.py.",
+        *(
+            [f"- Memory cap: {report['memory_cap_gib']:g} GiB per rank (torch.cuda.set_per_process_memory_fraction)."]
+            if report.get("memory_cap_gib")
+            else []
+        ),
         "",
         table(FULL_COLUMNS, [_full_cells(r) for r in rows]),
     ]

@@ -29,6 +29,11 @@ converted. bf16 and torchao runs use torch.optim.AdamW too; every optimizer has 
 Each rank trains on its own slice of every global batch of quant_fsdp.demo.MarkovTask; the
 loss is the cross-entropy of logits.float(). CUDA with NCCL when present, else the CPU with gloo.
 
+`--memory-cap-gib 80 --num-layers N` tells whether a model of N decoder layers trains within an
+H100's 80 GB on a larger GPU: each rank may allocate at most that much, and a run that would
+need more becomes a row with its OutOfMemoryError (lower `--collective-timeout` then: a rank
+that fails first leaves the others waiting in a collective).
+
 Per launch: `--warmup` untimed steps, one counted step, `--steps` timed steps (and with
 `--profile`, 2 profiled steps after them, so the profiler never slows a timed step). Peak memory statistics are reset after the model and optimizer
 are built, before the first warm-up step, so the optimizer states allocated by the first step count.
@@ -109,7 +114,7 @@ from _multi_gpu_measure import (
     reset_peak_memory,
     union,
 )
-from _multi_gpu_report import Row, build_row, compact_table, markdown, with_ratios
+from _multi_gpu_report import GIB, Row, build_row, compact_table, markdown, with_ratios
 from _multi_gpu_runs import MODELS, Options, RunSpec, build_run, parse_run, rank_batches
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -287,6 +292,9 @@ def run_worker(args: argparse.Namespace) -> int:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+        if args.memory_cap_gib:  # allocations past it raise torch.OutOfMemoryError: a row with that error
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * GIB / total), device)
     dist.init_process_group(
         "nccl" if cuda else "gloo",
         device_id=device if cuda else None,
@@ -403,6 +411,7 @@ def worker_arguments(args: argparse.Namespace) -> list[str]:
     arguments += ["--steps", str(args.steps), "--lr", str(args.lr), "--compile-backend", args.compile_backend]
     arguments += ["--device", args.device, "--collective-timeout", str(args.collective_timeout)]
     arguments += ["--num-layers", str(args.num_layers)] if args.num_layers else []
+    arguments += ["--memory-cap-gib", str(args.memory_cap_gib)] if args.memory_cap_gib else []
     return arguments + (["--profile"] if args.profile else []) + (["--memory-snapshot"] if args.memory_snapshot else [])
 
 
@@ -439,6 +448,7 @@ def environment(args: argparse.Namespace, nproc: int, runs: list[str]) -> dict:
         "compile_backend": args.compile_backend,
         "profile": args.profile,
         "memory_snapshot": args.memory_snapshot,
+        "memory_cap_gib": args.memory_cap_gib,
     }
 
 
@@ -511,6 +521,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", choices=tuple(MODELS), default="llama-2b")
     parser.add_argument("--model-source", choices=("auto", "transformers", "builtin"), default="auto")
     parser.add_argument("--num-layers", type=int, help="decoder layers instead of the model's")
+    parser.add_argument(
+        "--memory-cap-gib",
+        type=float,
+        help="CUDA: each rank may allocate at most this many GiB (torch.cuda.set_per_process_memory_fraction): "
+        "with --num-layers, whether a model fits a smaller GPU, e.g. 80 for an H100 80GB",
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation happens here)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps")
     parser.add_argument("--lr", type=float, default=3e-4)
@@ -524,6 +540,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.drive == bool(args.run):
         parser.error("give either --drive (the driver) or --train NAME (one run, under torchrun)")
+    if args.memory_cap_gib is not None and not args.memory_cap_gib > 0:
+        parser.error(f"--memory-cap-gib takes a positive number of GiB, got {args.memory_cap_gib}")
     if args.steps < 1 or args.warmup < 0 or args.repeats < 1:
         parser.error(
             f"need --steps >= 1, --warmup >= 0, --repeats >= 1; got {args.steps}, {args.warmup}, {args.repeats}"

@@ -18,6 +18,7 @@ import sys
 import _multi_gpu_measure as measure
 import _multi_gpu_report as report_rows
 import _multi_gpu_runs as runs
+import multi_gpu
 import pytest
 import torch
 
@@ -292,3 +293,18 @@ def test_quantized_weight_runs_step_with_fused_adam_states(states, moments):
     optimizer = runs.make_optimizer(spec, [torch.nn.Parameter(torch.randn(4, 4))], 1e-3, torch.device("cpu"))
     assert type(optimizer).__name__ == "FusedAdam"
     assert (optimizer.defaults["exp_avg_dtype"], optimizer.defaults["exp_avg_sq_dtype"]) == moments
+
+
+def test_a_memory_cap_reaches_every_rank_and_the_report():
+    args = multi_gpu.parse_args(
+        ["--drive", "--runs", "fp8:qw:compiled", "--num-layers", "40", "--memory-cap-gib", "80"]
+    )
+    passed = multi_gpu.worker_arguments(args)
+    assert passed[passed.index("--memory-cap-gib") + 1] == "80.0"
+    assert passed[passed.index("--num-layers") + 1] == "40"
+    header = multi_gpu.environment(args, 2, ["fp8:qw:compiled"])
+    assert header["memory_cap_gib"] == 80
+    assert "- Memory cap: 80 GiB per rank" in report_rows.markdown(header, [])
+    assert "Memory cap" not in report_rows.markdown({**header, "memory_cap_gib": None}, [])
+    with pytest.raises(SystemExit):
+        multi_gpu.parse_args(["--drive", "--memory-cap-gib", "0"])
