@@ -15,11 +15,14 @@ blockwise FP8 within 0.25% of bf16, the NVFP4 paper within ~1% of FP8).
 `--baseline FILE` takes bf16 eager's row from an earlier e2e_fidelity.json of the same training
 (model, steps, task, learning rate, initial weights) instead of training it again, so the runs of
 one comparison can be split over calls of limited length; the report names the file.
+`--workers N` trains the runs in N processes side by side (on CUDA, one GPU each), dealt out in
+turn, and writes one report of them all.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import pathlib
 import statistics
 import time
@@ -233,20 +236,18 @@ def run_fidelity(
     *,
     num_steps: int,
     baseline: pathlib.Path | None = None,
+    workers: int = 1,
     console: Console | None = None,
 ) -> int:
-    """Trains `runs` for `num_steps` steps each; prints the table, writes e2e_fidelity.json/.md/.png; 1 if a run
-    failed, 2 if `baseline` (an earlier e2e_fidelity.json giving bf16 eager's row) was trained differently."""
+    """Trains `runs` for `num_steps` steps each (in `workers` processes: `_train_in_workers`); prints
+    the table, writes e2e_fidelity.json/.md/.png; 1 if a run failed, 2 if `baseline` (an earlier
+    e2e_fidelity.json giving bf16 eager's row) was trained differently."""
     baseline_report, baseline_row = load_baseline(baseline) if baseline is not None else (None, None)
     console = console or console_for_logs()
     device = options.torch_device()
     source = resolve_model_source(options.model_source)
     config = options.decoder
-    console.print(f"generating {num_steps} batches of the Markov task ({config.vocab_size} tokens)", highlight=False)
     task = markov_task(config, _states(config))
-    data = task.batches(range(num_steps), config.batch_size, config.sequence_length)
-    if device.type == "cuda":
-        data = data.pin_memory()
     report = {
         **environment(options, device, source),
         "num_warmup": 0,
@@ -267,17 +268,11 @@ def run_fidelity(
             f"{BF16_BASELINE} from {baseline.name} ({baseline_report['date']}, {baseline_report['command']})"
         )
         console.print(f"{report['baseline']}", highlight=False)
-    skipped = torchao_missing() if any(r.base.startswith("torchao-") for r in runs) else ""
     rows = [baseline_row] if baseline_row is not None else []
-    for index, spec in enumerate(runs, 1):
-        console.print(f"[{index}/{len(runs)}] {spec.name} ...", highlight=False)
-        if spec.base.startswith("torchao-") and skipped:
-            rows.append(FidelityRow(spec.name, error=skipped))
-        else:
-            rows.append(_train(spec, data, options, device, source, console))
-            free_memory(device)
-        if rows[-1].error:
-            console.print(f"    {rows[-1].error}", highlight=False)
+    if workers > 1 and len(runs) > 1:
+        rows += _train_in_workers(out, runs, options, num_steps, workers, console)
+    else:
+        rows += _train_runs(runs, options, num_steps, console)
     rows = _with_gaps(rows)
     table = Table(title=f"Training fidelity: {report['model']}, {num_steps} steps, Markov task")
     for column in COLUMNS:
@@ -295,3 +290,62 @@ def run_fidelity(
     if failed:
         console.print(f"runs that failed: {', '.join(failed)}")
     return 1 if failed else 0
+
+
+def _train_runs(runs: Sequence[RunSpec], options: E2EOptions, num_steps: int, console: Console) -> list[FidelityRow]:
+    """Each run trained in turn on this process's device, a row each."""
+    device = options.torch_device()
+    source = resolve_model_source(options.model_source)
+    config = options.decoder
+    console.print(f"generating {num_steps} batches of the Markov task ({config.vocab_size} tokens)", highlight=False)
+    data = markov_task(config, _states(config)).batches(range(num_steps), config.batch_size, config.sequence_length)
+    if device.type == "cuda":
+        data = data.pin_memory()
+    skipped = torchao_missing() if any(r.base.startswith("torchao-") for r in runs) else ""
+    rows = []
+    for index, spec in enumerate(runs, 1):
+        console.print(f"[{index}/{len(runs)}] {spec.name} ...", highlight=False)
+        if spec.base.startswith("torchao-") and skipped:
+            rows.append(FidelityRow(spec.name, error=skipped))
+        else:
+            rows.append(_train(spec, data, options, device, source, console))
+            free_memory(device)
+        if rows[-1].error:
+            console.print(f"    {rows[-1].error}", highlight=False)
+    return rows
+
+
+def _train_in_workers(
+    out: pathlib.Path, runs: Sequence[RunSpec], options: E2EOptions, num_steps: int, workers: int, console: Console
+) -> list[FidelityRow]:
+    """The runs dealt out in turn to `workers` processes (spawned; on CUDA worker i trains on GPU i),
+    each logging to out/fidelity-worker-<i>.log and writing its rows to a JSON there; the rows in
+    the order of `runs`. A worker that died leaves an error row for each of its runs."""
+    out.mkdir(parents=True, exist_ok=True)
+    shares = [list(runs[i::workers]) for i in range(workers)]
+    context = multiprocessing.get_context("spawn")
+    processes = []
+    for i, share in enumerate(shares):
+        if share:
+            process = context.Process(target=_worker, args=(i, share, options, num_steps, out), daemon=True)
+            process.start()
+            processes.append((i, share, process))
+            console.print(f"worker {i}: {', '.join(spec.name for spec in share)} (log: fidelity-worker-{i}.log)")
+    found: dict[str, FidelityRow] = {}
+    for i, share, process in processes:
+        process.join()
+        path = out / f"fidelity-worker-{i}.json"
+        if path.exists():
+            found.update((row["run"], FidelityRow(**row)) for row in json.loads(path.read_text()))
+        console.print(f"worker {i} ended (exit code {process.exitcode})", highlight=False)
+        for spec in share:
+            found.setdefault(spec.name, FidelityRow(spec.name, error=f"its worker exited with code {process.exitcode}"))
+    return [found[spec.name] for spec in runs]
+
+
+def _worker(index: int, runs: list[RunSpec], options: E2EOptions, num_steps: int, out: pathlib.Path) -> None:
+    if options.torch_device().type == "cuda":
+        torch.cuda.set_device(index)
+    with (out / f"fidelity-worker-{index}.log").open("w") as log:
+        rows = _train_runs(runs, options, num_steps, Console(file=log, width=160))
+    (out / f"fidelity-worker-{index}.json").write_text(json.dumps([asdict(r) for r in rows]))

@@ -15,6 +15,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
+import torch
 from _arguments import Parser, positive, seed
 from _e2e import DEFAULT_FIDELITY_RUNS, DEFAULT_RUNS, E2EOptions, run_e2e, select_runs
 
@@ -65,6 +66,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.ArgumentPars
         "e2e_fidelity.json/.md/.png)",
     )
     parser.add_argument(
+        "--workers",
+        type=positive,
+        metavar="N",
+        help="with --fidelity: train the runs in N processes side by side, dealt out in turn (CUDA: one GPU each, "
+        "the first N visible), one report of them all (default 1)",
+    )
+    parser.add_argument(
         "--baseline",
         type=pathlib.Path,
         metavar="JSON",
@@ -97,6 +105,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(error))
     if args.baseline is not None and not args.fidelity:
         parser.error("--baseline is the bf16 curve of a fidelity comparison: add --fidelity STEPS")
+    if args.workers is not None and not args.fidelity:
+        parser.error("--workers spreads the runs of a fidelity comparison: add --fidelity STEPS")
+    on_cuda = options.device != "cpu" and torch.cuda.is_available()
+    if on_cuda and (args.workers or 1) > torch.cuda.device_count():
+        parser.error(f"--workers {args.workers}: only {torch.cuda.device_count()} CUDA devices are visible")
     if args.fidelity:
         from _e2e_fidelity import load_baseline, run_fidelity
 
@@ -105,7 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 load_baseline(args.baseline)
             except ValueError as error:
                 parser.error(str(error))
-        return run_fidelity(args.out, runs, options, num_steps=args.fidelity, baseline=args.baseline)
+        return run_fidelity(
+            args.out, runs, options, num_steps=args.fidelity, baseline=args.baseline, workers=args.workers or 1
+        )
     return run_e2e(args.out, runs, options)
 
 

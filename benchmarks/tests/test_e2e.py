@@ -346,3 +346,31 @@ def test_fidelity_rows_compare_state_configurations_with_their_fp32_state_run():
     assert rows[2].vs_fp32_states == pytest.approx(0.01)
     assert rows[2].vs_bf16 == pytest.approx(0.0201)
     assert rows[3].vs_fp32_states is None
+
+
+def test_fidelity_workers_train_their_share_each_into_one_report(tmp_path):
+    """Two worker processes train the runs dealt out to them; the report holds every run in the
+    order asked, each loss curve that of the same run trained in this process, and the state
+    configuration compared with its fp32-state run, which the other worker trained."""
+    from _e2e_fidelity import run_fidelity
+
+    options = E2EOptions(config="tiny", device="cpu", model_source="builtin")
+    runs = select_runs("bf16:eager,fp8:qw:eager,fp8:qw:eager+m-bf16")
+    console = Console(file=io.StringIO(), width=200)
+    assert run_fidelity(tmp_path / "one", runs, options, num_steps=3, console=console) == 0
+    assert run_fidelity(tmp_path / "two", runs, options, num_steps=3, workers=2, console=console) == 0
+    alone, spread = (
+        {row["run"]: row for row in json.loads((tmp_path / name / "e2e_fidelity.json").read_text())["rows"]}
+        for name in ("one", "two")
+    )
+    assert list(spread) == ["bf16:eager", "fp8:qw:eager", "fp8:qw:eager+m-bf16"]
+    assert {run: row["losses"] for run, row in spread.items()} == {run: row["losses"] for run, row in alone.items()}
+    assert spread["fp8:qw:eager+m-bf16"]["vs_fp32_states"] == alone["fp8:qw:eager+m-bf16"]["vs_fp32_states"]
+    assert "fp8:qw:eager" in (tmp_path / "two" / "fidelity-worker-1.log").read_text()
+
+
+def test_workers_without_fidelity_exit_2_with_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--out", str(tmp_path / "out"), "--workers", "2"])
+    assert exit_info.value.code == 2
+    assert "add --fidelity STEPS" in capsys.readouterr().err
