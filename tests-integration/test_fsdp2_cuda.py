@@ -147,12 +147,13 @@ def test_a_nan_gradient_on_one_rank_skips_the_step_on_every_rank_on_nccl():
 LEAK_STEPS = 300
 LEAK_WARMUP = 10  # steps before the memory after a step must stay flat (optimizer states, compiles)
 LEAK_BOUND_PER_LAYER = 50 * 1024  # bytes: TransformerEngine's bound in its FSDP2 tests
-# [Note: memory after a step on NCCL] ProcessGroupNCCL keeps each collective's tensors alive until
-# it sees the collective completed (its watchdog thread polls; FSDP2 waits on streams, not on the
-# work), so the memory allocated after a step now and then includes a layer's gather or
-# reduce-scatter buffers, more often on a busy GPU (10 MB once on 2 H200s shared with other
-# tests). A leak grows the memory that every step leaves; those buffers come and go. So the growth
-# compared is between the least memory of the first and of the last LEAK_WINDOW steps.
+# [Note: memory after a step on NCCL] ProcessGroupNCCL keeps a collective's tensors alive until it
+# sees the collective completed (a `wait()` on its work, or its watchdog thread's polling; FSDP2
+# waits on streams, not on the work), so the memory allocated after a step can include a layer's
+# gather or reduce-scatter buffers, more often on a busy GPU: the likely cause of a 10 MB
+# difference between two steps seen once on 2 H200s shared with other tests. A leak grows the
+# memory that every step leaves; those buffers come and go. So the growth compared is between
+# the least memory of the first and of the last LEAK_WINDOW steps.
 LEAK_WINDOW = 50
 LEAK_CONFIG = TransformerConfig(vocab=128, hidden=256, layers=2, heads=4, sequence=64)
 MODES = ("quantized-weights", "quantize-on-gather")
@@ -162,7 +163,8 @@ def _memory_after_each_step(
     rank: int, world_size: int, steps: int, recipes: tuple[str, ...], compiled: bool, out: str
 ) -> None:
     """For each recipe and weight mode: the growth of the memory allocated after each step ([Note:
-    memory after a step on NCCL]), the graphs compiled after step LEAK_WARMUP and the seconds taken; saved by rank 0 to `out`."""
+    memory after a step on NCCL]), the graphs compiled after step LEAK_WARMUP and the seconds
+    taken; saved by rank 0 to `out`."""
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     mesh = init_device_mesh("cuda", (world_size,))
