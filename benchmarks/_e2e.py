@@ -41,8 +41,9 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -564,6 +565,28 @@ def markov_batches(config: DecoderConfig, num_steps: int) -> torch.Tensor:
     return markov_task(config).batches(range(num_steps), config.batch_size, config.sequence_length)
 
 
+RowT = TypeVar("RowT")  # a benchmark's row type (E2ERow, the fidelity's FidelityRow)
+
+
+def each_run(
+    runs: Sequence[RunSpec],
+    device: torch.device,
+    console: Console,
+    measure: Callable[[RunSpec], RowT],
+    row_type: Callable[..., RowT],
+) -> Iterator[RowT]:
+    """Each run's row in turn: `measure(spec)`, then the device's memory freed; a torchao run where
+    torchao does not import gets `row_type(name, error=why)` instead."""
+    skipped = torchao_missing() if any(r.base.startswith("torchao-") for r in runs) else ""
+    for index, spec in enumerate(runs, 1):
+        console.print(f"[{index}/{len(runs)}] {spec.name} ...", highlight=False)
+        if spec.base.startswith("torchao-") and skipped:
+            yield row_type(spec.name, error=skipped)
+        else:
+            yield measure(spec)
+            free_memory(device)
+
+
 def run_e2e(out: pathlib.Path, runs: Sequence[RunSpec], options: E2EOptions, console: Console | None = None) -> int:
     """Times `runs`, prints the table, writes e2e.json and e2e.md to `out`; 1 if a run failed."""
     console = console or console_for_logs()
@@ -571,17 +594,10 @@ def run_e2e(out: pathlib.Path, runs: Sequence[RunSpec], options: E2EOptions, con
     source = resolve_model_source(options.model_source)
     report = environment(options, device, source)
     batches = markov_batches(options.decoder, options.num_warmup + options.num_steps).to(device)
-    skipped = torchao_missing() if any(r.base.startswith("torchao-") for r in runs) else ""
     rows = []
-    for index, spec in enumerate(runs, 1):
-        console.print(f"[{index}/{len(runs)}] {spec.name} ...", highlight=False)
-        if spec.base.startswith("torchao-") and skipped:
-            rows.append(E2ERow(spec.name, error=skipped))
-        else:
-            rows.append(measure_run(spec, batches, options, device, source))
-            free_memory(device)
-        r = rows[-1]
+    for r in each_run(runs, device, console, lambda spec: measure_run(spec, batches, options, device, source), E2ERow):
         console.print(f"    {r.error or f'{r.tokens_per_s:,.0f} tokens/s, loss {r.loss:.4f}'}", highlight=False)
+        rows.append(r)
     rows = _with_ratios(rows)
     console.print(_table(report, rows))
     out.mkdir(parents=True, exist_ok=True)

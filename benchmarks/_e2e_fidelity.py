@@ -37,13 +37,12 @@ from _e2e import (
     RunSpec,
     build_run,
     console_for_logs,
+    each_run,
     environment,
     first_line,
     format_value,
-    free_memory,
     header_lines,
     markov_task,
-    torchao_missing,
 )
 from _e2e_model import DecoderConfig, resolve_model_source
 from rich.console import Console
@@ -301,17 +300,13 @@ def _train_runs(runs: Sequence[RunSpec], options: E2EOptions, num_steps: int, co
     data = markov_task(config, _states(config)).batches(range(num_steps), config.batch_size, config.sequence_length)
     if device.type == "cuda":
         data = data.pin_memory()
-    skipped = torchao_missing() if any(r.base.startswith("torchao-") for r in runs) else ""
     rows = []
-    for index, spec in enumerate(runs, 1):
-        console.print(f"[{index}/{len(runs)}] {spec.name} ...", highlight=False)
-        if spec.base.startswith("torchao-") and skipped:
-            rows.append(FidelityRow(spec.name, error=skipped))
-        else:
-            rows.append(_train(spec, data, options, device, source, console))
-            free_memory(device)
-        if rows[-1].error:
-            console.print(f"    {rows[-1].error}", highlight=False)
+    for row in each_run(
+        runs, device, console, lambda spec: _train(spec, data, options, device, source, console), FidelityRow
+    ):
+        if row.error:
+            console.print(f"    {row.error}", highlight=False)
+        rows.append(row)
     return rows
 
 
