@@ -374,3 +374,23 @@ def test_workers_without_fidelity_exit_2_with_one_line(tmp_path, capsys):
         main(["--out", str(tmp_path / "out"), "--workers", "2"])
     assert exit_info.value.code == 2
     assert "add --fidelity STEPS" in capsys.readouterr().err
+
+
+def test_each_run_measures_in_turn_and_skips_torchao_where_it_does_not_import(monkeypatch):
+    monkeypatch.setattr(bench_e2e, "torchao_missing", lambda: "skipped: no torchao")
+    runs = select_runs("bf16:eager,torchao-tensorwise:compiled,fp8:hp:eager")
+    measured = []
+
+    def measure(spec):
+        measured.append(spec.name)
+        return bench_e2e.E2ERow(spec.name, tokens_per_s=1.0)
+
+    console = Console(file=io.StringIO(), width=200)
+    rows = list(bench_e2e.each_run(runs, torch.device("cpu"), console, measure, bench_e2e.E2ERow))
+    assert measured == ["bf16:eager", "fp8:hp:eager"]
+    assert [(r.run, r.error) for r in rows] == [
+        ("bf16:eager", ""),
+        ("torchao-tensorwise:compiled", "skipped: no torchao"),
+        ("fp8:hp:eager", ""),
+    ]
+    assert "[2/3] torchao-tensorwise:compiled ..." in console.file.getvalue()
