@@ -70,6 +70,7 @@ def test_bad_arguments_are_refused_with_the_fix():
 _INTERPRETED = """
 import torch
 from quant_core.fp8 import _triton_cast_many as _triton
+from quant_core.fp8._cast_many import CastToFp8ManyArgs
 from quant_core.fp8._fp8 import cast_to_fp8_reference
 from quant_core.testing import adversarial
 
@@ -79,7 +80,7 @@ xs += [adversarial((40, 30), torch.float32, seed=3).t()]
 scales = torch.tensor([1.0, 3.5, 448.0 / 3e38, 2.0 ** 100, 0.75])
 for fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
     outs = [torch.empty(x.shape, dtype=fp8_dtype) for x in xs]
-    _triton._cast_to_fp8_many(xs, scales, fp8_dtype, outs)
+    _triton._cast_to_fp8_many(CastToFp8ManyArgs(xs, scales, fp8_dtype, outs))
     for i, (x, s, out) in enumerate(zip(xs, scales, outs)):
         want, _ = cast_to_fp8_reference(x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1), s, fp8_dtype)
         assert out.reshape(-1).view(torch.uint8).tolist() == want.reshape(-1).view(torch.uint8).tolist(), (fp8_dtype, i)

@@ -48,7 +48,7 @@ def chunk_edge_tensors(dtype: torch.dtype) -> list[torch.Tensor]:
 _INTERPRETED = """
 import torch
 from quant_core.fp8 import _triton_amax_many as _triton
-from quant_core.fp8._amax_many import amax_many_reference
+from quant_core.fp8._amax_many import AmaxManyArgs, amax_many_reference
 from quant_core.testing import adversarial
 
 C = _triton.CHUNK
@@ -57,7 +57,7 @@ edge = torch.zeros(2 * C)
 edge[C] = -3.0  # first element of the second chunk
 tensors += [edge, torch.zeros(C).index_fill_(0, torch.tensor([C - 1]), 2.5), torch.empty(0, 3)]
 tensors += [adversarial((40, 30), torch.float32, seed=3).t(), torch.tensor([float("nan"), 1e-45, -0.0])]
-got = _triton._amax_many(tensors)
+got = _triton._amax_many(AmaxManyArgs(tensors))
 want = amax_many_reference(tensors)
 assert got.view(torch.int32).tolist() == want.view(torch.int32).tolist(), (got, want)
 """

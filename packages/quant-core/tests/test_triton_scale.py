@@ -40,7 +40,7 @@ def assert_same(got: quant_core.Float8Quantized, want: quant_core.Float8Quantize
 _INTERPRETED = """
 import torch
 from quant_core.fp8 import _triton_scale
-from quant_core.fp8._scale import _delayed_scale_reference, _scale_reference
+from quant_core.fp8._scale import DelayedFp8ScaleArgs, Fp8ScaleArgs, _delayed_scale_reference, _scale_reference
 from quant_core.testing import adversarial_amaxes
 
 def bits(t):
@@ -49,7 +49,7 @@ def bits(t):
 amaxes = adversarial_amaxes(200)
 for fmax, margin, power_2_scales in [(448.0, 0, False), (57344.0, -126, True), (448.0, 127, True)]:
     got = torch.empty_like(amaxes), torch.empty_like(amaxes)
-    _triton_scale._fp8_scale(amaxes, fmax, margin, power_2_scales, *got)
+    _triton_scale._fp8_scale(Fp8ScaleArgs(amaxes, fmax, margin, power_2_scales), *got)
     want = _scale_reference(amaxes, fmax, margin, power_2_scales)
     assert list(map(bits, got)) == list(map(bits, want)), (fmax, margin, power_2_scales)
 for length, most_recent in [(1, False), (5, True), (17, False)]:
@@ -57,7 +57,8 @@ for length, most_recent in [(1, False), (5, True), (17, False)]:
     expected = history.clone()
     for step, amax in enumerate(adversarial_amaxes(4, seed=1)):
         got = torch.empty(()), torch.empty(())
-        _triton_scale._delayed_fp8_scale(history, amax.reshape(()), 448.0, 1, True, most_recent, *got)
+        algo = "most_recent" if most_recent else "max"
+        _triton_scale._delayed_fp8_scale(DelayedFp8ScaleArgs(history, amax.reshape(()), 448.0, 1, True, algo), *got)
         want = _delayed_scale_reference(expected, amax.reshape(()), 448.0, 1, True, most_recent)
         assert list(map(bits, got)) == list(map(bits, want)), (length, step)
         assert bits(history) == bits(expected), (length, step)
@@ -66,6 +67,7 @@ for length, most_recent in [(1, False), (5, True), (17, False)]:
 # interpreter's integer FP8 encoding is exact): 2 x 3 programs of the cast with a transpose, 9 of
 # the flat rowwise-only cast (partial amaxes of several programs are reduced either way).
 from quant_core.fp8 import _triton as _triton_fp8
+from quant_core.fp8._quantize import QuantizeFp8Args, QuantizeFp8DelayedArgs
 from quant_core import quantize_fp8_delayed_reference, quantize_fp8_reference
 from quant_core.testing import adversarial
 
@@ -85,7 +87,7 @@ for shape, columnwise in [((100, 700), True), ((9, 2000), False)]:
         x = adversarial(shape, seed=shape[0]) * 7.0
         for amax in (None, torch.tensor(3e3)):
             got = quantized(x, fp8_dtype, columnwise)
-            _triton_fp8._quantize_fp8(x, amax, fp8_dtype, power_2_scales, got[0], got[1], *got[2:])
+            _triton_fp8._quantize_fp8(QuantizeFp8Args(x, amax, fp8_dtype, power_2_scales, got[0], got[1], *got[2:]))
             want = quantize_fp8_reference(x, fp8_dtype, power_2_scales=power_2_scales, columnwise=columnwise, amax=amax)
             check(got, want, (shape, fp8_dtype, amax))
             assert amax is not None or bits(got[4]) == bits(want.amax), shape
@@ -96,7 +98,7 @@ for shape, columnwise in [((100, 700), True), ((9, 2000), False)]:
             got = quantized(x, fp8_dtype, columnwise)
             options = dict(margin=1, power_2_scales=power_2_scales, amax_compute_algo="max")
             _triton_fp8._quantize_fp8_delayed(
-                x, amax, history, fp8_dtype, 1, power_2_scales, "max", got[0], got[1], *got[2:]
+                QuantizeFp8DelayedArgs(x, amax, history, fp8_dtype, 1, power_2_scales, "max", got[0], got[1], *got[2:])
             )
             want = quantize_fp8_delayed_reference(x, expected, fp8_dtype, columnwise=columnwise, amax=amax, **options)
             check(got, want, (shape, fp8_dtype, step))

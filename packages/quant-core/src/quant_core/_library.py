@@ -46,8 +46,9 @@ import importlib.util
 import inspect
 import os
 import types
+import typing
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensorMode
@@ -59,6 +60,7 @@ Backend = Literal["reference", "cpp", "triton"]
 BACKENDS: tuple[Backend, ...] = ("reference", "cpp", "triton")
 BACKEND_ENV_VAR = "QUANT_CORE_BACKEND"
 Kernel = Callable[..., Any]  # one backend's kernel of an op, as its body calls it
+ArgsT = TypeVar("ArgsT", bound=tuple)  # an operator's arguments ([Note: operator arguments])
 
 # The dispatch key each backend's kernels are registered on, and the device type they run on
 # (None: any device).
@@ -139,26 +141,34 @@ OPERATORS: dict[str, Operator] = {}
 
 def define_op(
     name: str,
+    arguments: type[tuple] | None = None,
     *,
     mutates_args: Sequence[str] = (),
     fake: Callable[..., Any] | None = None,
     recomputable: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Defines `torch.ops.quant_core.<name>` from its body, `body(kernel, *arguments)`: the part
-    every backend shares, calling `kernel` (the backend's, registered with `register_kernel`).
+    """Defines `torch.ops.quant_core.<name>` from its arguments and its body.
 
-    The schema is inferred from the body's annotations after `kernel`, `mutates_args` naming the
-    arguments written in place. `fake` computes output metadata under torch.compile (default: no
-    outputs, for operators that only fill buffers). `recomputable`: under torch.compile, a call that
-    writes only buffers allocated for it is recomputed in the backward rather than saved
-    ([Note: recomputed quantizations] in quant_core._recompute). Returns the body unchanged.
+    `arguments` is the op's `typing.NamedTuple` ([Note: operator arguments]): its fields, their
+    annotations and defaults give the schema's arguments, `mutates_args` naming those written in
+    place. The body, `body(kernel, args)`, is the part every backend shares: it receives the
+    arguments as that tuple and calls `kernel` (the backend's, registered with
+    `register_kernel`); its return annotation gives the schema's returns. `fake(args)` computes
+    output metadata under torch.compile (default: no outputs, for operators that only fill
+    buffers). `recomputable`: under torch.compile, a call that writes only buffers allocated for it
+    is recomputed in the backward rather than saved ([Note: recomputed quantizations] in
+    quant_core._recompute). Returns the body unchanged.
     """
 
     def decorate(body: Callable[..., Any]) -> Callable[..., Any]:
-        signature = inspect.signature(body)
-        prototype = types.FunctionType(body.__code__, body.__globals__, body.__name__)
-        prototype.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])  # type: ignore[attr-defined]
-        _define(name, prototype, body, mutates_args, fake, recomputable)
+        if arguments is None:  # TRANSITION: the body's own parameters after `kernel`
+            signature = inspect.signature(body)
+            prototype = types.FunctionType(body.__code__, body.__globals__, body.__name__)
+            prototype.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])  # type: ignore[attr-defined]
+            _define(name, prototype, body, mutates_args, fake, recomputable)
+            return body
+        prototype = _prototype(arguments, body)
+        _define(name, prototype, _bound(body, arguments), mutates_args, _bound_fake(fake, arguments), recomputable)
         return body
 
     return decorate
@@ -166,19 +176,92 @@ def define_op(
 
 def define_kernel_op(
     name: str,
+    arguments: type[tuple] | None = None,
     *,
     mutates_args: Sequence[str] = (),
     fake: Callable[..., Any] | None = None,
     recomputable: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Defines `torch.ops.quant_core.<name>` from its reference kernel: an op without a body, whose
-    kernels take its arguments as they are. The decorated function is registered as the reference."""
+    """Defines `torch.ops.quant_core.<name>` (arguments as for `define_op`) without a body: every
+    kernel takes the arguments tuple as it is. The decorated function, whose return annotation
+    gives the schema's returns, is registered as the reference kernel."""
 
     def decorate(reference: Callable[..., Any]) -> Callable[..., Any]:
-        _define(name, reference, None, mutates_args, fake, recomputable)
+        if arguments is None:  # TRANSITION
+            _define(name, reference, None, mutates_args, fake, recomputable)
+        else:
+            prototype = _prototype(arguments, reference)
+            _define(name, prototype, _bound(None, arguments), mutates_args, _bound_fake(fake, arguments), recomputable)
         return register_kernel(name, "reference")(reference)
 
     return decorate
+
+
+# [Note: operator arguments] Each operator's arguments are one `typing.NamedTuple` defined beside
+# the operator in its format module: the schema is inferred from its fields (`define_op`), the
+# op's body receives a call's arguments as one such tuple, and every backend's kernel takes it
+# (plus the outputs the body allocated) and reads the fields by name, as does the op's fake; so
+# the parameter list is written once. Callers pass the arguments positionally, in field order
+# (`call`, torch.ops); the tuple is built once per call, after the dispatch. A kernel made of
+# other ops' kernels (the composed FP8 quantizes, the multi-tensor quantizes) builds their tuples.
+def _bound(body: Callable[..., Any] | None, arguments: type[tuple]) -> Callable[..., Any]:
+    """The operator's body as the dispatcher calls it, `bound(kernel, *args, **kwargs)`: the
+    arguments bound into an `arguments` tuple, then `body(kernel, args)` (without a body,
+    `kernel(args)`)."""
+    if body is None:
+
+        def call_kernel(kernel: Kernel, *args: Any, **kwargs: Any) -> Any:
+            return kernel(arguments(*args, **kwargs))
+
+        return call_kernel
+
+    def call_body(kernel: Kernel, *args: Any, **kwargs: Any) -> Any:
+        return body(kernel, arguments(*args, **kwargs))
+
+    return call_body
+
+
+def _bound_fake(fake: Callable[..., Any] | None, arguments: type[tuple]) -> Callable[..., Any] | None:
+    """`fake(args)` as torch calls a fake implementation: with the arguments one by one."""
+    if fake is None:
+        return None
+
+    def bound(*args: Any, **kwargs: Any) -> Any:
+        return fake(arguments(*args, **kwargs))
+
+    return bound
+
+
+def with_contiguous(args: ArgsT, *fields: str) -> ArgsT:
+    """`args` with the tensors in `fields` made contiguous: `args` itself when they are (a body's
+    normalization before its kernel, free on the usual path)."""
+    copies = {field: getattr(args, field).contiguous() for field in fields if not getattr(args, field).is_contiguous()}
+    return args._replace(**copies) if copies else args  # type: ignore[attr-defined]
+
+
+def _prototype(arguments: type[tuple], returning: Callable[..., Any]) -> Callable[..., Any]:
+    """A function with the schema's signature for `torch.library.infer_schema`: the fields of
+    `arguments` (annotations resolved in its module, defaults kept), returning what `returning`
+    is annotated to return (resolved in its module)."""
+    annotations = typing.get_type_hints(arguments)
+    defaults = arguments._field_defaults  # type: ignore[attr-defined]
+    parameters = [
+        inspect.Parameter(
+            field,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            annotation=annotations[field],
+            default=defaults.get(field, inspect.Parameter.empty),
+        )
+        for field in arguments._fields  # type: ignore[attr-defined]
+    ]
+    prototype = types.FunctionType(_signature_only.__code__, returning.__globals__, returning.__name__)
+    returns = inspect.signature(returning).return_annotation  # a string is resolved in `returning`'s module
+    prototype.__signature__ = inspect.Signature(parameters, return_annotation=returns)  # type: ignore[attr-defined]
+    return prototype
+
+
+def _signature_only() -> None:
+    """The code of `_prototype`'s functions, which only carry a signature."""
 
 
 def _define(

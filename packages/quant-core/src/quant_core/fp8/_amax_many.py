@@ -14,6 +14,7 @@ Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -45,16 +46,26 @@ def amax_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return call("amax_many", list(tensors))
 
 
-def _amax_many_fake(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return tensors[0].new_empty(len(tensors), dtype=torch.float32)
+class AmaxManyArgs(NamedTuple):
+    """The arguments of `torch.ops.quant_core.amax_many` ([Note: operator arguments])."""
+
+    tensors: list[torch.Tensor]
 
 
-@define_op("amax_many", fake=_amax_many_fake)
-def _amax_many_op(kernel: Kernel, tensors: list[torch.Tensor]) -> torch.Tensor:
-    return kernel(tensors)
+def _amax_many_fake(args: AmaxManyArgs) -> torch.Tensor:
+    return args.tensors[0].new_empty(len(args.tensors), dtype=torch.float32)
+
+
+@define_op("amax_many", AmaxManyArgs, fake=_amax_many_fake)
+def _amax_many_op(kernel: Kernel, args: AmaxManyArgs) -> torch.Tensor:
+    return kernel(args)
 
 
 @register_kernel("amax_many", "reference")
+def _amax_many_reference_kernel(args: AmaxManyArgs) -> torch.Tensor:
+    return amax_many_reference(args.tensors)
+
+
 def amax_many_reference(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Plain-torch amaxes of a non-empty sequence of tensors: `amax_reference` of each, stacked."""
     return torch.stack([amax_reference(t) for t in tensors])
@@ -64,8 +75,8 @@ def amax_many_reference(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 @register_kernel("amax_many", "cpp")
-def _amax_many_cpp(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    views = [as_2d(t) for t in tensors]  # read through their strides, as amax reads them
+def _amax_many_cpp(args: AmaxManyArgs) -> torch.Tensor:
+    views = [as_2d(t) for t in args.tensors]  # read through their strides, as amax reads them
     out = torch.empty(len(views), dtype=torch.float32)
     _C.amax_many(
         [v.data_ptr() for v in views],

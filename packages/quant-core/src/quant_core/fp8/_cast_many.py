@@ -17,10 +17,12 @@ Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from quant_core._library import Backend, Kernel, backend_kernel, call, define_op, register_kernel
+from quant_core.fp8._fp8 import CastToFp8Args
 from quant_core.shared._checks import as_2d, check_float_input, check_fp8_dtype
 
 
@@ -76,21 +78,28 @@ def cast_to_fp8_many(
     call("cast_to_fp8_many", list(xs), scales, fp8_dtype, list(outs))
 
 
-@define_op("cast_to_fp8_many", mutates_args=("outs",))
-def _cast_to_fp8_many_op(
-    kernel: Kernel, xs: list[torch.Tensor], scales: torch.Tensor, fp8_dtype: torch.dtype, outs: list[torch.Tensor]
-) -> None:
-    kernel(xs, scales, fp8_dtype, outs)
+class CastToFp8ManyArgs(NamedTuple):
+    """The arguments of `torch.ops.quant_core.cast_to_fp8_many` ([Note: operator arguments])."""
+
+    xs: list[torch.Tensor]
+    scales: torch.Tensor
+    fp8_dtype: torch.dtype
+    outs: list[torch.Tensor]
+
+
+@define_op("cast_to_fp8_many", CastToFp8ManyArgs, mutates_args=("outs",))
+def _cast_to_fp8_many_op(kernel: Kernel, args: CastToFp8ManyArgs) -> None:
+    kernel(args)
 
 
 def _each(backend: Backend) -> Kernel:
     """`backend`'s kernel of `cast_to_fp8_many`: its single cast kernel on each tensor's (M, K) view."""
 
-    def cast_each(xs: list[torch.Tensor], scales: torch.Tensor, fp8_dtype: torch.dtype, outs: list[torch.Tensor]):
+    def cast_each(args: CastToFp8ManyArgs) -> None:
         cast = backend_kernel("cast_to_fp8", backend)
-        for x, scale, out in zip(xs, scales.unbind(), outs, strict=True):
+        for x, scale, out in zip(args.xs, args.scales.unbind(), args.outs, strict=True):
             if x.numel() > 0:
-                cast(as_2d(x), scale, fp8_dtype, as_2d(out), None)
+                cast(CastToFp8Args(as_2d(x), scale, args.fp8_dtype, as_2d(out), None))
 
     return cast_each
 

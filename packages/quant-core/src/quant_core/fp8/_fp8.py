@@ -22,9 +22,11 @@ Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from quant_core._library import Kernel, call, define_op, register_kernel
+from quant_core._library import Kernel, call, define_op, register_kernel, with_contiguous
 from quant_core.shared._checks import (
     as_2d,
     check_float_input,
@@ -46,18 +48,28 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return call("amax", as_2d(x))
 
 
-def _amax_fake(x_MK: torch.Tensor) -> torch.Tensor:
-    return x_MK.new_empty((), dtype=torch.float32)
+class AmaxArgs(NamedTuple):
+    """The arguments of `torch.ops.quant_core.amax` ([Note: operator arguments])."""
+
+    x_MK: torch.Tensor
 
 
-@define_op("amax", fake=_amax_fake)
-def _amax_op(kernel: Kernel, x_MK: torch.Tensor) -> torch.Tensor:
-    if x_MK.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=x_MK.device)
-    return kernel(x_MK)
+def _amax_fake(args: AmaxArgs) -> torch.Tensor:
+    return args.x_MK.new_empty((), dtype=torch.float32)
+
+
+@define_op("amax", AmaxArgs, fake=_amax_fake)
+def _amax_op(kernel: Kernel, args: AmaxArgs) -> torch.Tensor:
+    if args.x_MK.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=args.x_MK.device)
+    return kernel(args)
 
 
 @register_kernel("amax", "reference")
+def _amax_reference_kernel(args: AmaxArgs) -> torch.Tensor:
+    return amax_reference(args.x_MK)
+
+
 def amax_reference(x: torch.Tensor) -> torch.Tensor:
     """Plain-torch amax: NaN and +-Inf are ignored; empty or all non-finite gives 0."""
     finite = finite_abs(x)
@@ -136,29 +148,27 @@ def check_fp8_input(x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
         raise ValueError("x is 0-d; FP8 quantization needs a last dim to lay data out along (reshape it to (1,))")
 
 
-@define_op("cast_to_fp8", mutates_args=("rowwise_MK", "columnwise_KM"), recomputable=True)
-def _cast_to_fp8_op(
-    kernel: Kernel,
-    x_MK: torch.Tensor,
-    scale: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    rowwise_MK: torch.Tensor | None,
-    columnwise_KM: torch.Tensor | None,
-) -> None:
-    if x_MK.numel() > 0:
-        kernel(x_MK, scale, fp8_dtype, rowwise_MK, columnwise_KM)
+class CastToFp8Args(NamedTuple):
+    """The arguments of `torch.ops.quant_core.cast_to_fp8` ([Note: operator arguments])."""
+
+    x_MK: torch.Tensor
+    scale: torch.Tensor
+    fp8_dtype: torch.dtype
+    rowwise_MK: torch.Tensor | None
+    columnwise_KM: torch.Tensor | None
+
+
+@define_op("cast_to_fp8", CastToFp8Args, mutates_args=("rowwise_MK", "columnwise_KM"), recomputable=True)
+def _cast_to_fp8_op(kernel: Kernel, args: CastToFp8Args) -> None:
+    if args.x_MK.numel() > 0:
+        kernel(args)
 
 
 @register_kernel("cast_to_fp8", "reference")
-def _cast_to_fp8_reference_kernel(
-    x_MK: torch.Tensor,
-    scale: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    rowwise_MK: torch.Tensor | None,
-    columnwise_KM: torch.Tensor | None,
-) -> None:
+def _cast_to_fp8_reference_kernel(args: CastToFp8Args) -> None:
+    rowwise_MK, columnwise_KM = args.rowwise_MK, args.columnwise_KM
     rowwise, columnwise = cast_to_fp8_reference(
-        x_MK, scale, fp8_dtype, rowwise=rowwise_MK is not None, columnwise=columnwise_KM is not None
+        args.x_MK, args.scale, args.fp8_dtype, rowwise=rowwise_MK is not None, columnwise=columnwise_KM is not None
     )
     if rowwise_MK is not None:
         rowwise_MK.copy_(rowwise)
@@ -190,23 +200,30 @@ def dequantize_fp8_unchecked(data_MK: torch.Tensor, scale_inv: torch.Tensor, dty
     return call("dequantize_fp8", data_MK, scale_inv, dtype)
 
 
-def _dequantize_fp8_fake(data_MK: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return data_MK.new_empty(data_MK.shape, dtype=dtype)
+class DequantizeFp8Args(NamedTuple):
+    """The arguments of `torch.ops.quant_core.dequantize_fp8` ([Note: operator arguments])."""
+
+    data_MK: torch.Tensor
+    scale_inv: torch.Tensor
+    dtype: torch.dtype
 
 
-@define_op("dequantize_fp8", fake=_dequantize_fp8_fake)
-def _dequantize_fp8_op(
-    kernel: Kernel, data_MK: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    out_MK = torch.empty(data_MK.shape, dtype=dtype, device=data_MK.device)
+def _dequantize_fp8_fake(args: DequantizeFp8Args) -> torch.Tensor:
+    return args.data_MK.new_empty(args.data_MK.shape, dtype=args.dtype)
+
+
+@define_op("dequantize_fp8", DequantizeFp8Args, fake=_dequantize_fp8_fake)
+def _dequantize_fp8_op(kernel: Kernel, args: DequantizeFp8Args) -> torch.Tensor:
+    """Kernels take (args with data_MK contiguous, out_MK: the contiguous (M, K) output of args.dtype)."""
+    out_MK = torch.empty(args.data_MK.shape, dtype=args.dtype, device=args.data_MK.device)
     if out_MK.numel() > 0:
-        kernel(data_MK.contiguous(), scale_inv, out_MK)
+        kernel(with_contiguous(args, "data_MK"), out_MK)
     return out_MK
 
 
 @register_kernel("dequantize_fp8", "reference")
-def _dequantize_fp8_reference_kernel(data_MK: torch.Tensor, scale_inv: torch.Tensor, out_MK: torch.Tensor) -> None:
-    out_MK.copy_(dequantize_fp8_reference(data_MK, scale_inv, out_MK.dtype))
+def _dequantize_fp8_reference_kernel(args: DequantizeFp8Args, out_MK: torch.Tensor) -> None:
+    out_MK.copy_(dequantize_fp8_reference(args.data_MK, args.scale_inv, args.dtype))
 
 
 def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
@@ -225,28 +242,37 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
     return call("transpose_bytes", as_2d(data))
 
 
-def _transpose_bytes_fake(data_MK: torch.Tensor) -> torch.Tensor:
-    return data_MK.new_empty((data_MK.shape[1], data_MK.shape[0]))
+class TransposeBytesArgs(NamedTuple):
+    """The arguments of `torch.ops.quant_core.transpose_bytes` ([Note: operator arguments])."""
+
+    data_MK: torch.Tensor
 
 
-@define_op("transpose_bytes", fake=_transpose_bytes_fake, recomputable=True)
-def _transpose_bytes_op(kernel: Kernel, data_MK: torch.Tensor) -> torch.Tensor:
+def _transpose_bytes_fake(args: TransposeBytesArgs) -> torch.Tensor:
+    return args.data_MK.new_empty((args.data_MK.shape[1], args.data_MK.shape[0]))
+
+
+@define_op("transpose_bytes", TransposeBytesArgs, fake=_transpose_bytes_fake, recomputable=True)
+def _transpose_bytes_op(kernel: Kernel, args: TransposeBytesArgs) -> torch.Tensor:
+    """Kernels take (args with data_MK viewed as uint8, out_KM: the contiguous (K, M) uint8 output)."""
+    data_MK = args.data_MK
     out_KM = torch.empty((data_MK.shape[1], data_MK.shape[0]), dtype=data_MK.dtype, device=data_MK.device)
     if out_KM.numel() > 0:
-        kernel(data_MK.view(torch.uint8), out_KM.view(torch.uint8))
+        kernel(TransposeBytesArgs(data_MK.view(torch.uint8)), out_KM.view(torch.uint8))
     return out_KM
 
 
 @register_kernel("transpose_bytes", "reference")
-def _transpose_bytes_reference(data_MK: torch.Tensor, out_KM: torch.Tensor) -> None:
-    out_KM.copy_(data_MK.t())
+def _transpose_bytes_reference(args: TransposeBytesArgs, out_KM: torch.Tensor) -> None:
+    out_KM.copy_(args.data_MK.t())
 
 
 # ---- C++ kernels (CPU tensors; [Note: C++ kernel arguments] in quant_core.shared._cpp) ----
 
 
 @register_kernel("amax", "cpp")
-def _amax_cpp(x_MK: torch.Tensor) -> torch.Tensor:
+def _amax_cpp(args: AmaxArgs) -> torch.Tensor:
+    x_MK = args.x_MK
     out = torch.empty((), dtype=torch.float32)
     M, K = x_MK.shape
     _C.amax(x_MK.data_ptr(), DTYPE_CODES[x_MK.dtype], M, K, *x_MK.stride(), out.data_ptr(), torch.get_num_threads())
@@ -254,13 +280,8 @@ def _amax_cpp(x_MK: torch.Tensor) -> torch.Tensor:
 
 
 @register_kernel("cast_to_fp8", "cpp")
-def _cast_to_fp8_cpp(
-    x_MK: torch.Tensor,
-    scale: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    rowwise_MK: torch.Tensor | None,
-    columnwise_KM: torch.Tensor | None,
-) -> None:
+def _cast_to_fp8_cpp(args: CastToFp8Args) -> None:
+    x_MK, rowwise_MK, columnwise_KM = args.x_MK, args.rowwise_MK, args.columnwise_KM
     M, K = x_MK.shape
     _C.cast_to_fp8(
         x_MK.data_ptr(),
@@ -268,8 +289,8 @@ def _cast_to_fp8_cpp(
         M,
         K,
         *x_MK.stride(),
-        scale.data_ptr(),
-        FP8_FORMAT_CODES[fp8_dtype],
+        args.scale.data_ptr(),
+        FP8_FORMAT_CODES[args.fp8_dtype],
         0 if rowwise_MK is None else rowwise_MK.data_ptr(),  # `pointer`, inline: a hot path
         0 if columnwise_KM is None else columnwise_KM.data_ptr(),
         torch.get_num_threads(),
@@ -277,14 +298,15 @@ def _cast_to_fp8_cpp(
 
 
 @register_kernel("dequantize_fp8", "cpp")
-def _dequantize_fp8_cpp(data_MK: torch.Tensor, scale_inv: torch.Tensor, out_MK: torch.Tensor) -> None:
+def _dequantize_fp8_cpp(args: DequantizeFp8Args, out_MK: torch.Tensor) -> None:
+    data_MK = args.data_MK
     R, C = data_MK.shape
     _C.dequantize_fp8(
         data_MK.data_ptr(),
         FP8_FORMAT_CODES[data_MK.dtype],
         R,
         C,
-        scale_inv.data_ptr(),
+        args.scale_inv.data_ptr(),
         out_MK.data_ptr(),
         DTYPE_CODES[out_MK.dtype],
         torch.get_num_threads(),
@@ -292,7 +314,8 @@ def _dequantize_fp8_cpp(data_MK: torch.Tensor, scale_inv: torch.Tensor, out_MK: 
 
 
 @register_kernel("transpose_bytes", "cpp")
-def _transpose_bytes_cpp(data_MK: torch.Tensor, out_KM: torch.Tensor) -> None:
+def _transpose_bytes_cpp(args: TransposeBytesArgs, out_KM: torch.Tensor) -> None:
+    data_MK = args.data_MK
     _C.transpose_bytes(
         data_MK.data_ptr(), *data_MK.shape, *data_MK.stride(), out_KM.data_ptr(), torch.get_num_threads()
     )

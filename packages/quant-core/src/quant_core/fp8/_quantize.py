@@ -29,14 +29,24 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from quant_core._library import Backend, backend_kernel, call, define_kernel_op, register_kernel
-from quant_core.fp8._fp8 import amax_reference, cast_to_fp8_reference, check_fp8_input, checked_layout
+from quant_core.fp8._fp8 import (
+    AmaxArgs,
+    CastToFp8Args,
+    amax_reference,
+    cast_to_fp8_reference,
+    check_fp8_input,
+    checked_layout,
+)
 from quant_core.fp8._scale import (
     FP8_MAX,
     AmaxComputeAlgo,
+    DelayedFp8ScaleArgs,
+    Fp8ScaleArgs,
     check_amax_compute_algo,
     check_amax_history,
     check_margin,
@@ -166,28 +176,28 @@ def quantize_fp8_into(
     call("quantize_fp8", x_MK, amax, fp8_dtype, power_2_scales, rowwise_MK, columnwise_KM, scale_inv_out, None, None)
 
 
-def composed_quantize_fp8(backend: Backend) -> Callable[..., None]:
+class QuantizeFp8Args(NamedTuple):
+    """The arguments of `torch.ops.quant_core.quantize_fp8` ([Note: operator arguments])."""
+
+    x_MK: torch.Tensor
+    amax: torch.Tensor | None
+    fp8_dtype: torch.dtype
+    power_2_scales: bool
+    rowwise_MK: torch.Tensor | None
+    columnwise_KM: torch.Tensor | None
+    scale_inv: torch.Tensor
+    scale: torch.Tensor | None
+    amax_out: torch.Tensor | None
+
+
+def composed_quantize_fp8(backend: Backend) -> Callable[[QuantizeFp8Args], None]:
     """The `quantize_fp8` operator as `backend`'s amax, fp8_scale and cast kernels, one after another."""
 
-    def quantize(
-        x_MK: torch.Tensor,
-        amax: torch.Tensor | None,
-        fp8_dtype: torch.dtype,
-        power_2_scales: bool,
-        rowwise_MK: torch.Tensor | None,
-        columnwise_KM: torch.Tensor | None,
-        scale_inv: torch.Tensor,
-        scale: torch.Tensor | None,
-        amax_out: torch.Tensor | None,
-    ) -> None:
+    def quantize(args: QuantizeFp8Args) -> None:
         amax_kernel, scale_kernel, cast_kernel = steps or _step_kernels(steps, backend, "fp8_scale")
-        if amax is None:
-            amax = _measured_amax(amax_kernel, x_MK, amax_out)
-        if scale is None:
-            scale = torch.empty(1, dtype=torch.float32, device=x_MK.device).view(())  # as `new_scalar`
-        scale_kernel(amax, FP8_MAX[fp8_dtype], 0, power_2_scales, scale, scale_inv)
-        if x_MK.numel() > 0:
-            cast_kernel(x_MK, scale, fp8_dtype, rowwise_MK, columnwise_KM)
+        amax, scale = _amax_and_scale(amax_kernel, args)
+        scale_kernel(Fp8ScaleArgs(amax, FP8_MAX[args.fp8_dtype], 0, args.power_2_scales), scale, args.scale_inv)
+        _cast(cast_kernel, args, scale)
 
     steps: list[Callable[..., None]] = []
     return quantize
@@ -349,40 +359,34 @@ def quantize_fp8_delayed_into(
     )
 
 
-def composed_quantize_fp8_delayed(backend: Backend) -> Callable[..., None]:
+class QuantizeFp8DelayedArgs(NamedTuple):
+    """The arguments of `torch.ops.quant_core.quantize_fp8_delayed` ([Note: operator arguments])."""
+
+    x_MK: torch.Tensor
+    amax: torch.Tensor | None
+    amax_history: torch.Tensor
+    fp8_dtype: torch.dtype
+    margin: int
+    power_2_scales: bool
+    amax_compute_algo: str
+    rowwise_MK: torch.Tensor | None
+    columnwise_KM: torch.Tensor | None
+    scale_inv: torch.Tensor
+    scale: torch.Tensor | None
+    amax_out: torch.Tensor | None
+
+
+def composed_quantize_fp8_delayed(backend: Backend) -> Callable[[QuantizeFp8DelayedArgs], None]:
     """The `quantize_fp8_delayed` operator as `backend`'s amax, delayed_fp8_scale and cast kernels."""
 
-    def quantize(
-        x_MK: torch.Tensor,
-        amax: torch.Tensor | None,
-        amax_history: torch.Tensor,
-        fp8_dtype: torch.dtype,
-        margin: int,
-        power_2_scales: bool,
-        amax_compute_algo: str,
-        rowwise_MK: torch.Tensor | None,
-        columnwise_KM: torch.Tensor | None,
-        scale_inv: torch.Tensor,
-        scale: torch.Tensor | None,
-        amax_out: torch.Tensor | None,
-    ) -> None:
+    def quantize(args: QuantizeFp8DelayedArgs) -> None:
         amax_kernel, scale_kernel, cast_kernel = steps or _step_kernels(steps, backend, "delayed_fp8_scale")
-        if amax is None:
-            amax = _measured_amax(amax_kernel, x_MK, amax_out)
-        if scale is None:
-            scale = torch.empty(1, dtype=torch.float32, device=x_MK.device).view(())  # as `new_scalar`
-        scale_kernel(
-            amax_history,
-            amax,
-            FP8_MAX[fp8_dtype],
-            margin,
-            power_2_scales,
-            amax_compute_algo == "most_recent",
-            scale,
-            scale_inv,
+        amax, scale = _amax_and_scale(amax_kernel, args)
+        scale_args = DelayedFp8ScaleArgs(
+            args.amax_history, amax, FP8_MAX[args.fp8_dtype], args.margin, args.power_2_scales, args.amax_compute_algo
         )
-        if x_MK.numel() > 0:
-            cast_kernel(x_MK, scale, fp8_dtype, rowwise_MK, columnwise_KM)
+        scale_kernel(scale_args, scale, args.scale_inv)
+        _cast(cast_kernel, args, scale)
 
     steps: list[Callable[..., None]] = []
     return quantize
@@ -390,8 +394,10 @@ def composed_quantize_fp8_delayed(backend: Backend) -> Callable[..., None]:
 
 # The reference and C++ backends run the steps' kernels; Triton fuses them (`fp8/_triton.py`).
 _FP8_BUFFERS = ("rowwise_MK", "columnwise_KM", "scale_inv", "scale", "amax_out")
-define_kernel_op("quantize_fp8", mutates_args=_FP8_BUFFERS, recomputable=True)(composed_quantize_fp8("reference"))
-define_kernel_op("quantize_fp8_delayed", mutates_args=("amax_history", *_FP8_BUFFERS))(
+define_kernel_op("quantize_fp8", QuantizeFp8Args, mutates_args=_FP8_BUFFERS, recomputable=True)(
+    composed_quantize_fp8("reference")
+)
+define_kernel_op("quantize_fp8_delayed", QuantizeFp8DelayedArgs, mutates_args=("amax_history", *_FP8_BUFFERS))(
     composed_quantize_fp8_delayed("reference")
 )
 
@@ -450,14 +456,29 @@ def _step_kernels(steps: list[Callable[..., None]], backend: Backend, scale_op: 
     return steps
 
 
-def _measured_amax(
-    amax_kernel: Callable[..., torch.Tensor], x_MK: torch.Tensor, amax_out: torch.Tensor | None
-) -> torch.Tensor:
-    """x's amax by `amax_kernel` (0 if x is empty), also written into amax_out if given."""
-    measured = amax_kernel(x_MK) if x_MK.numel() else torch.zeros((), dtype=torch.float32, device=x_MK.device)
-    if amax_out is not None:
-        amax_out.copy_(measured)
-    return measured
+def _amax_and_scale(
+    amax_kernel: Callable[[AmaxArgs], torch.Tensor], args: QuantizeFp8Args | QuantizeFp8DelayedArgs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The composed quantize's first step: (the amax to scale with, the scale buffer). The amax is
+    args.amax, or x's by `amax_kernel` (0 if x is empty), then also written into args.amax_out if
+    given; the scale buffer is args.scale, or a new one."""
+    amax, x_MK = args.amax, args.x_MK
+    if amax is None:
+        amax = amax_kernel(AmaxArgs(x_MK)) if x_MK.numel() else torch.zeros((), dtype=torch.float32, device=x_MK.device)
+        if args.amax_out is not None:
+            args.amax_out.copy_(amax)
+    scale = args.scale
+    if scale is None:
+        scale = torch.empty(1, dtype=torch.float32, device=x_MK.device).view(())  # as `new_scalar`
+    return amax, scale
+
+
+def _cast(
+    cast_kernel: Callable[[CastToFp8Args], None], args: QuantizeFp8Args | QuantizeFp8DelayedArgs, scale: torch.Tensor
+) -> None:
+    """The composed quantize's last step: x's codes with `scale` into the buffers given."""
+    if args.x_MK.numel() > 0:
+        cast_kernel(CastToFp8Args(args.x_MK, scale, args.fp8_dtype, args.rowwise_MK, args.columnwise_KM))
 
 
 # ---- C++ kernels (CPU tensors; [Note: C++ kernel arguments] in quant_core.shared._cpp) ----

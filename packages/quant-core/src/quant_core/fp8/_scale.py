@@ -25,11 +25,11 @@ Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
-from quant_core._library import Kernel, call, define_op, register_kernel
+from quant_core._library import Kernel, call, define_op, register_kernel, with_contiguous
 from quant_core.shared._checks import check_fp8_dtype, check_scalar
 from quant_core.shared._cpp import _C
 from quant_core.shared._numerics import FLOAT32_MAX, divide
@@ -123,29 +123,32 @@ def fp8_scale(
     return call("fp8_scale", amax.float(), FP8_MAX[fp8_dtype], margin, power_2_scales)
 
 
-def _fp8_scale_fake(
-    amax: torch.Tensor, fmax: float, margin: int, power_2_scales: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return amax.new_empty(amax.shape), amax.new_empty(amax.shape)
+class Fp8ScaleArgs(NamedTuple):
+    """The arguments of `torch.ops.quant_core.fp8_scale` ([Note: operator arguments])."""
+
+    amax: torch.Tensor
+    fmax: float
+    margin: int
+    power_2_scales: bool
 
 
-@define_op("fp8_scale", fake=_fp8_scale_fake)
-def _fp8_scale_op(
-    kernel: Kernel, amax: torch.Tensor, fmax: float, margin: int, power_2_scales: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    amax = amax.contiguous()
-    scale, scale_inv = torch.empty_like(amax), torch.empty_like(amax)
-    if amax.numel() > 0:
-        kernel(amax, fmax, margin, power_2_scales, scale, scale_inv)
+def _fp8_scale_fake(args: Fp8ScaleArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    return args.amax.new_empty(args.amax.shape), args.amax.new_empty(args.amax.shape)
+
+
+@define_op("fp8_scale", Fp8ScaleArgs, fake=_fp8_scale_fake)
+def _fp8_scale_op(kernel: Kernel, args: Fp8ScaleArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    args = with_contiguous(args, "amax")
+    scale, scale_inv = torch.empty_like(args.amax), torch.empty_like(args.amax)
+    if args.amax.numel() > 0:
+        kernel(args, scale, scale_inv)
     return scale, scale_inv
 
 
 @register_kernel("fp8_scale", "reference")
-def _fp8_scale_reference_kernel(
-    amax: torch.Tensor, fmax: float, margin: int, power_2_scales: bool, scale: torch.Tensor, scale_inv: torch.Tensor
-) -> None:
-    """Kernel contract: amax contiguous fp32; scale and scale_inv contiguous fp32 of its shape."""
-    want_scale, want_scale_inv = _scale_reference(amax, fmax, margin, power_2_scales)
+def _fp8_scale_reference_kernel(args: Fp8ScaleArgs, scale: torch.Tensor, scale_inv: torch.Tensor) -> None:
+    """Kernel contract: args.amax contiguous fp32; scale and scale_inv contiguous fp32 of its shape."""
+    want_scale, want_scale_inv = _scale_reference(args.amax, args.fmax, args.margin, args.power_2_scales)
     scale.copy_(want_scale)
     scale_inv.copy_(want_scale_inv)
 
@@ -233,46 +236,42 @@ def delayed_fp8_scale_(
     return call("delayed_fp8_scale", amax_history, amax, FP8_MAX[fp8_dtype], margin, power_2_scales, amax_compute_algo)
 
 
-def _delayed_fp8_scale_fake(
-    amax_history: torch.Tensor,
-    amax: torch.Tensor,
-    fmax: float,
-    margin: int,
-    power_2_scales: bool,
-    amax_compute_algo: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return amax_history.new_empty(()), amax_history.new_empty(())
+class DelayedFp8ScaleArgs(NamedTuple):
+    """The arguments of `torch.ops.quant_core.delayed_fp8_scale` ([Note: operator arguments])."""
+
+    amax_history: torch.Tensor
+    amax: torch.Tensor
+    fmax: float
+    margin: int
+    power_2_scales: bool
+    amax_compute_algo: str
 
 
-@define_op("delayed_fp8_scale", mutates_args=("amax_history",), fake=_delayed_fp8_scale_fake)
-def _delayed_fp8_scale_op(
-    kernel: Kernel,
-    amax_history: torch.Tensor,
-    amax: torch.Tensor,
-    fmax: float,
-    margin: int,
-    power_2_scales: bool,
-    amax_compute_algo: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = torch.empty((), dtype=torch.float32, device=amax_history.device)
-    scale_inv = torch.empty((), dtype=torch.float32, device=amax_history.device)
-    kernel(amax_history, amax, fmax, margin, power_2_scales, amax_compute_algo == "most_recent", scale, scale_inv)
+def _delayed_fp8_scale_fake(args: DelayedFp8ScaleArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    return args.amax_history.new_empty(()), args.amax_history.new_empty(())
+
+
+@define_op("delayed_fp8_scale", DelayedFp8ScaleArgs, mutates_args=("amax_history",), fake=_delayed_fp8_scale_fake)
+def _delayed_fp8_scale_op(kernel: Kernel, args: DelayedFp8ScaleArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = torch.empty((), dtype=torch.float32, device=args.amax_history.device)
+    scale_inv = torch.empty((), dtype=torch.float32, device=args.amax_history.device)
+    kernel(args, scale, scale_inv)
     return scale, scale_inv
 
 
 @register_kernel("delayed_fp8_scale", "reference")
 def _delayed_fp8_scale_reference_kernel(
-    amax_history: torch.Tensor,
-    amax: torch.Tensor,
-    fmax: float,
-    margin: int,
-    power_2_scales: bool,
-    most_recent: bool,
-    scale: torch.Tensor,
-    scale_inv: torch.Tensor,
+    args: DelayedFp8ScaleArgs, scale: torch.Tensor, scale_inv: torch.Tensor
 ) -> None:
-    """Kernel contract: as the operator's, with scale and scale_inv fp32 0-d (or one-element) buffers."""
-    want_scale, want_scale_inv = _delayed_scale_reference(amax_history, amax, fmax, margin, power_2_scales, most_recent)
+    """Kernel contract: the operator's, with scale and scale_inv fp32 0-d (or one-element) buffers."""
+    want_scale, want_scale_inv = _delayed_scale_reference(
+        args.amax_history,
+        args.amax,
+        args.fmax,
+        args.margin,
+        args.power_2_scales,
+        args.amax_compute_algo == "most_recent",
+    )
     scale.copy_(want_scale.reshape(scale.shape))
     scale_inv.copy_(want_scale_inv.reshape(scale_inv.shape))
 
@@ -281,31 +280,29 @@ def _delayed_fp8_scale_reference_kernel(
 
 
 @register_kernel("fp8_scale", "cpp")
-def _fp8_scale_cpp(
-    amax: torch.Tensor, fmax: float, margin: int, power_2_scales: bool, scale: torch.Tensor, scale_inv: torch.Tensor
-) -> None:
-    _C.fp8_scale(amax.data_ptr(), amax.numel(), fmax, margin, power_2_scales, scale.data_ptr(), scale_inv.data_ptr())
+def _fp8_scale_cpp(args: Fp8ScaleArgs, scale: torch.Tensor, scale_inv: torch.Tensor) -> None:
+    amax = args.amax
+    _C.fp8_scale(
+        amax.data_ptr(),
+        amax.numel(),
+        args.fmax,
+        args.margin,
+        args.power_2_scales,
+        scale.data_ptr(),
+        scale_inv.data_ptr(),
+    )
 
 
 @register_kernel("delayed_fp8_scale", "cpp")
-def _delayed_fp8_scale_cpp(
-    amax_history: torch.Tensor,
-    amax: torch.Tensor,
-    fmax: float,
-    margin: int,
-    power_2_scales: bool,
-    most_recent: bool,
-    scale: torch.Tensor,
-    scale_inv: torch.Tensor,
-) -> None:
+def _delayed_fp8_scale_cpp(args: DelayedFp8ScaleArgs, scale: torch.Tensor, scale_inv: torch.Tensor) -> None:
     _C.delayed_fp8_scale(
-        amax_history.data_ptr(),
-        amax_history.numel(),
-        amax.data_ptr(),
-        fmax,
-        margin,
-        power_2_scales,
-        most_recent,
+        args.amax_history.data_ptr(),
+        args.amax_history.numel(),
+        args.amax.data_ptr(),
+        args.fmax,
+        args.margin,
+        args.power_2_scales,
+        args.amax_compute_algo == "most_recent",
         scale.data_ptr(),
         scale_inv.data_ptr(),
     )

@@ -14,7 +14,14 @@ import triton
 import triton.language as tl
 
 from quant_core._library import register_kernel
-from quant_core.fp8._quantize import composed_quantize_fp8, composed_quantize_fp8_delayed, new_scalar
+from quant_core.fp8._fp8 import AmaxArgs, CastToFp8Args, DequantizeFp8Args, TransposeBytesArgs
+from quant_core.fp8._quantize import (
+    QuantizeFp8Args,
+    QuantizeFp8DelayedArgs,
+    composed_quantize_fp8,
+    composed_quantize_fp8_delayed,
+    new_scalar,
+)
 from quant_core.fp8._scale import FP8_MAX
 from quant_core.fp8._triton_scale import history_amax, history_block, push_amax, scale_of
 from quant_core.shared._triton_launch import cdiv, launch
@@ -106,8 +113,8 @@ def _launch_amax(x_MK: torch.Tensor, out: torch.Tensor | None, programs: int) ->
 
 
 @register_kernel("amax", "triton", traceable=True)
-def _amax(x_MK: torch.Tensor) -> torch.Tensor:
-    return _launch_amax(x_MK, torch.zeros((), dtype=torch.float32, device=x_MK.device), _AMAX_PROGRAMS)
+def _amax(args: AmaxArgs) -> torch.Tensor:
+    return _launch_amax(args.x_MK, torch.zeros((), dtype=torch.float32, device=args.x_MK.device), _AMAX_PROGRAMS)
 
 
 # How the cast kernel gets its scale (constexpr DELAYED): loaded, or from the amax history.
@@ -264,28 +271,12 @@ def _launch_cast(
 
 
 @register_kernel("cast_to_fp8", "triton", traceable=True)
-def _cast_to_fp8(
-    x_MK: torch.Tensor,
-    scale: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    rowwise_MK: torch.Tensor | None,
-    columnwise_KM: torch.Tensor | None,
-) -> None:
-    _launch_cast(x_MK, fp8_dtype, rowwise_MK, columnwise_KM, scale)
+def _cast_to_fp8(args: CastToFp8Args) -> None:
+    _launch_cast(args.x_MK, args.fp8_dtype, args.rowwise_MK, args.columnwise_KM, args.scale)
 
 
 @register_kernel("quantize_fp8", "triton", traceable=True)
-def _quantize_fp8(
-    x_MK: torch.Tensor,
-    amax: torch.Tensor | None,
-    fp8_dtype: torch.dtype,
-    power_2_scales: bool,
-    rowwise_MK: torch.Tensor | None,
-    columnwise_KM: torch.Tensor | None,
-    scale_inv: torch.Tensor,
-    scale: torch.Tensor | None,
-    amax_out: torch.Tensor | None,
-) -> None:
+def _quantize_fp8(args: QuantizeFp8Args) -> None:
     """[Note: fused FP8 quantize on the GPU] Current scaling in three launches and one read of x
     for the amax: the partial amaxes (one per program: no zeroed buffer, no atomics), one program
     that reduces them into the scale, then the cast (a second read). Delayed scaling reads x once:
@@ -294,10 +285,9 @@ def _quantize_fp8(
     the current scale inside every cast program instead cost ~60 us at 8192^2 on the H100: the
     amax pass, cut to a few hundred programs so each cast program could read them all, lost half
     its bandwidth.)"""
+    x_MK, amax, amax_out, scale = args.x_MK, args.amax, args.amax_out, args.scale
     if x_MK.numel() == 0:
-        return composed_quantize_fp8("triton")(
-            x_MK, amax, fp8_dtype, power_2_scales, rowwise_MK, columnwise_KM, scale_inv, scale, amax_out
-        )
+        return composed_quantize_fp8("triton")(args)
     if amax is None:
         amax = _launch_amax(x_MK, None, _AMAX_PROGRAMS)
     else:
@@ -310,62 +300,37 @@ def _quantize_fp8(
         amax,
         amax.numel(),
         scale,
-        scale_inv,
+        args.scale_inv,
         amax_out,
-        FP8_MAX[fp8_dtype],
-        POWER_2=power_2_scales,
+        FP8_MAX[args.fp8_dtype],
+        POWER_2=args.power_2_scales,
         BLOCK=1024,
         num_warps=4,
         **EXACT,
     )
-    _launch_cast(x_MK, fp8_dtype, rowwise_MK, columnwise_KM, scale)
+    _launch_cast(x_MK, args.fp8_dtype, args.rowwise_MK, args.columnwise_KM, scale)
 
 
 @register_kernel("quantize_fp8_delayed", "triton", traceable=True)
-def _quantize_fp8_delayed(
-    x_MK: torch.Tensor,
-    amax: torch.Tensor | None,
-    amax_history: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    margin: int,
-    power_2_scales: bool,
-    amax_compute_algo: str,
-    rowwise_MK: torch.Tensor | None,
-    columnwise_KM: torch.Tensor | None,
-    scale_inv: torch.Tensor,
-    scale: torch.Tensor | None,
-    amax_out: torch.Tensor | None,
-) -> None:
+def _quantize_fp8_delayed(args: QuantizeFp8DelayedArgs) -> None:
     """[Note: fused FP8 quantize on the GPU], delayed scaling."""
-    if x_MK.numel() == 0:
-        return composed_quantize_fp8_delayed("triton")(
-            x_MK,
-            amax,
-            amax_history,
-            fp8_dtype,
-            margin,
-            power_2_scales,
-            amax_compute_algo,
-            rowwise_MK,
-            columnwise_KM,
-            scale_inv,
-            scale,
-            amax_out,
-        )
+    if args.x_MK.numel() == 0:
+        return composed_quantize_fp8_delayed("triton")(args)
+    amax_history = args.amax_history
     partials = _launch_cast(
-        x_MK,
-        fp8_dtype,
-        rowwise_MK,
-        columnwise_KM,
-        scale,
-        scale_inv=scale_inv,
+        args.x_MK,
+        args.fp8_dtype,
+        args.rowwise_MK,
+        args.columnwise_KM,
+        args.scale,
+        scale_inv=args.scale_inv,
         history=amax_history,
-        partials=amax is None,
-        power_2_scales=power_2_scales,
-        most_recent=amax_compute_algo == "most_recent",
-        margin=margin,
+        partials=args.amax is None,
+        power_2_scales=args.power_2_scales,
+        most_recent=args.amax_compute_algo == "most_recent",
+        margin=args.margin,
     )
-    pushed = amax if partials is None else partials
+    pushed = args.amax if partials is None else partials
     launch(
         _push_partial_amax_kernel,
         (1,),
@@ -373,7 +338,7 @@ def _quantize_fp8_delayed(
         pushed.numel(),
         amax_history,
         amax_history.numel(),
-        None if partials is None else amax_out,
+        None if partials is None else args.amax_out,
         BLOCK=history_block(max(amax_history.numel(), 1024)),
         num_warps=4,
     )
@@ -397,16 +362,16 @@ def _dequantize_fp8_kernel(
 
 
 @register_kernel("dequantize_fp8", "triton", traceable=True)
-def _dequantize_fp8(data_MK: torch.Tensor, scale_inv: torch.Tensor, out_MK: torch.Tensor) -> None:
-    n = data_MK.numel()
+def _dequantize_fp8(args: DequantizeFp8Args, out_MK: torch.Tensor) -> None:
+    n = args.data_MK.numel()
     launch(
         _dequantize_fp8_kernel,
         (cdiv(n, DEQUANTIZE_BLOCK),),
-        data_MK,
-        scale_inv,
+        args.data_MK,
+        args.scale_inv,
         out_MK,
         n,
-        E4M3=data_MK.dtype == torch.float8_e4m3fn,
+        E4M3=args.data_MK.dtype == torch.float8_e4m3fn,
         BLOCK=DEQUANTIZE_BLOCK,
         HARDWARE=HARDWARE_FP8,
         num_warps=8,
@@ -426,7 +391,8 @@ def _transpose_bytes_kernel(data_ptr, out_ptr, M, K, stride_m, stride_k, TILE_M:
 
 
 @register_kernel("transpose_bytes", "triton", traceable=True)
-def _transpose_bytes(data_MK: torch.Tensor, out_KM: torch.Tensor) -> None:
+def _transpose_bytes(args: TransposeBytesArgs, out_KM: torch.Tensor) -> None:
+    data_MK = args.data_MK
     M, K = data_MK.shape
     tiles = TRANSPOSE_TILES
     launch(

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
 
 from quant_core._library import register_kernel
+from quant_core.fp8._amax_many import AmaxManyArgs
 from quant_core.shared._checks import FLOAT_DTYPES
 from quant_core.shared._triton_launch import launch
 from quant_core.shared._triton_numerics import finite_abs
@@ -46,7 +45,8 @@ def _amax_many_kernel(pointers, num_tensors, chunks, amax_ptr, CHUNK: tl.constex
 
 
 @register_kernel("amax_many", "triton")
-def _amax_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def _amax_many(args: AmaxManyArgs) -> torch.Tensor:
+    tensors = args.tensors
     device = tensors[0].device
     amax = torch.zeros(len(tensors), dtype=torch.float32, device=device)
     flat = [t if t.is_contiguous() else t.contiguous() for t in tensors]  # the kernel reads flat memory

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from quant_core._library import register_kernel
+from quant_core.fp8._cast_many import CastToFp8ManyArgs
 from quant_core.shared._checks import FLOAT_DTYPES
 from quant_core.shared._triton_launch import launch
 from quant_core.shared._triton_numerics import EXACT, HARDWARE_FP8, encode_fp8, store_bytes
@@ -64,22 +65,20 @@ def _cast_many_kernel(
 
 
 @register_kernel("cast_to_fp8_many", "triton")
-def _cast_to_fp8_many(
-    xs: list[torch.Tensor], scales: torch.Tensor, fp8_dtype: torch.dtype, outs: list[torch.Tensor]
-) -> None:
-    flat = [x if x.is_contiguous() else x.contiguous() for x in xs]  # the kernel reads flat memory
+def _cast_to_fp8_many(args: CastToFp8ManyArgs) -> None:
+    flat = [x if x.is_contiguous() else x.contiguous() for x in args.xs]  # the kernel reads flat memory
     chunks = chunk_table(tuple(x.numel() for x in flat), flat[0].device)
     if len(chunks) == 0:  # every tensor is empty
         return
-    pointers = pointer_table(flat, outs, extra=[FLOAT_DTYPES.index(x.dtype) for x in flat])
+    pointers = pointer_table(flat, args.outs, extra=[FLOAT_DTYPES.index(x.dtype) for x in flat])
     launch(
         _cast_many_kernel,
         (len(chunks),),
         pointers,
         len(flat),
         chunks,
-        scales,
-        E4M3=fp8_dtype == torch.float8_e4m3fn,
+        args.scales,
+        E4M3=args.fp8_dtype == torch.float8_e4m3fn,
         HARDWARE=HARDWARE_FP8,
         CHUNK=CHUNK,
         BLOCK=CHUNK_BLOCK,

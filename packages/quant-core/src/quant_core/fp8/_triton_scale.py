@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from quant_core._library import register_kernel
+from quant_core.fp8._scale import DelayedFp8ScaleArgs, Fp8ScaleArgs
 from quant_core.shared._triton_launch import cdiv, launch, next_power_of_2
 
 # Elements of amax per program of `fp8_scale` (one program for the usual single amax).
@@ -45,20 +46,18 @@ def _fp8_scale_kernel(amax_ptr, scale_ptr, scale_inv_ptr, n, fmax, divisor, POWE
 
 
 @register_kernel("fp8_scale", "triton", traceable=True)
-def _fp8_scale(
-    amax: torch.Tensor, fmax: float, margin: int, power_2_scales: bool, scale: torch.Tensor, scale_inv: torch.Tensor
-) -> None:
-    n = amax.numel()
+def _fp8_scale(args: Fp8ScaleArgs, scale: torch.Tensor, scale_inv: torch.Tensor) -> None:
+    n = args.amax.numel()
     launch(
         _fp8_scale_kernel,
         (cdiv(n, _SCALE_BLOCK),),
-        amax,
+        args.amax,
         scale,
         scale_inv,
         n,
-        fmax,
-        2.0**margin,  # exact in fp32 for margin in [-126, 127]
-        POWER_2=power_2_scales,
+        args.fmax,
+        2.0**args.margin,  # exact in fp32 for margin in [-126, 127]
+        POWER_2=args.power_2_scales,
         BLOCK=_SCALE_BLOCK,
         num_warps=1,
         enable_fp_fusion=False,  # [Note: exact Triton arithmetic]
@@ -112,29 +111,20 @@ def _delayed_fp8_scale_kernel(
 
 
 @register_kernel("delayed_fp8_scale", "triton", traceable=True)
-def _delayed_fp8_scale(
-    amax_history: torch.Tensor,
-    amax: torch.Tensor,
-    fmax: float,
-    margin: int,
-    power_2_scales: bool,
-    most_recent: bool,
-    scale: torch.Tensor,
-    scale_inv: torch.Tensor,
-) -> None:
-    length = amax_history.numel()
+def _delayed_fp8_scale(args: DelayedFp8ScaleArgs, scale: torch.Tensor, scale_inv: torch.Tensor) -> None:
+    length = args.amax_history.numel()
     launch(
         _delayed_fp8_scale_kernel,
         (1,),
-        amax_history,
-        amax,
+        args.amax_history,
+        args.amax,
         scale,
         scale_inv,
         length,
-        fmax,
-        2.0**margin,  # exact in fp32 for margin in [-126, 127]
-        POWER_2=power_2_scales,
-        MOST_RECENT=most_recent,
+        args.fmax,
+        2.0**args.margin,  # exact in fp32 for margin in [-126, 127]
+        POWER_2=args.power_2_scales,
+        MOST_RECENT=args.amax_compute_algo == "most_recent",
         BLOCK=history_block(length),
         num_warps=1,
         enable_fp_fusion=False,  # [Note: exact Triton arithmetic]
