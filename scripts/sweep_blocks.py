@@ -37,6 +37,8 @@ import triton
 
 import quant_core
 from quant_core.blocks import _triton as tb
+from quant_core.blocks._blockwise import QuantizeFp8BlockwiseArgs
+from quant_core.blocks._mxfp8 import QuantizeMxfp8Args
 from quant_core.blocks._triton import TwoPassTiles
 from quant_core.shared._triton_numerics import Tiles
 from quant_core.testing import adversarial
@@ -96,9 +98,9 @@ class Case:
         """The registered Triton kernel with `candidate` as the launch choice."""
         setattr(tb, self.constant, candidate)
         if self.format == "mxfp8":
-            tb._quantize_mxfp8(x, *buffers)
+            tb._quantize_mxfp8(QuantizeMxfp8Args(x, *buffers))
         else:
-            tb._quantize_fp8_blockwise(x, self.block_rows, E4M3, True, *buffers)
+            tb._quantize_fp8_blockwise(QuantizeFp8BlockwiseArgs(x, self.block_rows, E4M3, True, *buffers))
 
     def selected(self, dtype: torch.dtype) -> Tiles | TwoPassTiles:
         """The launch choice the kernel reads for an input of `dtype`."""

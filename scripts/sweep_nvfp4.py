@@ -32,6 +32,8 @@ from triton.testing import do_bench
 
 import quant_core
 from quant_core.nvfp4 import _triton as kernels
+from quant_core.nvfp4._hadamard import HadamardArgs
+from quant_core.nvfp4._nvfp4 import Nvfp4GemmOutputArgs
 from quant_core.shared._triton_numerics import Tiles
 from quant_core.testing import adversarial
 
@@ -212,7 +214,7 @@ def sweep_hadamard_amaxes(x: torch.Tensor, x_small: torch.Tensor) -> list[tuple]
             checks = "ok" if torch.equal(small.cpu(), want_small) else "REFERENCE MISMATCH"
             if not torch.equal(quant_core.hadamard_amaxes(x, HADAMARD_SEED), want):
                 checks += ", ORIGINAL MISMATCH"
-            us = bench(lambda: kernels._hadamard_amaxes(x, HADAMARD_SEED, maxima))
+            us = bench(lambda: kernels._hadamard_amaxes(HadamardArgs(x, HADAMARD_SEED), maxima))
             variant = "original" if tiles == current else "tiles"
             rows.append(("hadamard-amaxes", variant, tiles, us, 2 * x.numel() / us / 1e3, checks))
     finally:
@@ -282,10 +284,12 @@ def sweep_gemm_output(x: torch.Tensor) -> list[tuple]:
     for tiles in [original, *(t for t in GEMM_OUTPUT_TILES if t != original)]:
         kernels.GEMM_OUTPUT_TILES = tiles
         got = torch.empty(CHECK_SIZE, dtype=torch.bfloat16, device=CUDA)
-        kernels._nvfp4_gemm_output(small.to(CUDA), *amaxes, small_bias.to(CUDA), got)
+        small_args = Nvfp4GemmOutputArgs(small.to(CUDA), *amaxes, small_bias.to(CUDA), torch.bfloat16)
+        kernels._nvfp4_gemm_output(small_args, got)
         checks = "ok" if torch.equal(got.cpu().view(torch.int16), want.view(torch.int16)) else "REFERENCE MISMATCH"
         out = torch.empty(x.shape, dtype=torch.bfloat16, device=CUDA)
-        us = bench(lambda out=out: kernels._nvfp4_gemm_output(product, *amaxes, bias, out))
+        args = Nvfp4GemmOutputArgs(product, *amaxes, bias, torch.bfloat16)
+        us = bench(lambda out=out, args=args: kernels._nvfp4_gemm_output(args, out))
         rows.append(("gemm-output", "triton", tiles, us, traffic / us / 1e3, checks))
     kernels.GEMM_OUTPUT_TILES = original
     factor = torch.reciprocal(quant_core.nvfp4_tensor_scale(amaxes[0])) * torch.reciprocal(

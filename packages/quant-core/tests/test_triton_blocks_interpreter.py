@@ -24,6 +24,8 @@ import triton.language as tl
 
 import quant_core
 from quant_core.blocks import _triton as tb
+from quant_core.blocks._blockwise import QuantizeFp8BlockwiseArgs
+from quant_core.blocks._mxfp8 import DequantizeMxfp8PairArgs, QuantizeMxfp8Args
 from quant_core.blocks._triton import TwoPassTiles
 from quant_core.shared._triton_numerics import Tiles
 from quant_core.testing import adversarial
@@ -70,9 +72,9 @@ def check(fmt, tiles, x, rowwise, columnwise, **kwargs):
         want = quant_core.quantize_fp8_blockwise_reference(x, block_shape=(1, 128), **kwargs, **usage)
     buffers = [None if getattr(want, f) is None else torch.empty(getattr(want, f).shape, dtype=getattr(want, f).dtype) for f in FIELDS]
     if fmt == "mxfp8":
-        tb._quantize_mxfp8(x, *buffers)
+        tb._quantize_mxfp8(QuantizeMxfp8Args(x, *buffers))
     else:
-        tb._quantize_fp8_blockwise(x, 1, kwargs["fp8_dtype"], kwargs["power_2_scales"], *buffers)
+        tb._quantize_fp8_blockwise(QuantizeFp8BlockwiseArgs(x, 1, kwargs["fp8_dtype"], kwargs["power_2_scales"], *buffers))
     assert tb._tiles_for("mxfp8" if fmt == "mxfp8" else "1x128", columnwise, x.dtype) is tiles
     for field, got in zip(FIELDS, buffers):
         expected = getattr(want, field)
@@ -103,7 +105,7 @@ buffers = [(q.rowwise_data, q.rowwise_scale_inv), (q.columnwise_data, q.columnwi
 operands = [(data.contiguous(), scale.contiguous()) for data, scale in buffers]  # as the operator passes them
 for a, b in [(operands[0], operands[1]), (operands[1], operands[0]), (operands[2], operands[1])]:
     outs = [torch.empty(data.shape, dtype=torch.float32) for data, _ in (a, b)]
-    tb._dequantize_mxfp8_pair(*a, *b, *outs)
+    tb._dequantize_mxfp8_pair(DequantizeMxfp8PairArgs(*a, *b, torch.float32), *outs)
     for (data, scale), out in zip((a, b), outs):
         want = quant_core.dequantize_mxfp8_reference(data, scale, torch.float32)
         assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (data.shape, out.shape)

@@ -9,6 +9,8 @@ import torch
 pytest.importorskip("triton")  # CI machines have no Triton: the kernels' module needs it
 
 from quant_core.blocks import _triton as tb
+from quant_core.blocks._blockwise import QuantizeFp8BlockwiseArgs
+from quant_core.blocks._mxfp8 import QuantizeMxfp8Args
 from quant_core.shared._triton_numerics import Tiles
 
 CONSTANTS = (
@@ -26,15 +28,15 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
 def _mxfp8(x: torch.Tensor, buffers: list[torch.Tensor | None]) -> None:
-    tb._quantize_mxfp8(x, *buffers)
+    tb._quantize_mxfp8(QuantizeMxfp8Args(x, *buffers))
 
 
 def _blockwise_1x128(x: torch.Tensor, buffers: list[torch.Tensor | None]) -> None:
-    tb._quantize_fp8_blockwise(x, 1, torch.float8_e4m3fn, True, *buffers)
+    tb._quantize_fp8_blockwise(QuantizeFp8BlockwiseArgs(x, 1, torch.float8_e4m3fn, True, *buffers))
 
 
 def _blockwise_128x128(x: torch.Tensor, buffers: list[torch.Tensor | None]) -> None:
-    tb._quantize_fp8_blockwise(x, 128, torch.float8_e4m3fn, True, *buffers)
+    tb._quantize_fp8_blockwise(QuantizeFp8BlockwiseArgs(x, 128, torch.float8_e4m3fn, True, *buffers))
 
 
 @pytest.mark.parametrize(

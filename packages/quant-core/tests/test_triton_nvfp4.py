@@ -220,6 +220,7 @@ sys.path.insert(0, {tests!r})
 from test_triton_nvfp4 import quantize_with, reference_of, with_ties
 import quant_core
 from quant_core.nvfp4 import _triton as kernels
+from quant_core.nvfp4 import _hadamard, _nvfp4
 from quant_core.testing import adversarial
 
 x = with_ties(adversarial((34, 50), torch.float32, seed=1))
@@ -253,7 +254,8 @@ empty = quant_core.quantize_nvfp4_reference(torch.empty(0, 32))
 operands = [(tiled.rowwise_data, tiled.rowwise_scale_inv, 16, amax), (blocks.rowwise_data, blocks.rowwise_scale_inv, 1, None), (empty.rowwise_data, empty.rowwise_scale_inv, 1, None)]
 for a, b in [(operands[0], operands[1]), (operands[1], operands[0]), (operands[2], operands[0])]:
     outs = [torch.empty(op[0].shape[0], 2 * op[0].shape[1]) for op in (a, b)]
-    kernels._dequantize_nvfp4_pair(a[0], a[1], b[0], b[1], a[2], a[3], b[2], b[3], *outs)
+    pair = _nvfp4.DequantizeNvfp4PairArgs(a[0], a[1], b[0], b[1], a[2], a[3], b[2], b[3], torch.float32)
+    kernels._dequantize_nvfp4_pair(pair, *outs)
     for (data, scale, rows, global_amax), out in zip((a, b), outs):
         want = quant_core.dequantize_nvfp4_reference(data, scale, global_amax, (rows, 16), torch.float32)
         assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (data.shape, rows, global_amax)
@@ -265,7 +267,7 @@ for a_amax, b_amax, with_bias, dtype in [(3.0e3, 1.0e-3, True, torch.bfloat16), 
     b = bias if with_bias else None
     want = quant_core.nvfp4_gemm_output_reference(product, a_amax, b_amax, b, dtype)
     got = torch.empty(want.shape, dtype=dtype)
-    kernels._nvfp4_gemm_output(product, a_amax, b_amax, b, got)
+    kernels._nvfp4_gemm_output(_nvfp4.Nvfp4GemmOutputArgs(product, a_amax, b_amax, b, dtype), got)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (a_amax, b_amax, with_bias, dtype)
 """
 
@@ -434,6 +436,7 @@ sys.path.insert(0, {tests!r})
 from test_triton_nvfp4 import HADAMARD_SEED, quantize_with, reference_of, with_ties
 import quant_core
 from quant_core.nvfp4 import _triton as kernels
+from quant_core.nvfp4 import _hadamard, _nvfp4
 from quant_core.testing import adversarial
 
 x = with_ties(adversarial((48, 50), torch.float32, seed=1))
@@ -450,7 +453,7 @@ for shape in [(34, 50), (16, 16), (7, 3)]:
     y = adversarial(shape, seed=3)
     for view in (y, y.t()):
         got = torch.zeros(2)
-        kernels._hadamard_amaxes(view, -5, got)
+        kernels._hadamard_amaxes(_hadamard.HadamardArgs(view, -5), got)
         assert torch.equal(got, quant_core.hadamard_amaxes_reference(view, -5)), shape
 """
 

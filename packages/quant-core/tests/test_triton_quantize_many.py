@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import quant_core
+from quant_core.blocks._blockwise import QuantizeFp8BlockwiseArgs
+from quant_core.blocks._mxfp8 import QuantizeMxfp8Args
 from quant_core.testing import FLOAT_DTYPES, adversarial, quantize_many_inputs, run_in_triton_interpreter
 
 tbm = pytest.importorskip("quant_core.blocks._triton_many")  # CI machines have no Triton
@@ -35,6 +37,8 @@ import torch
 import quant_core
 from quant_core.blocks import _triton as tb
 from quant_core.blocks import _triton_many as tbm
+from quant_core.blocks._blockwise import QuantizeFp8BlockwiseArgs
+from quant_core.blocks._mxfp8 import QuantizeMxfp8Args
 from quant_core.shared._checks import as_2d
 from quant_core.testing import quantize_many_inputs
 
@@ -49,15 +53,15 @@ def sentinel_buffers(q):
     return [None if b is None else torch.full_like(b.view(torch.uint8), 0xA5).view(b.dtype) for b in buffers]
 
 
-def check(name, single, many, quantize, format_args, dtype, seed):
+def check(name, args_type, single, many, quantize, format_args, dtype, seed):
     pairs = [(x, usage) for x, usage in quantize_many_inputs(dtype, seed) if x.numel() > 0]
     x_MKs = [as_2d(x) for x, _ in pairs]
     shapes = [quantize(x.float(), **usage) for x, usage in pairs]
     singles = [sentinel_buffers(q) for q in shapes]
     manys = [sentinel_buffers(q) for q in shapes]
     for x_MK, buffers in zip(x_MKs, singles):
-        single(x_MK, *format_args, *buffers)
-    many(x_MKs, *format_args, *[list(column) for column in zip(*manys)])
+        single(args_type(x_MK, *format_args, *buffers))
+    many([args_type(x_MK, *format_args, *buffers) for x_MK, buffers in zip(x_MKs, manys)])
     for (x, usage), want, got in zip(pairs, singles, manys):
         for field, a, b in zip(FIELDS, want, got):
             assert (a is None) == (b is None)
@@ -70,10 +74,11 @@ def blockwise(block_rows, fp8_dtype, power_2_scales):
     def quantize(x, **usage):
         return quant_core.quantize_fp8_blockwise(x, (block_rows, 128), fp8_dtype, power_2_scales=power_2_scales, **usage)
 
-    return tb._quantize_fp8_blockwise, tbm._quantize_fp8_blockwise_many, quantize, (block_rows, fp8_dtype, power_2_scales)
+    single, many = tb._quantize_fp8_blockwise, tbm._quantize_fp8_blockwise_many
+    return QuantizeFp8BlockwiseArgs, single, many, quantize, (block_rows, fp8_dtype, power_2_scales)
 
 
-mxfp8 = (tb._quantize_mxfp8, tbm._quantize_mxfp8_many, quant_core.quantize_mxfp8, ())
+mxfp8 = (QuantizeMxfp8Args, tb._quantize_mxfp8, tbm._quantize_mxfp8_many, quant_core.quantize_mxfp8, ())
 # With a columnwise output fp32 takes the one-pass kernel for MXFP8 and the two-pass one for
 # 1 x 128, bf16 the two-pass kernel for both ([Note: two-pass block quantize], `_tiles_for`).
 for name, config, dtype in [
@@ -113,17 +118,27 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
 
 
 def _buffers(quantize: Callable, xs: list[torch.Tensor], **usage: bool) -> list[list[torch.Tensor | None]]:
-    """The kernel's four lists of per-tensor buffers (None where a usage is not wanted)."""
+    """Four lists of per-tensor buffers (None where a usage is not wanted)."""
     results = [quantize(x, **usage) for x in xs]
     lists = [[getattr(q, f) for q in results] for f in FIELDS]
     lists[0] = [None if d is None else d.reshape(-1, d.shape[-1]) for d in lists[0]]
     return lists
 
 
+def _mxfp8_args(xs: list[torch.Tensor], lists: list[list[torch.Tensor | None]]) -> list[QuantizeMxfp8Args]:
+    """The kernel's argument: each tensor's arguments of the single-tensor quantize."""
+    return [QuantizeMxfp8Args(x, *buffers) for x, *buffers in zip(xs, *lists, strict=True)]
+
+
+def _blockwise_args(xs: list[torch.Tensor], lists: list[list[torch.Tensor | None]]) -> list[QuantizeFp8BlockwiseArgs]:
+    """The kernel's argument for 1 x 128 blocks, E4M3, power-of-two scales."""
+    return [QuantizeFp8BlockwiseArgs(x, 1, E4M3, True, *buffers) for x, *buffers in zip(xs, *lists, strict=True)]
+
+
 def test_weights_of_one_dtype_and_usage_take_one_launch_with_their_tables(launches):
     # Ten fp32 masters whose dims are multiples of 16: one ALIGNED launch, one program per tile.
     xs = [torch.randn(64 * (1 + i % 3), 128) for i in range(10)]
-    tbm._quantize_mxfp8_many(xs, *_buffers(quant_core.quantize_mxfp8, xs, rowwise=True, columnwise=True))
+    tbm._quantize_mxfp8_many(_mxfp8_args(xs, _buffers(quant_core.quantize_mxfp8, xs, rowwise=True, columnwise=True)))
     (launch,) = launches
     tile_m, tile_k = tbm._tile_shape(tbm._tiles_for("mxfp8", True, torch.float32), 32)
     counts = [-(-x.shape[0] // tile_m) * -(-x.shape[1] // tile_k) for x in xs]
@@ -156,7 +171,7 @@ def test_tensors_are_grouped_by_what_the_single_launch_specializes_on(launches, 
     rowwise_only = torch.randn(64, 128)  # another usage set
     for buffers, extra in zip(lists, _buffers(quantize, [rowwise_only], rowwise=True, columnwise=False), strict=True):
         buffers.append(extra[0])
-    tbm._quantize_fp8_blockwise_many([*xs, rowwise_only], 1, E4M3, True, *lists)
+    tbm._quantize_fp8_blockwise_many(_blockwise_args([*xs, rowwise_only], lists))
     groups = [
         (
             launch.num_tensors,
@@ -178,13 +193,13 @@ def test_large_mxfp8_tensors_take_their_own_single_launch(launches, monkeypatch)
     monkeypatch.setattr(tbm, "_launch_quantize", lambda x, buffers, **kwargs: singles.append(x))
     monkeypatch.setattr(tbm, "MXFP8_SINGLE_LAUNCH_NUMEL", 128 * 128)
     xs = [torch.randn(64, 128), torch.randn(128, 128), torch.randn(32, 64), torch.randn(256, 128)]
-    tbm._quantize_mxfp8_many(xs, *_buffers(quant_core.quantize_mxfp8, xs, rowwise=True, columnwise=True))
+    tbm._quantize_mxfp8_many(_mxfp8_args(xs, _buffers(quant_core.quantize_mxfp8, xs, rowwise=True, columnwise=True)))
     assert [x.data_ptr() for x in singles] == [xs[1].data_ptr(), xs[3].data_ptr()]
     (launch,) = launches
     assert launch.pointers[0].tolist() == [xs[0].data_ptr(), xs[2].data_ptr()]
     singles.clear()
     launches.clear()
-    tbm._quantize_fp8_blockwise_many(xs, 1, E4M3, True, *_buffers(quant_core.quantize_fp8_blockwise, xs))
+    tbm._quantize_fp8_blockwise_many(_blockwise_args(xs, _buffers(quant_core.quantize_fp8_blockwise, xs)))
     assert singles == []
     assert sum(launch.num_tensors for launch in launches) == 4
 
@@ -194,12 +209,12 @@ def test_repeated_calls_reuse_their_tables(launches):
     xs = [torch.randn(64, 128), torch.randn(32, 64)]
     lists = _buffers(quant_core.quantize_mxfp8, xs, rowwise=True, columnwise=True)
     for _ in range(2):
-        tbm._quantize_mxfp8_many(xs, *lists)
+        tbm._quantize_mxfp8_many(_mxfp8_args(xs, lists))
     first, second = launches
     assert second.pointers is first.pointers
     assert second.programs is first.programs
     moved = [x.clone() for x in xs]
-    tbm._quantize_mxfp8_many(moved, *lists)
+    tbm._quantize_mxfp8_many(_mxfp8_args(moved, lists))
     assert launches[2].pointers is not first.pointers
     assert launches[2].programs is first.programs
 

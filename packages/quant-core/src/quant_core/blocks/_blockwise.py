@@ -14,10 +14,13 @@ block_rows, dtype)`. Blocks span 128 columns.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from quant_core._library import Kernel, define_op, register_kernel
+from quant_core._library import define_op, register_kernel
 from quant_core.blocks._layout import (
+    QUANTIZE_BUFFERS,
     BlockQuantized,
     BlockShape,
     block_amax,
@@ -25,12 +28,13 @@ from quant_core.blocks._layout import (
     check_quantize_input,
     copy_into,
     dequantize_blocks,
+    dequantize_body,
     dequantize_fake,
     expand_blocks,
     quantize_blocks,
     quantize_blocks_reference,
-    run_dequantize_kernel,
-    run_quantize_kernel,
+    quantize_body,
+    quantize_buffers,
 )
 from quant_core.fp8._fp8 import transpose_fp8
 from quant_core.shared._checks import as_2d, check_fp8_dtype
@@ -112,48 +116,35 @@ def quantize_fp8_blockwise(
     )
 
 
-@define_op(
-    "quantize_fp8_blockwise",
-    mutates_args=("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"),
-    recomputable=True,
+class QuantizeFp8BlockwiseArgs(NamedTuple):
+    """The arguments of `torch.ops.quant_core.quantize_fp8_blockwise` ([Note: operator arguments])."""
+
+    x_MK: torch.Tensor
+    block_rows: int
+    fp8_dtype: torch.dtype
+    power_2_scales: bool
+    rowwise_data: torch.Tensor | None
+    rowwise_scale_inv: torch.Tensor | None
+    columnwise_data: torch.Tensor | None
+    columnwise_scale_inv: torch.Tensor | None
+
+
+define_op("quantize_fp8_blockwise", QuantizeFp8BlockwiseArgs, mutates_args=QUANTIZE_BUFFERS, recomputable=True)(
+    quantize_body
 )
-def _quantize_fp8_blockwise_op(
-    kernel: Kernel,
-    x_MK: torch.Tensor,
-    block_rows: int,
-    fp8_dtype: torch.dtype,
-    power_2_scales: bool,
-    rowwise_data: torch.Tensor | None,
-    rowwise_scale_inv: torch.Tensor | None,
-    columnwise_data: torch.Tensor | None,
-    columnwise_scale_inv: torch.Tensor | None,
-) -> None:
-    run_quantize_kernel(
-        kernel,
-        x_MK,
-        block_rows,
-        fp8_dtype,
-        power_2_scales,
-        rowwise_data,
-        rowwise_scale_inv,
-        columnwise_data,
-        columnwise_scale_inv,
-    )
 
 
 @register_kernel("quantize_fp8_blockwise", "reference")
-def _quantize_fp8_blockwise_reference_kernel(
-    x_MK: torch.Tensor, block_rows: int, fp8_dtype: torch.dtype, power_2_scales: bool, *buffers: torch.Tensor | None
-) -> None:
+def _quantize_fp8_blockwise_reference_kernel(args: QuantizeFp8BlockwiseArgs) -> None:
     result = quantize_fp8_blockwise_reference(
-        x_MK,
-        (block_rows, BLOCKWISE_BLOCK),
-        fp8_dtype,
-        power_2_scales=power_2_scales,
-        rowwise=buffers[0] is not None,
-        columnwise=buffers[2] is not None,
+        args.x_MK,
+        (args.block_rows, BLOCKWISE_BLOCK),
+        args.fp8_dtype,
+        power_2_scales=args.power_2_scales,
+        rowwise=args.rowwise_data is not None,
+        columnwise=args.columnwise_data is not None,
     )
-    copy_into(result, *buffers)
+    copy_into(result, *quantize_buffers(args))
 
 
 def dequantize_fp8_blockwise_reference(
@@ -194,18 +185,24 @@ def dequantize_fp8_blockwise(
     )
 
 
-@define_op("dequantize_fp8_blockwise", fake=dequantize_fake(codes_per_byte=1))
-def _dequantize_fp8_blockwise_op(
-    kernel: Kernel, data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, dtype: torch.dtype
-) -> torch.Tensor:
-    return run_dequantize_kernel(kernel, 1, data_2d, scale_inv, block_rows, dtype)
+class DequantizeFp8BlockwiseArgs(NamedTuple):
+    """The arguments of `torch.ops.quant_core.dequantize_fp8_blockwise` ([Note: operator arguments])."""
+
+    data_2d: torch.Tensor
+    scale_inv: torch.Tensor
+    block_rows: int
+    dtype: torch.dtype
+
+
+define_op("dequantize_fp8_blockwise", DequantizeFp8BlockwiseArgs, fake=dequantize_fake(codes_per_byte=1))(
+    dequantize_body(1)
+)
 
 
 @register_kernel("dequantize_fp8_blockwise", "reference")
-def _dequantize_fp8_blockwise_reference_kernel(
-    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, out_2d: torch.Tensor
-) -> None:
-    out_2d.copy_(dequantize_fp8_blockwise_reference(data_2d, scale_inv, (block_rows, BLOCKWISE_BLOCK), out_2d.dtype))
+def _dequantize_fp8_blockwise_reference_kernel(args: DequantizeFp8BlockwiseArgs, out_2d: torch.Tensor) -> None:
+    block_shape = (args.block_rows, BLOCKWISE_BLOCK)
+    out_2d.copy_(dequantize_fp8_blockwise_reference(args.data_2d, args.scale_inv, block_shape, args.dtype))
 
 
 def transpose_fp8_blockwise(data: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,31 +229,28 @@ def transpose_fp8_blockwise(data: torch.Tensor, scale_inv: torch.Tensor) -> tupl
 
 
 @register_kernel("quantize_fp8_blockwise", "cpp")
-def _quantize_fp8_blockwise_cpp(
-    x_MK: torch.Tensor, block_rows: int, fp8_dtype: torch.dtype, power_2_scales: bool, *buffers: torch.Tensor | None
-) -> None:
+def _quantize_fp8_blockwise_cpp(args: QuantizeFp8BlockwiseArgs) -> None:
     _C.quantize_fp8_blockwise(
-        *x_args(x_MK),
-        block_rows,
-        FP8_FORMAT_CODES[fp8_dtype],
-        power_2_scales,
-        *outputs(*buffers),
+        *x_args(args.x_MK),
+        args.block_rows,
+        FP8_FORMAT_CODES[args.fp8_dtype],
+        args.power_2_scales,
+        *outputs(*quantize_buffers(args)),
         torch.get_num_threads(),
     )
 
 
 @register_kernel("dequantize_fp8_blockwise", "cpp")
-def _dequantize_fp8_blockwise_cpp(
-    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, out_2d: torch.Tensor
-) -> None:
+def _dequantize_fp8_blockwise_cpp(args: DequantizeFp8BlockwiseArgs, out_2d: torch.Tensor) -> None:
+    data_2d = args.data_2d
     R, C = data_2d.shape
     _C.dequantize_fp8_blockwise(
         data_2d.data_ptr(),
         FP8_FORMAT_CODES[data_2d.dtype],
         R,
         C,
-        block_rows,
-        scale_inv.data_ptr(),
+        args.block_rows,
+        args.scale_inv.data_ptr(),
         out_2d.data_ptr(),
         out_dtype_code(out_2d),
         torch.get_num_threads(),

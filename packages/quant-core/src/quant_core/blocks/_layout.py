@@ -18,11 +18,14 @@ contract (format-specific arguments in the format's module docstring):
 - `quantize_<format>(x_MK, *format args, rowwise_data, rowwise_scale_inv, columnwise_data,
   columnwise_scale_inv) -> ()`: x_MK 2-D fp32/bf16/fp16, any strides; each buffer None (usage
   not wanted) or contiguous with the shape and dtype of [Note: block layouts] for an (M, K)
-  input (rowwise data as (M, K / codes per byte)). Fills the buffers given.
+  input (rowwise data as (M, K / codes per byte)). Fills the buffers given. Its body is
+  `quantize_body`; kernels take the arguments tuple ([Note: operator arguments] in
+  quant_core._library), non-empty x only.
 - `dequantize_<format>(data_2d, scale_inv, *format args, dtype) -> Tensor`: data_2d 2-D codes of
   either usage (R, C / codes per byte), scale_inv (ceil(R / block rows), ceil(C / block cols)) of
   the format's scale dtype on data's device, any strides; dtype fp32/bf16/fp16. Returns the
-  contiguous (R, C) values.
+  contiguous (R, C) values. Its body is `dequantize_body`; kernels take (the arguments with
+  data_2d and scale_inv contiguous, the output).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import Any
 
 import torch
 
-from quant_core._library import Kernel, call
+from quant_core._library import Kernel, call, with_contiguous
 from quant_core.shared._checks import as_2d, check_float_input, check_output_dtype, output_buffer, with_shape
 from quant_core.shared._numerics import finite_abs
 
@@ -141,7 +144,7 @@ def block_buffers(
     device = x.device
 
     def get(k: int, dtype: torch.dtype) -> torch.Tensor:
-        name = _BUFFER_NAMES[k]
+        name = QUANTIZE_BUFFERS[k]
         return output_buffer(
             None if out is None else getattr(out, name), f"{out_name}.{name}", shapes[k], dtype, device
         )
@@ -154,7 +157,8 @@ def block_buffers(
     return rowwise_data, rowwise_scale, columnwise_data, columnwise_scale
 
 
-_BUFFER_NAMES = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+# The buffers a block quantize fills, the last four arguments of every one ([Note: block operators]).
+QUANTIZE_BUFFERS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
 
 
 def buffer_shapes(shape: tuple[int, ...], block_shape: BlockShape, codes_per_byte: int) -> tuple[tuple[int, ...], ...]:
@@ -173,21 +177,33 @@ def buffer_shapes(shape: tuple[int, ...], block_shape: BlockShape, codes_per_byt
     )
 
 
-def run_quantize_kernel(kernel: Kernel, x_MK: torch.Tensor, *args: object) -> None:
-    """The body of every block quantize operator: the kernel on (x_MK, *args) unless x is empty."""
-    if x_MK.numel() > 0:
-        kernel(x_MK, *args)
+def quantize_buffers(
+    args: Any,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(rowwise data, rowwise scales, columnwise data, columnwise scales) of a block quantize's arguments."""
+    return args.rowwise_data, args.rowwise_scale_inv, args.columnwise_data, args.columnwise_scale_inv
 
 
-def run_dequantize_kernel(
-    kernel: Kernel, codes_per_byte: int, data_2d: torch.Tensor, scale_inv: torch.Tensor, *args: object
-) -> torch.Tensor:
-    """The body of every block dequantize operator: args are the format's, then the output dtype."""
-    *kernel_args, dtype = args
-    out_2d = torch.empty((data_2d.shape[0], data_2d.shape[1] * codes_per_byte), dtype=dtype, device=data_2d.device)
-    if out_2d.numel() > 0:
-        kernel(data_2d.contiguous(), scale_inv.contiguous(), *kernel_args, out_2d)
-    return out_2d
+def quantize_body(kernel: Kernel, args: Any) -> None:
+    """The body of every block quantize operator: the kernel on the arguments unless x is empty."""
+    if args.x_MK.numel() > 0:
+        kernel(args)
+
+
+def dequantize_body(codes_per_byte: int) -> Callable[[Kernel, Any], torch.Tensor]:
+    """The body of a block dequantize operator: kernel(args with contiguous data_2d and scale_inv,
+    out_2d), out_2d the new contiguous (R, C) output of args.dtype."""
+
+    def body(kernel: Kernel, args: Any) -> torch.Tensor:
+        data_2d = args.data_2d
+        out_2d = torch.empty(
+            (data_2d.shape[0], data_2d.shape[1] * codes_per_byte), dtype=args.dtype, device=data_2d.device
+        )
+        if out_2d.numel() > 0:
+            kernel(with_contiguous(args, "data_2d", "scale_inv"), out_2d)
+        return out_2d
+
+    return body
 
 
 # [Note: dequantizing two operands] The emulated GEMMs on CUDA ([Note: exact bf16 operands] in
@@ -197,62 +213,58 @@ def run_dequantize_kernel(
 # (`dequantize_mxfp8_pair`, `dequantize_nvfp4_pair`) take both operands in one call and, on CUDA,
 # one launch: the grid's first programs dequantize A's tiles, the rest B's, each through the same
 # tile code as the single-operand kernel (bit for bit the same values). Operator arguments: (a_data_2d,
-# a_scale_inv, b_data_2d, b_scale_inv, *A's format args, *B's format args, dtype) -> (a_out, b_out).
-def run_dequantize_pair_kernel(
-    kernel: Kernel,
-    codes_per_byte: int,
-    a_data_2d: torch.Tensor,
-    a_scale_inv: torch.Tensor,
-    b_data_2d: torch.Tensor,
-    b_scale_inv: torch.Tensor,
-    *args: object,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The body of every two-operand dequantize operator ([Note: dequantizing two operands]): args
-    are the format's, then the output dtype; the kernel gets (a_data_2d, a_scale_inv, b_data_2d,
-    b_scale_inv, *format args, a_out_2d, b_out_2d)."""
-    *kernel_args, dtype = args
-    outs = [
-        torch.empty((d.shape[0], d.shape[1] * codes_per_byte), dtype=dtype, device=d.device)  # type: ignore[arg-type]
-        for d in (a_data_2d, b_data_2d)
-    ]
-    if outs[0].numel() > 0 or outs[1].numel() > 0:
-        operands = (a_data_2d.contiguous(), a_scale_inv.contiguous(), b_data_2d.contiguous(), b_scale_inv.contiguous())
-        kernel(*operands, *kernel_args, *outs)
-    return outs[0], outs[1]
+# a_scale_inv, b_data_2d, b_scale_inv, *A's format args, *B's format args, dtype) -> (a_out, b_out);
+# their tuple's `operands()` gives each operand's arguments of the single-operand operator.
+_PAIR_OPERANDS = ("a_data_2d", "a_scale_inv", "b_data_2d", "b_scale_inv")
 
 
-def pair_of(single: Callable[..., None], args_per_operand: int = 0) -> Callable[..., None]:
+def dequantize_pair_body(codes_per_byte: int) -> Callable[[Kernel, Any], tuple[torch.Tensor, torch.Tensor]]:
+    """The body of a two-operand dequantize operator ([Note: dequantizing two operands]):
+    kernel(args with the four operands contiguous, a_out_2d, b_out_2d)."""
+
+    def body(kernel: Kernel, args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        a_out, b_out = (
+            torch.empty((d.shape[0], d.shape[1] * codes_per_byte), dtype=args.dtype, device=d.device)
+            for d in (args.a_data_2d, args.b_data_2d)
+        )
+        if a_out.numel() > 0 or b_out.numel() > 0:
+            kernel(with_contiguous(args, *_PAIR_OPERANDS), a_out, b_out)
+        return a_out, b_out
+
+    return body
+
+
+def pair_of(single: Callable[..., None]) -> Callable[..., None]:
     """A two-operand dequantize kernel that runs a single-operand kernel of the same backend on
-    each operand holding elements (backends without a two-operand kernel: C++, reference). Its
-    arguments: (a_data, a_scale, b_data, b_scale, *a's format args, *b's format args, a_out, b_out)."""
+    each operand holding elements (backends without a two-operand kernel: C++, reference)."""
 
-    def run(*args: Any) -> None:
-        n = args_per_operand
-        a_data, a_scale, b_data, b_scale = args[:4]
-        a_args, b_args, (a_out, b_out) = args[4 : 4 + n], args[4 + n : 4 + 2 * n], args[4 + 2 * n :]
-        for data, scale, own_args, out in ((a_data, a_scale, a_args, a_out), (b_data, b_scale, b_args, b_out)):
+    def run(args: Any, a_out: torch.Tensor, b_out: torch.Tensor) -> None:
+        for operand, out in zip(args.operands(), (a_out, b_out), strict=True):
             if out.numel() > 0:
-                single(data, scale, *own_args, out)
+                single(operand, out)
 
     return run
 
 
-def dequantize_fake(codes_per_byte: int) -> Callable[..., torch.Tensor]:
+def dequantize_fake(codes_per_byte: int) -> Callable[[Any], torch.Tensor]:
     """The fake of a block dequantize operator (output metadata for torch.compile)."""
 
-    def fake(data_2d: torch.Tensor, scale_inv: torch.Tensor, *args: object) -> torch.Tensor:
-        return data_2d.new_empty((data_2d.shape[0], data_2d.shape[1] * codes_per_byte), dtype=args[-1])
+    def fake(args: Any) -> torch.Tensor:
+        data_2d = args.data_2d
+        return data_2d.new_empty((data_2d.shape[0], data_2d.shape[1] * codes_per_byte), dtype=args.dtype)
 
     return fake
 
 
-def dequantize_pair_fake(codes_per_byte: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+def dequantize_pair_fake(codes_per_byte: int) -> Callable[[Any], tuple[torch.Tensor, torch.Tensor]]:
     """The fake of a two-operand dequantize operator."""
 
-    def fake(a_data_2d: torch.Tensor, a_scale_inv: torch.Tensor, b_data_2d: torch.Tensor, *args: object):
-        return tuple(
-            d.new_empty((d.shape[0], d.shape[1] * codes_per_byte), dtype=args[-1]) for d in (a_data_2d, b_data_2d)
+    def fake(args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        a_out, b_out = (
+            d.new_empty((d.shape[0], d.shape[1] * codes_per_byte), dtype=args.dtype)
+            for d in (args.a_data_2d, args.b_data_2d)
         )
+        return a_out, b_out
 
     return fake
 

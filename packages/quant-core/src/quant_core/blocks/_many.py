@@ -20,20 +20,21 @@ Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
 - `torch.ops.quant_core.quantize_fp8_blockwise_many(xs, block_rows, fp8_dtype, power_2_scales,
   rowwise, columnwise, rowwise_data, ...)`: likewise, with `quantize_fp8_blockwise`'s format
   arguments.
-Kernels take (xs, *format args, four lists with one buffer or None per tensor), non-empty xs only.
-Every operator bumps the version counter of each buffer given.
+Kernels take one list: the single-tensor quantize's arguments of each non-empty tensor (a usage
+it does not have: None buffers). Every operator bumps the version counter of each buffer given.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 
 from quant_core._library import Backend, Kernel, backend_kernel, call, cpp_extension, define_op, register_kernel
-from quant_core.blocks._blockwise import BLOCKWISE_BLOCK, BLOCKWISE_SHAPES
+from quant_core.blocks._blockwise import BLOCKWISE_BLOCK, BLOCKWISE_SHAPES, QuantizeFp8BlockwiseArgs
 from quant_core.blocks._layout import (
+    QUANTIZE_BUFFERS,
     BlockQuantized,
     BlockShape,
     block_buffers,
@@ -41,10 +42,8 @@ from quant_core.blocks._layout import (
     check_block_shape,
     check_quantize_input,
 )
-from quant_core.blocks._mxfp8 import MXFP8_BLOCK
+from quant_core.blocks._mxfp8 import MXFP8_BLOCK, QuantizeMxfp8Args
 from quant_core.shared._checks import FLOAT_DTYPES, as_2d, check_fp8_dtype
-
-_BUFFERS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
 
 
 def quantize_mxfp8_many(xs: Sequence[torch.Tensor], outs: Sequence[BlockQuantized]) -> None:
@@ -214,80 +213,70 @@ def _usages_of(out: object, name: str) -> tuple[bool, bool]:
     return usages[0], usages[1]
 
 
-def _run_many_kernel(
-    kernel: Kernel,
-    xs: list[torch.Tensor],
-    format_args: tuple[object, ...],
-    usages: tuple[list[bool], list[bool]],
-    buffer_lists: tuple[list[torch.Tensor], ...],
-) -> None:
-    """The body of every multi-tensor quantize operator: the kernel on the non-empty tensors (an
-    empty tensor's buffers are empty too) as kernel(xs, *format_args, four lists with one buffer
-    or None per tensor)."""
-    rowwise, columnwise = usages
-    per_tensor = [
-        _spread(flags, buffers)
-        for flags, buffers in zip((rowwise, rowwise, columnwise, columnwise), buffer_lists, strict=True)
-    ]
-    kept = [i for i, x in enumerate(xs) if x.numel() > 0]
-    if not kept:
-        return
-    if len(kept) < len(xs):
-        xs, per_tensor = [xs[i] for i in kept], [[buffers[i] for i in kept] for buffers in per_tensor]
-    kernel(xs, *format_args, *per_tensor)
+class QuantizeMxfp8ManyArgs(NamedTuple):
+    """The arguments of `torch.ops.quant_core.quantize_mxfp8_many` ([Note: operator arguments])."""
+
+    xs: list[torch.Tensor]
+    rowwise: list[bool]
+    columnwise: list[bool]
+    rowwise_data: list[torch.Tensor]
+    rowwise_scale_inv: list[torch.Tensor]
+    columnwise_data: list[torch.Tensor]
+    columnwise_scale_inv: list[torch.Tensor]
 
 
-def _spread(present: list[bool], buffers: list[torch.Tensor]) -> list[torch.Tensor | None]:
-    """One entry per tensor: the next of `buffers` where `present`, else None."""
-    given = iter(buffers)
-    return [next(given) if wanted else None for wanted in present]
+class QuantizeFp8BlockwiseManyArgs(NamedTuple):
+    """The arguments of `torch.ops.quant_core.quantize_fp8_blockwise_many` ([Note: operator arguments])."""
+
+    xs: list[torch.Tensor]
+    block_rows: int
+    fp8_dtype: torch.dtype
+    power_2_scales: bool
+    rowwise: list[bool]
+    columnwise: list[bool]
+    rowwise_data: list[torch.Tensor]
+    rowwise_scale_inv: list[torch.Tensor]
+    columnwise_data: list[torch.Tensor]
+    columnwise_scale_inv: list[torch.Tensor]
 
 
-@define_op("quantize_mxfp8_many", mutates_args=_BUFFERS)
-def _quantize_mxfp8_many_op(
-    kernel: Kernel,
-    xs: list[torch.Tensor],
-    rowwise: list[bool],
-    columnwise: list[bool],
-    rowwise_data: list[torch.Tensor],
-    rowwise_scale_inv: list[torch.Tensor],
-    columnwise_data: list[torch.Tensor],
-    columnwise_scale_inv: list[torch.Tensor],
-) -> None:
-    buffer_lists = (rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv)
-    _run_many_kernel(kernel, xs, (), (rowwise, columnwise), buffer_lists)
+@define_op("quantize_mxfp8_many", QuantizeMxfp8ManyArgs, mutates_args=QUANTIZE_BUFFERS)
+def _quantize_mxfp8_many_op(kernel: Kernel, args: QuantizeMxfp8ManyArgs) -> None:
+    tensors = _each_tensor(args, lambda x_MK, buffers: QuantizeMxfp8Args(x_MK, *buffers))
+    if tensors:
+        kernel(tensors)
 
 
-@define_op("quantize_fp8_blockwise_many", mutates_args=_BUFFERS)
-def _quantize_fp8_blockwise_many_op(
-    kernel: Kernel,
-    xs: list[torch.Tensor],
-    block_rows: int,
-    fp8_dtype: torch.dtype,
-    power_2_scales: bool,
-    rowwise: list[bool],
-    columnwise: list[bool],
-    rowwise_data: list[torch.Tensor],
-    rowwise_scale_inv: list[torch.Tensor],
-    columnwise_data: list[torch.Tensor],
-    columnwise_scale_inv: list[torch.Tensor],
-) -> None:
-    buffer_lists = (rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv)
-    format_args = (block_rows, fp8_dtype, power_2_scales)
-    _run_many_kernel(kernel, xs, format_args, (rowwise, columnwise), buffer_lists)
+@define_op("quantize_fp8_blockwise_many", QuantizeFp8BlockwiseManyArgs, mutates_args=QUANTIZE_BUFFERS)
+def _quantize_fp8_blockwise_many_op(kernel: Kernel, args: QuantizeFp8BlockwiseManyArgs) -> None:
+    block_format = (args.block_rows, args.fp8_dtype, args.power_2_scales)
+    tensors = _each_tensor(args, lambda x_MK, buffers: QuantizeFp8BlockwiseArgs(x_MK, *block_format, *buffers))
+    if tensors:
+        kernel(tensors)
 
 
-def each_tensor(op: str, backend: Backend) -> Callable[..., None]:
+def _each_tensor(args: Any, single: Callable[[torch.Tensor, tuple[torch.Tensor | None, ...]], Any]) -> list[Any]:
+    """The single-tensor quantize's arguments of each non-empty tensor of a multi-tensor quantize's
+    `args` (an empty tensor's buffers are empty too): single(x_MK, its four buffers, None for a
+    usage it does not have)."""
+    lists = [iter(getattr(args, name)) for name in QUANTIZE_BUFFERS]
+    tensors = []
+    for x_MK, rowwise, columnwise in zip(args.xs, args.rowwise, args.columnwise, strict=True):
+        rowwise_buffers = (next(lists[0]), next(lists[1])) if rowwise else (None, None)
+        columnwise_buffers = (next(lists[2]), next(lists[3])) if columnwise else (None, None)
+        if x_MK.numel() > 0:
+            tensors.append(single(x_MK, rowwise_buffers + columnwise_buffers))
+    return tensors
+
+
+def each_tensor(op: str, backend: Backend) -> Callable[[Sequence[Any]], None]:
     """A multi-tensor kernel that runs `backend`'s kernel of the single-tensor quantize `op` on each
-    tensor in turn (the reference and C++ kernels of the operators above)."""
+    tensor's arguments in turn (the reference and C++ kernels of the operators above)."""
     single = backend_kernel(op, backend)
 
-    def run(xs: Sequence[torch.Tensor], *args: object) -> None:
-        *format_args, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv = args
-        for i, x_MK in enumerate(xs):
-            single(
-                x_MK, *format_args, rowwise_data[i], rowwise_scale_inv[i], columnwise_data[i], columnwise_scale_inv[i]
-            )
+    def run(tensors: Sequence[Any]) -> None:
+        for args in tensors:
+            single(args)
 
     return run
 

@@ -13,10 +13,13 @@ uint8 E8M0 scales; `torch.ops.quant_core.dequantize_mxfp8(data_2d, scale_inv, dt
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from quant_core._library import Kernel, call, define_op, register_kernel
+from quant_core._library import call, define_op, register_kernel
 from quant_core.blocks._layout import (
+    QUANTIZE_BUFFERS,
     BlockQuantized,
     block_amax,
     check_pair_device,
@@ -24,15 +27,16 @@ from quant_core.blocks._layout import (
     checked_dequantize_operand,
     copy_into,
     dequantize_blocks,
+    dequantize_body,
     dequantize_fake,
+    dequantize_pair_body,
     dequantize_pair_fake,
     expand_blocks,
     pair_of,
     quantize_blocks,
     quantize_blocks_reference,
-    run_dequantize_kernel,
-    run_dequantize_pair_kernel,
-    run_quantize_kernel,
+    quantize_body,
+    quantize_buffers,
 )
 from quant_core.shared._checks import as_2d, check_output_dtype, with_shape
 from quant_core.shared._cpp import _C, out_dtype_code, outputs, x_args
@@ -79,26 +83,23 @@ def quantize_mxfp8(
     )
 
 
-@define_op(
-    "quantize_mxfp8",
-    mutates_args=("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"),
-    recomputable=True,
-)
-def _quantize_mxfp8_op(
-    kernel: Kernel,
-    x_MK: torch.Tensor,
-    rowwise_data: torch.Tensor | None,
-    rowwise_scale_inv: torch.Tensor | None,
-    columnwise_data: torch.Tensor | None,
-    columnwise_scale_inv: torch.Tensor | None,
-) -> None:
-    run_quantize_kernel(kernel, x_MK, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv)
+class QuantizeMxfp8Args(NamedTuple):
+    """The arguments of `torch.ops.quant_core.quantize_mxfp8` ([Note: operator arguments])."""
+
+    x_MK: torch.Tensor
+    rowwise_data: torch.Tensor | None
+    rowwise_scale_inv: torch.Tensor | None
+    columnwise_data: torch.Tensor | None
+    columnwise_scale_inv: torch.Tensor | None
+
+
+define_op("quantize_mxfp8", QuantizeMxfp8Args, mutates_args=QUANTIZE_BUFFERS, recomputable=True)(quantize_body)
 
 
 @register_kernel("quantize_mxfp8", "reference")
-def _quantize_mxfp8_reference_kernel(x_MK: torch.Tensor, *buffers: torch.Tensor | None) -> None:
-    rowwise, _, columnwise, _ = buffers
-    copy_into(quantize_mxfp8_reference(x_MK, rowwise=rowwise is not None, columnwise=columnwise is not None), *buffers)
+def _quantize_mxfp8_reference_kernel(args: QuantizeMxfp8Args) -> None:
+    rowwise, columnwise = args.rowwise_data is not None, args.columnwise_data is not None
+    copy_into(quantize_mxfp8_reference(args.x_MK, rowwise=rowwise, columnwise=columnwise), *quantize_buffers(args))
 
 
 def dequantize_mxfp8_reference(
@@ -127,16 +128,20 @@ def dequantize_mxfp8(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.d
     )
 
 
-@define_op("dequantize_mxfp8", fake=dequantize_fake(codes_per_byte=1))
-def _dequantize_mxfp8_op(
-    kernel: Kernel, data_2d: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    return run_dequantize_kernel(kernel, 1, data_2d, scale_inv, dtype)
+class DequantizeMxfp8Args(NamedTuple):
+    """The arguments of `torch.ops.quant_core.dequantize_mxfp8` ([Note: operator arguments])."""
+
+    data_2d: torch.Tensor
+    scale_inv: torch.Tensor
+    dtype: torch.dtype
+
+
+define_op("dequantize_mxfp8", DequantizeMxfp8Args, fake=dequantize_fake(codes_per_byte=1))(dequantize_body(1))
 
 
 @register_kernel("dequantize_mxfp8", "reference")
-def _dequantize_mxfp8_reference_kernel(data_2d: torch.Tensor, scale_inv: torch.Tensor, out_2d: torch.Tensor) -> None:
-    out_2d.copy_(dequantize_mxfp8_reference(data_2d, scale_inv, out_2d.dtype))
+def _dequantize_mxfp8_reference_kernel(args: DequantizeMxfp8Args, out_2d: torch.Tensor) -> None:
+    out_2d.copy_(dequantize_mxfp8_reference(args.data_2d, args.scale_inv, args.dtype))
 
 
 def dequantize_mxfp8_pair(
@@ -156,18 +161,26 @@ def dequantize_mxfp8_pair(
     return with_shape(a_out, a_data.shape), with_shape(b_out, b_data.shape)
 
 
-@define_op("dequantize_mxfp8_pair", fake=dequantize_pair_fake(codes_per_byte=1))
-def _dequantize_mxfp8_pair_op(
-    kernel: Kernel,
-    a_data_2d: torch.Tensor,
-    a_scale_inv: torch.Tensor,
-    b_data_2d: torch.Tensor,
-    b_scale_inv: torch.Tensor,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return run_dequantize_pair_kernel(kernel, 1, a_data_2d, a_scale_inv, b_data_2d, b_scale_inv, dtype)
+class DequantizeMxfp8PairArgs(NamedTuple):
+    """The arguments of `torch.ops.quant_core.dequantize_mxfp8_pair` ([Note: operator arguments])."""
+
+    a_data_2d: torch.Tensor
+    a_scale_inv: torch.Tensor
+    b_data_2d: torch.Tensor
+    b_scale_inv: torch.Tensor
+    dtype: torch.dtype
+
+    def operands(self) -> tuple[DequantizeMxfp8Args, DequantizeMxfp8Args]:
+        """Each operand's arguments of `dequantize_mxfp8`."""
+        return (
+            DequantizeMxfp8Args(self.a_data_2d, self.a_scale_inv, self.dtype),
+            DequantizeMxfp8Args(self.b_data_2d, self.b_scale_inv, self.dtype),
+        )
 
 
+define_op("dequantize_mxfp8_pair", DequantizeMxfp8PairArgs, fake=dequantize_pair_fake(codes_per_byte=1))(
+    dequantize_pair_body(1)
+)
 register_kernel("dequantize_mxfp8_pair", "reference")(pair_of(_dequantize_mxfp8_reference_kernel))
 
 
@@ -175,18 +188,18 @@ register_kernel("dequantize_mxfp8_pair", "reference")(pair_of(_dequantize_mxfp8_
 
 
 @register_kernel("quantize_mxfp8", "cpp")
-def _quantize_mxfp8_cpp(x_MK: torch.Tensor, *buffers: torch.Tensor | None) -> None:
-    _C.quantize_mxfp8(*x_args(x_MK), *outputs(*buffers), torch.get_num_threads())
+def _quantize_mxfp8_cpp(args: QuantizeMxfp8Args) -> None:
+    _C.quantize_mxfp8(*x_args(args.x_MK), *outputs(*quantize_buffers(args)), torch.get_num_threads())
 
 
 @register_kernel("dequantize_mxfp8", "cpp")
-def _dequantize_mxfp8_cpp(data_2d: torch.Tensor, scale_inv: torch.Tensor, out_2d: torch.Tensor) -> None:
-    R, C = data_2d.shape
+def _dequantize_mxfp8_cpp(args: DequantizeMxfp8Args, out_2d: torch.Tensor) -> None:
+    R, C = args.data_2d.shape
     _C.dequantize_mxfp8(
-        data_2d.data_ptr(),
+        args.data_2d.data_ptr(),
         R,
         C,
-        scale_inv.data_ptr(),
+        args.scale_inv.data_ptr(),
         out_2d.data_ptr(),
         out_dtype_code(out_2d),
         torch.get_num_threads(),

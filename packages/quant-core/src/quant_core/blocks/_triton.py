@@ -42,6 +42,9 @@ import triton
 import triton.language as tl
 
 from quant_core._library import register_kernel
+from quant_core.blocks._blockwise import DequantizeFp8BlockwiseArgs, QuantizeFp8BlockwiseArgs
+from quant_core.blocks._layout import quantize_buffers
+from quant_core.blocks._mxfp8 import DequantizeMxfp8Args, DequantizeMxfp8PairArgs, QuantizeMxfp8Args
 from quant_core.shared._triton_launch import cdiv, launch
 from quant_core.shared._triton_numerics import (
     EXACT,
@@ -556,18 +559,17 @@ MXFP8_FORMAT: tuple[str, dict[str, object]] = (
 
 
 @register_kernel("quantize_fp8_blockwise", "triton", traceable=True)
-def _quantize_fp8_blockwise(
-    x_MK: torch.Tensor, block_rows: int, fp8_dtype: torch.dtype, power_2_scales: bool, *buffers: torch.Tensor | None
-) -> None:
-    tiles_format, launch_format = blockwise_format(block_rows, fp8_dtype, power_2_scales)
-    tiles = _tiles_for(tiles_format, buffers[2] is not None, x_MK.dtype)
-    _launch_quantize(x_MK, buffers, tiles=tiles, **launch_format)
+def _quantize_fp8_blockwise(args: QuantizeFp8BlockwiseArgs) -> None:
+    tiles_format, launch_format = blockwise_format(args.block_rows, args.fp8_dtype, args.power_2_scales)
+    tiles = _tiles_for(tiles_format, args.columnwise_data is not None, args.x_MK.dtype)
+    _launch_quantize(args.x_MK, quantize_buffers(args), tiles=tiles, **launch_format)
 
 
 @register_kernel("quantize_mxfp8", "triton", traceable=True)
-def _quantize_mxfp8(x_MK: torch.Tensor, *buffers: torch.Tensor | None) -> None:
+def _quantize_mxfp8(args: QuantizeMxfp8Args) -> None:
     tiles_format, launch_format = MXFP8_FORMAT
-    _launch_quantize(x_MK, buffers, tiles=_tiles_for(tiles_format, buffers[2] is not None, x_MK.dtype), **launch_format)
+    tiles = _tiles_for(tiles_format, args.columnwise_data is not None, args.x_MK.dtype)
+    _launch_quantize(args.x_MK, quantize_buffers(args), tiles=tiles, **launch_format)
 
 
 @triton.jit
@@ -724,25 +726,16 @@ def _launch_dequantize_pair(
 
 
 @register_kernel("dequantize_fp8_blockwise", "triton", traceable=True)
-def _dequantize_fp8_blockwise(
-    data_2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int, out_2d: torch.Tensor
-) -> None:
-    _launch_dequantize(data_2d, scale_inv, out_2d, block_rows=block_rows, block=128)
+def _dequantize_fp8_blockwise(args: DequantizeFp8BlockwiseArgs, out_2d: torch.Tensor) -> None:
+    _launch_dequantize(args.data_2d, args.scale_inv, out_2d, block_rows=args.block_rows, block=128)
 
 
 @register_kernel("dequantize_mxfp8", "triton", traceable=True)
-def _dequantize_mxfp8(data_2d: torch.Tensor, scale_inv: torch.Tensor, out_2d: torch.Tensor) -> None:
-    _launch_dequantize(data_2d, scale_inv, out_2d, block_rows=1, block=32)
+def _dequantize_mxfp8(args: DequantizeMxfp8Args, out_2d: torch.Tensor) -> None:
+    _launch_dequantize(args.data_2d, args.scale_inv, out_2d, block_rows=1, block=32)
 
 
 @register_kernel("dequantize_mxfp8_pair", "triton", traceable=True)
-def _dequantize_mxfp8_pair(
-    a_data_2d: torch.Tensor,
-    a_scale_inv: torch.Tensor,
-    b_data_2d: torch.Tensor,
-    b_scale_inv: torch.Tensor,
-    a_out_2d: torch.Tensor,
-    b_out_2d: torch.Tensor,
-) -> None:
-    a, b = (a_data_2d, a_scale_inv, a_out_2d), (b_data_2d, b_scale_inv, b_out_2d)
+def _dequantize_mxfp8_pair(args: DequantizeMxfp8PairArgs, a_out_2d: torch.Tensor, b_out_2d: torch.Tensor) -> None:
+    a, b = (args.a_data_2d, args.a_scale_inv, a_out_2d), (args.b_data_2d, args.b_scale_inv, b_out_2d)
     _launch_dequantize_pair(a, b, block_rows=(1, 1), block=32)

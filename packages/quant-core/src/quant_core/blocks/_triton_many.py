@@ -37,6 +37,9 @@ import triton
 import triton.language as tl
 
 from quant_core._library import register_kernel
+from quant_core.blocks._blockwise import QuantizeFp8BlockwiseArgs
+from quant_core.blocks._layout import quantize_buffers
+from quant_core.blocks._mxfp8 import QuantizeMxfp8Args
 from quant_core.blocks._triton import (
     MXFP8_FORMAT,
     TwoPassTiles,
@@ -185,20 +188,17 @@ def _quantize_two_pass_many_kernel(
 
 
 def _launch_quantize_many(
-    xs: Sequence[torch.Tensor],
-    buffer_lists: Sequence[Sequence[torch.Tensor | None]],
-    tiles_format: str,
-    format_args: dict[str, object],
+    tensors: Sequence[QuantizeMxfp8Args | QuantizeFp8BlockwiseArgs], tiles_format: str, format_args: dict[str, object]
 ) -> None:
-    """Quantizes every xs[i] into (rowwise data, rowwise scales, columnwise data, columnwise scales)
-    = buffer_lists[0..3][i], one launch per group ([Note: multi-tensor block quantize])."""
+    """Quantizes the x_MK of each of `tensors` (single-tensor quantize arguments) into its buffers,
+    one launch per group ([Note: multi-tensor block quantize])."""
     block = format_args["block"]
     single_from = MXFP8_SINGLE_LAUNCH_NUMEL if tiles_format == MXFP8_FORMAT[0] else None
     # key -> the group's tensors as (x, buffers, its table column, its number of tiles)
     groups: dict[tuple[object, ...], list[tuple[torch.Tensor, tuple, tuple[int, ...], int]]] = {}
-    for x_MK, rowwise_data, rowwise_scale, columnwise_data, columnwise_scale in zip(xs, *buffer_lists, strict=True):
-        buffers = (rowwise_data, rowwise_scale, columnwise_data, columnwise_scale)
-        columnwise = columnwise_data is not None
+    for args in tensors:
+        x_MK, buffers = args.x_MK, quantize_buffers(args)
+        columnwise = args.columnwise_data is not None
         tiles = _tiles_for(tiles_format, columnwise, x_MK.dtype)
         if single_from is not None and x_MK.numel() >= single_from:
             _launch_quantize(x_MK, buffers, tiles=tiles, **format_args)
@@ -213,7 +213,7 @@ def _launch_quantize_many(
         aligned = stride_k == 1 and functools.reduce(operator.or_, column[:-1]) % 16 == 0
         tile_m, tile_k = _tile_shape(tiles, block)
         masked = isinstance(tiles, TwoPassTiles) and (M % tile_m != 0 or K % tile_k != 0)
-        key = (x_MK.dtype, rowwise_data is not None, columnwise, masked, aligned)
+        key = (x_MK.dtype, args.rowwise_data is not None, columnwise, masked, aligned)
         groups.setdefault(key, []).append((x_MK, buffers, column, cdiv(M, tile_m) * cdiv(K, tile_k)))
     for (dtype, rowwise, columnwise, masked, aligned), members in groups.items():
         tiles = _tiles_for(tiles_format, columnwise, dtype)
@@ -236,16 +236,11 @@ def _launch_quantize_many(
 
 
 @register_kernel("quantize_fp8_blockwise_many", "triton")
-def _quantize_fp8_blockwise_many(
-    xs: Sequence[torch.Tensor],
-    block_rows: int,
-    fp8_dtype: torch.dtype,
-    power_2_scales: bool,
-    *buffer_lists: Sequence[torch.Tensor | None],
-) -> None:
-    _launch_quantize_many(xs, buffer_lists, *blockwise_format(block_rows, fp8_dtype, power_2_scales))
+def _quantize_fp8_blockwise_many(tensors: Sequence[QuantizeFp8BlockwiseArgs]) -> None:
+    first = tensors[0]  # one format configuration for all of them
+    _launch_quantize_many(tensors, *blockwise_format(first.block_rows, first.fp8_dtype, first.power_2_scales))
 
 
 @register_kernel("quantize_mxfp8_many", "triton")
-def _quantize_mxfp8_many(xs: Sequence[torch.Tensor], *buffer_lists: Sequence[torch.Tensor | None]) -> None:
-    _launch_quantize_many(xs, buffer_lists, *MXFP8_FORMAT)
+def _quantize_mxfp8_many(tensors: Sequence[QuantizeMxfp8Args]) -> None:
+    _launch_quantize_many(tensors, *MXFP8_FORMAT)

@@ -16,6 +16,8 @@ Operator contracts (what the caller guarantees):
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from quant_core._library import Kernel, call, define_op, register_kernel
@@ -75,25 +77,33 @@ def _checked_call(name: str, x: torch.Tensor, seed: int) -> torch.Tensor:
     return with_shape(call(name, as_2d(x), signed64(int(seed))), x.shape)
 
 
-def _hadamard_fake(x_MK: torch.Tensor, seed: int) -> torch.Tensor:
-    return x_MK.new_empty(x_MK.shape)
+class HadamardArgs(NamedTuple):
+    """The arguments of `torch.ops.quant_core.hadamard_transform_16`, `hadamard_inverse_16` and
+    `hadamard_amaxes` ([Note: operator arguments])."""
+
+    x_MK: torch.Tensor
+    seed: int
 
 
-def _transform_op(kernel: Kernel, x_MK: torch.Tensor, seed: int) -> torch.Tensor:
-    """The body of both transform operators: the kernel fills a fresh contiguous (M, K) output."""
-    out_MK = torch.empty(x_MK.shape, dtype=x_MK.dtype, device=x_MK.device)
+def _hadamard_fake(args: HadamardArgs) -> torch.Tensor:
+    return args.x_MK.new_empty(args.x_MK.shape)
+
+
+def _transform_op(kernel: Kernel, args: HadamardArgs) -> torch.Tensor:
+    """The body of both transform operators: kernel(args, out_MK), a fresh contiguous (M, K) output."""
+    out_MK = torch.empty(args.x_MK.shape, dtype=args.x_MK.dtype, device=args.x_MK.device)
     if out_MK.numel() > 0:
-        kernel(x_MK, seed, out_MK)
+        kernel(args, out_MK)
     return out_MK
 
 
-define_op("hadamard_transform_16", fake=_hadamard_fake)(_transform_op)
-define_op("hadamard_inverse_16", fake=_hadamard_fake)(_transform_op)
+define_op("hadamard_transform_16", HadamardArgs, fake=_hadamard_fake)(_transform_op)
+define_op("hadamard_inverse_16", HadamardArgs, fake=_hadamard_fake)(_transform_op)
 
 
 @register_kernel("hadamard_transform_16", "reference")
-def _hadamard_reference_kernel(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) -> None:
-    out_MK.copy_(hadamard_transform_16_reference(x_MK, seed))
+def _hadamard_reference_kernel(args: HadamardArgs, out_MK: torch.Tensor) -> None:
+    out_MK.copy_(hadamard_transform_16_reference(args.x_MK, args.seed))
 
 
 def hadamard_inverse_16_reference(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
@@ -113,8 +123,8 @@ def hadamard_inverse_16(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
 
 
 @register_kernel("hadamard_inverse_16", "reference")
-def _hadamard_inverse_reference_kernel(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) -> None:
-    out_MK.copy_(hadamard_inverse_16_reference(x_MK, seed))
+def _hadamard_inverse_reference_kernel(args: HadamardArgs, out_MK: torch.Tensor) -> None:
+    out_MK.copy_(hadamard_inverse_16_reference(args.x_MK, args.seed))
 
 
 def hadamard_amaxes_reference(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
@@ -136,41 +146,45 @@ def hadamard_amaxes(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
     return call("hadamard_amaxes", as_2d(x), signed64(int(seed)))
 
 
-def _hadamard_amaxes_fake(x_MK: torch.Tensor, seed: int) -> torch.Tensor:
-    return x_MK.new_empty((2,), dtype=torch.float32)
+def _hadamard_amaxes_fake(args: HadamardArgs) -> torch.Tensor:
+    return args.x_MK.new_empty((2,), dtype=torch.float32)
 
 
-@define_op("hadamard_amaxes", fake=_hadamard_amaxes_fake)
-def _hadamard_amaxes_op(kernel: Kernel, x_MK: torch.Tensor, seed: int) -> torch.Tensor:
-    out = torch.zeros(2, dtype=torch.float32, device=x_MK.device)  # the Triton kernel takes atomic maxima
-    if x_MK.numel() > 0:
-        kernel(x_MK, seed, out)
+@define_op("hadamard_amaxes", HadamardArgs, fake=_hadamard_amaxes_fake)
+def _hadamard_amaxes_op(kernel: Kernel, args: HadamardArgs) -> torch.Tensor:
+    """Kernels take (args, out: fp32 (2,) zeros to fill)."""
+    out = torch.zeros(2, dtype=torch.float32, device=args.x_MK.device)  # the Triton kernel takes atomic maxima
+    if args.x_MK.numel() > 0:
+        kernel(args, out)
     return out
 
 
 @register_kernel("hadamard_amaxes", "reference")
-def _hadamard_amaxes_reference_kernel(x_MK: torch.Tensor, seed: int, out: torch.Tensor) -> None:
-    out.copy_(hadamard_amaxes_reference(x_MK, seed))
+def _hadamard_amaxes_reference_kernel(args: HadamardArgs, out: torch.Tensor) -> None:
+    out.copy_(hadamard_amaxes_reference(args.x_MK, args.seed))
 
 
 # ---- C++ kernels (CPU tensors; [Note: C++ kernel arguments] in quant_core.shared._cpp) ----
 
 
 @register_kernel("hadamard_transform_16", "cpp")
-def _hadamard_transform_16_cpp(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) -> None:
-    _C.hadamard_transform_16(*x_args(x_MK), seed & 0xFFFFFFFFFFFFFFFF, out_MK.data_ptr(), torch.get_num_threads())
+def _hadamard_transform_16_cpp(args: HadamardArgs, out_MK: torch.Tensor) -> None:
+    seed = args.seed & 0xFFFFFFFFFFFFFFFF
+    _C.hadamard_transform_16(*x_args(args.x_MK), seed, out_MK.data_ptr(), torch.get_num_threads())
 
 
 @register_kernel("hadamard_inverse_16", "cpp")
-def _hadamard_inverse_16_cpp(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) -> None:
+def _hadamard_inverse_16_cpp(args: HadamardArgs, out_MK: torch.Tensor) -> None:
     # D (1/4) H_16 y = D T(D y): the transform's kernel between two exact sign flips, in fp32.
-    signs = hadamard_signs(seed, x_MK.device)
+    x_MK = args.x_MK
+    signs = hadamard_signs(args.seed, x_MK.device)
     flipped = (x_MK.float().reshape(-1, GROUP) * signs).reshape(x_MK.shape)
     values = torch.empty_like(flipped)
-    _hadamard_transform_16_cpp(flipped, seed, values)
+    _hadamard_transform_16_cpp(HadamardArgs(flipped, args.seed), values)
     out_MK.copy_(to_output_dtype(values.reshape(-1, GROUP) * signs, out_MK.dtype).reshape(out_MK.shape))
 
 
 @register_kernel("hadamard_amaxes", "cpp")
-def _hadamard_amaxes_cpp(x_MK: torch.Tensor, seed: int, out: torch.Tensor) -> None:
-    _C.hadamard_amaxes(*x_args(x_MK), seed & 0xFFFFFFFFFFFFFFFF, out.data_ptr(), torch.get_num_threads())
+def _hadamard_amaxes_cpp(args: HadamardArgs, out: torch.Tensor) -> None:
+    seed = args.seed & 0xFFFFFFFFFFFFFFFF
+    _C.hadamard_amaxes(*x_args(args.x_MK), seed, out.data_ptr(), torch.get_num_threads())

@@ -54,11 +54,13 @@ Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
-from quant_core._library import Kernel, call, define_op, register_kernel
+from quant_core._library import Kernel, call, define_op, register_kernel, with_contiguous
 from quant_core.blocks._layout import (
+    QUANTIZE_BUFFERS,
     BlockQuantized,
     BlockShape,
     block_amax,
@@ -68,16 +70,17 @@ from quant_core.blocks._layout import (
     checked_dequantize_operand,
     copy_into,
     dequantize_blocks,
+    dequantize_body,
     dequantize_fake,
+    dequantize_pair_body,
     dequantize_pair_fake,
     element_index,
     expand_blocks,
     pair_of,
     quantize_blocks,
     quantize_blocks_reference,
-    run_dequantize_kernel,
-    run_dequantize_pair_kernel,
-    run_quantize_kernel,
+    quantize_body,
+    quantize_buffers,
 )
 from quant_core.fp8._fp8 import amax, amax_reference
 from quant_core.nvfp4._hadamard import hadamard_amaxes, hadamard_amaxes_reference, hadamard_transform_16_reference
@@ -310,64 +313,39 @@ def quantize_nvfp4(
     return dataclasses.replace(result, columnwise_amax=columnwise_amax) if transform else result
 
 
-@define_op(
-    "quantize_nvfp4",
-    mutates_args=("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv"),
-    recomputable=True,
-)
-def _quantize_nvfp4_op(
-    kernel: Kernel,
-    x_MK: torch.Tensor,
-    block_rows: int,
-    global_amax: torch.Tensor,
-    stochastic_rounding: bool,
-    seed: torch.Tensor,
-    columnwise_amax: torch.Tensor,
-    hadamard_seed: int | None,
-    rowwise_data: torch.Tensor | None,
-    rowwise_scale_inv: torch.Tensor | None,
-    columnwise_data: torch.Tensor | None,
-    columnwise_scale_inv: torch.Tensor | None,
-) -> None:
-    run_quantize_kernel(
-        kernel,
-        x_MK,
-        block_rows,
-        global_amax,
-        stochastic_rounding,
-        seed,
-        columnwise_amax,
-        hadamard_seed,
-        rowwise_data,
-        rowwise_scale_inv,
-        columnwise_data,
-        columnwise_scale_inv,
-    )
+class QuantizeNvfp4Args(NamedTuple):
+    """The arguments of `torch.ops.quant_core.quantize_nvfp4` ([Note: operator arguments])."""
+
+    x_MK: torch.Tensor
+    block_rows: int
+    global_amax: torch.Tensor
+    stochastic_rounding: bool
+    seed: torch.Tensor
+    columnwise_amax: torch.Tensor
+    hadamard_seed: int | None
+    rowwise_data: torch.Tensor | None
+    rowwise_scale_inv: torch.Tensor | None
+    columnwise_data: torch.Tensor | None
+    columnwise_scale_inv: torch.Tensor | None
+
+
+define_op("quantize_nvfp4", QuantizeNvfp4Args, mutates_args=QUANTIZE_BUFFERS, recomputable=True)(quantize_body)
 
 
 @register_kernel("quantize_nvfp4", "reference")
-def _quantize_nvfp4_reference_kernel(
-    x_MK: torch.Tensor,
-    block_rows: int,
-    global_amax: torch.Tensor,
-    stochastic_rounding: bool,
-    seed: torch.Tensor,
-    columnwise_amax: torch.Tensor,
-    hadamard_seed: int | None,
-    *buffers: torch.Tensor | None,
-) -> None:
+def _quantize_nvfp4_reference_kernel(args: QuantizeNvfp4Args) -> None:
     result = _quantize_with_tensor_scale_reference(
-        x_MK,
-        (block_rows, NVFP4_BLOCK),
-        nvfp4_tensor_scale(global_amax),
-        buffers[0] is not None,
-        buffers[2] is not None,
-        stochastic_rounding,
-        seed,
-        nvfp4_tensor_scale(columnwise_amax),
-        hadamard_seed,
+        args.x_MK,
+        (args.block_rows, NVFP4_BLOCK),
+        nvfp4_tensor_scale(args.global_amax),
+        args.rowwise_data is not None,
+        args.columnwise_data is not None,
+        args.stochastic_rounding,
+        args.seed,
+        nvfp4_tensor_scale(args.columnwise_amax),
+        args.hadamard_seed,
     )
-    copy_into(result, *buffers)
+    copy_into(result, *quantize_buffers(args))
 
 
 # ---- dequantize and transpose -------------------------------------------------------------------
@@ -425,29 +403,24 @@ def dequantize_nvfp4(
     )
 
 
-@define_op("dequantize_nvfp4", fake=dequantize_fake(codes_per_byte=2))
-def _dequantize_nvfp4_op(
-    kernel: Kernel,
-    data_2d: torch.Tensor,
-    scale_inv: torch.Tensor,
-    block_rows: int,
-    global_amax: torch.Tensor | None,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    return run_dequantize_kernel(kernel, 2, data_2d, scale_inv, block_rows, global_amax, dtype)
+class DequantizeNvfp4Args(NamedTuple):
+    """The arguments of `torch.ops.quant_core.dequantize_nvfp4` ([Note: operator arguments])."""
+
+    data_2d: torch.Tensor
+    scale_inv: torch.Tensor
+    block_rows: int
+    global_amax: torch.Tensor | None
+    dtype: torch.dtype
+
+
+define_op("dequantize_nvfp4", DequantizeNvfp4Args, fake=dequantize_fake(codes_per_byte=2))(dequantize_body(2))
 
 
 @register_kernel("dequantize_nvfp4", "reference")
-def _dequantize_nvfp4_reference_kernel(
-    data_2d: torch.Tensor,
-    scale_inv: torch.Tensor,
-    block_rows: int,
-    global_amax: torch.Tensor | None,
-    out_2d: torch.Tensor,
-) -> None:
-    S = None if global_amax is None else nvfp4_tensor_scale(global_amax)
-    values = _dequantize_with_tensor_scale_reference(data_2d, scale_inv, S, (block_rows, NVFP4_BLOCK))
-    out_2d.copy_(to_output_dtype(values, out_2d.dtype))
+def _dequantize_nvfp4_reference_kernel(args: DequantizeNvfp4Args, out_2d: torch.Tensor) -> None:
+    S = None if args.global_amax is None else nvfp4_tensor_scale(args.global_amax)
+    values = _dequantize_with_tensor_scale_reference(args.data_2d, args.scale_inv, S, (args.block_rows, NVFP4_BLOCK))
+    out_2d.copy_(to_output_dtype(values, args.dtype))
 
 
 def dequantize_nvfp4_pair(
@@ -482,24 +455,31 @@ def dequantize_nvfp4_pair(
     return a_values, with_shape(b_out, (*b_data.shape[:-1], b_out.shape[1]))
 
 
-@define_op("dequantize_nvfp4_pair", fake=dequantize_pair_fake(codes_per_byte=2))
-def _dequantize_nvfp4_pair_op(
-    kernel: Kernel,
-    a_data_2d: torch.Tensor,
-    a_scale_inv: torch.Tensor,
-    b_data_2d: torch.Tensor,
-    b_scale_inv: torch.Tensor,
-    a_block_rows: int,
-    a_global_amax: torch.Tensor | None,
-    b_block_rows: int,
-    b_global_amax: torch.Tensor | None,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    args = (a_block_rows, a_global_amax, b_block_rows, b_global_amax, dtype)
-    return run_dequantize_pair_kernel(kernel, 2, a_data_2d, a_scale_inv, b_data_2d, b_scale_inv, *args)
+class DequantizeNvfp4PairArgs(NamedTuple):
+    """The arguments of `torch.ops.quant_core.dequantize_nvfp4_pair` ([Note: operator arguments])."""
+
+    a_data_2d: torch.Tensor
+    a_scale_inv: torch.Tensor
+    b_data_2d: torch.Tensor
+    b_scale_inv: torch.Tensor
+    a_block_rows: int
+    a_global_amax: torch.Tensor | None
+    b_block_rows: int
+    b_global_amax: torch.Tensor | None
+    dtype: torch.dtype
+
+    def operands(self) -> tuple[DequantizeNvfp4Args, DequantizeNvfp4Args]:
+        """Each operand's arguments of `dequantize_nvfp4`."""
+        return (
+            DequantizeNvfp4Args(self.a_data_2d, self.a_scale_inv, self.a_block_rows, self.a_global_amax, self.dtype),
+            DequantizeNvfp4Args(self.b_data_2d, self.b_scale_inv, self.b_block_rows, self.b_global_amax, self.dtype),
+        )
 
 
-register_kernel("dequantize_nvfp4_pair", "reference")(pair_of(_dequantize_nvfp4_reference_kernel, 2))
+define_op("dequantize_nvfp4_pair", DequantizeNvfp4PairArgs, fake=dequantize_pair_fake(codes_per_byte=2))(
+    dequantize_pair_body(2)
+)
+register_kernel("dequantize_nvfp4_pair", "reference")(pair_of(_dequantize_nvfp4_reference_kernel))
 
 
 # ---- the output of an emulated GEMM ---------------------------------------------------------------
@@ -553,37 +533,33 @@ def nvfp4_gemm_output(
     )
 
 
-def _nvfp4_gemm_output_fake(
-    product: torch.Tensor, a_global_amax: torch.Tensor, b_global_amax: torch.Tensor, bias: object, dtype: torch.dtype
-) -> torch.Tensor:
-    return product.new_empty(product.shape, dtype=dtype)
+class Nvfp4GemmOutputArgs(NamedTuple):
+    """The arguments of `torch.ops.quant_core.nvfp4_gemm_output` ([Note: operator arguments])."""
+
+    product: torch.Tensor
+    a_global_amax: torch.Tensor
+    b_global_amax: torch.Tensor
+    bias: torch.Tensor | None
+    dtype: torch.dtype
 
 
-@define_op("nvfp4_gemm_output", fake=_nvfp4_gemm_output_fake)
-def _nvfp4_gemm_output_op(
-    kernel: Kernel,
-    product: torch.Tensor,
-    a_global_amax: torch.Tensor,
-    b_global_amax: torch.Tensor,
-    bias: torch.Tensor | None,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """Contract: product contiguous 2-D fp32, amaxes 0-d fp32 and bias None or (N,), all on one device."""
-    out = torch.empty(product.shape, dtype=dtype, device=product.device)
+def _nvfp4_gemm_output_fake(args: Nvfp4GemmOutputArgs) -> torch.Tensor:
+    return args.product.new_empty(args.product.shape, dtype=args.dtype)
+
+
+@define_op("nvfp4_gemm_output", Nvfp4GemmOutputArgs, fake=_nvfp4_gemm_output_fake)
+def _nvfp4_gemm_output_op(kernel: Kernel, args: Nvfp4GemmOutputArgs) -> torch.Tensor:
+    """Contract: product contiguous 2-D fp32, amaxes 0-d fp32 and bias None or (N,), all on one
+    device. Kernels take (args, out: the new output of args.dtype)."""
+    out = torch.empty(args.product.shape, dtype=args.dtype, device=args.product.device)
     if out.numel() > 0:
-        kernel(product, a_global_amax, b_global_amax, bias, out)
+        kernel(args, out)
     return out
 
 
 @register_kernel("nvfp4_gemm_output", "reference")
-def _nvfp4_gemm_output_reference_kernel(
-    product: torch.Tensor,
-    a_global_amax: torch.Tensor,
-    b_global_amax: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
-) -> None:
-    out.copy_(nvfp4_gemm_output_reference(product, a_global_amax, b_global_amax, bias, out.dtype))
+def _nvfp4_gemm_output_reference_kernel(args: Nvfp4GemmOutputArgs, out: torch.Tensor) -> None:
+    out.copy_(nvfp4_gemm_output_reference(*args))
 
 
 def transpose_nvfp4(data: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -614,73 +590,67 @@ def _transposed_packed_shape(packed_MK: torch.Tensor) -> tuple[int, int]:
     return packed_MK.shape[1] * 2, packed_MK.shape[0] // 2
 
 
-def _transpose_nvfp4_fake(packed_MK: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+class TransposeNvfp4Args(NamedTuple):
+    """The arguments of `torch.ops.quant_core.transpose_nvfp4` ([Note: operator arguments])."""
+
+    packed_MK: torch.Tensor
+    scale_inv: torch.Tensor
+
+
+def _transpose_nvfp4_fake(args: TransposeNvfp4Args) -> tuple[torch.Tensor, torch.Tensor]:
+    packed_MK, scale_inv = args.packed_MK, args.scale_inv
     return packed_MK.new_empty(_transposed_packed_shape(packed_MK)), scale_inv.new_empty(scale_inv.shape[::-1])
 
 
-@define_op("transpose_nvfp4", fake=_transpose_nvfp4_fake, recomputable=True)
-def _transpose_nvfp4_op(
-    kernel: Kernel, packed_MK: torch.Tensor, scale_inv: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+@define_op("transpose_nvfp4", TransposeNvfp4Args, fake=_transpose_nvfp4_fake, recomputable=True)
+def _transpose_nvfp4_op(kernel: Kernel, args: TransposeNvfp4Args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernels take (args with packed_MK contiguous, out_KM: the new packed codes of x^T)."""
     # The scales are transposed here, not by the caller, so that torch.compile recomputes them in
     # the backward with the codes ([Note: recomputed quantizations] in quant_core._recompute).
-    out_KM = torch.empty(_transposed_packed_shape(packed_MK), dtype=torch.uint8, device=packed_MK.device)
+    out_KM = torch.empty(_transposed_packed_shape(args.packed_MK), dtype=torch.uint8, device=args.packed_MK.device)
     if out_KM.numel() > 0:
-        kernel(packed_MK.contiguous(), out_KM)
-    return out_KM, scale_inv.t().clone(memory_format=torch.contiguous_format)
+        kernel(with_contiguous(args, "packed_MK"), out_KM)
+    return out_KM, args.scale_inv.t().clone(memory_format=torch.contiguous_format)
 
 
 @register_kernel("transpose_nvfp4", "reference")
-def _transpose_nvfp4_reference(packed_MK: torch.Tensor, out_KM: torch.Tensor) -> None:
-    out_KM.copy_(pack_nibbles(unpack_nibbles(packed_MK).t()))
+def _transpose_nvfp4_reference(args: TransposeNvfp4Args, out_KM: torch.Tensor) -> None:
+    out_KM.copy_(pack_nibbles(unpack_nibbles(args.packed_MK).t()))
 
 
 # ---- C++ kernels (CPU tensors; [Note: C++ kernel arguments] in quant_core.shared._cpp) ----
 
 
 @register_kernel("quantize_nvfp4", "cpp")
-def _quantize_nvfp4_cpp(
-    x_MK: torch.Tensor,
-    block_rows: int,
-    global_amax: torch.Tensor,
-    stochastic_rounding: bool,
-    seed: torch.Tensor,
-    columnwise_amax: torch.Tensor,
-    hadamard_seed: int | None,
-    *buffers: torch.Tensor | None,
-) -> None:
+def _quantize_nvfp4_cpp(args: QuantizeNvfp4Args) -> None:
+    seed, hadamard_seed = args.seed, args.hadamard_seed
     seed = seed if seed.device.type == "cpu" else seed.cpu()  # read through its pointer
     _C.quantize_nvfp4(
-        *x_args(x_MK),
-        block_rows,
-        global_amax.data_ptr(),
-        stochastic_rounding,
+        *x_args(args.x_MK),
+        args.block_rows,
+        args.global_amax.data_ptr(),
+        args.stochastic_rounding,
         seed.data_ptr(),
-        columnwise_amax.data_ptr(),
+        args.columnwise_amax.data_ptr(),
         hadamard_seed is not None,
         (hadamard_seed or 0) & 0xFFFFFFFFFFFFFFFF,
-        *outputs(*buffers),
+        *outputs(*quantize_buffers(args)),
         torch.get_num_threads(),
     )
 
 
 @register_kernel("dequantize_nvfp4", "cpp")
-def _dequantize_nvfp4_cpp(
-    data_2d: torch.Tensor,
-    scale_inv: torch.Tensor,
-    block_rows: int,
-    global_amax: torch.Tensor | None,
-    out_2d: torch.Tensor,
-) -> None:
+def _dequantize_nvfp4_cpp(args: DequantizeNvfp4Args, out_2d: torch.Tensor) -> None:
     R, C = out_2d.shape
+    global_amax = args.global_amax
     if global_amax is None:  # the block values alone: the amax whose tensor scale S is exactly 1
         global_amax = torch.full((), E4M3_MAX * E2M1_MAX)
     _C.dequantize_nvfp4(
-        data_2d.data_ptr(),
+        args.data_2d.data_ptr(),
         R,
         C,
-        block_rows,
-        scale_inv.data_ptr(),
+        args.block_rows,
+        args.scale_inv.data_ptr(),
         global_amax.data_ptr(),
         out_2d.data_ptr(),
         out_dtype_code(out_2d),
@@ -688,10 +658,11 @@ def _dequantize_nvfp4_cpp(
     )
 
 
-register_kernel("dequantize_nvfp4_pair", "cpp")(pair_of(_dequantize_nvfp4_cpp, 2))
+register_kernel("dequantize_nvfp4_pair", "cpp")(pair_of(_dequantize_nvfp4_cpp))
 
 
 @register_kernel("transpose_nvfp4", "cpp")
-def _transpose_nvfp4_cpp(packed_MK: torch.Tensor, out_KM: torch.Tensor) -> None:
+def _transpose_nvfp4_cpp(args: TransposeNvfp4Args, out_KM: torch.Tensor) -> None:
+    packed_MK = args.packed_MK
     R, C = packed_MK.shape[0], packed_MK.shape[1] * 2
     _C.transpose_nvfp4(packed_MK.data_ptr(), R, C, out_KM.data_ptr(), torch.get_num_threads())

@@ -25,7 +25,16 @@ import triton
 import triton.language as tl
 
 from quant_core._library import register_kernel
+from quant_core.blocks._layout import quantize_buffers
 from quant_core.fp8._triton_scale import scale_of
+from quant_core.nvfp4._hadamard import HadamardArgs
+from quant_core.nvfp4._nvfp4 import (
+    DequantizeNvfp4Args,
+    DequantizeNvfp4PairArgs,
+    Nvfp4GemmOutputArgs,
+    QuantizeNvfp4Args,
+    TransposeNvfp4Args,
+)
 from quant_core.shared._triton_launch import cdiv, launch
 from quant_core.shared._triton_numerics import (
     EXACT,
@@ -502,17 +511,9 @@ def launch_quantize(
 
 
 @register_kernel("quantize_nvfp4", "triton", traceable=True)
-def _quantize_nvfp4(
-    x_MK: torch.Tensor,
-    block_rows: int,
-    global_amax: torch.Tensor,
-    stochastic_rounding: bool,
-    seed: int | torch.Tensor,
-    columnwise_amax: torch.Tensor,
-    hadamard_seed: int | None,
-    *buffers: torch.Tensor | None,
-) -> None:
-    columnwise = buffers[2] is not None
+def _quantize_nvfp4(args: QuantizeNvfp4Args) -> None:
+    block_rows, stochastic_rounding, hadamard_seed = args.block_rows, args.stochastic_rounding, args.hadamard_seed
+    columnwise = args.columnwise_data is not None
     # The transform is built into the register-blocks kernel only.
     variant = "register_blocks" if hadamard_seed is not None and columnwise else QUANTIZE_VARIANT
     if variant == "original":
@@ -520,15 +521,15 @@ def _quantize_nvfp4(
     else:
         tiles = quantize_tiles(block_rows, stochastic_rounding, columnwise, hadamard_seed is not None and columnwise)
     launch_quantize(
-        x_MK,
+        args.x_MK,
         block_rows,
-        global_amax,
+        args.global_amax,
         stochastic_rounding,
-        seed,
-        buffers,
+        args.seed,
+        quantize_buffers(args),
         variant,
         tiles,
-        columnwise_amax,
+        args.columnwise_amax,
         hadamard_seed,
     )
 
@@ -752,50 +753,36 @@ def launch_dequantize(
 
 
 @register_kernel("dequantize_nvfp4", "triton", traceable=True)
-def _dequantize_nvfp4(
-    data_2d: torch.Tensor,
-    scale_inv: torch.Tensor,
-    block_rows: int,
-    global_amax: torch.Tensor | None,
-    out_2d: torch.Tensor,
-) -> None:
+def _dequantize_nvfp4(args: DequantizeNvfp4Args, out_2d: torch.Tensor) -> None:
     tiles = DEQUANTIZE_PAIRS_TILES if DEQUANTIZE_VARIANT == "pairs" else DEQUANTIZE_TILES
-    launch_dequantize(data_2d, scale_inv, block_rows, global_amax, out_2d, DEQUANTIZE_VARIANT, tiles)
+    launch_dequantize(
+        args.data_2d, args.scale_inv, args.block_rows, args.global_amax, out_2d, DEQUANTIZE_VARIANT, tiles
+    )
 
 
 @register_kernel("dequantize_nvfp4_pair", "triton", traceable=True)
-def _dequantize_nvfp4_pair(
-    a_data_2d: torch.Tensor,
-    a_scale_inv: torch.Tensor,
-    b_data_2d: torch.Tensor,
-    b_scale_inv: torch.Tensor,
-    a_block_rows: int,
-    a_global_amax: torch.Tensor | None,
-    b_block_rows: int,
-    b_global_amax: torch.Tensor | None,
-    a_out_2d: torch.Tensor,
-    b_out_2d: torch.Tensor,
-) -> None:
+def _dequantize_nvfp4_pair(args: DequantizeNvfp4PairArgs, a_out_2d: torch.Tensor, b_out_2d: torch.Tensor) -> None:
     """Both operands in one launch of the "pairs" kernel's tiles (DEQUANTIZE_PAIRS_TILES)."""
     tiles = DEQUANTIZE_PAIRS_TILES
     (a_R, a_C), (b_R, b_C) = a_out_2d.shape, b_out_2d.shape
+    a_global_amax, b_global_amax = args.a_global_amax, args.b_global_amax
     launch(
         _dequantize_nvfp4_operand_pair_kernel,
         (cdiv(a_R, tiles.tile_m) * cdiv(a_C, tiles.tile_k) + cdiv(b_R, tiles.tile_m) * cdiv(b_C, tiles.tile_k),),
-        a_data_2d,
-        a_scale_inv,
-        a_scale_inv if a_global_amax is None else a_global_amax,  # not read without A_TENSOR_SCALE
+        args.a_data_2d,
+        args.a_scale_inv,
+        args.a_scale_inv if a_global_amax is None else a_global_amax,  # not read without A_TENSOR_SCALE
         a_out_2d,
         a_R,
         a_C,
-        b_data_2d,
-        b_scale_inv,
-        b_scale_inv if b_global_amax is None else b_global_amax,
+        args.b_data_2d,
+        args.b_scale_inv,
+        args.b_scale_inv if b_global_amax is None else b_global_amax,
         b_out_2d,
         b_R,
         b_C,
-        A_BLOCK_ROWS=a_block_rows,
-        B_BLOCK_ROWS=b_block_rows,
+        A_BLOCK_ROWS=args.a_block_rows,
+        B_BLOCK_ROWS=args.b_block_rows,
         A_TENSOR_SCALE=a_global_amax is not None,
         B_TENSOR_SCALE=b_global_amax is not None,
         TILE_R=tiles.tile_m,
@@ -821,20 +808,15 @@ def _nvfp4_gemm_output_kernel(
 
 
 @register_kernel("nvfp4_gemm_output", "triton", traceable=True)
-def _nvfp4_gemm_output(
-    product: torch.Tensor,
-    a_global_amax: torch.Tensor,
-    b_global_amax: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
-) -> None:
+def _nvfp4_gemm_output(args: Nvfp4GemmOutputArgs, out: torch.Tensor) -> None:
+    product, bias = args.product, args.bias
     numel, N = product.numel(), product.shape[1]
     launch(
         _nvfp4_gemm_output_kernel,
         (cdiv(numel, GEMM_OUTPUT_TILES.tile_k),),
         product,
-        a_global_amax,
-        b_global_amax,
+        args.a_global_amax,
+        args.b_global_amax,
         product if bias is None else bias.contiguous(),  # not read without HAS_BIAS
         out,
         numel,
@@ -868,7 +850,8 @@ def _transpose_nvfp4_kernel(packed_ptr, out_ptr, M, K, stride_m, stride_k, TILE_
 
 
 @register_kernel("transpose_nvfp4", "triton", traceable=True)
-def _transpose_nvfp4(packed_MK: torch.Tensor, out_KM: torch.Tensor) -> None:
+def _transpose_nvfp4(args: TransposeNvfp4Args, out_KM: torch.Tensor) -> None:
+    packed_MK = args.packed_MK
     M, K = packed_MK.shape[0], packed_MK.shape[1] * 2
     tiles = TRANSPOSE_TILES
     launch(
@@ -923,7 +906,8 @@ def _hadamard_amaxes_kernel(
 
 
 @register_kernel("hadamard_amaxes", "triton", traceable=True)
-def _hadamard_amaxes(x_MK: torch.Tensor, seed: int, out: torch.Tensor) -> None:
+def _hadamard_amaxes(args: HadamardArgs, out: torch.Tensor) -> None:
+    x_MK = args.x_MK
     M, K = x_MK.shape
     tiles = HADAMARD_AMAXES_TILES
     launch(
@@ -934,7 +918,7 @@ def _hadamard_amaxes(x_MK: torch.Tensor, seed: int, out: torch.Tensor) -> None:
         M,
         K,
         *x_MK.stride(),
-        *int32_halves(seed),
+        *int32_halves(args.seed),
         TILE_M=tiles.tile_m,
         TILE_K=tiles.tile_k,
         num_warps=tiles.num_warps,
@@ -976,13 +960,13 @@ def _hadamard_kernel(
 
 
 @register_kernel("hadamard_transform_16", "triton", traceable=True)
-def _hadamard_transform_16(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) -> None:
-    _launch_hadamard(x_MK, seed, out_MK, inverse=False)
+def _hadamard_transform_16(args: HadamardArgs, out_MK: torch.Tensor) -> None:
+    _launch_hadamard(args.x_MK, args.seed, out_MK, inverse=False)
 
 
 @register_kernel("hadamard_inverse_16", "triton", traceable=True)
-def _hadamard_inverse_16(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor) -> None:
-    _launch_hadamard(x_MK, seed, out_MK, inverse=True)
+def _hadamard_inverse_16(args: HadamardArgs, out_MK: torch.Tensor) -> None:
+    _launch_hadamard(args.x_MK, args.seed, out_MK, inverse=True)
 
 
 def _launch_hadamard(x_MK: torch.Tensor, seed: int, out_MK: torch.Tensor, *, inverse: bool) -> None:
