@@ -24,6 +24,7 @@ import torch
 
 import quant_core
 from quant_core.adam import _triton
+from quant_core.adam._capturable import AdamStepCapturableArgs
 from quant_core.testing import raw_bits
 
 generator = torch.Generator().manual_seed(0)
@@ -57,7 +58,7 @@ for param_dtype, out_dtype, found, lr, weight_decay, adam_w_mode in cases:
     hyperparameters = [0.0 if lr_tensor is not None else lr, 0.9, 0.999, 1e-8, weight_decay]
     for _ in range(2):  # the second call needs the tickets reset by the first
         args = (torch.tensor([found]), lr_tensor, hyperparameters, adam_w_mode)
-        amax = _triton._adam_step_capturable(*ours, outs, *args, True)
+        amax = _triton._adam_step_capturable(AdamStepCapturableArgs(*ours, outs, *args, True))
         expected_amax = quant_core.adam_step_capturable_reference(*expected, expected_outs, *args)
         for got, want in zip((*ours, outs), (*expected, expected_outs), strict=True):
             for a, b in zip(got, want, strict=True):
@@ -77,7 +78,7 @@ for seed, found, out_dtype in [(0, 0.0, None), (2**63 - 5, 0.0, torch.float32), 
     expected_outs = [t.clone() for t in outs]
     args = (torch.tensor([found]), None, [1e-2, 0.9, 0.999, 1e-8, 0.01], True)
     for _ in range(2):
-        amax = _triton._adam_step_capturable(*ours, outs, *args, True, seed, counters)
+        amax = _triton._adam_step_capturable(AdamStepCapturableArgs(*ours, outs, *args, True, seed, counters))
         expected_amax = quant_core.adam_step_capturable_reference(*expected, expected_outs, *args, True, seed,
                                                                   expected_counters)  # fmt: skip
         for got, want in zip((*ours, outs, counters), (*expected, expected_outs, expected_counters), strict=True):

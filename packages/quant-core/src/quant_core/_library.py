@@ -2,14 +2,14 @@
 registered on the dispatch keys of their devices.
 
 [Note: custom ops] Every kernel of quant_core is reached through an operator
-`torch.ops.quant_core.<op>`, defined once (`define_op`: the schema is inferred from the op's body)
-with a kernel per backend (`register_kernel`), each registered on a dispatch key of torch's
-dispatcher: the C++ kernel on CPU, the Triton kernel on CUDA, the plain-torch reference on
-CompositeExplicitAutograd (any device without a kernel of its own). torch's dispatcher picks the
-backend by the tensors' device. An op's body holds what every backend shares (allocating the
-outputs, skipping empty inputs) and calls the kernel it was registered with; an op made with
-`define_kernel_op` has no body: its kernels take the op's arguments as they are (the reference
-kernel gives the schema). torch.compile traces the public functions into graphs holding these
+`torch.ops.quant_core.<op>`, defined once (`define_op`: the schema is inferred from the op's
+arguments tuple, [Note: operator arguments]) with a kernel per backend (`register_kernel`), each
+registered on a dispatch key of torch's dispatcher: the C++ kernel on CPU, the Triton kernel on
+CUDA, the plain-torch reference on CompositeExplicitAutograd (any device without a kernel of its
+own). torch's dispatcher picks the backend by the tensors' device. An op's body holds what every
+backend shares (allocating the outputs, skipping empty inputs) and calls the kernel it was
+registered with; an op made with `define_kernel_op` has no body: its kernels take the op's
+arguments tuple as it is. torch.compile traces the public functions into graphs holding these
 operators as opaque nodes (their fake implementations give output shapes and dtypes), except
 traceable Triton kernels ([Note: traced Triton kernels]). Operators that fill caller-given buffers
 declare exactly those as mutated and return nothing; the others return new tensors.
@@ -74,10 +74,11 @@ _environment = "auto"  # QUANT_CORE_BACKEND as read by `reload_backend_env`, low
 
 class Operator:
     """One operator: its body, its kernel per backend and, per (device type, forced backend), the
-    implementation that runs (what the dispatcher would run, cached for `call`)."""
+    implementation that runs (what the dispatcher would run, cached for `call`). The body is
+    `body(kernel, *arguments)`, the arguments as the dispatcher passes them (`_bound`)."""
 
     def __init__(
-        self, name: str, body: Callable[..., Any] | None, mutates_args: Sequence[str], recomputable: bool = False
+        self, name: str, body: Callable[..., Any], mutates_args: Sequence[str], recomputable: bool = False
     ) -> None:
         self.name = name
         self.body = body
@@ -89,10 +90,9 @@ class Operator:
         self.overload: Any = None
 
     def implementation(self, backend: Backend, *, version_bumps: bool = True) -> Callable[..., Any]:
-        """The op's implementation around `backend`'s kernel: the body with that kernel (the
-        kernel itself for ops without a body), bumping the versions of the mutated buffers."""
-        kernel = self.kernels[backend]
-        run = kernel if self.body is None else functools.partial(self.body, kernel)
+        """The op's implementation around `backend`'s kernel: the body with that kernel, bumping
+        the versions of the mutated buffers."""
+        run = functools.partial(self.body, self.kernels[backend])
         return _bumping_versions(run, self.mutated_positions) if self.mutates_args and version_bumps else run
 
     @functools.cached_property
@@ -141,7 +141,7 @@ OPERATORS: dict[str, Operator] = {}
 
 def define_op(
     name: str,
-    arguments: type[tuple] | None = None,
+    arguments: type[tuple],
     *,
     mutates_args: Sequence[str] = (),
     fake: Callable[..., Any] | None = None,
@@ -161,12 +161,6 @@ def define_op(
     """
 
     def decorate(body: Callable[..., Any]) -> Callable[..., Any]:
-        if arguments is None:  # TRANSITION: the body's own parameters after `kernel`
-            signature = inspect.signature(body)
-            prototype = types.FunctionType(body.__code__, body.__globals__, body.__name__)
-            prototype.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])  # type: ignore[attr-defined]
-            _define(name, prototype, body, mutates_args, fake, recomputable)
-            return body
         prototype = _prototype(arguments, body)
         _define(name, prototype, _bound(body, arguments), mutates_args, _bound_fake(fake, arguments), recomputable)
         return body
@@ -176,7 +170,7 @@ def define_op(
 
 def define_kernel_op(
     name: str,
-    arguments: type[tuple] | None = None,
+    arguments: type[tuple],
     *,
     mutates_args: Sequence[str] = (),
     fake: Callable[..., Any] | None = None,
@@ -187,11 +181,8 @@ def define_kernel_op(
     gives the schema's returns, is registered as the reference kernel."""
 
     def decorate(reference: Callable[..., Any]) -> Callable[..., Any]:
-        if arguments is None:  # TRANSITION
-            _define(name, reference, None, mutates_args, fake, recomputable)
-        else:
-            prototype = _prototype(arguments, reference)
-            _define(name, prototype, _bound(None, arguments), mutates_args, _bound_fake(fake, arguments), recomputable)
+        prototype = _prototype(arguments, reference)
+        _define(name, prototype, _bound(None, arguments), mutates_args, _bound_fake(fake, arguments), recomputable)
         return register_kernel(name, "reference")(reference)
 
     return decorate
@@ -267,7 +258,7 @@ def _signature_only() -> None:
 def _define(
     name: str,
     prototype: Callable[..., Any],
-    body: Callable[..., Any] | None,
+    body: Callable[..., Any],
     mutates_args: Sequence[str],
     fake: Callable[..., Any] | None,
     recomputable: bool,

@@ -57,6 +57,7 @@ import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -65,6 +66,9 @@ from quant_core.fp8._fp8 import amax_reference
 from quant_core.shared._checks import FLOAT_DTYPES, check_float_input
 from quant_core.shared._cpp import _C, DTYPE_CODES, pointer
 from quant_core.shared._numerics import random16, round_to_bfloat16_stochastic, signed64
+
+if TYPE_CHECKING:
+    from quant_core.adam._capturable import AdamStepCapturableArgs
 
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -168,41 +172,43 @@ def adam_step_(
     return amaxes if compute_amax else None
 
 
-def _adam_step_fake(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    scalars: list[float],
-    compute_amax: bool,
-    seed: int = 0,
-    stochastic_rounding_counters: list[torch.Tensor] | None = None,
-) -> torch.Tensor:
-    return params[0].new_empty(len(params) if compute_amax else 0, dtype=torch.float32)
+class AdamStepArgs(NamedTuple):
+    """The arguments of `torch.ops.quant_core.adam_step` ([Note: operator arguments])."""
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    scalars: list[float]
+    compute_amax: bool
+    seed: int = 0
+    stochastic_rounding_counters: list[torch.Tensor] | None = None
+
+
+def amaxes_fake(args: AdamStepArgs | AdamStepCapturableArgs) -> torch.Tensor:
+    """The fake of both Adam operators: the (len(params),) amaxes with compute_amax, else empty."""
+    return args.params[0].new_empty(len(args.params) if args.compute_amax else 0, dtype=torch.float32)
 
 
 @define_op(
     "adam_step",
+    AdamStepArgs,
     mutates_args=("params", "exp_avgs", "exp_avg_sqs", "stochastic_rounding_counters"),
-    fake=_adam_step_fake,
+    fake=amaxes_fake,
 )
-def _adam_step_op(
-    kernel: Kernel,
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    scalars: list[float],
-    compute_amax: bool,
-    seed: int = 0,
-    stochastic_rounding_counters: list[torch.Tensor] | None = None,
-) -> torch.Tensor:
-    grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
-    step = kernel
-    amaxes = step(
-        params, grads, exp_avgs, exp_avg_sqs, AdamScalars(*scalars), compute_amax, seed, stochastic_rounding_counters
-    )
-    return amaxes if amaxes is not None else params[0].new_empty(0, dtype=torch.float32)
+def _adam_step_op(kernel: Kernel, args: AdamStepArgs) -> torch.Tensor:
+    """Kernels take (args with contiguous grads, the scalars as `AdamScalars`) and return the
+    amaxes with compute_amax, else None."""
+    args = args._replace(grads=[g if g.is_contiguous() else g.contiguous() for g in args.grads])
+    amaxes = kernel(args, AdamScalars(*args.scalars))
+    return amaxes if amaxes is not None else args.params[0].new_empty(0, dtype=torch.float32)
+
+
+@register_kernel("adam_step", "reference")
+def _adam_step_reference_kernel(args: AdamStepArgs, scalars: AdamScalars) -> torch.Tensor | None:
+    counters = args.stochastic_rounding_counters
+    lists = (args.params, args.grads, args.exp_avgs, args.exp_avg_sqs)
+    return adam_step_reference(*lists, scalars, args.compute_amax, args.seed, counters)
 
 
 def has_non_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -219,16 +225,23 @@ def has_non_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return call("has_non_finite", list(tensors))
 
 
-def _has_non_finite_fake(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return tensors[0].new_empty((), dtype=torch.float32)
+class HasNonFiniteArgs(NamedTuple):
+    """The arguments of `torch.ops.quant_core.has_non_finite` ([Note: operator arguments])."""
+
+    tensors: list[torch.Tensor]
 
 
-@define_op("has_non_finite", fake=_has_non_finite_fake)
-def _has_non_finite_op(kernel: Kernel, tensors: list[torch.Tensor]) -> torch.Tensor:
-    nonempty = [t if t.is_contiguous() else t.contiguous() for t in tensors if t.numel()]
+def _has_non_finite_fake(args: HasNonFiniteArgs) -> torch.Tensor:
+    return args.tensors[0].new_empty((), dtype=torch.float32)
+
+
+@define_op("has_non_finite", HasNonFiniteArgs, fake=_has_non_finite_fake)
+def _has_non_finite_op(kernel: Kernel, args: HasNonFiniteArgs) -> torch.Tensor:
+    """Kernels take the arguments with the non-empty tensors only, made contiguous."""
+    nonempty = [t if t.is_contiguous() else t.contiguous() for t in args.tensors if t.numel()]
     if not nonempty:
-        return torch.zeros((), dtype=torch.float32, device=tensors[0].device)
-    return kernel(nonempty)
+        return torch.zeros((), dtype=torch.float32, device=args.tensors[0].device)
+    return kernel(HasNonFiniteArgs(nonempty))
 
 
 def _is_plain(t: torch.Tensor) -> bool:
@@ -239,6 +252,10 @@ def _is_plain(t: torch.Tensor) -> bool:
 
 
 @register_kernel("has_non_finite", "reference")
+def _has_non_finite_reference_kernel(args: HasNonFiniteArgs) -> torch.Tensor:
+    return has_non_finite_reference(args.tensors)
+
+
 def has_non_finite_reference(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Plain-torch check: 1.0 if some element of some tensor is not finite."""
     if not tensors:
@@ -317,7 +334,6 @@ def _sqrt(v: torch.Tensor) -> torch.Tensor:
     return v.double().sqrt_().float()
 
 
-@register_kernel("adam_step", "reference")
 def adam_step_reference(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -364,18 +380,10 @@ def adam_step_reference(
 
 
 @register_kernel("adam_step", "cpp")
-def _adam_step_cpp(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    scalars: AdamScalars,
-    compute_amax: bool,
-    seed: int,
-    stochastic_rounding_counters: Sequence[torch.Tensor] | None,
-) -> torch.Tensor | None:
-    amax = torch.zeros(len(params), dtype=torch.float32) if compute_amax else None
-    counters = stochastic_rounding_counters or []
+def _adam_step_cpp(args: AdamStepArgs, scalars: AdamScalars) -> torch.Tensor | None:
+    params, grads, exp_avgs, exp_avg_sqs = args.params, args.grads, args.exp_avgs, args.exp_avg_sqs
+    amax = torch.zeros(len(params), dtype=torch.float32) if args.compute_amax else None
+    counters = args.stochastic_rounding_counters or []
     _C.adam_step(
         [p.data_ptr() for p in params],
         [g.data_ptr() for g in grads],
@@ -388,7 +396,7 @@ def _adam_step_cpp(
         _C.AdamScalars(**dataclasses.asdict(scalars)),
         pointer(amax),
         [c.data_ptr() for c in counters],
-        seed,
+        args.seed,
         torch.get_num_threads(),
     )
     for t in (*params, *exp_avgs, *exp_avg_sqs, *counters):  # written through pointers: tell autograd and caches
@@ -397,7 +405,8 @@ def _adam_step_cpp(
 
 
 @register_kernel("has_non_finite", "cpp")
-def _has_non_finite_cpp(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def _has_non_finite_cpp(args: HasNonFiniteArgs) -> torch.Tensor:
+    tensors = args.tensors
     found = _C.has_non_finite(
         [t.data_ptr() for t in tensors],
         [DTYPE_CODES[t.dtype] for t in tensors],

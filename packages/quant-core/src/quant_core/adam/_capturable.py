@@ -37,11 +37,12 @@ tensor.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from quant_core._library import Kernel, call, define_op, register_kernel
-from quant_core.adam._adam import MOMENT_DTYPES, AdamScalars, adam_step_reference, check_counters
+from quant_core.adam._adam import MOMENT_DTYPES, AdamScalars, adam_step_reference, amaxes_fake, check_counters
 from quant_core.fp8._fp8 import amax_reference
 from quant_core.shared._checks import FLOAT_DTYPES
 from quant_core.shared._numerics import signed64
@@ -117,54 +118,41 @@ def _zero(device: torch.device) -> torch.Tensor:
     return zero
 
 
-def _fake(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    steps: list[torch.Tensor],
-    outs: list[torch.Tensor],
-    found_inf: torch.Tensor,
-    lr: torch.Tensor | None,
-    hyperparameters: list[float],
-    adam_w_mode: bool,
-    compute_amax: bool,
-    seed: int = 0,
-    stochastic_rounding_counters: list[torch.Tensor] | None = None,
-) -> torch.Tensor:
-    return params[0].new_empty(len(params) if compute_amax else 0, dtype=torch.float32)
+class AdamStepCapturableArgs(NamedTuple):
+    """The arguments of `torch.ops.quant_core.adam_step_capturable` ([Note: operator arguments]),
+    those of `adam_step_capturable_reference` too."""
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    steps: list[torch.Tensor]
+    outs: list[torch.Tensor]
+    found_inf: torch.Tensor
+    lr: torch.Tensor | None
+    hyperparameters: list[float]
+    adam_w_mode: bool
+    compute_amax: bool
+    seed: int = 0
+    stochastic_rounding_counters: list[torch.Tensor] | None = None
 
 
 @define_op(
     "adam_step_capturable",
+    AdamStepCapturableArgs,
     mutates_args=("params", "exp_avgs", "exp_avg_sqs", "steps", "outs", "stochastic_rounding_counters"),
-    fake=_fake,
+    fake=amaxes_fake,
 )
-def _adam_step_capturable_op(
-    kernel: Kernel,
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    steps: list[torch.Tensor],
-    outs: list[torch.Tensor],
-    found_inf: torch.Tensor,
-    lr: torch.Tensor | None,
-    hyperparameters: list[float],
-    adam_w_mode: bool,
-    compute_amax: bool,
-    seed: int = 0,
-    stochastic_rounding_counters: list[torch.Tensor] | None = None,
-) -> torch.Tensor:
-    grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
-    step = kernel
-    return step(
-        params, grads, exp_avgs, exp_avg_sqs, steps, outs, found_inf, lr, hyperparameters, adam_w_mode, compute_amax,
-        seed, stochastic_rounding_counters,
-    )  # fmt: skip
+def _adam_step_capturable_op(kernel: Kernel, args: AdamStepCapturableArgs) -> torch.Tensor:
+    """Kernels take the arguments with contiguous grads."""
+    return kernel(args._replace(grads=[g if g.is_contiguous() else g.contiguous() for g in args.grads]))
 
 
 @register_kernel("adam_step_capturable", "reference")
+def _adam_step_capturable_reference_kernel(args: AdamStepCapturableArgs) -> torch.Tensor:
+    return adam_step_capturable_reference(*args)
+
+
 def adam_step_capturable_reference(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Sequence
 
 import torch
 import triton
@@ -21,6 +20,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from triton.language.extra import libdevice
 
 from quant_core._library import register_kernel
+from quant_core.adam._adam import HasNonFiniteArgs
+from quant_core.adam._capturable import AdamStepCapturableArgs
 from quant_core.shared._triton_launch import launch
 from quant_core.shared._triton_numerics import finite_abs, round_to_bfloat16_stochastic, splitmix64
 from quant_core.shared._triton_tables import CHUNK, CHUNK_BLOCK, chunk_table, pointer_table
@@ -190,30 +191,17 @@ def _adam_capturable_kernel(
 
 
 @register_kernel("adam_step_capturable", "triton")
-def _adam_step_capturable(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    steps: Sequence[torch.Tensor],
-    outs: Sequence[torch.Tensor],
-    found_inf: torch.Tensor,
-    lr: torch.Tensor | None,
-    hyperparameters: Sequence[float],
-    adam_w_mode: bool,
-    compute_amax: bool,
-    seed: int = 0,
-    stochastic_rounding_counters: Sequence[torch.Tensor] | None = None,
-) -> torch.Tensor:
+def _adam_step_capturable(args: AdamStepCapturableArgs) -> torch.Tensor:
+    params, outs, found_inf, lr, compute_amax = args.params, args.outs, args.found_inf, args.lr, args.compute_amax
     device = params[0].device
     amax = torch.zeros(len(params) if compute_amax else 0, dtype=torch.float32, device=device)
-    counters = stochastic_rounding_counters
+    counters = args.stochastic_rounding_counters
     lists = (
         params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        steps,
+        args.grads,
+        args.exp_avgs,
+        args.exp_avg_sqs,
+        args.steps,
         *((outs,) if outs else ()),
         *((counters,) if counters else ()),
     )
@@ -222,11 +210,11 @@ def _adam_step_capturable(
     if tickets is None:  # one per table: a table is one call's tensors ([Note: pointer tables])
         tickets = _tickets[pointers] = torch.zeros(len(params), dtype=torch.int32, device=device)
     chunks = chunk_table(tuple(p.numel() for p in params), device, at_least_one=True)
-    lr_value, beta1, beta2, eps, weight_decay = hyperparameters
-    if weight_decay == 0.0 or (_fp32(weight_decay) == 0.0 and not adam_w_mode):
+    lr_value, beta1, beta2, eps, weight_decay = args.hyperparameters
+    if weight_decay == 0.0 or (_fp32(weight_decay) == 0.0 and not args.adam_w_mode):
         decay = _NO_DECAY  # as AdamScalars' weight_decay == 0.0 or decay == 1.0 skip it
     else:
-        decay = _DECOUPLED if adam_w_mode else _L2
+        decay = _DECOUPLED if args.adam_w_mode else _L2
     launch(
         _adam_capturable_kernel,
         (len(chunks),),
@@ -238,12 +226,12 @@ def _adam_step_capturable(
         lr if lr is not None else found_inf,  # never read without LR_TENSOR
         amax if compute_amax else found_inf,  # never touched without AMAX
         params[0],
-        grads[0],
-        exp_avgs[0],
-        exp_avg_sqs[0],
+        args.grads[0],
+        args.exp_avgs[0],
+        args.exp_avg_sqs[0],
         outs[0] if outs else params[0],
         *(_bits(value) for value in (lr_value, beta1, beta2, eps, weight_decay)),
-        seed,
+        args.seed,
         DECAY=decay,
         LR_TENSOR=lr is not None,
         OUT=bool(outs),
@@ -286,10 +274,10 @@ def _non_finite_kernel(pointers, num_tensors, chunks, found_ptr, x_like, CHUNK: 
 
 
 @register_kernel("has_non_finite", "triton")
-def _has_non_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    found = torch.zeros((), dtype=torch.float32, device=tensors[0].device)
+def _has_non_finite(args: HasNonFiniteArgs) -> torch.Tensor:
+    found = torch.zeros((), dtype=torch.float32, device=args.tensors[0].device)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
+    for t in args.tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for same in by_dtype.values():
         numels = tuple(t.numel() for t in same)
