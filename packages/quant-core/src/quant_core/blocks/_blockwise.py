@@ -111,7 +111,7 @@ def quantize_fp8_blockwise(
         data_dtype=check_fp8_dtype(fp8_dtype),
         scale_dtype=torch.float32,
         codes_per_byte=1,
-        kernel_args=(block_shape[0], fp8_dtype, power_2_scales),
+        format_args=(block_shape[0], fp8_dtype, power_2_scales),
         out=out,
     )
 
@@ -180,7 +180,7 @@ def dequantize_fp8_blockwise(
         data_dtype=data.dtype,
         scale_dtype=torch.float32,
         codes_per_byte=1,
-        kernel_args=(block_shape[0],),
+        format_args=(block_shape[0],),
         format_name="blockwise FP8",
     )
 

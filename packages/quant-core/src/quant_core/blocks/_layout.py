@@ -97,15 +97,15 @@ def quantize_blocks(
     data_dtype: torch.dtype,
     scale_dtype: torch.dtype,
     codes_per_byte: int,
-    kernel_args: tuple[object, ...],
+    format_args: tuple[object, ...],
     amax: torch.Tensor | None = None,
     out: BlockQuantized | None = None,
 ) -> BlockQuantized:
     """Allocates (or checks `out`'s) buffers and calls operator `op`: the body of every block quantize.
 
-    The operator (and its kernel) is called as op(x_MK, *kernel_args, rowwise_data_MK,
-    rowwise_scale_inv, columnwise_data, columnwise_scale_inv), each buffer None when its usage
-    is not asked for ([Note: block operators]).
+    The operator is called as op(x_MK, *format_args, rowwise_data_MK, rowwise_scale_inv,
+    columnwise_data, columnwise_scale_inv), each buffer None when its usage is not asked for
+    ([Note: block operators]).
     """
     if not (rowwise or columnwise):
         raise ValueError("ask for at least one usage: rowwise=True and/or columnwise=True")
@@ -121,7 +121,7 @@ def quantize_blocks(
     )
     rowwise_data, rowwise_scale, columnwise_data, columnwise_scale = buffers
     rowwise_MK = None if rowwise_data is None else as_2d(rowwise_data)
-    call(op, as_2d(x), *kernel_args, rowwise_MK, rowwise_scale, columnwise_data, columnwise_scale)
+    call(op, as_2d(x), *format_args, rowwise_MK, rowwise_scale, columnwise_data, columnwise_scale)
     return BlockQuantized(*buffers, amax)
 
 
@@ -352,19 +352,19 @@ def dequantize_blocks(
     data_dtype: torch.dtype,
     scale_dtype: torch.dtype,
     codes_per_byte: int,
-    kernel_args: tuple[object, ...],
+    format_args: tuple[object, ...],
     format_name: str,
 ) -> torch.Tensor:
     """Checks a (data, scale_inv) pair of either usage and calls dequantize operator `op`.
 
-    The operator is called as op(data_2d, scale_inv, *kernel_args, dtype) and its kernel as
-    kernel(data_2d, scale_inv, *kernel_args, out_2d) with contiguous 2-D operands; columnwise
-    data is x^T's rowwise layout, so one kernel serves both usages.
+    The operator is called as op(data_2d, scale_inv, *format_args, dtype) (its kernel gets them
+    with contiguous 2-D operands, `dequantize_body`); columnwise data is x^T's rowwise layout, so
+    one kernel serves both usages.
     """
     check_output_dtype(dtype)
     format_ = (data_dtype, scale_dtype, codes_per_byte, format_name)
     data_2d = checked_dequantize_operand(data, scale_inv, block_shape, *format_)
-    out_2d = call(op, data_2d, scale_inv, *kernel_args, dtype)
+    out_2d = call(op, data_2d, scale_inv, *format_args, dtype)
     return with_shape(out_2d, (*data.shape[:-1], out_2d.shape[1]))
 
 

@@ -62,7 +62,7 @@ def quantize_mxfp8_many(xs: Sequence[torch.Tensor], outs: Sequence[BlockQuantize
         (1, MXFP8_BLOCK),
         data_dtype=torch.float8_e4m3fn,
         scale_dtype=torch.uint8,
-        kernel_args=(),
+        format_args=(),
         format_name="MXFP8",
     )
 
@@ -87,7 +87,7 @@ def quantize_fp8_blockwise_many(
         block_shape,
         data_dtype=check_fp8_dtype(fp8_dtype),
         scale_dtype=torch.float32,
-        kernel_args=(block_shape[0], fp8_dtype, power_2_scales),
+        format_args=(block_shape[0], fp8_dtype, power_2_scales),
         format_name="blockwise FP8",
     )
 
@@ -100,11 +100,11 @@ def _quantize_many(
     *,
     data_dtype: torch.dtype,
     scale_dtype: torch.dtype,
-    kernel_args: tuple[object, ...],
+    format_args: tuple[object, ...],
     format_name: str,
 ) -> None:
     """Checks every (x, out) pair as the single-tensor quantize checks its own, then calls operator
-    `op` once: op(xs as (M, K) views, *kernel_args, usages, the four lists of buffers present)."""
+    `op` once: op(xs as (M, K) views, *format_args, usages, the four lists of buffers present)."""
     if isinstance(xs, torch.Tensor) or isinstance(outs, BlockQuantized):
         raise TypeError(f"{op} takes a sequence of tensors and one of BlockQuantized outs; wrap a single pair in lists")
     if len(xs) != len(outs):
@@ -126,7 +126,7 @@ def _quantize_many(
         for buffer_list, buffer in zip(buffer_lists, buffers, strict=True):
             if buffer is not None:
                 buffer_list.append(buffer)
-    call(op, x_MKs, *kernel_args, *usages, *buffer_lists)
+    call(op, x_MKs, *format_args, *usages, *buffer_lists)
 
 
 def _fitting_buffers(

@@ -78,7 +78,7 @@ def quantize_mxfp8(
         data_dtype=torch.float8_e4m3fn,
         scale_dtype=torch.uint8,
         codes_per_byte=1,
-        kernel_args=(),
+        format_args=(),
         out=out,
     )
 
@@ -123,7 +123,7 @@ def dequantize_mxfp8(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.d
         data_dtype=torch.float8_e4m3fn,
         scale_dtype=torch.uint8,
         codes_per_byte=1,
-        kernel_args=(),
+        format_args=(),
         format_name="MXFP8",
     )
 

@@ -299,7 +299,7 @@ def quantize_nvfp4(
         data_dtype=torch.uint8,
         scale_dtype=torch.float8_e4m3fn,
         codes_per_byte=2,
-        kernel_args=(
+        format_args=(
             block_shape[0],
             global_amax,
             stochastic_rounding,
@@ -398,7 +398,7 @@ def dequantize_nvfp4(
         data_dtype=torch.uint8,
         scale_dtype=torch.float8_e4m3fn,
         codes_per_byte=2,
-        kernel_args=(block_shape[0], global_amax),
+        format_args=(block_shape[0], global_amax),
         format_name="NVFP4",
     )
 
