@@ -198,16 +198,18 @@ def define_kernel_op(
 def _bound(body: Callable[..., Any] | None, arguments: type[tuple]) -> Callable[..., Any]:
     """The operator's body as the dispatcher calls it, `bound(kernel, *args, **kwargs)`: the
     arguments bound into an `arguments` tuple, then `body(kernel, args)` (without a body,
-    `kernel(args)`)."""
+    `kernel(args)`). A call that gives every argument positionally (eager calls) builds the tuple
+    with `tuple.__new__`, skipping NamedTuple's Python-level `__new__`."""
+    size, new = len(arguments._fields), tuple.__new__  # type: ignore[attr-defined]
     if body is None:
 
         def call_kernel(kernel: Kernel, *args: Any, **kwargs: Any) -> Any:
-            return kernel(arguments(*args, **kwargs))
+            return kernel(new(arguments, args) if len(args) == size and not kwargs else arguments(*args, **kwargs))
 
         return call_kernel
 
     def call_body(kernel: Kernel, *args: Any, **kwargs: Any) -> Any:
-        return body(kernel, arguments(*args, **kwargs))
+        return body(kernel, new(arguments, args) if len(args) == size and not kwargs else arguments(*args, **kwargs))
 
     return call_body
 
