@@ -174,6 +174,36 @@ def test_cuda_has_non_finite_equals_reference(special, where):
         assert torch.equal(quant_core.has_non_finite([t.cuda() for t in checked]).cpu(), expected)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu-suite.sh)")
+def test_cuda_tensors_first_made_in_a_cuda_graph_are_checked_at_every_replay():
+    # Gradients allocated inside the capture (zero_grad(set_to_none=True)) have addresses no eager
+    # call saw (the graph allocates from its own pool): their pointer table is copied in the graph
+    # ([Note: pointer tables]).
+    source = torch.randn(70_000, device="cuda")
+
+    def made(source):  # fresh tensors of two dtypes
+        return [source[:5] * 2, (source * 2).bfloat16(), source.repeat(2)[:16_385] * 2]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: compiles the kernel, caches the chunk tables
+        quant_core.has_non_finite(made(source))
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        found = quant_core.has_non_finite(made(source))
+    verdicts = []
+    for bad in (None, 3, 69_999, None, 5):  # 5: only the second and third tensors see it
+        source.normal_()
+        if bad is not None:
+            source[bad] = float("nan")
+        graph.replay()
+        verdicts.append(float(found))
+        assert torch.equal(found.cpu(), quant_core.has_non_finite_reference([t.cpu() for t in made(source)]))
+    assert verdicts == [0.0, 1.0, 1.0, 0.0, 1.0]
+
+
 # ---- adam_step_capturable_ ([Note: capturable Adam step]) --------------------------------------
 
 HYPER = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8}

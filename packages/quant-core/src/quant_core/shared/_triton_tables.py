@@ -7,7 +7,7 @@ Used by the Adam, non-finite and amax-of-many kernels (one program per chunk of 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -15,28 +15,72 @@ import torch
 # table on the device. Building it costs a host-to-device copy; a table depends only on its
 # content (addresses and sizes), so tables are cached keyed by it: while the storages of a call's
 # tensors stay the same (parameters, optimizer states; gradients that torch accumulates into the
-# same memory), a call copies nothing and no CUDA graph replay depends on host memory. Tensors
-# whose storage changes every call (FSDP2 hands fresh gradients per step) cost one
-# non-blocking copy from pinned memory per call. The table is struct-of-arrays: row c is list c,
-# so a row is contiguous. The program table of a launch (tensor index, part index per program)
-# depends only on the number of parts of each tensor and is cached the same way.
+# same memory), a call copies nothing. Tensors whose storage changes every call (FSDP2 hands fresh
+# gradients per step) cost one non-blocking copy from pinned memory per call. The table is
+# struct-of-arrays: row c is list c, so a row is contiguous. The program table of a launch (tensor
+# index, part index per program) depends only on the number of parts of each tensor and is cached
+# the same way.
+#
+# While a CUDA graph is captured, a table found in the cache is used as is (its copy was enqueued
+# before the capture). A table that is not there (tensors first allocated in the capture, such as
+# gradients after `zero_grad(set_to_none=True)`) is copied in the graph: every replay copies it
+# again from its host memory, so that host memory and the device table are kept for the life of
+# the process, and the table stays out of the cache (it holds nothing until the graph is replayed).
+# A capture may copy only from pinned memory and should not allocate it, so its tables' host
+# copies are cut from a pinned block set aside by eager calls (CAPTURE_HOST_BYTES, a new block
+# when less than half is left).
 _pointer_tables: dict[tuple[object, ...], torch.Tensor] = {}
 _program_tables: dict[tuple[object, ...], torch.Tensor] = {}
+_captured_tables: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host, device) copied in CUDA graphs
+CAPTURE_HOST_BYTES = 1 << 20
+_capture_host: list[torch.Tensor] = []  # [what is left of the pinned block capture copies are cut from]
 
 
-def to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host-made table on `device`: from pinned memory without waiting for the copy (the
-    caching host allocator keeps the pinned block until the copy is done). Refused while a CUDA
-    graph is being captured: the graph would replay a copy from a host buffer that is reused."""
-    if device.type != "cuda":
-        return table.to(device)
-    if torch.cuda.is_current_stream_capturing():
+def _capture_copy(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device`, copied in the CUDA graph being captured ([Note: pointer tables])."""
+    size = host.numel() * host.element_size()
+    left = _capture_host[0] if _capture_host else None
+    if left is None or left.numel() < size:
         raise RuntimeError(
-            "a quant_core multi-tensor kernel needs a new pointer table while a CUDA graph is being captured: the "
-            "tensors' storages (or sizes) differ from every eager call. Run the same call once before capturing "
-            "(a warm-up step) and keep its tensors, gradients included, in the memory the graph captured"
+            f"a quant_core multi-tensor kernel needs a new {size}-byte pointer table while a CUDA graph is being "
+            "captured, and the pinned memory set aside for such tables is used up (or was never set aside: no "
+            "eager call on CUDA came first). Run the captured step once eagerly first, and capture fewer graphs "
+            "or keep the tensors (gradients included) in the memory of that eager step"
         )
-    return table.pin_memory().to(device, non_blocking=True)
+    pinned = left[:size].view(host.dtype).view(host.shape)
+    _capture_host[0] = left[-(-size // 16) * 16 :]  # 16-byte aligned starts
+    pinned.copy_(host)
+    table = pinned.to(device, non_blocking=True)
+    _captured_tables.append((pinned, table))
+    return table
+
+
+def _device_table(
+    cache: dict[tuple[object, ...], torch.Tensor],
+    key: tuple[object, ...],
+    build: Callable[[], torch.Tensor],
+    device: torch.device,
+    size: int,
+) -> torch.Tensor:
+    """The device copy of `build()` for `key`, from `cache` (at most `size` entries, least recently
+    used out first) or made now ([Note: pointer tables])."""
+    table = cache.pop(key, None)
+    if table is not None:
+        cache[key] = table  # most recent last
+        return table
+    host = build()
+    if device.type != "cuda":
+        table = host.to(device)
+    elif torch.cuda.is_current_stream_capturing():
+        return _capture_copy(host, device)
+    else:  # pinned: the copy does not wait; the caching host allocator keeps the block until it is done
+        table = host.pin_memory().to(device, non_blocking=True)
+        if not _capture_host or _capture_host[0].numel() < CAPTURE_HOST_BYTES // 2:
+            _capture_host[:] = [torch.empty(CAPTURE_HOST_BYTES, dtype=torch.uint8, pin_memory=True)]
+    if len(cache) >= size:
+        del cache[next(iter(cache))]
+    cache[key] = table
+    return table
 
 
 def pointer_table(*lists: Sequence[torch.Tensor], extra: Sequence[int] = ()) -> torch.Tensor:
@@ -51,35 +95,28 @@ def pointer_table(*lists: Sequence[torch.Tensor], extra: Sequence[int] = ()) -> 
 
 def int_table(values: Sequence[int], width: int, device: torch.device) -> torch.Tensor:
     """int64 (len(values) / width, width) on `device` holding `values` row after row, cached by
-    content ([Note: pointer tables]): what `pointer_table` builds, for callers that have the ints."""
-    key = (device, width, *values)
-    table = _pointer_tables.get(key)
-    if table is None:
-        table = to_device(torch.tensor(values, dtype=torch.int64).reshape(-1, width), device)
-        if len(_pointer_tables) >= 32:  # the oldest out: a model has few distinct calls per step
-            del _pointer_tables[next(iter(_pointer_tables))]
-        _pointer_tables[key] = table
-    else:  # most recent last
-        _pointer_tables[key] = _pointer_tables.pop(key)
-    return table
+    content ([Note: pointer tables]): what `pointer_table` builds, for callers that have the ints.
+    A model makes few distinct calls per step: 32 tables are kept."""
+
+    def build() -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).reshape(-1, width)
+
+    return _device_table(_pointer_tables, (device, width, *values), build, device, 32)
 
 
 def program_table(counts: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """int32 (sum(counts), 2) on `device` ([Note: pointer tables]): row p is (t, i), program p
-    handles part i of tensor t, tensor t having counts[t] parts (chunks, tiles), in order."""
-    key = (counts, device)
-    table = _program_tables.get(key)
-    if table is None:
+    handles part i of tensor t, tensor t having counts[t] parts (chunks, tiles), in order. The
+    tensor shapes of one model make a handful: 64 tables are kept."""
+
+    def build() -> torch.Tensor:
         parts = torch.tensor(counts, dtype=torch.int64)
         tensor_index = torch.repeat_interleave(torch.arange(len(counts)), parts)
         first_program = torch.cumsum(parts, 0) - parts
         part_index = torch.arange(len(tensor_index)) - first_program[tensor_index]
-        rows = torch.stack((tensor_index, part_index), dim=1).to(torch.int32)
-        table = to_device(rows, device)
-        if len(_program_tables) > 64:  # shapes of one model: a handful of keys; bound it anyway
-            _program_tables.clear()
-        _program_tables[key] = table
-    return table
+        return torch.stack((tensor_index, part_index), dim=1).to(torch.int32)
+
+    return _device_table(_program_tables, (counts, device), build, device, 64)
 
 
 CHUNK = 16384  # elements per program of a chunked launch: CHUNK_BLOCK-sized steps over one chunk
