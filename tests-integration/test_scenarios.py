@@ -26,7 +26,7 @@ freshly built modules, and is checked three ways, each its own test with the row
 Rows run in one shared world per world size ([Note: shared worlds] in quant_core.testing); rank 0
 writes each row's losses and counters, the tests assert on them.
 
-The same ground in depth: test_fsdp2_training.py (parity, 50 steps, every recipe x mode x
+The same ground in depth: test_fsdp2_training.py (parity, 12 steps, every recipe x mode x
 world 1/2/4 and HSDP), test_fused_adam_fsdp2.py / test_fused_adam_parity.py (FusedAdam on FSDP2),
 test_fsdp2_gather.py (exact bytes against a bf16 FSDP2 run, fallbacks, MXFP8 without
 reshard_after_forward), test_tensor_parallel.py (TP layers bitwise, TP+SP and TP+SP x FSDP2
