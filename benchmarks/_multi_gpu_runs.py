@@ -120,6 +120,8 @@ class Options:
     model: str
     model_source: str
     num_layers: int | None
+    batch_size: int | None = None
+    """Sequences per GPU per step instead of the model's."""
     num_warmup: int
     num_steps: int
     learning_rate: float
@@ -129,10 +131,8 @@ class Options:
 
     @property
     def config(self) -> DecoderConfig:
-        config = MODELS[self.model]
-        if self.num_layers is None:
-            return config
-        return DecoderConfig(**{**asdict(config), "num_layers": self.num_layers})
+        overrides = {"num_layers": self.num_layers, "batch_size": self.batch_size}
+        return DecoderConfig(**{**asdict(MODELS[self.model]), **{k: v for k, v in overrides.items() if v is not None}})
 
 
 def build_model(config: DecoderConfig, device: torch.device, source: str) -> torch.nn.Module:

@@ -29,10 +29,11 @@ converted. bf16 and torchao runs use torch.optim.AdamW too; every optimizer has 
 Each rank trains on its own slice of every global batch of quant_fsdp.demo.MarkovTask; the
 loss is the cross-entropy of logits.float(). CUDA with NCCL when present, else the CPU with gloo.
 
-`--memory-cap-gib 80 --num-layers N` tells whether a model of N decoder layers trains within an
-H100's 80 GB on a larger GPU: each rank may allocate at most that much, and a run that would
-need more becomes a row with its OutOfMemoryError (lower `--collective-timeout` then: a rank
-that fails first leaves the others waiting in a collective).
+`--memory-cap-gib 80 --num-layers N` (or `--batch-size B`) tells whether a model of N decoder
+layers (or B sequences per GPU) trains within an H100's 80 GB on a larger GPU: each rank may
+allocate at most that much, and a run that would need more becomes a row with its
+OutOfMemoryError (lower `--collective-timeout` then: a rank that fails first leaves the others
+waiting in a collective).
 
 Per launch: `--warmup` untimed steps, one counted step, `--steps` timed steps (and with
 `--profile`, 2 profiled steps after them, so the profiler never slows a timed step). Peak memory statistics are reset after the model and optimizer
@@ -328,6 +329,7 @@ def options_from(args: argparse.Namespace) -> Options:
         model=args.model,
         model_source=args.model_source,
         num_layers=args.num_layers,
+        batch_size=args.batch_size,
         num_warmup=args.warmup,
         num_steps=args.steps,
         learning_rate=args.lr,
@@ -411,6 +413,7 @@ def worker_arguments(args: argparse.Namespace) -> list[str]:
     arguments += ["--steps", str(args.steps), "--lr", str(args.lr), "--compile-backend", args.compile_backend]
     arguments += ["--device", args.device, "--collective-timeout", str(args.collective_timeout)]
     arguments += ["--num-layers", str(args.num_layers)] if args.num_layers else []
+    arguments += ["--batch-size", str(args.batch_size)] if args.batch_size else []
     arguments += ["--memory-cap-gib", str(args.memory_cap_gib)] if args.memory_cap_gib else []
     return arguments + (["--profile"] if args.profile else []) + (["--memory-snapshot"] if args.memory_snapshot else [])
 
@@ -521,11 +524,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", choices=tuple(MODELS), default="llama-2b")
     parser.add_argument("--model-source", choices=("auto", "transformers", "builtin"), default="auto")
     parser.add_argument("--num-layers", type=int, help="decoder layers instead of the model's")
+    parser.add_argument("--batch-size", type=int, help="sequences per GPU per step instead of the model's")
     parser.add_argument(
         "--memory-cap-gib",
         type=float,
         help="CUDA: each rank may allocate at most this many GiB (torch.cuda.set_per_process_memory_fraction): "
-        "with --num-layers, whether a model fits a smaller GPU, e.g. 80 for an H100 80GB",
+        "with --num-layers or --batch-size, whether a model or batch fits a smaller GPU, e.g. 80 for an H100 80GB",
     )
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation happens here)")
     parser.add_argument("--steps", type=int, default=8, help="timed steps")
@@ -542,6 +546,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("give either --drive (the driver) or --train NAME (one run, under torchrun)")
     if args.memory_cap_gib is not None and not args.memory_cap_gib > 0:
         parser.error(f"--memory-cap-gib takes a positive number of GiB, got {args.memory_cap_gib}")
+    for option, value in (("--num-layers", args.num_layers), ("--batch-size", args.batch_size)):
+        if value is not None and value < 1:
+            parser.error(f"{option} takes a positive count, got {value}")
     if args.steps < 1 or args.warmup < 0 or args.repeats < 1:
         parser.error(
             f"need --steps >= 1, --warmup >= 0, --repeats >= 1; got {args.steps}, {args.warmup}, {args.repeats}"

@@ -295,16 +295,19 @@ def test_quantized_weight_runs_step_with_fused_adam_states(states, moments):
     assert (optimizer.defaults["exp_avg_dtype"], optimizer.defaults["exp_avg_sq_dtype"]) == moments
 
 
-def test_a_memory_cap_reaches_every_rank_and_the_report():
+def test_a_memory_cap_and_model_overrides_reach_every_rank_and_the_report():
     args = multi_gpu.parse_args(
-        ["--drive", "--runs", "fp8:qw:compiled", "--num-layers", "40", "--memory-cap-gib", "80"]
+        ["--drive", "--runs", "fp8:qw:compiled", "--num-layers", "40", "--batch-size", "6", "--memory-cap-gib", "80"]
     )
     passed = multi_gpu.worker_arguments(args)
     assert passed[passed.index("--memory-cap-gib") + 1] == "80.0"
     assert passed[passed.index("--num-layers") + 1] == "40"
+    config = multi_gpu.options_from(multi_gpu.parse_args(["--train", "fp8:qw:compiled", *passed])).config
+    assert (config.num_layers, config.batch_size, config.hidden_size) == (40, 6, 4096)
     header = multi_gpu.environment(args, 2, ["fp8:qw:compiled"])
     assert header["memory_cap_gib"] == 80
     assert "- Memory cap: 80 GiB per rank" in report_rows.markdown(header, [])
     assert "Memory cap" not in report_rows.markdown({**header, "memory_cap_gib": None}, [])
-    with pytest.raises(SystemExit):
-        multi_gpu.parse_args(["--drive", "--memory-cap-gib", "0"])
+    for bad in (["--memory-cap-gib", "0"], ["--batch-size", "0"], ["--num-layers", "-1"]):
+        with pytest.raises(SystemExit):
+            multi_gpu.parse_args(["--drive", *bad])
