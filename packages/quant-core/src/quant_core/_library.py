@@ -215,7 +215,8 @@ def _bound(body: Callable[..., Any] | None, arguments: type[tuple]) -> Callable[
 
 
 def _bound_fake(fake: Callable[..., Any] | None, arguments: type[tuple]) -> Callable[..., Any] | None:
-    """`fake(args)` as torch calls a fake implementation: with the arguments one by one."""
+    """`fake`, which takes the arguments tuple, adapted to torch's convention for fake
+    implementations (the arguments one by one)."""
     if fake is None:
         return None
 
