@@ -179,21 +179,21 @@ def test_the_device_route_reads_the_verdict_on_the_host_for_what_a_skip_would_ch
 
 
 def test_fp8_moments_leave_the_verdict_on_the_device_and_a_skip_keeps_them(monkeypatch):
-    # Stateless weights and fp8 moments of both formats: the device route stores the moments
-    # every step, skipped or not, with the verdict left on the device ([Note: fp8 moments on a
-    # skipped step]); bitwise the host route, a skipped step changing nothing.
-    store, current = quant_optim._step.store_fp8_moments, [0]
-    stores: list[tuple[int, bool]] = []  # (step, whether the store had a device verdict), one per bucket
+    # Stateless weights and fp8 moments of both formats: the device route agrees the moments'
+    # amaxes every step, skipped or not, with the verdict left on the device ([Note: fp8 moments on
+    # a skipped step]); bitwise the host route, a skipped step changing nothing.
+    agree, current = quant_optim._step.agree_moment_amaxes, [0]
+    agreed: list[int] = []  # the step of each agreement
 
-    def recorded(slots: Any, keep: torch.Tensor | None) -> None:
-        stores.append((current[0], keep is not None))
-        store(slots, keep)
+    def recorded(buckets: Any, local: Any) -> Any:
+        agreed.append(current[0])
+        return agree(buckets, local)
 
     def grads_of_step(params: list[torch.nn.Parameter], step: int, nan: bool) -> None:
         current[0] = step
         set_grads(params, step, nan)
 
-    monkeypatch.setattr(quant_optim._step, "store_fp8_moments", recorded)
+    monkeypatch.setattr(quant_optim._step, "agree_moment_amaxes", recorded)
     runs = {}
     for route in ("host", "device"):
         if route == "device":
@@ -202,45 +202,53 @@ def test_fp8_moments_leave_the_verdict_on_the_device_and_a_skip_keeps_them(monke
         optimizer = FusedAdam(
             params, lr=1e-2, weight_decay=0.1, exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e5m2
         )
-        stores.clear()
+        agreed.clear()
         verdicts = step_through(params, optimizer, grads_of_step)  # skipped steps change nothing
-        stored = [{device for step_, device in stores if step_ == step} for step in SKIP_SCHEDULE]
         runs[route] = (state_bits(params, optimizer), verdicts)
-        if route == "host":  # skipped steps return before the store
-            assert stored == [set() if skipped else {False} for skipped in verdicts]
-        else:  # every step stores, skipped ones too
-            assert stored == [{True}] * len(SKIP_SCHEDULE)
+        if route == "host":  # skipped steps return before the pre-pass
+            assert agreed == [step for step, skipped in enumerate(verdicts) if not skipped]
+        else:  # every step agrees, skipped ones too
+            assert agreed == list(SKIP_SCHEDULE)
     assert runs["host"][1] == runs["device"][1] == [False, True, False, True, False, False]
     assert same_bits(runs["host"][0], runs["device"][0])
 
 
 @pytest.mark.parametrize("route", ["host", "device"])
-def test_fp8_moments_step_in_chunks_bitwise_as_in_one_bucket(route, monkeypatch):
-    # [Note: fp8 moments stepped in chunks]: with chunks of a few thousand elements each bucket
-    # splits, one chunk's fp32 values exist at a time, and every tensor ends bit for bit as with
-    # one bucket per kind, over steps with skips.
+def test_fp8_moments_take_one_pre_pass_per_bucket_and_one_agreement_per_step(route, monkeypatch):
+    # [Note: FusedAdam fp8 moments]: every bucket holding fp8 moments (here two groups, so two) gets
+    # one adam_moment_amaxes call, then one agreement carries all their amaxes; the Adam kernels
+    # read the codes, no fp32 moment values are made (no dequantize_fp8).
     if route == "device":
         force_device_route(monkeypatch)
-    store, live = quant_optim._step.store_fp8_moments, []
+    calls: list[str] = []
+    for name in ("adam_moment_amaxes", "dequantize_fp8"):
+        original = getattr(torch.ops.quant_core, name)
 
-    def counted(slots: Any, keep: torch.Tensor | None) -> None:
-        buckets = slots[0].bucket, *(b for b in optimizer._plan[1].buckets if b is not slots[0].bucket)
-        live.append(sum(any(m.dtype == torch.float32 for m in (*b.exp_avgs, *b.exp_avg_sqs)) for b in buckets))
-        store(slots, keep)
+        def counted(*args: Any, name: str = name, original: Any = original) -> Any:
+            calls.append(name)
+            return original(*args)
 
-    monkeypatch.setattr(quant_optim._step, "store_fp8_moments", counted)
-    runs = {}
-    for chunk in (2**27, 5000):
-        monkeypatch.setattr(quant_optim._plan, "FP8_MOMENT_CHUNK", chunk)
-        params = [p for p in model(seed=5) if p.numel()]
-        optimizer = FusedAdam(
-            params, lr=1e-2, weight_decay=0.1, exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e5m2
-        )
-        step_through(params, optimizer, set_grads)
-        runs[chunk] = (state_bits(params, optimizer), len(optimizer._plan[1].buckets))
-    assert same_bits(runs[2**27][0], runs[5000][0])
-    assert runs[5000][1] > runs[2**27][1]
-    assert set(live) == {1}  # the bucket being stored, no other
+        monkeypatch.setattr(torch.ops.quant_core, name, counted)
+    agree, agreements = quant_optim._step.agree_moment_amaxes, []
+
+    def recorded(buckets: Any, local: Any) -> Any:
+        agreements.append([tuple(a.shape) for a in local])
+        return agree(buckets, local)
+
+    monkeypatch.setattr(quant_optim._step, "agree_moment_amaxes", recorded)
+    params = [p for p in model(seed=5) if p.numel()]
+    optimizer = FusedAdam(
+        [{"params": params[:3]}, {"params": params[3:], "weight_decay": 0.1}],
+        lr=1e-2,
+        exp_avg_dtype=torch.float8_e4m3fn,
+        exp_avg_sq_dtype=torch.bfloat16,
+    )
+    set_grads(params, 0)
+    optimizer.step()
+    fp8_buckets = [b for b in optimizer._plan[1].buckets if b.moment_scale_invs]
+    assert len(fp8_buckets) == len(optimizer._plan[1].buckets) >= 2
+    assert calls == ["adam_moment_amaxes"] * len(fp8_buckets)
+    assert agreements == [[(1, len(b.params)) for b in fp8_buckets]]  # one row: exp_avg is fp8, exp_avg_sq bf16
 
 
 def test_fp8_moments_hold_no_fp32_values_between_steps():
