@@ -39,12 +39,19 @@ def model(seed: int = 0) -> list[torch.nn.Parameter]:
     ]
 
 
-def optimizer_for(params: list[torch.nn.Parameter], capturable: bool, lr: float | torch.Tensor = 1e-2) -> FusedAdam:
+def optimizer_for(
+    params: list[torch.nn.Parameter],
+    capturable: bool,
+    lr: float | torch.Tensor = 1e-2,
+    moments: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
+) -> FusedAdam:
+    """Three groups; `moments` are the first and third groups' (exp_avg, exp_avg_sq) dtypes."""
+    kept = {"exp_avg_dtype": moments[0], "exp_avg_sq_dtype": moments[1]}
     return FusedAdam(
         [
-            {"params": params[:3], "weight_decay": 0.1},
+            {"params": params[:3], "weight_decay": 0.1, **kept},
             {"params": params[3:4], "master_weights": False, "exp_avg_dtype": torch.bfloat16},
-            {"params": params[4:], "lr": 3e-3},
+            {"params": params[4:], "lr": 3e-3, **kept},
         ],
         lr=lr,
         weight_decay=0.01,
@@ -60,11 +67,15 @@ def set_grads(params: list[torch.nn.Parameter], step: int, nan: bool = False) ->
         params[-1].grad[3, 5] = float("nan")
 
 
-def test_the_device_verdict_route_equals_the_host_verdict_route_bitwise():
+@pytest.mark.parametrize(
+    "moments",
+    [(torch.float32, torch.float32), (torch.float8_e4m3fn, torch.bfloat16), (torch.float8_e5m2, torch.float8_e4m3fn)],
+)
+def test_the_device_verdict_route_equals_the_host_verdict_route_bitwise(moments):
     runs = {}
     for capturable in (False, True):
         params = model()
-        optimizer = optimizer_for(params, capturable, lr=torch.tensor(1e-2))
+        optimizer = optimizer_for(params, capturable, lr=torch.tensor(1e-2), moments=moments)
         verdicts = step_through(params, optimizer, set_grads)  # skipped steps change nothing
         runs[capturable] = (state_bits(params, optimizer), verdicts, optimizer.skipped_steps)
     assert runs[False][1:] == ([False, True, False, True, False, False], 2)
@@ -151,7 +162,7 @@ HOST_GATED_SCHEDULE = {0: (True, None), 1: (False, None), 2: (True, None), 3: (F
 @pytest.mark.parametrize("moment_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_the_device_route_reads_the_verdict_on_the_host_for_what_a_skip_would_change(moment_dtype, monkeypatch):
     # fp8 moments, delayed scaling and bytes not yet written by the optimizer (the first step) on
-    # the device route, forced on the CPU without capturable=True (which refuses the first two),
+    # the device route, forced on the CPU without capturable=True (which refuses delayed scaling),
     # as CUDA tensors take it: bitwise the host route, histories included.
     runs = {}
     for route in ("host", "device"):
@@ -302,18 +313,12 @@ def test_the_plan_is_built_once_and_again_after_add_param_group_or_load_state_di
     assert built == [8, 8, 8, 7]
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"exp_avg_dtype": torch.float8_e4m3fn}, "capturable=True does not keep exp_avg_dtype=torch.float8_e4m3fn"),
-        ({"recipe": "fp8-delayed"}, "capturable=True cannot step a Float8DelayedQuantizer weight .* stateless recipe"),
-    ],
-)
-def test_capturable_refuses_what_reads_the_verdict_on_the_host(kwargs, message):
-    recipe = kwargs.pop("recipe", "fp8")
-    p = qt.nn.quantized_parameter(torch.randn(32, 32), qt.recipe_from_name(recipe).quantizer("weight"))
-    with pytest.raises(ValueError, match=message):
-        FusedAdam([p], capturable=True, **kwargs)
+def test_capturable_refuses_what_reads_the_verdict_on_the_host():
+    p = qt.nn.quantized_parameter(torch.randn(32, 32), qt.recipe_from_name("fp8-delayed").quantizer("weight"))
+    with pytest.raises(ValueError, match="capturable=True cannot step a Float8DelayedQuantizer weight .* stateless"):
+        FusedAdam([p], capturable=True)
+    fp8 = qt.nn.quantized_parameter(torch.randn(32, 32), qt.recipe_from_name("fp8").quantizer("weight"))
+    FusedAdam([fp8], capturable=True, exp_avg_dtype=torch.float8_e4m3fn)  # fp8 moments need no host verdict
 
 
 def alike_model(device: str) -> list[torch.nn.Parameter]:

@@ -70,11 +70,11 @@ training loop never waits for the optimizer and a CUDA graph can capture it:
   non-blocking copy per step.
 
 capturable=True (CUDA graphs) takes this route and refuses, when the optimizer is built, what needs
-the verdict on the host every step (stateful weight quantizers) and fp8 moments, whose capture is
-not tested. A captured step
-must follow at least one eager step with the same parameters and gradient storages (the warm-up
-that torch.cuda.graphs needs anyway: it compiles the kernels, moves step counts to the device,
-builds the plan and the pointer tables and writes the quantized bytes from the masters once);
+the verdict on the host every step (stateful weight quantizers); fp8 moments need none (their
+pre-pass, agreement and encoding run on the device whatever the verdict). A captured step must
+follow at least one eager step with the same parameters (the warm-up that torch.cuda.graphs needs
+anyway: it compiles the kernels, moves step counts to the device, builds the plan and the pointer
+tables and writes the quantized bytes from the masters once);
 capturing otherwise raises, naming that fix. A Python float lr is captured as a constant: pass lr
 as a CUDA tensor to change it between replays. Collectives (the verdict's all-reduce, the
 per-tensor amax all-reduce of quantized weights) are captured as NCCL allows; per-tensor quantize
