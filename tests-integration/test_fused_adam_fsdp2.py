@@ -1,6 +1,6 @@
 """FusedAdam on FSDP2-sharded quantized weights (gloo): world size 1 equals no FSDP bit for bit;
-on 2 ranks one amax all-reduce per step (and one per chunk of fp8 moments) makes every shard's
-scale the unsharded one."""
+on 2 ranks one amax all-reduce per step (and one for all fp8 moments) makes every shard's scale
+the unsharded one."""
 
 from __future__ import annotations
 
@@ -9,14 +9,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-import quant_optim._plan
 import quant_tensors as qt
 from quant_core.testing import raw_bits
 from quant_fsdp import demo
 from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig, run_ranks
 from quant_fsdp.testing import local_bytes, quantized_transformer
 from quant_optim import FusedAdam
-from quant_optim._plan import FP8_MOMENT_CHUNK
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 CONFIG = TransformerConfig(vocab=128, hidden=128, layers=2, heads=2, sequence=32)
@@ -56,17 +54,15 @@ def test_world_size_1_equals_no_fsdp_bitwise():
 
 
 CASES = (
-    ("fp8", torch.float32, None),
-    ("nvfp4", torch.float32, None),
-    ("mxfp8", torch.float8_e4m3fn, None),
-    ("fp8", torch.float8_e4m3fn, 40_000),  # fp8 moments in chunks of ~2 Linear weights
+    ("fp8", torch.float32),
+    ("nvfp4", torch.float32),
+    ("mxfp8", torch.float8_e4m3fn),
+    ("fp8", torch.float8_e4m3fn),
 )
 
 
 def _one_amax_all_reduce(rank: int, world_size: int) -> None:
-    for recipe_name, moment_dtype, chunk in CASES:
-        if chunk is not None:
-            quant_optim._plan.FP8_MOMENT_CHUNK = chunk
+    for recipe_name, moment_dtype in CASES:
         model = quantized_transformer(recipe_name, CONFIG, sharded=True)
         train(model, 2, rank, world_size)
         optimizer = FusedAdam(model.parameters(), lr=1e-3, exp_avg_dtype=moment_dtype, exp_avg_sq_dtype=moment_dtype)
@@ -85,22 +81,17 @@ def _one_amax_all_reduce(rank: int, world_size: int) -> None:
             optimizer.step()
         finally:
             dist.all_reduce = original
-            quant_optim._plan.FP8_MOMENT_CHUNK = FP8_MOMENT_CHUNK
         quantized = [p for p in model.parameters() if qt.local_quantized(p) is not None]
         per_tensor = [p for p in quantized if qt.local_quantized(p).quantizer.per_tensor_amax]
         fp8_moments = 2 * len(list(model.parameters())) if moment_dtype != torch.float32 else 0
         # One all-reduce agrees on skipping (non-finite gradients); the fp8 moments' amaxes travel
-        # in one per chunk of parameters, as each chunk is stored; then one carries every per-tensor
-        # weight's amax.
+        # in one, before the update; then one carries every per-tensor weight's amax.
         weights = [(len(per_tensor),)] if per_tensor else []
         moments = calls[1 : len(calls) - len(weights)]
         assert calls[0] == (), (recipe_name, calls)
         assert calls[len(calls) - len(weights) :] == weights, (recipe_name, calls)
         assert sum(shape[0] for shape in moments) == fp8_moments, (recipe_name, calls)
-        if not fp8_moments:
-            assert not moments, calls
-        else:  # one chunk unless the parameters exceed FP8_MOMENT_CHUNK
-            assert len(moments) == 1 if chunk is None else len(moments) > 1, calls
+        assert len(moments) == (1 if fp8_moments else 0), calls
         for p in per_tensor:  # every shard holds the scale (FP8) or global amax (NVFP4) of the whole
             local = p._local_tensor
             scalar = local.buffers()["scale_inv" if "scale_inv" in local.buffers() else "amax"]

@@ -9,13 +9,50 @@ namespace {
 // How weight decay enters the update: none, AdamW's decoupled p * decay, or Adam's L2 g + p * wd.
 enum class Decay { kNone, kDecoupled, kL2 };
 
-// Stores an updated moment: fp32 as is, bf16 rounded to nearest even (canonical NaN).
-template <DType D>
-inline void store_moment(void* base, int64_t index, float value) {
-  if constexpr (D == DType::kFloat32) {
-    static_cast<float*>(base)[index] = value;
+// How a moment is stored, numbered as quant_core.adam._fp8_moments passes it: fp32, bf16, or FP8
+// codes with one scale per tensor ([Note: fp8 moments in the Adam pass]).
+enum class Moment : int { kFloat32 = 0, kBFloat16 = 1, kE4M3 = 3, kE5M2 = 4 };
+
+template <Moment M>
+constexpr bool kIsFp8 = M == Moment::kE4M3 || M == Moment::kE5M2;
+template <Moment M>
+constexpr Fp8Format kFormat = M == Moment::kE4M3 ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
+
+inline bool is_fp8(int moment) {
+  return static_cast<Moment>(moment) == Moment::kE4M3 || static_cast<Moment>(moment) == Moment::kE5M2;
+}
+inline float fp8_max(int moment) { return static_cast<Moment>(moment) == Moment::kE4M3 ? 448.0f : 57344.0f; }
+
+// The scales of one tensor's fp8 moments: the stored scale_inv they are decoded with, the new
+// scale they are encoded with (1 for moments that are not fp8).
+struct MomentScales {
+  float exp_avg_scale_inv = 1.0f, exp_avg_scale = 1.0f, exp_avg_sq_scale_inv = 1.0f, exp_avg_sq_scale = 1.0f;
+};
+
+// Reads a moment as fp32: fp8 codes decoded as dequantize_fp8 decodes them (code * scale_inv,
+// canonical NaN).
+template <Moment M>
+inline float load_moment(const void* base, int64_t index, float scale_inv) {
+  if constexpr (M == Moment::kFloat32) {
+    return static_cast<const float*>(base)[index];
+  } else if constexpr (M == Moment::kBFloat16) {
+    return bfloat16_to_float(static_cast<const uint16_t*>(base)[index]);
   } else {
+    const float value = decode_fp8<kFormat<M>>(static_cast<const uint8_t*>(base)[index]) * scale_inv;
+    return std::isnan(value) ? std::numeric_limits<float>::quiet_NaN() : value;
+  }
+}
+
+// Stores an updated moment: fp32 as is, bf16 rounded to nearest even (canonical NaN), fp8 as
+// cast_to_fp8 encodes value * scale.
+template <Moment M>
+inline void store_moment(void* base, int64_t index, float value, float scale) {
+  if constexpr (M == Moment::kFloat32) {
+    static_cast<float*>(base)[index] = value;
+  } else if constexpr (M == Moment::kBFloat16) {
     static_cast<uint16_t*>(base)[index] = float_to_bfloat16(value);
+  } else {
+    static_cast<uint8_t*>(base)[index] = encode_fp8<kFormat<M>>(value * scale);
   }
 }
 
@@ -23,10 +60,10 @@ inline void store_moment(void* base, int64_t index, float value) {
 // ([Note: magnitude keys]), or 0 when kAmax is off. Out of line so the loop vectorizes alone.
 // kStochastic: p holds bf16 masters, stored rounded stochastically with the counter RNG's stream
 // `stream` ([Note: Adam stochastic rounding]); else fp32 masters.
-template <Decay kDecay, DType G, DType M, DType V, bool kAmax, bool kStochastic>
+template <Decay kDecay, DType G, Moment M, Moment V, bool kAmax, bool kStochastic>
 __attribute__((noinline, target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) int32_t adam_range(
     void* __restrict p_base, const void* __restrict g, void* __restrict m, void* __restrict v, int64_t begin,
-    int64_t end, const AdamScalars& s, uint64_t stream) {
+    int64_t end, const AdamScalars& s, const MomentScales& scales, uint64_t stream) {
   using Key = MagnitudeKey<DType::kFloat32>;
   using Param = std::conditional_t<kStochastic, uint16_t, float>;
   Param* __restrict p = static_cast<Param*>(p_base);
@@ -41,8 +78,9 @@ __attribute__((noinline, target_clones("arch=x86-64-v4", "arch=x86-64-v3", "defa
     float grad = load<G>(g, i);
     if constexpr (kDecay == Decay::kDecoupled) param = param * s.decay;
     if constexpr (kDecay == Decay::kL2) grad = grad + param * s.weight_decay;
-    const float exp_avg = load<M>(m, i) * s.beta1 + grad * s.one_minus_beta1;
-    const float exp_avg_sq = load<V>(v, i) * s.beta2 + (grad * grad) * s.one_minus_beta2;
+    const float exp_avg = load_moment<M>(m, i, scales.exp_avg_scale_inv) * s.beta1 + grad * s.one_minus_beta1;
+    const float exp_avg_sq =
+        load_moment<V>(v, i, scales.exp_avg_sq_scale_inv) * s.beta2 + (grad * grad) * s.one_minus_beta2;
     const float denom = std::sqrt(exp_avg_sq) * s.inv_bias_correction2_sqrt + s.eps;
     param = param - (exp_avg / denom) * s.step_size;
     if constexpr (kStochastic) {
@@ -51,8 +89,8 @@ __attribute__((noinline, target_clones("arch=x86-64-v4", "arch=x86-64-v3", "defa
     } else {
       p[i] = param;
     }
-    store_moment<M>(m, i, exp_avg);
-    store_moment<V>(v, i, exp_avg_sq);
+    store_moment<M>(m, i, exp_avg, scales.exp_avg_scale);
+    store_moment<V>(v, i, exp_avg_sq, scales.exp_avg_sq_scale);
     if constexpr (kAmax) {
       const int32_t k = Key::of(float_to_bits(param));
       key = k > key ? k : key;
@@ -62,11 +100,94 @@ __attribute__((noinline, target_clones("arch=x86-64-v4", "arch=x86-64-v3", "defa
 }
 
 template <class Fn>
-inline void dispatch_moment_dtype(int dtype, Fn&& fn) {
-  if (static_cast<DType>(dtype) == DType::kBFloat16) {
-    fn(std::integral_constant<DType, DType::kBFloat16>{});
-  } else {
-    fn(std::integral_constant<DType, DType::kFloat32>{});
+inline void dispatch_moment(int moment, Fn&& fn) {
+  switch (static_cast<Moment>(moment)) {
+    case Moment::kFloat32: fn(std::integral_constant<Moment, Moment::kFloat32>{}); break;
+    case Moment::kBFloat16: fn(std::integral_constant<Moment, Moment::kBFloat16>{}); break;
+    case Moment::kE4M3: fn(std::integral_constant<Moment, Moment::kE4M3>{}); break;
+    case Moment::kE5M2: fn(std::integral_constant<Moment, Moment::kE5M2>{}); break;
+  }
+}
+
+// The fp8 moments' scales of every tensor: rows of `scale_invs` (0-d fp32 each) and of the (rows,
+// count) `amaxes` (none: 0), exp_avgs' row first when they are fp8 ([Note: fp8 moments in the
+// Adam pass]). The new scale is fp8_scale's of the amax (margin 0, no power of two).
+std::vector<MomentScales> moment_scales(int exp_avg_moment, int exp_avg_sq_moment, size_t count,
+                                        const std::vector<uintptr_t>& scale_invs, uintptr_t amaxes) {
+  std::vector<MomentScales> scales(count);
+  int row = 0;
+  for (const bool exp_avg : {true, false}) {
+    const int moment = exp_avg ? exp_avg_moment : exp_avg_sq_moment;
+    if (!is_fp8(moment)) continue;
+    for (size_t t = 0; t < count; ++t) {
+      const size_t at = size_t(row) * count + t;
+      float scale = 1.0f, unused = 1.0f;
+      if (amaxes) scale_of(reinterpret_cast<const float*>(amaxes)[at], fp8_max(moment), 1.0f, false, &scale, &unused);
+      const float scale_inv = *reinterpret_cast<const float*>(scale_invs[at]);
+      (exp_avg ? scales[t].exp_avg_scale_inv : scales[t].exp_avg_sq_scale_inv) = scale_inv;
+      (exp_avg ? scales[t].exp_avg_scale : scales[t].exp_avg_sq_scale) = scale;
+    }
+    ++row;
+  }
+  return scales;
+}
+
+// Elements [begin, end) of one tensor: the largest magnitude keys ([Note: magnitude keys]) of
+// its updated fp8 moments (a moment that is not fp8 is not computed; its key stays 0), exactly
+// as adam_range updates them. kL2: the gradient takes Adam's L2 weight decay from the param (P).
+template <bool kL2, DType P, DType G, Moment M, Moment V>
+__attribute__((noinline, target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) void moment_amax_range(
+    const void* __restrict p, const void* __restrict g, const void* __restrict m, const void* __restrict v,
+    int64_t begin, int64_t end, const AdamScalars& s, const MomentScales& scales, int32_t* exp_avg_key,
+    int32_t* exp_avg_sq_key) {
+  using Key = MagnitudeKey<DType::kFloat32>;
+  int32_t m_key = 0, v_key = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    float grad = load<G>(g, i);
+    if constexpr (kL2) grad = grad + load<P>(p, i) * s.weight_decay;
+    if constexpr (kIsFp8<M>) {
+      const float exp_avg = load_moment<M>(m, i, scales.exp_avg_scale_inv) * s.beta1 + grad * s.one_minus_beta1;
+      const int32_t k = Key::of(float_to_bits(exp_avg));
+      m_key = k > m_key ? k : m_key;
+    }
+    if constexpr (kIsFp8<V>) {
+      const float exp_avg_sq =
+          load_moment<V>(v, i, scales.exp_avg_sq_scale_inv) * s.beta2 + (grad * grad) * s.one_minus_beta2;
+      const int32_t k = Key::of(float_to_bits(exp_avg_sq));
+      v_key = k > v_key ? k : v_key;
+    }
+  }
+  *exp_avg_key = m_key;
+  *exp_avg_sq_key = v_key;
+}
+
+// Calls fn(Moment-constant) for an fp8 moment, fn(kFloat32) (not computed) for any other.
+template <class Fn>
+inline void dispatch_fp8_moment(int moment, Fn&& fn) {
+  switch (static_cast<Moment>(moment)) {
+    case Moment::kE4M3: fn(std::integral_constant<Moment, Moment::kE4M3>{}); break;
+    case Moment::kE5M2: fn(std::integral_constant<Moment, Moment::kE5M2>{}); break;
+    default: fn(std::integral_constant<Moment, Moment::kFloat32>{}); break;
+  }
+}
+
+// Tensor t covers [offsets[t], offsets[t + 1]) of one index space that threads split evenly, so
+// many small tensors cost one thread launch, not one each.
+std::vector<int64_t> offsets_of(const std::vector<int64_t>& numels) {
+  std::vector<int64_t> offsets(numels.size() + 1, 0);
+  for (size_t t = 0; t < numels.size(); ++t) offsets[t + 1] = offsets[t] + numels[t];
+  return offsets;
+}
+
+// Calls fn(t, lo, hi) for every tensor t that [begin, end) of the index space overlaps, with the
+// overlap [lo, hi) counted within t.
+template <class Fn>
+inline void for_each_overlap(const std::vector<int64_t>& offsets, int64_t begin, int64_t end, Fn&& fn) {
+  const size_t count = offsets.size() - 1;
+  size_t t = size_t(std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin()) - 1;
+  for (; t < count && offsets[t] < end; ++t) {
+    const int64_t lo = std::max(begin, offsets[t]) - offsets[t], hi = std::min(end, offsets[t + 1]) - offsets[t];
+    if (lo < hi) fn(t, lo, hi);
   }
 }
 
@@ -76,17 +197,16 @@ void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t
                const std::vector<uintptr_t>& exp_avgs, const std::vector<uintptr_t>& exp_avg_sqs,
                const std::vector<int64_t>& numels, int grad_dtype, int exp_avg_dtype, int exp_avg_sq_dtype,
                const AdamScalars& scalars, uintptr_t amax_out, const std::vector<uintptr_t>& counters,
-               int64_t seed, int num_threads) {
+               int64_t seed, const std::vector<uintptr_t>& scale_invs, uintptr_t moment_amaxes, int num_threads) {
   const size_t count = numels.size();
+  const std::vector<MomentScales> scales =
+      moment_scales(exp_avg_dtype, exp_avg_sq_dtype, count, scale_invs, moment_amaxes);
   // Tensor t's stream: seed + its counter, modulo 2^64 ([Note: Adam stochastic rounding]).
   std::vector<uint64_t> streams(counters.size());
   for (size_t t = 0; t < counters.size(); ++t) {
     streams[t] = uint64_t(seed) + *reinterpret_cast<const uint64_t*>(counters[t]);
   }
-  // Tensor t covers [offsets[t], offsets[t + 1]) of one index space that threads split evenly,
-  // so many small tensors cost one thread launch, not one each.
-  std::vector<int64_t> offsets(count + 1, 0);
-  for (size_t t = 0; t < count; ++t) offsets[t + 1] = offsets[t] + numels[t];
+  const std::vector<int64_t> offsets = offsets_of(numels);
   const int chunks = std::max(num_threads, 1);
   // keys[chunk * count + t]: the chunk's largest magnitude key within tensor t.
   std::vector<int32_t> keys(amax_out ? size_t(chunks) * count : 0, 0);
@@ -94,20 +214,17 @@ void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t
 
   auto run = [&](auto decay_c, auto g_c, auto m_c, auto v_c, auto amax_c, auto stochastic_c) {
     constexpr Decay kDecay = decltype(decay_c)::value;
-    constexpr DType G = decltype(g_c)::value, M = decltype(m_c)::value, V = decltype(v_c)::value;
+    constexpr DType G = decltype(g_c)::value;
+    constexpr Moment M = decltype(m_c)::value, V = decltype(v_c)::value;
     constexpr bool kAmax = decltype(amax_c)::value, kStochastic = decltype(stochastic_c)::value;
     parallel_for(offsets[count], kMinElementsPerThread, chunks, [&](int64_t chunk, int64_t begin, int64_t end) {
-      // The first tensor that holds index `begin`, then every tensor this chunk overlaps.
-      size_t t = size_t(std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin()) - 1;
-      for (; t < count && offsets[t] < end; ++t) {
-        const int64_t lo = std::max(begin, offsets[t]) - offsets[t], hi = std::min(end, offsets[t + 1]) - offsets[t];
-        if (lo >= hi) continue;
+      for_each_overlap(offsets, begin, end, [&](size_t t, int64_t lo, int64_t hi) {
         const int32_t key = adam_range<kDecay, G, M, V, kAmax, kStochastic>(
             reinterpret_cast<void*>(params[t]), reinterpret_cast<const void*>(grads[t]),
-            reinterpret_cast<void*>(exp_avgs[t]), reinterpret_cast<void*>(exp_avg_sqs[t]), lo, hi, scalars,
+            reinterpret_cast<void*>(exp_avgs[t]), reinterpret_cast<void*>(exp_avg_sqs[t]), lo, hi, scalars, scales[t],
             kStochastic ? streams[t] : 0);
         if constexpr (kAmax) keys[size_t(chunk) * count + t] = key;
-      }
+      });
     });
   };
   auto with_stochastic = [&](auto... c) {
@@ -125,8 +242,8 @@ void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t
     }
   };
   auto with_moments = [&](auto decay_c, auto g_c) {
-    dispatch_moment_dtype(exp_avg_dtype, [&](auto m_c) {
-      dispatch_moment_dtype(exp_avg_sq_dtype, [&](auto v_c) { with_amax(decay_c, g_c, m_c, v_c); });
+    dispatch_moment(exp_avg_dtype, [&](auto m_c) {
+      dispatch_moment(exp_avg_sq_dtype, [&](auto v_c) { with_amax(decay_c, g_c, m_c, v_c); });
     });
   };
   dispatch_dtype(grad_dtype, [&](auto g_c) {
@@ -138,6 +255,18 @@ void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t
   });
 
   for (size_t t = 0; t < counters.size(); ++t) *reinterpret_cast<uint64_t*>(counters[t]) += 1;
+  // Every element was decoded with the stored scale_inv: now the new one (1 / the new scale).
+  int row = 0;
+  for (const int moment : {exp_avg_dtype, exp_avg_sq_dtype}) {
+    if (!is_fp8(moment)) continue;
+    for (size_t t = 0; t < count; ++t) {
+      const size_t at = size_t(row) * count + t;
+      float scale = 1.0f;
+      scale_of(reinterpret_cast<const float*>(moment_amaxes)[at], fp8_max(moment), 1.0f, false, &scale,
+               reinterpret_cast<float*>(scale_invs[at]));
+    }
+    ++row;
+  }
   if (amax_out) {
     float* out = reinterpret_cast<float*>(amax_out);
     for (size_t t = 0; t < count; ++t) {
@@ -145,6 +274,61 @@ void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t
       for (int chunk = 0; chunk < chunks; ++chunk) key = std::max(key, keys[size_t(chunk) * count + t]);
       out[t] = MagnitudeKey<DType::kFloat32>::to_float(key);
     }
+  }
+}
+
+void adam_moment_amaxes(const std::vector<uintptr_t>& params, const std::vector<uintptr_t>& grads,
+                        const std::vector<uintptr_t>& exp_avgs, const std::vector<uintptr_t>& exp_avg_sqs,
+                        const std::vector<int64_t>& numels, int param_dtype, int grad_dtype, int exp_avg_dtype,
+                        int exp_avg_sq_dtype, const AdamScalars& scalars, const std::vector<uintptr_t>& scale_invs,
+                        uintptr_t amax_out, int num_threads) {
+  const size_t count = numels.size();
+  const std::vector<MomentScales> scales = moment_scales(exp_avg_dtype, exp_avg_sq_dtype, count, scale_invs, 0);
+  const std::vector<int64_t> offsets = offsets_of(numels);
+  const int chunks = std::max(num_threads, 1);
+  // keys[(chunk * count + t) * 2 + moment]: the chunk's largest magnitude key of tensor t's moment.
+  std::vector<int32_t> keys(size_t(chunks) * count * 2, 0);
+  // As adam_step decides: L2 unless decoupled decay applies ([Note: Adam numerics]).
+  const bool l2 = scalars.decay == 1.0f && scalars.weight_decay != 0.0f;
+
+  auto run = [&](auto l2_c, auto p_c, auto g_c, auto m_c, auto v_c) {
+    constexpr bool kL2 = decltype(l2_c)::value;
+    constexpr DType P = decltype(p_c)::value, G = decltype(g_c)::value;
+    constexpr Moment M = decltype(m_c)::value, V = decltype(v_c)::value;
+    parallel_for(offsets[count], kMinElementsPerThread, chunks, [&](int64_t chunk, int64_t begin, int64_t end) {
+      for_each_overlap(offsets, begin, end, [&](size_t t, int64_t lo, int64_t hi) {
+        int32_t* key = &keys[(size_t(chunk) * count + t) * 2];
+        moment_amax_range<kL2, P, G, M, V>(
+            reinterpret_cast<const void*>(params[t]), reinterpret_cast<const void*>(grads[t]),
+            reinterpret_cast<const void*>(exp_avgs[t]), reinterpret_cast<const void*>(exp_avg_sqs[t]), lo, hi,
+            scalars, scales[t], key, key + 1);
+      });
+    });
+  };
+  auto with_moments = [&](auto l2_c, auto p_c, auto g_c) {
+    dispatch_fp8_moment(exp_avg_dtype, [&](auto m_c) {
+      dispatch_fp8_moment(exp_avg_sq_dtype, [&](auto v_c) { run(l2_c, p_c, g_c, m_c, v_c); });
+    });
+  };
+  dispatch_dtype(grad_dtype, [&](auto g_c) {
+    if (l2) {
+      dispatch_dtype(param_dtype, [&](auto p_c) { with_moments(std::true_type{}, p_c, g_c); });
+    } else {  // the param is not read
+      with_moments(std::false_type{}, std::integral_constant<DType, DType::kFloat32>{}, g_c);
+    }
+  });
+
+  float* out = reinterpret_cast<float*>(amax_out);
+  const int moments[2] = {exp_avg_dtype, exp_avg_sq_dtype};
+  int row = 0;
+  for (int which = 0; which < 2; ++which) {
+    if (!is_fp8(moments[which])) continue;
+    for (size_t t = 0; t < count; ++t) {
+      int32_t key = 0;
+      for (int chunk = 0; chunk < chunks; ++chunk) key = std::max(key, keys[(size_t(chunk) * count + t) * 2 + which]);
+      out[size_t(row) * count + t] = MagnitudeKey<DType::kFloat32>::to_float(key);
+    }
+    ++row;
   }
 }
 

@@ -89,15 +89,27 @@ struct AdamScalars {
 };
 
 // One Adam step over many tensors (adam.cpp): params[t] (fp32, or bf16 when counters are given),
-// grads[t] (grad_dtype) and the moments (fp32 or bf16) each hold numels[t] contiguous elements;
-// params and moments are updated in place. A nonzero amax_out receives max |p| of each updated
-// parameter (fp32, one per tensor). Non-empty `counters` (one int64 per tensor) round the bf16
-// params stochastically with the stream seed + *counters[t], then increment each counter
-// ([Note: Adam stochastic rounding]).
+// grads[t] (grad_dtype) and the moments (moment codes: 0 fp32, 1 bf16, 3 E4M3, 4 E5M2) each hold
+// numels[t] contiguous elements; params and moments are updated in place. A nonzero amax_out
+// receives max |p| of each updated parameter (fp32, one per tensor). Non-empty `counters` (one
+// int64 per tensor) round the bf16 params stochastically with the stream seed + *counters[t],
+// then increment each counter ([Note: Adam stochastic rounding]). FP8 moments ([Note: fp8
+// moments in the Adam pass]): row r of `scale_invs` (count pointers per fp8 moment list, exp_avgs'
+// first) holds 0-d fp32 scale_invs to decode with, then set to 1 / the scale of the amax at
+// row r of the (rows, count) fp32 `moment_amaxes`, which the codes are encoded with.
 void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t>& grads,
                const std::vector<uintptr_t>& exp_avgs, const std::vector<uintptr_t>& exp_avg_sqs,
                const std::vector<int64_t>& numels, int grad_dtype, int exp_avg_dtype, int exp_avg_sq_dtype,
                const AdamScalars& scalars, uintptr_t amax_out, const std::vector<uintptr_t>& counters,
-               int64_t seed, int num_threads);
+               int64_t seed, const std::vector<uintptr_t>& scale_invs, uintptr_t moment_amaxes, int num_threads);
+
+// The amaxes of the fp8 moments adam_step would write (adam.cpp), writing nothing: amax_out
+// (rows, count) fp32, a row per fp8 moment list (exp_avgs' first). Arguments as for adam_step;
+// params (param_dtype) are read only with L2 weight decay.
+void adam_moment_amaxes(const std::vector<uintptr_t>& params, const std::vector<uintptr_t>& grads,
+                        const std::vector<uintptr_t>& exp_avgs, const std::vector<uintptr_t>& exp_avg_sqs,
+                        const std::vector<int64_t>& numels, int param_dtype, int grad_dtype, int exp_avg_dtype,
+                        int exp_avg_sq_dtype, const AdamScalars& scalars, const std::vector<uintptr_t>& scale_invs,
+                        uintptr_t amax_out, int num_threads);
 
 }  // namespace quant_core

@@ -43,5 +43,6 @@ PYBIND11_MODULE(_C, m) {
            py::arg("weight_decay"), py::arg("beta1"), py::arg("one_minus_beta1"), py::arg("beta2"),
            py::arg("one_minus_beta2"), py::arg("inv_bias_correction2_sqrt"), py::arg("eps"), py::arg("step_size"));
   m.def("adam_step", &quant_core::adam_step, release);
+  m.def("adam_moment_amaxes", &quant_core::adam_moment_amaxes, release);
   m.def("has_non_finite", &quant_core::has_non_finite, release);
 }

@@ -16,7 +16,7 @@ import torch
 
 import quant_core
 
-E4M3 = torch.float8_e4m3fn
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 OPS = torch.ops.quant_core
 
 
@@ -265,13 +265,64 @@ def _cases() -> dict[str, tuple[torch._ops.OpOverload, tuple]]:
                 [torch.tensor(0), torch.tensor(2**62)],
             ),
         ),
+        "adam_moment_amaxes": (  # fp8 moments: nothing written
+            OPS.adam_moment_amaxes.default,
+            (
+                [torch.randn(5), torch.randn(3, 7)],
+                [torch.randn(5), torch.randn(7, 3).t()],
+                [_fp8_moment((5,), E4M3), _fp8_moment((3, 7), E4M3)],
+                [torch.zeros(5), torch.zeros(3, 7)],
+                [torch.tensor(0.5), torch.tensor(2.0)],
+                list(dataclasses.astuple(_scalars(adam_w_mode=False))),
+            ),
+        ),
+        "adam_step_fp8_moments": (  # codes and scale_invs written
+            OPS.adam_step.default,
+            (
+                [torch.randn(5), torch.randn(3, 7)],
+                [torch.randn(5), torch.randn(7, 3).t()],
+                [_fp8_moment((5,), E4M3), _fp8_moment((3, 7), E4M3)],
+                [_fp8_moment((5,), E5M2), _fp8_moment((3, 7), E5M2)],
+                list(dataclasses.astuple(_scalars())),
+                True,
+                0,
+                None,
+                [torch.tensor(1.0), torch.tensor(0.25), torch.tensor(1.0), torch.tensor(2.0)],
+                torch.tensor([[0.5, 0.125], [3.0, 1e-3]]),
+            ),
+        ),
+        "adam_step_capturable_fp8_moments": (
+            OPS.adam_step_capturable.default,
+            (
+                [torch.randn(5), torch.randn(3, 7)],
+                [torch.randn(5), torch.randn(7, 3).t()],
+                [torch.zeros(5), torch.zeros(3, 7)],
+                [_fp8_moment((5,), E4M3), _fp8_moment((3, 7), E4M3)],
+                [torch.zeros(()), torch.tensor(4.0)],
+                [],
+                torch.zeros(1),
+                None,
+                [1e-2, 0.9, 0.99, 1e-8, 0.1],
+                False,
+                True,
+                0,
+                None,
+                [torch.tensor(1.0), torch.tensor(0.5)],
+                torch.tensor([[0.5, 2.0]]),
+            ),
+        ),
         "has_non_finite": (OPS.has_non_finite.default, ([x, torch.empty(0), x_strided.float()],)),
     }
 
 
-def _scalars() -> quant_core.AdamScalars:
+def _fp8_moment(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Codes of small random values with scale_inv 1, as a moment after a few steps holds them."""
+    return (torch.randn(shape, generator=torch.Generator().manual_seed(9)) * 0.1).to(dtype)
+
+
+def _scalars(adam_w_mode: bool = True) -> quant_core.AdamScalars:
     return quant_core.AdamScalars.of(
-        lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=3, adam_w_mode=True
+        lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=3, adam_w_mode=adam_w_mode
     )
 
 

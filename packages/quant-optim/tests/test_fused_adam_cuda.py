@@ -1,7 +1,7 @@
 """FusedAdam on CUDA tensors (the verdict on the device, [Note: FusedAdam tensor-driven step]) equals the
 C++ CPU step bit for bit ([Note: Adam numerics] uses only correctly rounded fp32 operations),
 with fp32 or bf16 masters (stochastic rounding draws the same bits), skipped steps included; after its first step it makes no host sync; with capturable=True a
-CUDA graph of one step replays as eager steps do."""
+CUDA graph of one step replays as eager steps do, fp8 moments included."""
 
 from __future__ import annotations
 
@@ -101,13 +101,16 @@ def test_cuda_steps_after_the_first_make_no_host_sync(moments):
     assert all(float(optimizer.state[p]["step"]) == 3.0 for p in params)
 
 
-def test_capturable_step_replays_in_a_cuda_graph_as_eager_steps():
+@pytest.mark.parametrize("moments", [(torch.float32, torch.float32), (torch.float8_e4m3fn, torch.bfloat16)])
+def test_capturable_step_replays_in_a_cuda_graph_as_eager_steps(moments):
     lr = {"graph": torch.tensor(1e-2, device="cuda"), "eager": torch.tensor(1e-2, device="cuda")}
     found = {"graph": torch.zeros(1, device="cuda"), "eager": torch.zeros(1, device="cuda")}
     runs = {}
     for run in ("graph", "eager"):
         params = stateless_params()
-        optimizer = FusedAdam(params, lr=lr[run], weight_decay=0.1, capturable=True)
+        optimizer = FusedAdam(
+            params, lr=lr[run], weight_decay=0.1, capturable=True, exp_avg_dtype=moments[0], exp_avg_sq_dtype=moments[1]
+        )
         set_grads(params, 0, "cuda")  # static gradients: each step below writes new values into them
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

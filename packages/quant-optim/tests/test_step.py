@@ -39,12 +39,19 @@ def model(seed: int = 0) -> list[torch.nn.Parameter]:
     ]
 
 
-def optimizer_for(params: list[torch.nn.Parameter], capturable: bool, lr: float | torch.Tensor = 1e-2) -> FusedAdam:
+def optimizer_for(
+    params: list[torch.nn.Parameter],
+    capturable: bool,
+    lr: float | torch.Tensor = 1e-2,
+    moments: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
+) -> FusedAdam:
+    """Three groups; `moments` are the first and third groups' (exp_avg, exp_avg_sq) dtypes."""
+    kept = {"exp_avg_dtype": moments[0], "exp_avg_sq_dtype": moments[1]}
     return FusedAdam(
         [
-            {"params": params[:3], "weight_decay": 0.1},
+            {"params": params[:3], "weight_decay": 0.1, **kept},
             {"params": params[3:4], "master_weights": False, "exp_avg_dtype": torch.bfloat16},
-            {"params": params[4:], "lr": 3e-3},
+            {"params": params[4:], "lr": 3e-3, **kept},
         ],
         lr=lr,
         weight_decay=0.01,
@@ -60,11 +67,15 @@ def set_grads(params: list[torch.nn.Parameter], step: int, nan: bool = False) ->
         params[-1].grad[3, 5] = float("nan")
 
 
-def test_the_device_verdict_route_equals_the_host_verdict_route_bitwise():
+@pytest.mark.parametrize(
+    "moments",
+    [(torch.float32, torch.float32), (torch.float8_e4m3fn, torch.bfloat16), (torch.float8_e5m2, torch.float8_e4m3fn)],
+)
+def test_the_device_verdict_route_equals_the_host_verdict_route_bitwise(moments):
     runs = {}
     for capturable in (False, True):
         params = model()
-        optimizer = optimizer_for(params, capturable, lr=torch.tensor(1e-2))
+        optimizer = optimizer_for(params, capturable, lr=torch.tensor(1e-2), moments=moments)
         verdicts = step_through(params, optimizer, set_grads)  # skipped steps change nothing
         runs[capturable] = (state_bits(params, optimizer), verdicts, optimizer.skipped_steps)
     assert runs[False][1:] == ([False, True, False, True, False, False], 2)
@@ -151,7 +162,7 @@ HOST_GATED_SCHEDULE = {0: (True, None), 1: (False, None), 2: (True, None), 3: (F
 @pytest.mark.parametrize("moment_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_the_device_route_reads_the_verdict_on_the_host_for_what_a_skip_would_change(moment_dtype, monkeypatch):
     # fp8 moments, delayed scaling and bytes not yet written by the optimizer (the first step) on
-    # the device route, forced on the CPU without capturable=True (which refuses the first two),
+    # the device route, forced on the CPU without capturable=True (which refuses delayed scaling),
     # as CUDA tensors take it: bitwise the host route, histories included.
     runs = {}
     for route in ("host", "device"):
@@ -179,21 +190,21 @@ def test_the_device_route_reads_the_verdict_on_the_host_for_what_a_skip_would_ch
 
 
 def test_fp8_moments_leave_the_verdict_on_the_device_and_a_skip_keeps_them(monkeypatch):
-    # Stateless weights and fp8 moments of both formats: the device route stores the moments
-    # every step, skipped or not, with the verdict left on the device ([Note: fp8 moments on a
-    # skipped step]); bitwise the host route, a skipped step changing nothing.
-    store, current = quant_optim._step.store_fp8_moments, [0]
-    stores: list[tuple[int, bool]] = []  # (step, whether the store had a device verdict), one per bucket
+    # Stateless weights and fp8 moments of both formats: the device route agrees the moments'
+    # amaxes every step, skipped or not, with the verdict left on the device ([Note: fp8 moments on
+    # a skipped step]); bitwise the host route, a skipped step changing nothing.
+    agree, current = quant_optim._step.agree_moment_amaxes, [0]
+    agreed: list[int] = []  # the step of each agreement
 
-    def recorded(slots: Any, keep: torch.Tensor | None) -> None:
-        stores.append((current[0], keep is not None))
-        store(slots, keep)
+    def recorded(buckets: Any, local: Any) -> Any:
+        agreed.append(current[0])
+        return agree(buckets, local)
 
     def grads_of_step(params: list[torch.nn.Parameter], step: int, nan: bool) -> None:
         current[0] = step
         set_grads(params, step, nan)
 
-    monkeypatch.setattr(quant_optim._step, "store_fp8_moments", recorded)
+    monkeypatch.setattr(quant_optim._step, "agree_moment_amaxes", recorded)
     runs = {}
     for route in ("host", "device"):
         if route == "device":
@@ -202,45 +213,53 @@ def test_fp8_moments_leave_the_verdict_on_the_device_and_a_skip_keeps_them(monke
         optimizer = FusedAdam(
             params, lr=1e-2, weight_decay=0.1, exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e5m2
         )
-        stores.clear()
+        agreed.clear()
         verdicts = step_through(params, optimizer, grads_of_step)  # skipped steps change nothing
-        stored = [{device for step_, device in stores if step_ == step} for step in SKIP_SCHEDULE]
         runs[route] = (state_bits(params, optimizer), verdicts)
-        if route == "host":  # skipped steps return before the store
-            assert stored == [set() if skipped else {False} for skipped in verdicts]
-        else:  # every step stores, skipped ones too
-            assert stored == [{True}] * len(SKIP_SCHEDULE)
+        if route == "host":  # skipped steps return before the pre-pass
+            assert agreed == [step for step, skipped in enumerate(verdicts) if not skipped]
+        else:  # every step agrees, skipped ones too
+            assert agreed == list(SKIP_SCHEDULE)
     assert runs["host"][1] == runs["device"][1] == [False, True, False, True, False, False]
     assert same_bits(runs["host"][0], runs["device"][0])
 
 
 @pytest.mark.parametrize("route", ["host", "device"])
-def test_fp8_moments_step_in_chunks_bitwise_as_in_one_bucket(route, monkeypatch):
-    # [Note: fp8 moments stepped in chunks]: with chunks of a few thousand elements each bucket
-    # splits, one chunk's fp32 values exist at a time, and every tensor ends bit for bit as with
-    # one bucket per kind, over steps with skips.
+def test_fp8_moments_take_one_pre_pass_per_bucket_and_one_agreement_per_step(route, monkeypatch):
+    # [Note: FusedAdam fp8 moments]: every bucket holding fp8 moments (here two groups, so two) gets
+    # one adam_moment_amaxes call, then one agreement carries all their amaxes; the Adam kernels
+    # read the codes, no fp32 moment values are made (no dequantize_fp8).
     if route == "device":
         force_device_route(monkeypatch)
-    store, live = quant_optim._step.store_fp8_moments, []
+    calls: list[str] = []
+    for name in ("adam_moment_amaxes", "dequantize_fp8"):
+        original = getattr(torch.ops.quant_core, name)
 
-    def counted(slots: Any, keep: torch.Tensor | None) -> None:
-        buckets = slots[0].bucket, *(b for b in optimizer._plan[1].buckets if b is not slots[0].bucket)
-        live.append(sum(any(m.dtype == torch.float32 for m in (*b.exp_avgs, *b.exp_avg_sqs)) for b in buckets))
-        store(slots, keep)
+        def counted(*args: Any, name: str = name, original: Any = original) -> Any:
+            calls.append(name)
+            return original(*args)
 
-    monkeypatch.setattr(quant_optim._step, "store_fp8_moments", counted)
-    runs = {}
-    for chunk in (2**27, 5000):
-        monkeypatch.setattr(quant_optim._plan, "FP8_MOMENT_CHUNK", chunk)
-        params = [p for p in model(seed=5) if p.numel()]
-        optimizer = FusedAdam(
-            params, lr=1e-2, weight_decay=0.1, exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e5m2
-        )
-        step_through(params, optimizer, set_grads)
-        runs[chunk] = (state_bits(params, optimizer), len(optimizer._plan[1].buckets))
-    assert same_bits(runs[2**27][0], runs[5000][0])
-    assert runs[5000][1] > runs[2**27][1]
-    assert set(live) == {1}  # the bucket being stored, no other
+        monkeypatch.setattr(torch.ops.quant_core, name, counted)
+    agree, agreements = quant_optim._step.agree_moment_amaxes, []
+
+    def recorded(buckets: Any, local: Any) -> Any:
+        agreements.append([tuple(a.shape) for a in local])
+        return agree(buckets, local)
+
+    monkeypatch.setattr(quant_optim._step, "agree_moment_amaxes", recorded)
+    params = [p for p in model(seed=5) if p.numel()]
+    optimizer = FusedAdam(
+        [{"params": params[:3]}, {"params": params[3:], "weight_decay": 0.1}],
+        lr=1e-2,
+        exp_avg_dtype=torch.float8_e4m3fn,
+        exp_avg_sq_dtype=torch.bfloat16,
+    )
+    set_grads(params, 0)
+    optimizer.step()
+    fp8_buckets = [b for b in optimizer._plan[1].buckets if b.moment_scale_invs]
+    assert len(fp8_buckets) == len(optimizer._plan[1].buckets) >= 2
+    assert calls == ["adam_moment_amaxes"] * len(fp8_buckets)
+    assert agreements == [[(1, len(b.params)) for b in fp8_buckets]]  # one row: exp_avg is fp8, exp_avg_sq bf16
 
 
 def test_fp8_moments_hold_no_fp32_values_between_steps():
@@ -294,18 +313,12 @@ def test_the_plan_is_built_once_and_again_after_add_param_group_or_load_state_di
     assert built == [8, 8, 8, 7]
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"exp_avg_dtype": torch.float8_e4m3fn}, "capturable=True does not keep exp_avg_dtype=torch.float8_e4m3fn"),
-        ({"recipe": "fp8-delayed"}, "capturable=True cannot step a Float8DelayedQuantizer weight .* stateless recipe"),
-    ],
-)
-def test_capturable_refuses_what_reads_the_verdict_on_the_host(kwargs, message):
-    recipe = kwargs.pop("recipe", "fp8")
-    p = qt.nn.quantized_parameter(torch.randn(32, 32), qt.recipe_from_name(recipe).quantizer("weight"))
-    with pytest.raises(ValueError, match=message):
-        FusedAdam([p], capturable=True, **kwargs)
+def test_capturable_refuses_what_reads_the_verdict_on_the_host():
+    p = qt.nn.quantized_parameter(torch.randn(32, 32), qt.recipe_from_name("fp8-delayed").quantizer("weight"))
+    with pytest.raises(ValueError, match="capturable=True cannot step a Float8DelayedQuantizer weight .* stateless"):
+        FusedAdam([p], capturable=True)
+    fp8 = qt.nn.quantized_parameter(torch.randn(32, 32), qt.recipe_from_name("fp8").quantizer("weight"))
+    FusedAdam([fp8], capturable=True, exp_avg_dtype=torch.float8_e4m3fn)  # fp8 moments need no host verdict
 
 
 def alike_model(device: str) -> list[torch.nn.Parameter]:

@@ -69,6 +69,23 @@ def adam_step(
     amax_out: int,
     counters: list[int],
     seed: int,
+    scale_invs: list[int],
+    moment_amaxes: int,
+    num_threads: int,
+) -> None: ...
+def adam_moment_amaxes(
+    params: list[int],
+    grads: list[int],
+    exp_avgs: list[int],
+    exp_avg_sqs: list[int],
+    numels: list[int],
+    param_dtype: int,
+    grad_dtype: int,
+    exp_avg_dtype: int,
+    exp_avg_sq_dtype: int,
+    scalars: AdamScalars,
+    scale_invs: list[int],
+    amax_out: int,
     num_threads: int,
 ) -> None: ...
 def has_non_finite(tensors: list[int], dtypes: list[int], numels: list[int], num_threads: int) -> bool: ...

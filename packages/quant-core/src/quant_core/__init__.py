@@ -33,6 +33,8 @@ from quant_core.adam._adam import (
     power,
 )
 from quant_core.adam._capturable import adam_step_capturable_, adam_step_capturable_reference
+from quant_core.adam._fp8_moments import FP8_MOMENT_DTYPES
+from quant_core.adam._moment_amaxes import adam_moment_amaxes, adam_moment_amaxes_reference
 from quant_core.blocks._blockwise import (
     BLOCKWISE_BLOCK,
     dequantize_fp8_blockwise,
@@ -123,6 +125,9 @@ __all__ = [
     "adam_step_reference",
     "adam_step_capturable_",
     "adam_step_capturable_reference",
+    "FP8_MOMENT_DTYPES",
+    "adam_moment_amaxes",
+    "adam_moment_amaxes_reference",
     "power",
     "has_non_finite",
     "has_non_finite_reference",

@@ -181,7 +181,7 @@ class FusedAdam(torch.optim.Optimizer):
         first = sum(len(g["params"]) for g in self.param_groups[:-1])
         for index, p in enumerate(group["params"], start=first):
             if self.capturable:
-                _check_capturable(p, group)
+                _check_capturable(p)
             if p.requires_grad:
                 self._state_of(p, group, index)
         self._plan_version += 1
@@ -383,15 +383,8 @@ class FusedAdam(torch.optim.Optimizer):
             )
 
 
-def _check_capturable(p: torch.Tensor, group: dict[str, Any]) -> None:
+def _check_capturable(p: torch.Tensor) -> None:
     """Refuses what a captured step cannot take ([Note: FusedAdam tensor-driven step])."""
-    for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
-        if group[key] in FP8_MOMENT_DTYPES:
-            raise ValueError(
-                f"capturable=True does not keep {key}={group[key]}: a step with fp8 moments is not captured in CUDA "
-                f"graphs. Use {key}=torch.bfloat16 (or float32) with capturable=True, or capturable=False (whose steps "
-                "on CUDA read no verdict on the host for fp8 moments either)"
-            )
     local = qt.local_shard(p)
     if isinstance(local, qt.QuantizedTensor) and not local.quantizer.stateless:
         raise ValueError(

@@ -38,9 +38,6 @@ import quant_tensors as qt
 
 FP8_MOMENT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 MASTER_ROUNDING_SEED = 0x6D6173746572  # "master": apart from other users of the counter RNG at seed 0
-FP8_MOMENT_CHUNK = 2**27
-"""Elements (of the unsharded parameters) per bucket of parameters with fp8 moments: a step holds
-the fp32 values of one such bucket's fp8 moments at a time ([Note: fp8 moments stepped in chunks])."""
 
 WrittenRecord = list[tuple[int | None, ...] | None]
 """[a quantized weight's buffer versions when this optimizer last wrote them from its master, or None]."""
@@ -57,7 +54,7 @@ class Bucket:
     params: list[torch.Tensor] = field(default_factory=list)
     """fp32 masters, or the parameters themselves (fp32, or bf16/fp16 without a master)."""
     exp_avgs: list[torch.Tensor] = field(default_factory=list)
-    """Stored moments; an fp8 one is replaced by its fp32 values during the step (`Fp8Slot`)."""
+    """Stored moments (fp8 ones as their codes)."""
     exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
     steps: list[torch.Tensor] = field(default_factory=list)
     """fp32 0-d step counts, on the parameters' device."""
@@ -69,8 +66,12 @@ class Bucket:
     """Whether a parameter of it is requantized with a per-tensor amax (the Adam pass returns it)."""
     plain: bool = True
     """Whether every state tensor owns its memory (else the reference kernels run: `is_plain`)."""
-    fp8_slots: list[Fp8Slot] = field(default_factory=list)
-    """Its moments kept in fp8."""
+    moment_scale_invs: list[torch.Tensor] = field(default_factory=list)
+    """The 0-d scale_invs of its fp8 moments (the state's `*_scale_inv`), a row of one per parameter
+    for each fp8 moment list, exp_avgs' first ([Note: fp8 moments in the Adam pass] in quant-core);
+    empty without fp8 moments."""
+    shard_groups: list[tuple[dist.ProcessGroup, ...]] = field(default_factory=list)
+    """Per parameter, the groups it is sharded over: its fp8 moments' amaxes are agreed over them."""
 
 
 @dataclass(eq=False)
@@ -94,31 +95,9 @@ class Requantize:
 
 
 @dataclass(eq=False)
-class Fp8Slot:
-    """A moment kept in fp8: its fp32 values take the codes' place in its bucket's list for the
-    step (dequantized before the update, stored after, then the codes put back)."""
-
-    bucket: Bucket
-    position: int
-    key: str
-    """"exp_avg" or "exp_avg_sq"."""
-    codes: torch.Tensor
-    scale_inv: torch.Tensor
-    """The state's 0-d scale_inv (one for the whole unsharded moment, equal on every shard)."""
-    groups: tuple[dist.ProcessGroup, ...]
-    """The groups the parameter is sharded over: the moment's amax is agreed over them."""
-
-    @property
-    def values(self) -> list[torch.Tensor]:
-        """The bucket's list this moment's fp32 values take their place in."""
-        return self.bucket.exp_avgs if self.key == "exp_avg" else self.bucket.exp_avg_sqs
-
-
-@dataclass(eq=False)
 class Plan:
     buckets: list[Bucket]
     requantize: list[Requantize]
-    fp8_slots: list[Fp8Slot]
     device: torch.device
     """The device of the skip verdict (the first bucket's)."""
     one_device: bool
@@ -141,8 +120,8 @@ def build_plan(
         records: the optimizer's `written_record`s, by local quantized weight.
     """
     buckets: dict[tuple[Any, ...], Bucket] = {}
-    chunks: dict[tuple[Any, ...], tuple[int, int]] = {}  # kind -> (its current chunk, elements in it)
-    requantize, fp8_slots = [], []
+    fp8_scale_invs: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # bucket id -> per moment
+    requantize = []
     for index, ((p, group), state, grad) in enumerate(zip(work, states, grads, strict=True)):
         local = qt.local_shard(p)
         if state["step"].device != local.device:  # counted where the parameter is
@@ -156,18 +135,10 @@ def build_plan(
             counter is not None,
             grad.dtype,
             master.dtype,
-            *(torch.float32 if m.dtype in FP8_MOMENT_DTYPES else m.dtype for m in moments),
+            *(m.dtype for m in moments),
             None if out is None else out.dtype,
             local.device,
         )
-        if any(m.dtype in FP8_MOMENT_DTYPES for m in moments):
-            # Chunks by the unsharded sizes, so that every rank makes the same buckets (each stores
-            # its fp8 moments with collectives of its own).
-            chunk, elements = chunks.get(key, (0, 0))
-            if elements and elements + p.numel() > FP8_MOMENT_CHUNK:
-                chunk, elements = chunk + 1, 0
-            chunks[key] = (chunk, elements + p.numel())
-            key = (*key, chunk)
         bucket = buckets.setdefault(key, Bucket(group, local.device))
         bucket_index = list(buckets).index(key)
         position = len(bucket.params)
@@ -178,24 +149,26 @@ def build_plan(
             bucket.counters.append(counter)
         if out is not None:
             bucket.outs.append(out)
-        for name, moment, values in zip(
-            ("exp_avg", "exp_avg_sq"), moments, (bucket.exp_avgs, bucket.exp_avg_sqs), strict=True
-        ):
-            values.append(moment)
+        bucket.exp_avgs.append(moments[0])
+        bucket.exp_avg_sqs.append(moments[1])
+        bucket.shard_groups.append(shard_groups(p))
+        scale_invs = fp8_scale_invs.setdefault(id(bucket), ([], []))
+        for name, moment, row in zip(("exp_avg", "exp_avg_sq"), moments, scale_invs, strict=True):
             if moment.dtype in FP8_MOMENT_DTYPES:
-                slot = Fp8Slot(bucket, position, name, moment, state[f"{name}_scale_inv"], shard_groups(p))
-                fp8_slots.append(slot)
-                bucket.fp8_slots.append(slot)
+                row.append(state[f"{name}_scale_inv"])
         bucket.plain = bucket.plain and all(map(is_plain, (master, *moments, *(() if out is None else (out,)))))
         if isinstance(local, qt.QuantizedTensor):
             quantizer = local.quantizer
             groups = () if quantizer.amax_group is None or not quantizer.per_tensor_amax else (quantizer.amax_group,)
             bucket.compute_amax = bucket.compute_amax or quantizer.per_tensor_amax
             requantize.append(Requantize(local, master, bucket_index, position, groups, written_record(records, local)))
+    for bucket in buckets.values():
+        exp_avg_scale_invs, exp_avg_sq_scale_invs = fp8_scale_invs[id(bucket)]
+        bucket.moment_scale_invs = exp_avg_scale_invs + exp_avg_sq_scale_invs
     number_alike_weights(requantize)
     devices = {bucket.device for bucket in buckets.values()}
     first = next(iter(buckets.values())).device if buckets else torch.device("cpu")
-    return Plan(list(buckets.values()), requantize, fp8_slots, first, len(devices) == 1)
+    return Plan(list(buckets.values()), requantize, first, len(devices) == 1)
 
 
 def number_alike_weights(requantize: list[Requantize]) -> None:

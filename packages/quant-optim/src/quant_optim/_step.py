@@ -8,29 +8,32 @@ dtypes (buckets by kind, the tensors of each, which write-backs need the verdict
 1. the verdict: quant_core.has_non_finite of every gradient (one pass), or the caller's
    `found_inf` instead; one all-reduce (MAX) makes it every rank's. A skipped step leaves
    parameters, masters, moments, step counts and quantized bytes as they were;
-2. per bucket (group, dtypes, device; chunked where it holds fp8 moments): its fp8 moments are
-   dequantized into fp32 values (the update reads and writes fp32), one Adam kernel call
-   updates the masters (fp32, or bf16
+2. where buckets hold fp8 moments: one `adam_moment_amaxes` call per such bucket, then one
+   agreement of all their amaxes (an all-reduce, MAX, per set of process groups): [Note: FusedAdam
+   fp8 moments];
+3. per bucket (group, dtypes, device): one Adam kernel call updates the masters (fp32, or bf16
    rounded stochastically with their counters: [Note: FusedAdam bf16 masters] in
    quant_optim._plan; the parameter itself when it is fp32 or its own bf16 master, or a bf16/fp16
-   parameter without a master, updated in fp32 and stored rounded to nearest), their moments and
-   step counts, writes bf16/fp16 parameters from their masters, and returns max |master| where a
-   per-tensor format requantizes from it ([Note: Adam numerics] in quant_core.adam._adam: fp32
-   results are within a few ulp of torch.optim.AdamW, not bitwise: torch's rounding differs
-   between its own kernels), then its fp8 moments are stored from their values, their amaxes
-   agreed in one all-reduce (MAX) per process group, and the values dropped;
-3. the write-back (quant_optim._write_back): quantized weights are requantized from their
+   parameter without a master, updated in fp32 and stored rounded to nearest), their moments (fp8
+   ones encoded with the scales of the agreed amaxes) and step counts, writes bf16/fp16
+   parameters from their masters, and returns max |master| where a per-tensor format
+   requantizes from it ([Note: Adam numerics] in quant_core.adam._adam: fp32 results are within a
+   few ulp of torch.optim.AdamW, not bitwise: torch's rounding differs between its own kernels);
+4. the write-back (quant_optim._write_back): quantized weights are requantized from their
    masters (alike ones with one `quantize_many_` per quantizer configuration and device); those
    scaled by a per-tensor amax take it from one all-reduce (MAX) per process group per step, not
    one per parameter.
 
-[Note: fp8 moments stepped in chunks] An fp8 moment is updated in fp32: its values exist from
-its dequantization to its store. Stepping every bucket at once would hold them for all
-parameters together (4 bytes per element: on the 2.2B Llama on two GPUs the step's peak, 0.8 GiB
-over the backward's), so the plan splits the buckets holding fp8 moments into chunks of at most
-`FP8_MOMENT_CHUNK` elements, counted on the unsharded parameters so that every rank makes the
-same chunks (each chunk agrees its moments' amaxes in collectives of its own), and the step
-updates and stores one chunk after another: one Adam launch and one small all-reduce per chunk.
+[Note: FusedAdam fp8 moments] An fp8 moment (codes plus one 0-d scale_inv, equal on every
+shard) is stored with the scale of the amax of its updated values over the whole moment, so the
+step reads the moments twice ([Note: fp8 moments in the Adam pass] in quant-core): a pre-pass
+(`adam_moment_amaxes`, one call per bucket holding fp8 moments) computes the amaxes of the
+updated moments and writes nothing; the amaxes of every bucket are agreed over each parameter's
+shard groups in one all-reduce per set of groups (`agree_moment_amaxes`); then each bucket's one
+Adam call decodes the moments, updates them with the master and encodes them with the scales of
+the agreed amaxes, setting the scale_invs. No fp32 copy of a moment exists (1 byte per element
+read twice, written once), and the step makes one small all-reduce for all fp8 moments together.
+The pre-pass reads the gradients (and, for Adam's L2 weight decay, the masters) once more.
 
 The verdict is read in one of two places, and that choice, with the Adam operator it implies,
 is the only difference between CPU and CUDA steps:
@@ -59,23 +62,28 @@ training loop never waits for the optimizer and a CUDA graph can capture it:
   skipped step however it is computed (delayed scaling's amax history, NVFP4's stochastic
   rounding counter), the step reads the verdict on the host after the Adam pass (one sync) and
   writes back only when it was not set;
-- fp8 moments are stored with the scale the verdict selects on the device: a skipped step
-  re-encodes the values it decoded with the scale they were stored with, which gives back the
-  same codes ([Note: fp8 moments on a skipped step] in quant_optim._write_back);
+- fp8 moments: the pre-pass and the agreement run whatever the verdict, and the Adam kernel
+  writes neither codes nor scale_invs when the step is skipped ([Note: fp8 moments on a skipped
+  step]);
 - the kernels' pointer tables are cached by content in quant_core ([Note: pointer tables]), so
   gradients kept in the same memory cost no host-to-device copy and fresh ones (FSDP2) one
   non-blocking copy per step.
 
 capturable=True (CUDA graphs) takes this route and refuses, when the optimizer is built, what needs
-the verdict on the host every step (stateful weight quantizers) and fp8 moments, whose capture is
-not supported. A captured step
-must follow at least one eager step with the same parameters and gradient storages (the warm-up
-that torch.cuda.graphs needs anyway: it compiles the kernels, moves step counts to the device,
-builds the plan and the pointer tables and writes the quantized bytes from the masters once);
+the verdict on the host every step (stateful weight quantizers); fp8 moments need none (their
+pre-pass, agreement and encoding run on the device whatever the verdict). A captured step must
+follow at least one eager step with the same parameters (the warm-up that torch.cuda.graphs needs
+anyway: it compiles the kernels, moves step counts to the device, builds the plan and the pointer
+tables and writes the quantized bytes from the masters once);
 capturing otherwise raises, naming that fix. A Python float lr is captured as a constant: pass lr
 as a CUDA tensor to change it between replays. Collectives (the verdict's all-reduce, the
 per-tensor amax all-reduce of quantized weights) are captured as NCCL allows; per-tensor quantize
 kernels run as they would eagerly.
+
+[Note: fp8 moments on a skipped step] A skipped step leaves an fp8 moment's codes and scale_inv
+as they were. On the host route the step returns before the pre-pass. On the device route the
+pre-pass and the agreement run on the skipped step's gradients (an amax ignores non-finite
+values; these amaxes are not used) and the Adam kernel, reading the verdict, writes nothing.
 """
 
 from __future__ import annotations
@@ -86,8 +94,8 @@ import torch
 import torch.distributed as dist
 
 import quant_core
-from quant_optim._plan import MASTER_ROUNDING_SEED, Bucket, Fp8Slot, Plan, buffer_versions, is_plain
-from quant_optim._write_back import store_fp8_moments, write_back
+from quant_optim._plan import MASTER_ROUNDING_SEED, Bucket, Plan, buffer_versions, is_plain
+from quant_optim._write_back import agree_moment_amaxes, write_back
 
 
 def run(
@@ -109,35 +117,47 @@ def run(
     if skipped:
         return found
     adam_step = _adam_step if verdict_on_host else _adam_step_capturable
-    keep = None if verdict_on_host or not plan.fp8_slots else found != 0  # [Note: fp8 moments on a skipped step]
-    amaxes = []
-    try:
-        for bucket in plan.buckets:  # [Note: fp8 moments stepped in chunks]
-            for slot in bucket.fp8_slots:
-                slot.values[slot.position] = quant_core.dequantize_fp8(slot.codes, slot.scale_inv, torch.float32)
-            amaxes.append(adam_step(bucket, [grads[i] for i in bucket.indices], found, grads_plain and bucket.plain))
-            if bucket.fp8_slots:
-                store_fp8_moments(bucket.fp8_slots, keep)
-                _put_codes_back(bucket.fp8_slots)
-        if skipped is None and not _bytes_are_the_masters(plan):
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    "FusedAdam(capturable=True) cannot capture this step: quantized weights whose bytes this optimizer "
-                    "has not written yet (or that were written since, e.g. by a load) need the skip verdict on the host. "
-                    "Run one eager step before capturing, and load checkpoints outside the captured region"
-                )
-            skipped = bool(found)
-        if not skipped:  # False, or None: a skipped step rewrites what the masters' quantization was
-            write_back(plan, amaxes)
-    finally:
-        _put_codes_back(plan.fp8_slots)  # after a step that raised too
+    bucket_grads = [[grads[i] for i in bucket.indices] for bucket in plan.buckets]
+    plain = [grads_plain and bucket.plain for bucket in plan.buckets]
+    moment_amaxes = _moment_amaxes(plan, bucket_grads, plain)  # [Note: FusedAdam fp8 moments]
+    amaxes = [
+        adam_step(bucket, g, found, p, a)
+        for bucket, g, p, a in zip(plan.buckets, bucket_grads, plain, moment_amaxes, strict=True)
+    ]
+    if skipped is None and not _bytes_are_the_masters(plan):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "FusedAdam(capturable=True) cannot capture this step: quantized weights whose bytes this optimizer "
+                "has not written yet (or that were written since, e.g. by a load) need the skip verdict on the host. "
+                "Run one eager step before capturing, and load checkpoints outside the captured region"
+            )
+        skipped = bool(found)
+    if not skipped:  # False, or None: a skipped step rewrites what the masters' quantization was
+        write_back(plan, amaxes)
     return found
 
 
-def _put_codes_back(slots: list[Fp8Slot]) -> None:
-    """The fp32 values of fp8 moments live for their bucket's update only (4 bytes per element)."""
-    for slot in slots:
-        slot.values[slot.position] = slot.codes
+def _moment_amaxes(plan: Plan, grads: list[list[torch.Tensor]], plain: list[bool]) -> list[torch.Tensor | None]:
+    """Per bucket, the agreed amaxes of its updated fp8 moments ((rows, len(params)): [Note:
+    FusedAdam fp8 moments]), or None where it has none."""
+    fp8 = [b for b, bucket in enumerate(plan.buckets) if bucket.moment_scale_invs]
+    local = []
+    for b in fp8:
+        bucket, group = plan.buckets[b], plan.buckets[b].group
+        beta1, beta2 = group["betas"]
+        scalars = quant_core.AdamScalars.for_moments(
+            beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], adam_w_mode=group["adam_w_mode"]
+        )
+        args = (bucket.params, grads[b], bucket.exp_avgs, bucket.exp_avg_sqs, bucket.moment_scale_invs)
+        if plain[b]:  # the operator without the public function's checks: FusedAdam made these states
+            local.append(torch.ops.quant_core.adam_moment_amaxes(*args, list(dataclasses.astuple(scalars))))
+        else:  # wrapper subclasses: torch ops reach their __torch_dispatch__
+            local.append(quant_core.adam_moment_amaxes_reference(*args, scalars))
+    agreed = agree_moment_amaxes([plan.buckets[b] for b in fp8], local) if fp8 else []
+    moment_amaxes: list[torch.Tensor | None] = [None] * len(plan.buckets)
+    for b, amaxes in zip(fp8, agreed, strict=True):
+        moment_amaxes[b] = amaxes
+    return moment_amaxes
 
 
 def _verdict(plan: Plan, grads: list[torch.Tensor], found_inf: torch.Tensor | None, grads_plain: bool) -> torch.Tensor:
@@ -162,9 +182,12 @@ def _bytes_are_the_masters(plan: Plan) -> bool:
     return all(r.local.quantizer.stateless and r.written[0] == buffer_versions(r.local) for r in plan.requantize)
 
 
-def _adam_step(bucket: Bucket, grads: list[torch.Tensor], found: torch.Tensor, plain: bool) -> torch.Tensor | None:
+def _adam_step(
+    bucket: Bucket, grads: list[torch.Tensor], found: torch.Tensor, plain: bool, moment_amaxes: torch.Tensor | None
+) -> torch.Tensor | None:
     """The bucket's update when the step is known not skipped: `adam_step` (C++ on CPU) with the
-    host's scalars, one call per distinct step count. Returns the amaxes with `compute_amax`."""
+    host's scalars, one call per distinct step count; fp8 moments encoded with the scales of
+    `moment_amaxes`. Returns the amaxes with `compute_amax`."""
     group = bucket.group
     lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
     beta1, beta2 = group["betas"]
@@ -188,13 +211,14 @@ def _adam_step(bucket: Bucket, grads: list[torch.Tensor], found: torch.Tensor, p
         )
         lists = [[tensors[i] for i in chosen] for tensors in (params, grads, bucket.exp_avgs, bucket.exp_avg_sqs)]
         counters = [bucket.counters[i] for i in chosen] if bucket.counters else None
+        fp8 = _fp8_moments_of(bucket, moment_amaxes, None if len(distinct) == 1 else chosen)
         seed = MASTER_ROUNDING_SEED
         if plain:  # the operator without the public function's checks: FusedAdam made these states
             result = torch.ops.quant_core.adam_step(
-                *lists, list(dataclasses.astuple(scalars)), bucket.compute_amax, seed, counters
+                *lists, list(dataclasses.astuple(scalars)), bucket.compute_amax, seed, counters, *fp8
             )
         else:  # wrapper subclasses: torch ops reach their __torch_dispatch__
-            result = quant_core.adam_step_reference(*lists, scalars, bucket.compute_amax, seed, counters)
+            result = quant_core.adam_step_reference(*lists, scalars, bucket.compute_amax, seed, counters, *fp8)
         if bucket.compute_amax and len(distinct) == 1:
             amaxes = result
         elif bucket.compute_amax:
@@ -209,11 +233,27 @@ def _adam_step(bucket: Bucket, grads: list[torch.Tensor], found: torch.Tensor, p
     return amaxes
 
 
+def _fp8_moments_of(
+    bucket: Bucket, moment_amaxes: torch.Tensor | None, chosen: list[int] | None
+) -> tuple[list[torch.Tensor] | None, torch.Tensor | None]:
+    """(moment_scale_invs, moment_amaxes) of the bucket's parameters `chosen` (None: all) as the
+    Adam operators take them; (None, None) without fp8 moments."""
+    if moment_amaxes is None:
+        return None, None
+    if chosen is None:
+        return bucket.moment_scale_invs, moment_amaxes
+    count = len(bucket.params)
+    rows = range(moment_amaxes.shape[0])
+    scale_invs = [bucket.moment_scale_invs[row * count + i] for row in rows for i in chosen]
+    return scale_invs, moment_amaxes[:, chosen].contiguous()
+
+
 def _adam_step_capturable(
-    bucket: Bucket, grads: list[torch.Tensor], found: torch.Tensor, plain: bool
+    bucket: Bucket, grads: list[torch.Tensor], found: torch.Tensor, plain: bool, moment_amaxes: torch.Tensor | None
 ) -> torch.Tensor | None:
     """The bucket's update gated by the verdict on the device: `adam_step_capturable` (Triton on
-    CUDA). Returns the amaxes with `compute_amax`."""
+    CUDA); fp8 moments encoded with the scales of `moment_amaxes`. Returns the amaxes with
+    `compute_amax`."""
     group = bucket.group
     lr = group["lr"]
     if isinstance(lr, torch.Tensor) and lr.device != bucket.device:
@@ -235,6 +275,7 @@ def _adam_step_capturable(
         bucket.compute_amax,
         MASTER_ROUNDING_SEED,
         bucket.counters or None,
+        *_fp8_moments_of(bucket, moment_amaxes, None),
     )
     if not plain:  # wrapper subclasses: torch ops reach their __torch_dispatch__
         return quant_core.adam_step_capturable_reference(*args)

@@ -1,20 +1,19 @@
-"""FusedAdam's write-back after the update: quantized weights requantized from their masters
-(per-tensor amaxes agreed in one all-reduce per process group), fp8 moments stored from their
-fp32 values after each bucket's update ([Note: FusedAdam step] in quant_optim._step)."""
+"""FusedAdam's amax agreements: quantized weights requantized from their masters after the update
+(per-tensor amaxes agreed in one all-reduce per process group), and the amaxes of the fp8 moments
+agreed before it ([Note: FusedAdam step] in quant_optim._step)."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import quant_core
 import quant_tensors as qt
-from quant_optim._plan import Fp8Slot, Plan, Requantize, buffer_versions
+from quant_optim._plan import Bucket, Plan, Requantize, buffer_versions
 
 
 @dataclass(frozen=True)
@@ -78,21 +77,35 @@ def write_back(plan: Plan, amaxes: list[torch.Tensor | None]) -> None:
         r.written[0] = buffer_versions(r.local)
 
 
-def store_fp8_moments(slots: list[Fp8Slot], keep: torch.Tensor | None) -> None:
-    """Stores fp8 moments from the fp32 values their bucket's update wrote, each with the scale of
-    its amax agreed over its parameter's shard groups (one `amax_many` per (shard groups, fp8
-    dtype), one all-reduce per shard groups); where `keep` (the step's device verdict, None when the step is
-    known to have run) is set, with the scale it was stored with ([Note: fp8 moments on a skipped
-    step])."""
-    alike: dict[tuple[Any, ...], list[Fp8Slot]] = {}
-    for slot in slots:
-        alike.setdefault((*map(id, slot.groups), slot.codes.dtype), []).append(slot)
-    pending = []
-    for same in alike.values():
-        values = [slot.values[slot.position] for slot in same]
-        store = functools.partial(_store_fp8_moments, same, values, keep)
-        pending.append(PendingAmax(same[0].groups, quant_core.amax_many(values), store))
-    agree_amaxes_and_apply(pending)
+def agree_moment_amaxes(buckets: list[Bucket], local: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The fp8 moments' amaxes of every bucket (`local[b]`: the (rows, len(params)) amaxes of
+    `adam_moment_amaxes`), each agreed over its parameter's shard groups: one all-reduce (MAX) per
+    set of groups and device for all buckets together. Returns the agreed amaxes, one contiguous
+    (rows, len(params)) tensor per bucket."""
+    agreed = list(local)
+    by_device: dict[torch.device, list[PendingAmax]] = {}
+    for b, (bucket, amaxes) in enumerate(zip(buckets, local, strict=True)):
+        columns: dict[tuple[int, ...], tuple[tuple[dist.ProcessGroup, ...], list[int]]] = {}
+        for i, groups in enumerate(bucket.shard_groups):
+            columns.setdefault(tuple(map(id, groups)), (groups, []))[1].append(i)
+        pending = by_device.setdefault(bucket.device, [])
+        for groups, chosen in columns.values():
+            if not groups:  # parameters that are not sharded: their amaxes are the whole moments' already
+                continue
+            if len(chosen) == len(bucket.shard_groups):  # the usual case: one set of groups per bucket
+                pending.append(PendingAmax(groups, amaxes, functools.partial(agreed.__setitem__, b)))
+                continue
+            if agreed[b] is amaxes:
+                agreed[b] = amaxes.clone()
+            index = torch.tensor(chosen, device=amaxes.device)
+            pending.append(PendingAmax(groups, amaxes[:, index], functools.partial(_put_columns, agreed[b], index)))
+    for pending in by_device.values():
+        agree_amaxes_and_apply(pending)
+    return agreed
+
+
+def _put_columns(out: torch.Tensor, index: torch.Tensor, amaxes: torch.Tensor) -> None:
+    out[:, index] = amaxes
 
 
 def requantize_from_master(local: qt.QuantizedTensor, master: torch.Tensor) -> PendingAmax:
@@ -117,34 +130,3 @@ def _requantize_into(
     quantizer: qt.Quantizer, master: torch.Tensor, local: qt.QuantizedTensor, amax: torch.Tensor
 ) -> None:
     quantizer.quantize_(master, local, amax=amax)
-
-
-def _store_fp8_moments(
-    slots: list[Fp8Slot], values: list[torch.Tensor], keep: torch.Tensor | None, amaxes: torch.Tensor
-) -> None:
-    """Stores fp8 moments of one fp8 dtype from their values with the scales of their agreed
-    `amaxes` (1-D, one per slot), or, where `keep` (a device verdict) is set, with the scales
-    they were stored with ([Note: fp8 moments on a skipped step]): the scales in a few launches
-    for all of them, then one `cast_to_fp8_many` call."""
-    dtype = slots[0].codes.dtype
-    scales, scales_inv = quant_core.fp8_scale(amaxes, dtype)
-    if keep is not None:
-        stored_inv = torch.stack([slot.scale_inv for slot in slots])
-        kept = torch.reciprocal(stored_inv).clamp_(max=_FLOAT32_MAX)  # 1 / (1 / FLT_MAX) may round up to inf
-        scales = torch.where(keep, kept, scales)
-        scales_inv = torch.where(keep, stored_inv, scales_inv)
-    quant_core.cast_to_fp8_many(values, scales, dtype, [slot.codes for slot in slots])
-    torch._foreach_copy_([slot.scale_inv for slot in slots], list(scales_inv.unbind()))
-
-
-_FLOAT32_MAX = torch.finfo(torch.float32).max
-
-# [Note: fp8 moments on a skipped step] When the skip verdict stays on the device, every step
-# stores the fp8 moments, and a skipped step must store the codes it read. Its values are the
-# decoded codes, v = fl(c * s_inv) (the Adam kernel wrote nothing), and they are encoded again
-# with s = fl(1 / s_inv) (clamped to the largest float, as fp8_scale clamps): fl(v * s) = c (1 + e)
-# with |e| <= 3 * 2^-24 for normal s_inv (a few 2^-10 at most for the subnormal s_inv of the
-# largest scale), which rounds to c in either fp8 format (neighbouring codes lie 2^-3 (E4M3) or 2^-2
-# (E5M2) apart relatively, or, below the normal range, a fixed step apart) and saturates to c at the
-# largest code. The state keeps s_inv as it was. tests/test_write_back.py checks this for every
-# finite code over the range of scales.

@@ -16,9 +16,11 @@ float64 from the float64 values of lr, the betas, eps and weight_decay by IEEE o
 (beta^step by squaring: `power`; a correctly rounded sqrt), each result rounded once to fp32, so
 a GPU kernel that computes them from a step count held on the device gets the same bits ([Note:
 capturable Adam step] in quant_core.adam._capturable). It differs from torch.optim.AdamW by
-rounding only (a few ulp of the update). Gradients may be fp32, bf16 or fp16; moments fp32 or
+rounding only (a few ulp of the update). Gradients may be fp32, bf16 or fp16; moments fp32,
 bf16 (read as fp32, updated in fp32, stored rounded to nearest even, the update using the fp32
-value); parameters (fp32 masters, or bf16 masters rounded stochastically: [Note: Adam stochastic
+value) or fp8 with a scale per tensor ([Note: fp8 moments in the Adam pass] in
+quant_core.adam._fp8_moments: decoded to fp32, updated, encoded with the scale of an amax the
+caller gives, the update using the fp32 value); parameters (fp32 masters, or bf16 masters rounded stochastically: [Note: Adam stochastic
 rounding]) are updated in place.
 
 [Note: Adam stochastic rounding] A bf16 master is read as fp32, takes the fp32 update above
@@ -38,14 +40,16 @@ draws: a run resumed on another layout continues with the same statistics, not t
 
 Operators ([Note: custom ops]; unchecked: the caller guarantees what is listed):
 - `torch.ops.quant_core.adam_step(params, grads, exp_avgs, exp_avg_sqs, scalars, compute_amax,
-  seed=0, stochastic_rounding_counters=None) -> Tensor`: non-empty lists of equal length of plain
-  tensors on one device; params contiguous fp32 (without counters) or bf16 (with counters), grads
-  of one dtype out of fp32/bf16/fp16 (any strides), each moment list contiguous of one dtype out of
-  `MOMENT_DTYPES`; the i-th tensors of the lists have equal numels; scalars the fields of
-  `AdamScalars` in order (`dataclasses.astuple`); seed an int in int64 range (`signed64`);
-  stochastic_rounding_counters None or one 0-d int64 tensor per param on params' device. Updates
-  params, moments and counters in place; returns the (len(params),) fp32 amaxes with compute_amax,
-  else an empty tensor.
+  seed=0, stochastic_rounding_counters=None, moment_scale_invs=None, moment_amaxes=None) ->
+  Tensor`: non-empty lists of equal length of plain tensors on one device; params contiguous fp32
+  (without counters) or bf16 (with counters), grads of one dtype out of fp32/bf16/fp16 (any
+  strides), each moment list contiguous of one dtype out of `MOMENT_DTYPES` and the fp8 dtypes;
+  the i-th tensors of the lists have equal numels; scalars the fields of `AdamScalars` in order
+  (`dataclasses.astuple`); seed an int in int64 range (`signed64`); stochastic_rounding_counters
+  None or one 0-d int64 tensor per param on params' device; with fp8 moments, moment_scale_invs
+  and moment_amaxes in the layout of [Note: fp8 moments in the Adam pass], else None. Updates
+  params, moments, counters and the fp8 moments' scale_invs in place; returns the (len(params),)
+  fp32 amaxes with compute_amax, else an empty tensor.
 - `torch.ops.quant_core.has_non_finite(tensors) -> Tensor`: a non-empty list of plain fp32/bf16/
   fp16 tensors on one device, any strides. Returns fp32 0-d 1.0 if any element is NaN or +-Inf.
 """
@@ -62,6 +66,14 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from quant_core._library import Kernel, call, define_op, register_kernel
+from quant_core.adam._fp8_moments import (
+    FP8_MOMENT_DTYPES,
+    MOMENT_CODES,
+    check_fp8_moments,
+    decode_moment,
+    encode_moment_,
+    fp8_rows,
+)
 from quant_core.fp8._fp8 import amax_reference
 from quant_core.shared._checks import FLOAT_DTYPES, check_float_input
 from quant_core.shared._cpp import _C, DTYPE_CODES, pointer
@@ -120,6 +132,15 @@ class AdamScalars:
             step_size=fp32(lr / (1.0 - power(beta1, step))),
         )
 
+    @classmethod
+    def for_moments(cls, *, beta1: float, beta2: float, weight_decay: float, adam_w_mode: bool) -> AdamScalars:
+        """The scalars of any step as far as the moments' update reads them (the betas, their
+        complements and L2 weight decay: `adam_moment_amaxes`), for a caller whose lr is a device
+        tensor; the other fields are those of lr 0 at step 1."""
+        return cls.of(
+            lr=0.0, beta1=beta1, beta2=beta2, eps=0.0, weight_decay=weight_decay, step=1, adam_w_mode=adam_w_mode
+        )
+
 
 def power(base: float, exponent: int) -> float:
     """base ** exponent (exponent >= 0) in float64 by squaring: a fixed sequence of IEEE
@@ -144,6 +165,8 @@ def adam_step_(
     compute_amax: bool = False,
     stochastic_rounding_counters: Sequence[torch.Tensor] | None = None,
     seed: int = 0,
+    moment_scale_invs: Sequence[torch.Tensor] | None = None,
+    moment_amaxes: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Updates `params` and their moments in place by one Adam step ([Note: Adam numerics]).
 
@@ -160,15 +183,23 @@ def adam_step_(
             each counter is incremented in place ([Note: Adam stochastic rounding]). Keep them as
             optimizer state (saved and restored with it).
         seed: the streams' base, an int (its low 64 bits count).
+        moment_scale_invs, moment_amaxes: with fp8 moments ([Note: fp8 moments in the Adam pass]):
+            their 0-d fp32 scale_invs (decoded with, then set to the new ones) and the fp32
+            (rows, len(params)) amaxes their new scales are made from (`adam_moment_amaxes`,
+            agreed over shards), a row per fp8 moment list, exp_avgs' first.
     """
     counters = _check_adam_inputs(params, grads, exp_avgs, exp_avg_sqs, stochastic_rounding_counters)
+    scale_invs = check_fp8_moments(params, exp_avgs, exp_avg_sqs, moment_scale_invs, moment_amaxes)
     if not params:
         return torch.zeros(0, dtype=torch.float32) if compute_amax else None
     args = (params, grads, exp_avgs, exp_avg_sqs)
     if not all(map(_is_plain, (*params, *grads, *exp_avgs, *exp_avg_sqs, *(counters or ())))):  # see _is_plain
         with torch.no_grad():
-            return adam_step_reference(*args, scalars, compute_amax, signed64(seed), counters)
-    amaxes = call("adam_step", *args, list(dataclasses.astuple(scalars)), compute_amax, signed64(seed), counters)
+            return adam_step_reference(
+                *args, scalars, compute_amax, signed64(seed), counters, scale_invs, moment_amaxes
+            )
+    scalar_values = list(dataclasses.astuple(scalars))
+    amaxes = call("adam_step", *args, scalar_values, compute_amax, signed64(seed), counters, scale_invs, moment_amaxes)
     return amaxes if compute_amax else None
 
 
@@ -183,6 +214,8 @@ class AdamStepArgs(NamedTuple):
     compute_amax: bool
     seed: int = 0
     stochastic_rounding_counters: list[torch.Tensor] | None = None
+    moment_scale_invs: list[torch.Tensor] | None = None
+    moment_amaxes: torch.Tensor | None = None
 
 
 def amaxes_fake(args: AdamStepArgs | AdamStepCapturableArgs) -> torch.Tensor:
@@ -193,7 +226,7 @@ def amaxes_fake(args: AdamStepArgs | AdamStepCapturableArgs) -> torch.Tensor:
 @define_op(
     "adam_step",
     AdamStepArgs,
-    mutates_args=("params", "exp_avgs", "exp_avg_sqs", "stochastic_rounding_counters"),
+    mutates_args=("params", "exp_avgs", "exp_avg_sqs", "stochastic_rounding_counters", "moment_scale_invs"),
     fake=amaxes_fake,
 )
 def _adam_step_op(kernel: Kernel, args: AdamStepArgs) -> torch.Tensor:
@@ -208,7 +241,9 @@ def _adam_step_op(kernel: Kernel, args: AdamStepArgs) -> torch.Tensor:
 def _adam_step_reference_kernel(args: AdamStepArgs, scalars: AdamScalars) -> torch.Tensor | None:
     counters = args.stochastic_rounding_counters
     lists = (args.params, args.grads, args.exp_avgs, args.exp_avg_sqs)
-    return adam_step_reference(*lists, scalars, args.compute_amax, args.seed, counters)
+    return adam_step_reference(
+        *lists, scalars, args.compute_amax, args.seed, counters, args.moment_scale_invs, args.moment_amaxes
+    )
 
 
 def has_non_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -285,8 +320,8 @@ def _check_adam_inputs(
     allowed = {
         "params": (torch.float32,) if counters is None else (torch.bfloat16,),
         "grads": FLOAT_DTYPES,
-        "exp_avgs": MOMENT_DTYPES,
-        "exp_avg_sqs": MOMENT_DTYPES,
+        "exp_avgs": (*MOMENT_DTYPES, *FP8_MOMENT_DTYPES),
+        "exp_avg_sqs": (*MOMENT_DTYPES, *FP8_MOMENT_DTYPES),
     }
     for name, tensors in lists.items():
         if not tensors:
@@ -343,15 +378,24 @@ def adam_step_reference(
     compute_amax: bool = False,
     seed: int = 0,
     stochastic_rounding_counters: Sequence[torch.Tensor] | None = None,
+    moment_scale_invs: Sequence[torch.Tensor] | None = None,
+    moment_amaxes: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Plain-torch Adam step: the spec of [Note: Adam numerics] and [Note: Adam stochastic
-    rounding], one tensor at a time."""
+    """Plain-torch Adam step: the spec of [Note: Adam numerics], [Note: Adam stochastic
+    rounding] and [Note: fp8 moments in the Adam pass], one tensor at a time."""
     amaxes = []
     counters = stochastic_rounding_counters or [None] * len(params)
-    for param, grad, exp_avg, exp_avg_sq, counter in zip(params, grads, exp_avgs, exp_avg_sqs, counters, strict=True):
+    rows = {which: row for row, which in enumerate(fp8_rows(exp_avgs, exp_avg_sqs))}
+    count = len(params)
+    for i, (param, grad, exp_avg, exp_avg_sq, counter) in enumerate(
+        zip(params, grads, exp_avgs, exp_avg_sqs, counters, strict=True)
+    ):
         # Flat views: the i-th tensors of the lists share a size, not necessarily a shape.
         p, g = param.view(-1).float(), grad.reshape(-1).float()  # p: a view of an fp32 master, else a copy
-        m, v = exp_avg.view(-1).float(), exp_avg_sq.view(-1).float()  # views of fp32 states
+        # Views of fp32 states, else copies (fp8 moments decoded with their scale_invs)
+        scale_invs = {which: moment_scale_invs[row * count + i] for which, row in rows.items()}  # type: ignore[index]
+        m = decode_moment(exp_avg, scale_invs[0]) if 0 in rows else exp_avg.view(-1).float()
+        v = decode_moment(exp_avg_sq, scale_invs[1]) if 1 in rows else exp_avg_sq.view(-1).float()
         if scalars.decay != 1.0:
             p.mul_(scalars.decay)
         if scalars.weight_decay != 0.0:
@@ -360,10 +404,11 @@ def adam_step_reference(
         v.mul_(scalars.beta2).add_(g * g * scalars.one_minus_beta2)
         denom = _sqrt(v).mul_(scalars.inv_bias_correction2_sqrt).add_(scalars.eps)
         p.sub_(m.div(denom).mul_(scalars.step_size))
-        if exp_avg.dtype != torch.float32:
-            exp_avg.view(-1).copy_(m)  # round to nearest even
-        if exp_avg_sq.dtype != torch.float32:
-            exp_avg_sq.view(-1).copy_(v)
+        for which, (moment, value) in enumerate(((exp_avg, m), (exp_avg_sq, v))):
+            if which in rows:
+                encode_moment_(moment, value, moment_amaxes[rows[which], i], scale_invs[which])  # type: ignore[index]
+            elif moment.dtype != torch.float32:
+                moment.view(-1).copy_(value)  # round to nearest even
         if counter is not None:
             draws = random16(counter + seed, torch.arange(p.numel(), device=p.device))
             param.view(-1).copy_(round_to_bfloat16_stochastic(p, draws))
@@ -384,6 +429,7 @@ def _adam_step_cpp(args: AdamStepArgs, scalars: AdamScalars) -> torch.Tensor | N
     params, grads, exp_avgs, exp_avg_sqs = args.params, args.grads, args.exp_avgs, args.exp_avg_sqs
     amax = torch.zeros(len(params), dtype=torch.float32) if args.compute_amax else None
     counters = args.stochastic_rounding_counters or []
+    scale_invs = args.moment_scale_invs or []
     _C.adam_step(
         [p.data_ptr() for p in params],
         [g.data_ptr() for g in grads],
@@ -391,15 +437,17 @@ def _adam_step_cpp(args: AdamStepArgs, scalars: AdamScalars) -> torch.Tensor | N
         [v.data_ptr() for v in exp_avg_sqs],
         [p.numel() for p in params],
         DTYPE_CODES[grads[0].dtype],
-        DTYPE_CODES[exp_avgs[0].dtype],
-        DTYPE_CODES[exp_avg_sqs[0].dtype],
+        MOMENT_CODES[exp_avgs[0].dtype],
+        MOMENT_CODES[exp_avg_sqs[0].dtype],
         _C.AdamScalars(**dataclasses.asdict(scalars)),
         pointer(amax),
         [c.data_ptr() for c in counters],
         args.seed,
+        [s.data_ptr() for s in scale_invs],
+        pointer(args.moment_amaxes),
         torch.get_num_threads(),
     )
-    for t in (*params, *exp_avgs, *exp_avg_sqs, *counters):  # written through pointers: tell autograd and caches
+    for t in (*params, *exp_avgs, *exp_avg_sqs, *counters, *scale_invs):  # written through pointers: tell autograd
         torch.autograd.graph.increment_version(t)
     return amax
 

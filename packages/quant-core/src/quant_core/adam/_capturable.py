@@ -19,19 +19,23 @@ without host syncs, or one captured in a CUDA graph and replayed):
   like the step count, by the same last program), and `outs` (optional) receive each updated
   parameter rounded to their dtype in the same pass (a bf16 parameter written from its fp32
   master without a second read of the master; with stochastic rounding, the rounded parameter).
-Gradients are read as `adam_step_` reads them; moments fp32 or bf16.
+Gradients are read as `adam_step_` reads them; moments fp32, bf16 or fp8 ([Note: fp8 moments in
+the Adam pass] in quant_core.adam._fp8_moments: a skipped step writes neither their codes nor
+their scale_invs; otherwise each scale_inv is set by the last program that reads it, as step
+counts are).
 
 Operator (unchecked; [Note: custom ops]): `torch.ops.quant_core.adam_step_capturable(params,
 grads, exp_avgs, exp_avg_sqs, steps, outs, found_inf, lr, hyperparameters, adam_w_mode,
-compute_amax, seed=0, stochastic_rounding_counters=None) -> Tensor`: non-empty lists of equal
+compute_amax, seed=0, stochastic_rounding_counters=None, moment_scale_invs=None,
+moment_amaxes=None) -> Tensor`: non-empty lists of equal
 length of plain tensors on one device; params contiguous of one dtype out of fp32/bf16/fp16;
 grads and moments as for `adam_step`; steps fp32 0-d tensors; outs empty or one contiguous tensor
 per param, of one float dtype; the i-th tensors of every list have equal numels; found_inf an
 fp32 tensor (its first element is read); lr a tensor of one element on the same device, or None;
 hyperparameters [lr (used when lr is None), beta1, beta2, eps, weight_decay]; seed an int in
 int64 range; stochastic_rounding_counters None, or (with bf16 params) one 0-d int64 tensor per
-param on their device. Returns the (len(params),) fp32 amaxes with compute_amax, else an empty
-tensor.
+param on their device; moment_scale_invs and moment_amaxes as for `adam_step`. Returns the
+(len(params),) fp32 amaxes with compute_amax, else an empty tensor.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import torch
 
 from quant_core._library import Kernel, call, define_op, register_kernel
 from quant_core.adam._adam import MOMENT_DTYPES, AdamScalars, adam_step_reference, amaxes_fake, check_counters
+from quant_core.adam._fp8_moments import FP8_MOMENT_DTYPES, check_fp8_moments, fp8_rows
 from quant_core.fp8._fp8 import amax_reference
 from quant_core.shared._checks import FLOAT_DTYPES
 from quant_core.shared._numerics import signed64
@@ -66,6 +71,8 @@ def adam_step_capturable_(
     compute_amax: bool = False,
     stochastic_rounding_counters: Sequence[torch.Tensor] | None = None,
     seed: int = 0,
+    moment_scale_invs: Sequence[torch.Tensor] | None = None,
+    moment_amaxes: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """One Adam step whose step counts, lr and skip verdict are tensors ([Note: capturable Adam step]).
 
@@ -79,9 +86,12 @@ def adam_step_capturable_(
     `stochastic_rounding_counters` (bf16 params only): one 0-d int64 tensor per parameter on the
     parameters' device; the params are stored rounded stochastically with the stream
     `seed + counters[i]` and each counter is incremented, as `adam_step_` does ([Note: Adam
-    stochastic rounding]). `seed`: an int (its low 64 bits count).
+    stochastic rounding]). `seed`: an int (its low 64 bits count). `moment_scale_invs`,
+    `moment_amaxes`: with fp8 moments, as `adam_step_` takes them ([Note: fp8 moments in the Adam
+    pass]); a skipped step leaves the scale_invs as they are.
     """
     _check_inputs(params, grads, exp_avgs, exp_avg_sqs, steps, outs or [], found_inf, lr, stochastic_rounding_counters)
+    scale_invs = check_fp8_moments(params, exp_avgs, exp_avg_sqs, moment_scale_invs, moment_amaxes)
     if not params:
         return torch.zeros(0, dtype=torch.float32) if compute_amax else None
     device = params[0].device
@@ -103,6 +113,8 @@ def adam_step_capturable_(
         compute_amax,
         signed64(seed),
         list(stochastic_rounding_counters) if stochastic_rounding_counters is not None else None,
+        scale_invs,
+        moment_amaxes,
     )
     return amaxes if compute_amax else None
 
@@ -135,12 +147,22 @@ class AdamStepCapturableArgs(NamedTuple):
     compute_amax: bool
     seed: int = 0
     stochastic_rounding_counters: list[torch.Tensor] | None = None
+    moment_scale_invs: list[torch.Tensor] | None = None
+    moment_amaxes: torch.Tensor | None = None
 
 
 @define_op(
     "adam_step_capturable",
     AdamStepCapturableArgs,
-    mutates_args=("params", "exp_avgs", "exp_avg_sqs", "steps", "outs", "stochastic_rounding_counters"),
+    mutates_args=(
+        "params",
+        "exp_avgs",
+        "exp_avg_sqs",
+        "steps",
+        "outs",
+        "stochastic_rounding_counters",
+        "moment_scale_invs",
+    ),
     fake=amaxes_fake,
 )
 def _adam_step_capturable_op(kernel: Kernel, args: AdamStepCapturableArgs) -> torch.Tensor:
@@ -167,6 +189,8 @@ def adam_step_capturable_reference(
     compute_amax: bool = True,
     seed: int = 0,
     stochastic_rounding_counters: Sequence[torch.Tensor] | None = None,
+    moment_scale_invs: Sequence[torch.Tensor] | None = None,
+    moment_amaxes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The spec of [Note: capturable Adam step] through `adam_step_reference`, one tensor at a
     time (reads the verdict, lr and step counts on the host). Returns every parameter's amax
@@ -175,6 +199,7 @@ def adam_step_capturable_reference(
     lr_value = float(lr.reshape(-1)[0]) if lr is not None else hyperparameters[0]
     _, beta1, beta2, eps, weight_decay = hyperparameters
     stochastic = stochastic_rounding_counters is not None
+    rows, count = len(fp8_rows(exp_avgs, exp_avg_sqs)), len(params)
     amaxes = []
     for i, (param, grad, exp_avg, exp_avg_sq) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
         value = param.view(-1).float()  # a view of an fp32 param, else a copy
@@ -188,13 +213,18 @@ def adam_step_capturable_reference(
                 step=int(steps[i]) + 1,
                 adam_w_mode=adam_w_mode,
             )
+            # This tensor's fp8 moments: its scale_inv and amax of each row.
+            fp8 = (
+                ([moment_scale_invs[row * count + i] for row in range(rows)], moment_amaxes[:, i : i + 1])  # type: ignore[index]
+                if rows
+                else (None, None)
+            )
             if stochastic:  # the bf16 param updated and rounded in place, its counter incremented
-                adam_step_reference(
-                    [param], [grad], [exp_avg], [exp_avg_sq], scalars, False, seed, [stochastic_rounding_counters[i]]
-                )
+                counter = [stochastic_rounding_counters[i]]
+                adam_step_reference([param], [grad], [exp_avg], [exp_avg_sq], scalars, False, seed, counter, *fp8)
                 value = param.view(-1).float()
             else:
-                adam_step_reference([value], [grad], [exp_avg], [exp_avg_sq], scalars)
+                adam_step_reference([value], [grad], [exp_avg], [exp_avg_sq], scalars, False, 0, None, *fp8)
             steps[i].add_(1)
             if param.dtype != torch.float32 and not stochastic:
                 param.view(-1).copy_(value)  # round to nearest even
@@ -228,8 +258,8 @@ def _check_inputs(
     allowed = {
         "params": FLOAT_DTYPES,
         "grads": FLOAT_DTYPES,
-        "exp_avgs": MOMENT_DTYPES,
-        "exp_avg_sqs": MOMENT_DTYPES,
+        "exp_avgs": (*MOMENT_DTYPES, *FP8_MOMENT_DTYPES),
+        "exp_avg_sqs": (*MOMENT_DTYPES, *FP8_MOMENT_DTYPES),
         "steps": (torch.float32,),
         "outs": FLOAT_DTYPES,
     }
