@@ -56,8 +56,9 @@ class RunSpec:
 
 
 # hp: high-precision weights gathered quantized, torch's AdamW; qw: quantized primary weights,
-# FusedAdam; qw-bf16: the same with every other parameter built in bf16 (FusedAdam keeps an fp32
-# master of each), so FSDP2's sharded gradients are bf16 (reduced in fp32).
+# FusedAdam; qw-bf16: the same with the decoder layers' other parameters (norms) built in bf16
+# (FusedAdam keeps an fp32 master of each), so FSDP2's sharded gradients of the layers are bf16
+# (reduced in fp32); the root's embedding, final norm and lm_head stay fp32, stepped in place.
 WEIGHTS = ("hp", "qw", "qw-bf16")
 
 
@@ -146,6 +147,13 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return inner.layers
 
 
+def round_layers_to_bf16(model: torch.nn.Module) -> None:
+    """Every parameter of the decoder layers rounded to bf16 (the same initial values as every
+    other run); the root's parameters and the buffers (RoPE) kept."""
+    for param in decoder_layers(model).parameters():
+        param.data = param.data.to(torch.bfloat16)
+
+
 def _not_lm_head(module: torch.nn.Module, name: str) -> bool:
     return name != "lm_head"
 
@@ -156,9 +164,8 @@ def build_run(
     """(model, optimizer, after_step): the sharded model of one run and what follows each optimizer step."""
     torch.manual_seed(SEED)
     model = build_model(options.config, device, resolve_model_source(options.model_source))
-    if spec.weights == "qw-bf16":  # the same initial values as every other run, rounded; buffers (RoPE) kept
-        for param in model.parameters():
-            param.data = param.data.to(torch.bfloat16)
+    if spec.weights == "qw-bf16":
+        round_layers_to_bf16(model)
     after_step: Callable[[], None] = lambda: None  # noqa: E731
     shard: Callable[..., torch.nn.Module] = torch_fully_shard
     if spec.base.startswith("torchao-"):

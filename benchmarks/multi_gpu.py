@@ -15,8 +15,9 @@ Runs are named `<base>[:<weights>]:<mode>[+<states>]`:
 - weights (recipes only): `hp` keeps high-precision weights, gathered quantized
   (`quantize_on_gather=True`), stepped by torch.optim.AdamW (fused on CUDA); `qw` makes them
   quantized primary weights (`quantized_weights=True`) stepped by quant_optim.FusedAdam; `qw-bf16`
-  is `qw` with every other parameter in bf16 (FusedAdam keeps an fp32 master of each), so that
-  the sharded gradients are bf16 (FSDP2 gives a layer's gradients its parameters' one dtype);
+  is `qw` with the decoder layers' other parameters (norms) in bf16 (FusedAdam keeps an fp32
+  master of each), so that the layers' sharded gradients are bf16 (FSDP2 gives a layer's
+  gradients its parameters' one dtype); the root's embedding, norm and lm_head stay fp32;
 - mode `eager`, or `compiled`: `block.compile()` on each decoder layer before sharding;
 - states (optional): smaller optimizer states. Quantized-weight runs (FusedAdam): `m-bf16` (both
   moments bf16), `m-fp8` (first moment FP8 E4M3 with a per-tensor scale, second bf16),

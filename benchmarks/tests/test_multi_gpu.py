@@ -311,3 +311,15 @@ def test_a_memory_cap_and_model_overrides_reach_every_rank_and_the_report():
     for bad in (["--memory-cap-gib", "0"], ["--batch-size", "0"], ["--num-layers", "-1"]):
         with pytest.raises(SystemExit):
             multi_gpu.parse_args(["--drive", *bad])
+
+
+def test_qw_bf16_rounds_the_decoder_layers_and_keeps_the_root_fp32():
+    torch.manual_seed(0)
+    model = runs.build_model(runs.MODELS["tiny"], torch.device("cpu"), "builtin")
+    before = {name: param.detach().clone() for name, param in model.named_parameters()}
+    runs.round_layers_to_bf16(model)
+    in_layers = {f"layers.{name}" for name, _ in runs.decoder_layers(model).named_parameters()}
+    assert 0 < len(in_layers) < len(before)  # the root holds the embedding, final norm and lm_head
+    for name, param in model.named_parameters():
+        assert param.dtype == (torch.bfloat16 if name in in_layers else torch.float32), name
+        assert torch.equal(param, before[name].to(param.dtype)), name
