@@ -178,6 +178,13 @@ def test_fp8_moments_refuse_missing_scales():
         adam_step_(params, grads, exp_avgs, exp_avg_sqs, scalars, moment_scale_invs=scale_invs)
     with pytest.raises(ValueError, match="neither exp_avgs nor exp_avg_sqs is fp8"):
         adam_moment_amaxes(params, grads, exp_avg_sqs, exp_avg_sqs, [], scalars)
+    with pytest.raises(ValueError, match="adam_moment_amaxes needs one grad and two moments per parameter"):
+        adam_moment_amaxes(params, grads[:-1], exp_avgs, exp_avg_sqs, scale_invs, scalars)
+    with pytest.raises(TypeError, match=r"grads\[0\] has dtype torch.int64"):
+        adam_moment_amaxes(params, [g.long() for g in grads], exp_avgs, exp_avg_sqs, scale_invs, scalars)
+    strided = [m if i != 2 else m.new_zeros(2 * m.numel())[::2] for i, m in enumerate(exp_avg_sqs)]
+    with pytest.raises(ValueError, match=r"exp_avg_sqs\[2\] must be contiguous"):
+        adam_moment_amaxes(params, grads, exp_avgs, strided, scale_invs, scalars)
     with pytest.raises(ValueError, match="these moments are not fp8"):
         adam_step_(params, grads, exp_avg_sqs, exp_avg_sqs, scalars, moment_scale_invs=scale_invs)
 

@@ -83,6 +83,7 @@ if TYPE_CHECKING:
     from quant_core.adam._capturable import AdamStepCapturableArgs
 
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+MOMENT_AND_FP8_DTYPES = (*MOMENT_DTYPES, *FP8_MOMENT_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -305,6 +306,44 @@ _PARAM_DTYPE_HINT = (
 )
 
 
+def check_per_parameter(
+    op: str,
+    lists: dict[str, Sequence[torch.Tensor]],
+    allowed: dict[str, tuple[torch.dtype, ...]],
+    needs: str,
+    *,
+    hint: str = "",
+    params_hint: str = "",
+) -> None:
+    """Checks the tensor lists an Adam operator takes, one tensor per parameter in each: equal
+    lengths (`needs` says what each parameter takes, for the error), one dtype per list out of
+    `allowed[name]` (`hint` appended to that error, `params_hint` too for params), every tensor on
+    params[0]'s device, with its parameter's number of elements and contiguous (grads may have any
+    strides; a list named `steps` holds 0-d tensors)."""
+    lengths = {name: len(tensors) for name, tensors in lists.items()}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"{op} needs {needs} per parameter, got lengths {lengths}")
+    params = lists["params"]
+    device = params[0].device if params else None
+    for name, tensors in lists.items():
+        for i, t in enumerate(tensors):
+            if t.dtype != tensors[0].dtype or t.dtype not in allowed[name]:
+                raise TypeError(
+                    f"{name}[{i}] has dtype {t.dtype}; every tensor of {name} must share one dtype out of "
+                    f"{', '.join(str(d) for d in allowed[name])}{hint}" + (params_hint if name == "params" else "")
+                )
+            if t.device != device:
+                raise ValueError(f"{name}[{i}] is on {t.device} but params[0] is on {device}; move it there")
+            if name == "steps":
+                if t.dim() != 0:
+                    raise ValueError(f"steps[{i}] must be a 0-d tensor (the parameter's step count), got {t.shape}")
+                continue
+            if t.numel() != params[i].numel():
+                raise ValueError(f"{name}[{i}] has {t.numel()} elements but params[{i}] has {params[i].numel()}")
+            if name != "grads" and not t.is_contiguous():
+                raise ValueError(f"{name}[{i}] must be contiguous (the kernels read and write it flat)")
+
+
 def _check_adam_inputs(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -313,33 +352,19 @@ def _check_adam_inputs(
     counters: Sequence[torch.Tensor] | None,
 ) -> list[torch.Tensor] | None:
     """Checks adam_step_'s arguments; returns the counters as the operator takes them."""
-    lists = {"params": params, "grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
-    lengths = {name: len(tensors) for name, tensors in lists.items()}
-    if len(set(lengths.values())) > 1:
-        raise ValueError(f"adam_step_ needs one grad and two moments per parameter, got lengths {lengths}")
-    allowed = {
-        "params": (torch.float32,) if counters is None else (torch.bfloat16,),
-        "grads": FLOAT_DTYPES,
-        "exp_avgs": (*MOMENT_DTYPES, *FP8_MOMENT_DTYPES),
-        "exp_avg_sqs": (*MOMENT_DTYPES, *FP8_MOMENT_DTYPES),
-    }
-    for name, tensors in lists.items():
-        if not tensors:
-            continue
-        dtype, device = tensors[0].dtype, params[0].device
-        for i, t in enumerate(tensors):
-            if t.dtype != dtype or t.dtype not in allowed[name]:
-                raise TypeError(
-                    f"{name}[{i}] has dtype {t.dtype}; every tensor of {name} must share one dtype out of "
-                    f"{', '.join(str(d) for d in allowed[name])} (call adam_step_ once per dtype combination)"
-                    + (_PARAM_DTYPE_HINT if name == "params" else "")
-                )
-            if t.device != device:
-                raise ValueError(f"{name}[{i}] is on {t.device} but params[0] is on {device}; move it there")
-            if t.numel() != params[i].numel():
-                raise ValueError(f"{name}[{i}] has {t.numel()} elements but params[{i}] has {params[i].numel()}")
-            if name != "grads" and not t.is_contiguous():
-                raise ValueError(f"{name}[{i}] must be contiguous (it is updated in place)")
+    check_per_parameter(
+        "adam_step_",
+        {"params": params, "grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
+        {
+            "params": (torch.float32,) if counters is None else (torch.bfloat16,),
+            "grads": FLOAT_DTYPES,
+            "exp_avgs": MOMENT_AND_FP8_DTYPES,
+            "exp_avg_sqs": MOMENT_AND_FP8_DTYPES,
+        },
+        "one grad and two moments",
+        hint=" (call adam_step_ once per dtype combination)",
+        params_hint=_PARAM_DTYPE_HINT,
+    )
     if counters is None:
         return None
     check_counters(counters, params)

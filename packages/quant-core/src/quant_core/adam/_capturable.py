@@ -46,8 +46,15 @@ from typing import NamedTuple
 import torch
 
 from quant_core._library import Kernel, call, define_op, register_kernel
-from quant_core.adam._adam import MOMENT_DTYPES, AdamScalars, adam_step_reference, amaxes_fake, check_counters
-from quant_core.adam._fp8_moments import FP8_MOMENT_DTYPES, check_fp8_moments, fp8_rows
+from quant_core.adam._adam import (
+    MOMENT_AND_FP8_DTYPES,
+    AdamScalars,
+    adam_step_reference,
+    amaxes_fake,
+    check_counters,
+    check_per_parameter,
+)
+from quant_core.adam._fp8_moments import check_fp8_moments, fp8_rows
 from quant_core.fp8._fp8 import amax_reference
 from quant_core.shared._checks import FLOAT_DTYPES
 from quant_core.shared._numerics import signed64
@@ -247,40 +254,20 @@ def _check_inputs(
     counters: Sequence[torch.Tensor] | None,
 ) -> None:
     lists = {"params": params, "grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "steps": steps}
-    if outs:
-        lists["outs"] = outs
-    lengths = {name: len(tensors) for name, tensors in lists.items()}
-    if len(set(lengths.values())) > 1:
-        raise ValueError(
-            f"adam_step_capturable_ needs one grad, two moments, a step count (and an out, if any) per parameter, "
-            f"got lengths {lengths}"
-        )
-    allowed = {
-        "params": FLOAT_DTYPES,
-        "grads": FLOAT_DTYPES,
-        "exp_avgs": (*MOMENT_DTYPES, *FP8_MOMENT_DTYPES),
-        "exp_avg_sqs": (*MOMENT_DTYPES, *FP8_MOMENT_DTYPES),
-        "steps": (torch.float32,),
-        "outs": FLOAT_DTYPES,
-    }
+    check_per_parameter(
+        "adam_step_capturable_",
+        lists | {"outs": outs} if outs else lists,
+        {
+            "params": FLOAT_DTYPES,
+            "grads": FLOAT_DTYPES,
+            "exp_avgs": MOMENT_AND_FP8_DTYPES,
+            "exp_avg_sqs": MOMENT_AND_FP8_DTYPES,
+            "steps": (torch.float32,),
+            "outs": FLOAT_DTYPES,
+        },
+        "one grad, two moments, a step count (and an out, if any)",
+    )
     device = params[0].device if params else None
-    for name, tensors in lists.items():
-        for i, t in enumerate(tensors):
-            if t.dtype != tensors[0].dtype or t.dtype not in allowed[name]:
-                raise TypeError(
-                    f"{name}[{i}] has dtype {t.dtype}; every tensor of {name} must share one dtype out of "
-                    f"{', '.join(str(d) for d in allowed[name])}"
-                )
-            if t.device != device:
-                raise ValueError(f"{name}[{i}] is on {t.device} but params[0] is on {device}; move it there")
-            if name == "steps":
-                if t.dim() != 0:
-                    raise ValueError(f"steps[{i}] must be a 0-d tensor (the parameter's step count), got {t.shape}")
-                continue
-            if t.numel() != params[i].numel():
-                raise ValueError(f"{name}[{i}] has {t.numel()} elements but params[{i}] has {params[i].numel()}")
-            if name != "grads" and not t.is_contiguous():
-                raise ValueError(f"{name}[{i}] must be contiguous (it is updated in place)")
     if found_inf is not None and (
         found_inf.dtype != torch.float32 or found_inf.numel() < 1 or found_inf.device != device
     ):

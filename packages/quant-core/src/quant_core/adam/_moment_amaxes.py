@@ -20,8 +20,8 @@ from typing import NamedTuple
 import torch
 
 from quant_core._library import Kernel, call, define_op, register_kernel
-from quant_core.adam._adam import MOMENT_DTYPES, AdamScalars
-from quant_core.adam._fp8_moments import FP8_MOMENT_DTYPES, MOMENT_CODES, check_fp8_moments, decode_moment, fp8_rows
+from quant_core.adam._adam import MOMENT_AND_FP8_DTYPES, AdamScalars, check_per_parameter
+from quant_core.adam._fp8_moments import MOMENT_CODES, check_fp8_moments, decode_moment, fp8_rows
 from quant_core.fp8._fp8 import amax_reference
 from quant_core.shared._checks import FLOAT_DTYPES
 from quant_core.shared._cpp import _C, DTYPE_CODES, pointer
@@ -48,27 +48,17 @@ def adam_moment_amaxes(
     Returns:
         fp32 (rows, len(params)): row r holds the amaxes of the r-th fp8 moment list.
     """
-    lists = {"params": params, "grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
-    if len({len(tensors) for tensors in lists.values()}) > 1:
-        raise ValueError(
-            f"adam_moment_amaxes needs one grad and two moments per parameter, got lengths "
-            f"{ {name: len(tensors) for name, tensors in lists.items()} }"
-        )
-    moment_dtypes = (*MOMENT_DTYPES, *FP8_MOMENT_DTYPES)
-    allowed = {"params": FLOAT_DTYPES, "grads": FLOAT_DTYPES, "exp_avgs": moment_dtypes, "exp_avg_sqs": moment_dtypes}
-    for name, tensors in lists.items():
-        for i, t in enumerate(tensors):
-            if t.dtype != tensors[0].dtype or t.dtype not in allowed[name]:
-                raise TypeError(
-                    f"{name}[{i}] has dtype {t.dtype}; every tensor of {name} must share one dtype out of "
-                    f"{', '.join(str(d) for d in allowed[name])}"
-                )
-            if t.device != params[0].device:
-                raise ValueError(f"{name}[{i}] is on {t.device} but params[0] is on {params[0].device}; move it there")
-            if t.numel() != params[i].numel():
-                raise ValueError(f"{name}[{i}] has {t.numel()} elements but params[{i}] has {params[i].numel()}")
-            if name != "grads" and not t.is_contiguous():
-                raise ValueError(f"{name}[{i}] must be contiguous")
+    check_per_parameter(
+        "adam_moment_amaxes",
+        {"params": params, "grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
+        {
+            "params": FLOAT_DTYPES,
+            "grads": FLOAT_DTYPES,
+            "exp_avgs": MOMENT_AND_FP8_DTYPES,
+            "exp_avg_sqs": MOMENT_AND_FP8_DTYPES,
+        },
+        "one grad and two moments",
+    )
     if params and not fp8_rows(exp_avgs, exp_avg_sqs):
         raise ValueError(
             "adam_moment_amaxes computes the amaxes of fp8 moments; neither exp_avgs nor exp_avg_sqs is fp8"
