@@ -40,7 +40,7 @@ CASES = [(torch.float8_e4m3fn, False), (torch.float8_e5m2, True)]
 
 @pytest.fixture(scope="module", params=[1, 2, 4])
 def world_size(request: pytest.FixtureRequest) -> SharedWorld:
-    """One world per world size runs every case ([Note: shared worlds] in quant_core.testing)."""
+    """One world per world size runs every case ([Note: shared worlds] in quant_fsdp.testing)."""
     return run_shared_world(request.param, {str(case): (_gather_quantized_shards, case) for case in CASES})
 
 

@@ -507,7 +507,7 @@ def test_resharding_to_a_smaller_mesh_is_refused_before_anything_changes():
     run_ranks(_refuses_int_reshard, 1)
 
 
-# ---- one world per world size runs every scenario above ([Note: shared worlds] in quant_core.testing)
+# ---- one world per world size runs every scenario above ([Note: shared worlds] in quant_fsdp.testing)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """torch's full state dict and quant_fsdp.export_state_dict of quantized models (gloo, CPU), every recipe.
 
-On 1 and 2 ranks (one world each, [Note: shared worlds] in quant_core.testing), for three ways of
+On 1 and 2 ranks (one world each, [Note: shared worlds] in quant_fsdp.testing), for three ways of
 sharding: quant_fsdp.fully_shard with quantized primary weights, torch's own fully_shard with
 quantized primary weights, quant_fsdp.fully_shard with quantize-on-gather:
 - at construction, `get_model_state_dict(full_state_dict=True)` equals the state dict of the same

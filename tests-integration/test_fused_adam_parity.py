@@ -117,7 +117,7 @@ def test_a_nan_gradient_on_one_rank_skips_the_step_on_every_rank(world_2):
     world_2.check("nan on one rank")
 
 
-# ---- one world per world size runs every scenario above ([Note: shared worlds] in quant_core.testing)
+# ---- one world per world size runs every scenario above ([Note: shared worlds] in quant_fsdp.testing)
 
 
 def parity() -> tuple:

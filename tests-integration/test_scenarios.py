@@ -23,14 +23,14 @@ freshly built modules, and is checked three ways, each its own test with the row
 - no unexpected fallback: comm_stats()'s fallback bytes (and, under FSDP2, the gather plan) are
   exactly the row's named fallback, none where it names none.
 
-Rows run in one shared world per world size ([Note: shared worlds] in quant_core.testing); rank 0
+Rows run in one shared world per world size ([Note: shared worlds] in quant_fsdp.testing); rank 0
 writes each row's losses and counters, the tests assert on them.
 
 The same ground in depth: test_fsdp2_training.py (parity, 12 steps, every recipe x mode x
-world 1/2/4 and HSDP), test_fused_adam_fsdp2.py / test_fused_adam_parity.py (FusedAdam on FSDP2),
+world 1/2/4), test_fused_adam_fsdp2.py / test_fused_adam_parity.py (FusedAdam on FSDP2),
 test_fsdp2_gather.py (exact bytes against a bf16 FSDP2 run, fallbacks, MXFP8 without
-reshard_after_forward), test_tensor_parallel.py (TP layers bitwise, TP+SP and TP+SP x FSDP2
-training, TP checkpoints), test_sequence_gather.py (every sequence-gather path),
+reshard_after_forward), test_tensor_parallel.py (TP layers bitwise, TP+SP training with quantized
+weights, TP checkpoints), test_sequence_gather.py (every sequence-gather path),
 test_fused_adam_checkpoint.py (DCP across world sizes and weight forms).
 """
 

@@ -280,7 +280,7 @@ def test_world_size_1_only_quantizes():
     run_ranks(_world_size_1, 1)
 
 
-# ---- one world per world size runs every scenario above ([Note: shared worlds] in quant_core.testing)
+# ---- one world per world size runs every scenario above ([Note: shared worlds] in quant_fsdp.testing)
 
 SCENARIOS = {
     "gathers": (_gathers, ()),
