@@ -3,8 +3,8 @@
 Per layer: forward and backward equal the unsharded layer's slices, with and without SP, on 2 and
 4 gloo ranks. Quantized primary weights: each local weight is the slice of the whole weight's
 quantization, and FusedAdam trains TP=2 + SP to the one-process losses for every recipe. Shared
-gathers, errors for bad inputs, DCP resume. Training parity with high-precision weights (TP, TP +
-SP, FSDP2 x TP + SP against one process, every recipe) is in the scenario table,
+gathers, errors for bad inputs, DCP resume. Training parity of the layouts against one process
+(TP, TP + SP, FSDP2 x TP + SP; every recipe in rows of each) is the scenario table's,
 test_scenarios.py.
 """
 
