@@ -8,6 +8,8 @@ per-tensor FP8 eager <= 150 us.
 
 Host time per step = wall time of N steps issued back to back, before the closing synchronize,
 over N: the GPU finishes each step before the host has issued the next, so the host never waits.
+Rounds interleave the layers (each round times every layer once): the ratios hold while the
+host's speed drifts.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
-from _arguments import Parser
+from _arguments import Parser, positive
 from rich.console import Console
 from rich.table import Table
 
@@ -67,33 +69,46 @@ def _layers(size: int, device: torch.device) -> dict[str, Callable[[], torch.nn.
     return builders
 
 
-def _host_us(step: Callable[[], None], device: torch.device, iterations: int, repeats: int) -> float:
-    for _ in range(3):  # warm-up: allocator, lazy init, compilation
+def _time_us(step: Callable[[], None], device: torch.device, iterations: int) -> float:
+    """Host microseconds per step over `iterations` steps back to back."""
+    start = time.perf_counter()
+    for _ in range(iterations):
         step()
+    elapsed = time.perf_counter() - start
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iterations):
-            step()
-        samples.append((time.perf_counter() - start) / iterations * 1e6)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    return sorted(samples)[len(samples) // 2]
+    return elapsed / iterations * 1e6
 
 
 def benchmark_linear_host(
-    device: torch.device, *, size: int = 256, iterations: int = 50, repeats: int = 5, compile: bool = True
+    device: torch.device,
+    *,
+    size: int = 256,
+    iterations: int = 50,
+    repeats: int = 5,
+    compile: bool = True,
+    layers: tuple[str, ...] = (),
 ) -> list[LinearHostResult]:
-    """Host time per fwd + bwd of every layer kind on `device` (eager, and compiled if asked)."""
+    """Host time per fwd + bwd of every layer kind on `device` (eager, and compiled if asked), or
+    of the kinds named in `layers` (nn.Linear, the baseline, always).
+
+    Every layer is built, compiled and warmed up first; then each of `repeats` rounds times every
+    layer once, so a drift of the host's speed during the run (up to ~2x on the GPU VMs) reaches
+    every layer alike, and a layer's host time is the median of its rounds."""
+    builders = _layers(size, device)
+    unknown = sorted(set(layers) - set(builders))
+    if unknown:
+        raise ValueError(f"unknown layer kinds {unknown}: choose from {sorted(builders)}")
     x = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     dy = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    measured: list[tuple[str, bool, float, str]] = []
-    for name, build in _layers(size, device).items():
+    steps: dict[tuple[str, bool], Callable[[], None]] = {}
+    errors: dict[tuple[str, bool], str] = {}
+    torch._dynamo.reset()
+    for name, build in builders.items():
+        if layers and name not in layers and name != "nn.Linear":
+            continue
         for compiled in (False, True) if compile else (False,):
             try:
-                torch._dynamo.reset()
                 layer = copy.deepcopy(build())
                 forward = torch.compile(layer) if compiled else layer
 
@@ -103,18 +118,34 @@ def benchmark_linear_host(
                     # quantized input]) and skip the input's quantize.
                     forward(x.detach().requires_grad_(True)).backward(dy)
 
-                measured.append((name, compiled, _host_us(step, device, iterations, repeats), ""))
+                for _ in range(3):  # warm-up: allocator, lazy init, compilation
+                    step()
+                steps[name, compiled] = step
             except Exception as error:  # one failing layer kind must not hide the others
-                measured.append((name, compiled, float("nan"), f"{type(error).__name__}: {str(error).splitlines()[0]}"))
-    baseline = next(us for name, compiled, us, _ in measured if name == "nn.Linear" and not compiled)
-    return [LinearHostResult(name, compiled, us, us / baseline, error) for name, compiled, us, error in measured]
+                errors[name, compiled] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    rounds: dict[tuple[str, bool], list[float]] = {key: [] for key in steps}
+    for _ in range(repeats):
+        for key, step in steps.items():
+            rounds[key].append(_time_us(step, device, iterations))
+    host_us = {key: sorted(samples)[len(samples) // 2] for key, samples in rounds.items()}
+    baseline = host_us["nn.Linear", False]
+    order = [(name, compiled) for name in builders for compiled in (False, True)]
+    results = []
+    for key in sorted({*steps, *errors}, key=order.index):
+        us = host_us.get(key, float("nan"))
+        results.append(LinearHostResult(*key, us, us / baseline, errors.get(key, "")))
+    return results
 
 
-def run_linear_host_bench(out: pathlib.Path, device: str = "all", *, size: int = 256) -> int:
-    """Measures every layer kind on CUDA (the CPU when no GPU is present or asked for), prints the
-    table and writes linear_host.json; 1 if a layer kind failed."""
+def run_linear_host_bench(
+    out: pathlib.Path, device: str = "all", *, size: int = 256, layers: tuple[str, ...] = (), repeats: int = 5
+) -> int:
+    """Measures every layer kind (or those named) on CUDA (the CPU when no GPU is present or
+    asked for), prints the table and writes linear_host.json; 1 if a layer kind failed."""
     target = torch.device("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
-    results = benchmark_linear_host(target, size=size)
+    results = benchmark_linear_host(target, size=size, layers=layers, repeats=repeats)
     name = torch.cuda.get_device_name(target) if target.type == "cuda" else "cpu"
     table = Table(title=f"Host time per Linear forward + backward, bf16 {size}^3, {name}, torch {torch.__version__}")
     for column in ("layer", "mode", "host us", "vs nn.Linear", "error"):
@@ -135,8 +166,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device", choices=("all", "cpu", "cuda"), default="all", help="cuda, cpu; all (default): CUDA if present"
     )
+    parser.add_argument(
+        "--layers",
+        type=lambda text: tuple(text.split(",")),
+        default=(),
+        help='comma-separated layer kinds, e.g. "qt fp8,torchao tensorwise" (default: all; nn.Linear always)',
+    )
+    parser.add_argument("--repeats", type=positive, default=5, help="rounds; each times every layer (default 5)")
     args = parser.parse_args(argv)
-    return run_linear_host_bench(args.out, args.device)
+    try:
+        return run_linear_host_bench(args.out, args.device, layers=args.layers, repeats=args.repeats)
+    except ValueError as error:
+        parser.error(str(error))
 
 
 if __name__ == "__main__":

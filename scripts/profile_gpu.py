@@ -1,7 +1,7 @@
 """Profiles for the GPU machine (run from scripts/gpu-suite.sh's environment).
 
-    python3 scripts/profile_gpu.py host [RECIPE ...]   # cProfile of qt.nn.Linear fwd+bwd, bf16 256^3
-    python3 scripts/profile_gpu.py ops [RECIPE ...]    # torch.profiler: ops and launches per fwd+bwd
+    python3 scripts/profile_gpu.py host [LAYER ...]    # cProfile of a Linear fwd+bwd, bf16 256^3
+    python3 scripts/profile_gpu.py ops [LAYER ...]     # torch.profiler: ops and launches per fwd+bwd
     python3 scripts/profile_gpu.py parts               # host us of each piece of an fp8 fwd+bwd, timed alone
     python3 scripts/profile_gpu.py accumulation        # fp8 forward GEMMs with and without fast accumulation
     python3 scripts/profile_gpu.py weight-cache [RECIPE ...]  # host us per 4-micro-batch step, with and without qt.nn.weight_cache
@@ -12,8 +12,9 @@
     python3 scripts/profile_gpu.py optim [KIND ...]    # GPU time per FusedAdam step at ~1e9 params, by kernel
     python3 scripts/profile_gpu.py optim-1e7 [KIND ...]  # host time of FusedAdam vs AdamW + requantize at 1e7
 
-`host` prints where the host time of one forward + backward goes (the functions with the most own
-time, and the count of calls per step); `e2e` trains benchmarks/e2e.py's default model with each run (default: bf16:eager,
+A LAYER is nn.Linear, a recipe name or torchao (Float8Linear, tensorwise), NAME:compiled under
+torch.compile. `host` prints where the host time of one forward + backward goes (the functions
+with the most own time, and the count of calls per step); `e2e` trains benchmarks/e2e.py's default model with each run (default: bf16:eager,
 fp8:hp:compiled, torchao-tensorwise:compiled) and prints, per step, the GPU time of the kernels
 grouped (GEMMs, attention, quantize/cast, optimizer, other elementwise) and the top kernels;
 `kernels` launches each quantize kernel twice (a warm-up,
@@ -44,10 +45,18 @@ SIZE = 256
 
 
 def _layer(name: str) -> torch.nn.Module:
-    layer = torch.nn.Linear(SIZE, SIZE, device="cuda", dtype=torch.bfloat16)
-    if name == "nn.Linear":
-        return layer
-    return qt.convert(torch.nn.Sequential(layer), qt.recipe_from_name(name))[0]
+    """A Linear by name: nn.Linear, a recipe's qt.nn.Linear, or torchao (Float8Linear,
+    tensorwise); NAME:compiled is it under torch.compile."""
+    kind, _, mode = name.partition(":")
+    layer: torch.nn.Module = torch.nn.Linear(SIZE, SIZE, device="cuda", dtype=torch.bfloat16)
+    if kind == "torchao":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig.from_recipe_name("tensorwise")
+        layer = convert_to_float8_training(torch.nn.Sequential(layer), config=config)[0]
+    elif kind != "nn.Linear":
+        layer = qt.convert(torch.nn.Sequential(layer), qt.recipe_from_name(kind))[0]
+    return torch.compile(layer) if mode == "compiled" else layer
 
 
 def _warm_layers(recipes: list[str]) -> Iterator[tuple[str, Callable[[], None]]]:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
-from linear_host import RECIPES, benchmark_linear_host
+from linear_host import RECIPES, benchmark_linear_host, main
 
 
 def test_every_layer_kind_gets_a_host_time():
@@ -35,3 +36,17 @@ def test_each_step_quantizes_a_new_input(monkeypatch):
     benchmark_linear_host(torch.device("cpu"), size=128, iterations=3, repeats=2, compile=False)
     assert seen
     assert not any(seen)
+
+
+def test_layers_names_the_kinds_measured_beside_nn_linear():
+    results = benchmark_linear_host(
+        torch.device("cpu"), size=128, iterations=1, repeats=1, compile=False, layers=("qt fp8",)
+    )
+    assert [r.layer for r in results] == ["nn.Linear", "qt fp8"]
+
+
+def test_an_unknown_layer_kind_is_refused_with_the_choices(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["--device", "cpu", "--layers", "qt fp9"])
+    assert exit.value.code == 2
+    assert "unknown layer kinds ['qt fp9']: choose from" in capsys.readouterr().err

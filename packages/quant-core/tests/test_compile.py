@@ -8,6 +8,10 @@ tracing needs, in well under a second each); the Inductor test runs in the GPU s
 from __future__ import annotations
 
 import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -269,3 +273,27 @@ def test_inductor_launches_the_fp8_triton_kernels_itself_and_equals_eager():
             assert "torch.ops.quant_core" not in source  # no opaque operator call left
             assert "_cast_kernel" in source
             assert "_amax_kernel" in source
+
+
+# [Note: static launches under torch.compile]: every kernel of every case, Inductor's and
+# quant_core's, is launched by torch's C++ launcher. Inductor's strict flag makes a kernel that
+# would take Triton's Python launcher fail the compile; a fresh cache directory makes every
+# kernel compile (and choose its launcher) in this run.
+@pytest.mark.cuda
+def test_inductor_launches_every_kernel_statically(tmp_path):
+    code = f"""
+import sys
+sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
+import torch
+from test_compile import CASES
+from quant_core.testing import adversarial
+x = adversarial((64, 160), torch.bfloat16, seed=0).cuda()
+seed = torch.tensor(2**62 + 1, device="cuda")
+for name, case in CASES.items():
+    torch._dynamo.reset()
+    torch.compile(case, fullgraph=True)(x, seed)
+torch.cuda.synchronize()
+"""
+    env = {**os.environ, "TORCHINDUCTOR_STRICT_STATIC_CUDA_LAUNCHER": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    env.pop("TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS", None)  # quant_core's default
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)

@@ -1,10 +1,16 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from importlib import metadata
 
+import pytest
+
 import quant_core
+
+# The name as Inductor reads it (not imported from quant_core: the test must see a misspelling).
+STATIC_LAUNCH_ENV_VAR = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
 
 
 def test_version_is_the_installed_distribution_version():
@@ -35,3 +41,22 @@ assert torch.equal(got.rowwise_data.view(torch.uint8), want.rowwise_data.view(to
 assert torch.equal(got.rowwise_scale_inv, want.rowwise_scale_inv)
 """
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("set_by_user", [None, "0", "1"])
+def test_the_triton_kernels_turn_on_inductors_static_launches_unless_the_user_chose(set_by_user):
+    # [Note: static launches under torch.compile]: the variable (for Inductor's compile workers)
+    # and Inductor's flag (for this process) say the same, the user's choice when one was made.
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != STATIC_LAUNCH_ENV_VAR}
+    if set_by_user is not None:
+        env[STATIC_LAUNCH_ENV_VAR] = set_by_user
+    code = f"""
+import os
+import torch._inductor.config as inductor_config
+import quant_core.shared._triton_launch
+print(os.environ["{STATIC_LAUNCH_ENV_VAR}"], inductor_config.static_launch_user_defined_triton_kernels)
+"""
+    printed = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
+    want = "1 True" if set_by_user in (None, "1") else "0 False"
+    assert printed.stdout.split("\n")[-2] == want

@@ -14,6 +14,18 @@ make at the end of `JITFunction.run`), passing no launch hooks and no launch met
 hook is set (Triton keeps its hooks in `HookChain`s that are never None: calling two empty chains
 and building the metadata cost a few us per launch on an H100 VM's host). Under TRITON_INTERPRET=1
 every launch takes the normal path.
+
+[Note: static launches under torch.compile] In compiled code these kernels are `wrap_triton`
+calls that Inductor launches itself ([Note: traced Triton kernels] in quant_core._library). It
+launches its own kernels through torch's C++ launcher, but another library's kernels through
+Triton's Python launcher unless TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=1: about
+10 us more host time per launch (torch.profiler on an H200 host: 22-33 us of host time per launch
+of these kernels against 10-17 per Inductor kernel), and a per-tensor FP8 Linear's forward +
+backward has 11 of them. Importing the Triton kernels sets that variable where it is unset, and
+Inductor's flag with it (the variable reaches Inductor's compile workers; the flag covers a
+process that imported Inductor's config before); a kernel Inductor cannot launch statically
+takes Triton's launcher as before. TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=0
+keeps Triton's launcher for every such kernel.
 """
 
 from __future__ import annotations
@@ -22,12 +34,17 @@ import os
 from typing import Any
 
 import torch
+from torch._inductor import config as inductor_config
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.library import wrap_triton
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+STATIC_LAUNCH_ENV_VAR = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
+if STATIC_LAUNCH_ENV_VAR not in os.environ:  # [Note: static launches under torch.compile]
+    os.environ[STATIC_LAUNCH_ENV_VAR] = "1"
+    inductor_config.static_launch_user_defined_triton_kernels = True
 # key -> (compiled kernel, the values of its parameters after the positional ones)
 _compiled: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}
 
