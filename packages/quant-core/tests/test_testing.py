@@ -1,0 +1,60 @@
+"""quant_core.testing's helpers that change how tests compute: `bf16_gemms_in_fp32`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quant_core.testing import bf16_gemms_in_fp32
+
+aten = torch.ops.aten
+
+
+def _operands(seed: int, *shapes: tuple[int, ...]) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator).bfloat16() for shape in shapes]
+
+
+@pytest.mark.parametrize(
+    ("op", "shapes", "kwargs"),
+    [
+        (aten.mm.default, [(48, 200), (200, 40)], {}),
+        (aten.addmm.default, [(40,), (48, 200), (200, 40)], {"beta": 0.5, "alpha": 2.0}),
+        (aten.bmm.default, [(3, 48, 200), (3, 200, 40)], {}),
+        (aten.baddbmm.default, [(3, 48, 40), (3, 48, 200), (3, 200, 40)], {"beta": 0.5, "alpha": 2.0}),
+    ],
+    ids=["mm", "addmm", "bmm", "baddbmm"],
+)
+def test_bf16_gemms_run_as_fp32_gemms_rounded_once(op, shapes, kwargs):
+    args = _operands(0, *shapes)
+    with bf16_gemms_in_fp32():
+        got = op(*args, **kwargs)
+    want = op(*(a.float() for a in args), **kwargs).bfloat16()
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+    # torch's own bf16 kernel sums in another order: within a bf16 ulp or so of the fp32 way.
+    torch.testing.assert_close(op(*args, **kwargs).float(), want.float(), rtol=2**-7, atol=2**-7)
+
+
+def test_other_dtypes_and_ops_run_as_they_would():
+    a, b = torch.randn(32, 64), torch.randn(64, 16)
+    half_a, half_b = a.half(), b.half()
+    x = _operands(1, (32, 64))[0]
+    with bf16_gemms_in_fp32():
+        fp32, fp16, gelu = a @ b, half_a @ half_b, torch.nn.functional.gelu(x)
+    assert torch.equal(fp32, a @ b)
+    assert torch.equal(fp16, half_a @ half_b)
+    assert gelu.dtype == torch.bfloat16
+    assert torch.equal(gelu, torch.nn.functional.gelu(x))
+
+
+def test_the_backward_gemms_of_a_bf16_linear_run_the_fp32_way_too():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 32, bias=False).bfloat16()
+    x, dy = _operands(2, (16, 64), (16, 32))
+    x.requires_grad_(True)
+    with bf16_gemms_in_fp32():
+        layer(x).backward(dy)
+    weight = layer.weight.detach()
+    assert torch.equal(x.grad, (dy.float() @ weight.float()).bfloat16())
+    assert torch.equal(layer.weight.grad, (dy.t().float() @ x.detach().float()).bfloat16())
