@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 import quant_core
 import quant_fsdp
 import quant_tensors as qt
-from quant_fsdp.demo import run_ranks
+from quant_fsdp.testing import run_on_warm_ranks
 
 STEPS = 3
 
@@ -59,7 +59,7 @@ def _histories_agree_and_hold_the_maximum(rank: int, world_size: int) -> None:
 
 
 def test_delayed_histories_are_reduced_over_the_data_parallel_group():
-    run_ranks(_histories_agree_and_hold_the_maximum, 2)
+    run_on_warm_ranks(_histories_agree_and_hold_the_maximum, 2)
 
 
 # ---- the state dict holds the synced histories -------------------------------------------------------
@@ -124,4 +124,4 @@ def _state_dict_holds_synced_histories(rank: int, world_size: int, directory: pa
 
 
 def test_state_dict_holds_the_histories_synced_over_ranks_and_resumes_bitwise(tmp_path):
-    run_ranks(_state_dict_holds_synced_histories, 2, tmp_path / "checkpoint")
+    run_on_warm_ranks(_state_dict_holds_synced_histories, 2, tmp_path / "checkpoint")

@@ -21,7 +21,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_fsdp.demo import run_ranks
+from quant_fsdp.testing import run_on_warm_ranks
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 # (weights, sharded by): quantized weights by quant_fsdp and by torch's fully_shard, and
@@ -97,4 +97,4 @@ def _exports(rank: int, world_size: int) -> None:
 
 
 def test_sharded_quantized_llama_exports_to_the_plain_class_and_generates_alike():
-    run_ranks(_exports, 2)
+    run_on_warm_ranks(_exports, 2)

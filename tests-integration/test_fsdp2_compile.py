@@ -42,8 +42,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig, run_ranks
-from quant_fsdp.testing import local_bytes, train_data_parallel
+from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig
+from quant_fsdp.testing import local_bytes, run_on_warm_ranks, train_data_parallel
 from quant_optim import FusedAdam
 
 
@@ -114,7 +114,7 @@ def _compiled_blocks_train_like_eager(rank: int, world_size: int) -> None:
 
 
 def test_per_block_compile_trains_bitwise_like_eager():
-    run_ranks(_compiled_blocks_train_like_eager, 2)
+    run_on_warm_ranks(_compiled_blocks_train_like_eager, 2)
 
 
 # ---- torchtitan's layout: graph breaks and recompiles counted ------------------------------------
@@ -203,7 +203,7 @@ def _every_configuration(rank: int, world_size: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def compile_counts(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("compile") / "counts.pt"
-    run_ranks(_every_configuration, 2, str(out))
+    run_on_warm_ranks(_every_configuration, 2, str(out))
     return torch.load(out)
 
 

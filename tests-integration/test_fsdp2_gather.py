@@ -22,8 +22,14 @@ from torch.distributed.tensor import DTensor
 import quant_fsdp
 import quant_tensors as qt
 from quant_core.testing import raw_bits
-from quant_fsdp.demo import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig, run_ranks
-from quant_fsdp.testing import SharedWorld, count_all_gather_bytes, run_shared_world, train_data_parallel
+from quant_fsdp.demo import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig
+from quant_fsdp.testing import (
+    SharedWorld,
+    count_all_gather_bytes,
+    run_on_warm_ranks,
+    run_shared_world,
+    train_data_parallel,
+)
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 MODES = ("quantized-weights", "quantize-on-gather")
@@ -504,7 +510,7 @@ def test_watch_gathers_refuses_a_timeout_that_is_not_positive():
 
 
 def test_resharding_to_a_smaller_mesh_is_refused_before_anything_changes():
-    run_ranks(_refuses_int_reshard, 1)
+    run_on_warm_ranks(_refuses_int_reshard, 1)
 
 
 # ---- one world per world size runs every scenario above ([Note: shared worlds] in quant_fsdp.testing)

@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from quant_core.testing import raw_bits
 from quant_fsdp import demo
-from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig, run_ranks
-from quant_fsdp.testing import local_state_bytes, quantized_transformer
+from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig
+from quant_fsdp.testing import local_state_bytes, quantized_transformer, run_on_warm_ranks
 from quant_optim import FusedAdam
 
 RECIPES = ("mxfp8", "fp8-block")
@@ -107,7 +107,7 @@ def _save_resume_and_refuse(rank: int, world_size: int, root: pathlib.Path) -> N
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("fused_adam_bf16_dcp")
-    run_ranks(_save_resume_and_refuse, WORLD_SIZE, root)
+    run_on_warm_ranks(_save_resume_and_refuse, WORLD_SIZE, root)
     return torch.load(root / "results.pt", weights_only=True)
 
 

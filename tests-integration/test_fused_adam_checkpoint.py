@@ -4,7 +4,7 @@ A quantized weight takes one of two forms per world size ([Note: checkpoints acr
 in quant_optim._adam): quantized, or, where its shards would split blocks, high precision (the
 alignment fallback; with this model: blockwise FP8's 128-row blocks on 2 and 4 ranks, and every
 format's 128-row weights on 3 ranks, whose shards are uneven). Its fp32 master is its value
-whatever the form. Scenario, in five run_ranks calls (processes are shared, the comparisons run
+whatever the form. Scenario, in five calls of warm ranks (processes are shared, the comparisons run
 in the test process):
 - 2 ranks, every recipe: train 5 steps, save model and optimizer (get_state_dict, dcp.save), write
   the full tensors saved, train on to step 10;
@@ -40,8 +40,8 @@ import quant_fsdp
 import quant_tensors as qt
 from quant_core.testing import raw_bits
 from quant_fsdp import demo
-from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig, run_ranks
-from quant_fsdp.testing import local_state_bytes, quantized_transformer
+from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig
+from quant_fsdp.testing import local_state_bytes, quantized_transformer, run_on_warm_ranks
 from quant_optim import FusedAdam
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
@@ -314,20 +314,20 @@ def _on_two_ranks_again(rank: int, world_size: int, root: pathlib.Path) -> None:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     root = tmp_path_factory.mktemp("fused_adam_dcp")
-    run_ranks(_save_and_train_on, 2, root, RECIPES, LAST_STEP)
+    run_on_warm_ranks(_save_and_train_on, 2, root, RECIPES, LAST_STEP)
     return root
 
 
 @pytest.fixture(scope="module")
 def loaded_on_other_world_sizes(checkpoints: pathlib.Path) -> pathlib.Path:
     for world_size in OTHER_WORLD_SIZES:
-        run_ranks(_on_another_world_size, world_size, checkpoints)
+        run_on_warm_ranks(_on_another_world_size, world_size, checkpoints)
     return checkpoints
 
 
 @pytest.fixture(scope="module")
 def back_on_two_ranks(loaded_on_other_world_sizes: pathlib.Path) -> pathlib.Path:
-    run_ranks(_on_two_ranks_again, 2, loaded_on_other_world_sizes)
+    run_on_warm_ranks(_on_two_ranks_again, 2, loaded_on_other_world_sizes)
     return loaded_on_other_world_sizes
 
 

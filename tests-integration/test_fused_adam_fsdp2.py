@@ -12,8 +12,8 @@ from torch.distributed.tensor import DTensor
 import quant_tensors as qt
 from quant_core.testing import raw_bits
 from quant_fsdp import demo
-from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig, run_ranks
-from quant_fsdp.testing import local_bytes, quantized_transformer
+from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig
+from quant_fsdp.testing import local_bytes, quantized_transformer, run_on_warm_ranks
 from quant_optim import FusedAdam
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
@@ -50,7 +50,7 @@ def _world_1(rank: int, world_size: int) -> None:
 
 
 def test_world_size_1_equals_no_fsdp_bitwise():
-    run_ranks(_world_1, 1)
+    run_on_warm_ranks(_world_1, 1)
 
 
 CASES = (
@@ -118,4 +118,4 @@ def assert_equal_on_every_rank(scalar: torch.Tensor, world_size: int, what: str)
 
 
 def test_one_amax_all_reduce_per_step_on_two_ranks():
-    run_ranks(_one_amax_all_reduce, 2)
+    run_on_warm_ranks(_one_amax_all_reduce, 2)

@@ -24,7 +24,8 @@ import torch
 
 import quant_tensors as qt
 from quant_core.testing import bf16_gemms_in_fp32
-from quant_fsdp.demo import MarkovTask, TinyTransformer, run_ranks, train
+from quant_fsdp.demo import MarkovTask, TinyTransformer, train
+from quant_fsdp.testing import run_on_warm_ranks
 
 STEPS = 100
 BATCH = 4  # sequences of 64 tokens per step; keeps the 11 runs within a few minutes of CI
@@ -66,7 +67,7 @@ def _train_runs(rank: int, world_size: int, folder: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str | None, bool], tuple[float, list[float]]]:
     folder = tmp_path_factory.mktemp("training")
-    run_ranks(_train_runs, WORKERS, str(folder))
+    run_on_warm_ranks(_train_runs, WORKERS, str(folder))
     outcomes = {}
     for i, run in enumerate(RUNS):
         result = json.loads((folder / f"run-{i}.json").read_text())

@@ -10,14 +10,22 @@ batch, gradients averaged. With quantized activations it is the
 reference that differs from FSDP2 only in the order gradients are summed: each replica quantizes
 its own slice, with that slice's per-tensor amax and its own stochastic-rounding stream, as each
 rank does (a whole-batch single model quantizes the whole batch at once). `run_shared_world` runs
-a test file's multi-rank scenarios in one process group ([Note: shared worlds]).
+a test file's multi-rank scenarios in one process group ([Note: shared worlds]), on ranks that
+stay up between calls (`run_on_warm_ranks`, [Note: warm ranks]).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
+import gc
 import inspect
+import multiprocessing.connection
+import os
 import pathlib
+import signal
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -34,7 +42,7 @@ import quant_tensors as qt
 from quant_fsdp._all_gather_counter import AllGatherBytes, count_all_gather_bytes
 from quant_fsdp._fully_shard import fully_shard
 from quant_fsdp._quantize_on_gather import QuantizeOnGatherTensor
-from quant_fsdp.demo import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig, run_ranks, train
+from quant_fsdp.demo import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig, train
 from quant_fsdp.demo._launch import load_by_path
 from quant_fsdp.parallel import QuantColwiseParallel, QuantRowwiseParallel
 
@@ -47,6 +55,7 @@ __all__ = [
     "local_bytes",
     "local_state_bytes",
     "quantized_transformer",
+    "run_on_warm_ranks",
     "run_shared_world",
     "tensor_parallel_plan",
     "train_data_parallel",
@@ -264,13 +273,13 @@ class SharedWorld:
                 f"scenario {label!r} failed in the shared world of {self.world_size} ranks:\n{self.failure}"
             )
         fn, args = self.scenarios[label]
-        run_ranks(fn, self.world_size, *args)
+        run_on_warm_ranks(fn, self.world_size, *args)
 
 
 def run_shared_world(world_size: int, scenarios: dict[str, tuple[Callable[..., None], tuple[Any, ...]]]) -> SharedWorld:
     """Runs every scenario (label: (fn, args), fn(rank, world_size, *args) as for run_ranks) in order
-    in one world of `world_size` gloo ranks ([Note: shared worlds]); never raises for a failing
-    scenario: `check(label)` on the result does."""
+    in one world of `world_size` gloo ranks ([Note: shared worlds], on warm ranks); never raises
+    for a failing scenario: `check(label)` on the result does."""
     sources = {str(pathlib.Path(inspect.getfile(fn)).resolve()) for fn, _ in scenarios.values()}
     if len(sources) != 1:
         raise ValueError(f"scenarios of one world come from one file; got {sorted(sources)}")
@@ -280,7 +289,7 @@ def run_shared_world(world_size: int, scenarios: dict[str, tuple[Callable[..., N
         log = pathlib.Path(folder) / "passed"
         log.touch()
         try:
-            run_ranks(_run_scenarios, world_size, sources.pop(), plan, str(log))
+            run_on_warm_ranks(_run_scenarios, world_size, sources.pop(), plan, str(log))
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
             # The rank that spawn reports may be one whose peer failed first: add every rank's own error.
             errors = sorted(pathlib.Path(folder).glob("error-rank-*"))
@@ -301,3 +310,131 @@ def _run_scenarios(rank: int, world_size: int, source: str, plan: list, log: str
         if rank == 0:
             with open(log, "a") as file:
                 file.write(f"{label}\n")
+
+
+# [Note: warm ranks]
+# Spawning a rank costs ~6 s of CPU before any work (importing torch, its distributed and dynamo
+# modules, the quant-* packages): minutes of a CI run over the tests' process groups. So the
+# tests' gloo worlds run on ranks that stay up: the first call of a world size starts its ranks
+# and process group, later calls send them (fn's file, fn's name, args) and wait for every rank's
+# answer. Each call loads fn's file afresh (its module globals start new, as in a new process)
+# and ends with a barrier, then resets torch.compile's caches and collects garbage. A rank that
+# raises or dies ends its world: the other ranks are killed and the error is raised as
+# torch.multiprocessing's spawn raises it (ProcessRaisedException with the rank's traceback,
+# ProcessExitedException with its exit code or signal); the next call starts new ranks. What
+# must run in a fresh process (a process that never imports quant_fsdp, a rank killed on
+# purpose, NCCL) keeps `run_ranks`. At most `_MAX_WORLDS` worlds stay up at once (the least
+# recently used one is closed first) to bound the memory their idle ranks hold.
+_MAX_WORLDS = 3
+
+
+class _WarmWorld:
+    """`world_size` rank processes joined in a gloo process group, each serving calls over a pipe."""
+
+    def __init__(self, world_size: int) -> None:
+        context = mp.get_context("spawn")
+        self.folder = tempfile.TemporaryDirectory()
+        store = str(pathlib.Path(self.folder.name) / "store")
+        self.connections = []
+        self.processes = []
+        for rank in range(world_size):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=_serve_calls, args=(rank, world_size, store, theirs), daemon=True)
+            process.start()
+            theirs.close()
+            self.connections.append(ours)
+            self.processes.append(process)
+
+    def run(self, source: str, name: str, args: tuple[Any, ...]) -> None:
+        for connection in self.connections:
+            connection.send((source, name, args))
+        waiting = dict(enumerate(self.connections))
+        while waiting:
+            ready = multiprocessing.connection.wait([*waiting.values(), *(p.sentinel for p in self.processes)])
+            for rank, connection in list(waiting.items()):
+                if connection in ready:
+                    try:
+                        outcome = connection.recv()
+                    except EOFError:  # it died: its exit code says how, below
+                        continue
+                    if outcome is not None:
+                        raise mp.ProcessRaisedException(
+                            f"\n\n-- Process {rank} terminated with the following error:\n{outcome}",
+                            rank,
+                            self.processes[rank].pid,
+                        )
+                    del waiting[rank]
+            for rank, process in enumerate(self.processes):
+                if rank in waiting and process.exitcode is not None:
+                    code = process.exitcode
+                    signal_name = signal.Signals(-code).name if code < 0 else None
+                    how = f"signal {signal_name}" if signal_name else f"exit code {code}"
+                    raise mp.ProcessExitedException(
+                        f"process {rank} terminated with {how}", rank, process.pid, code, signal_name
+                    )
+
+    def close(self) -> None:
+        for connection in self.connections:
+            with contextlib.suppress(OSError):  # that rank is gone already
+                connection.send(None)
+        for process in self.processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self.folder.cleanup()
+
+    def kill(self) -> None:
+        for process in self.processes:
+            process.kill()
+        for process in self.processes:
+            process.join()
+        self.folder.cleanup()
+
+
+_worlds: dict[int, _WarmWorld] = {}  # by world size, least recently used first
+
+
+def run_on_warm_ranks(fn: Callable[..., None], world_size: int, *args: Any) -> None:
+    """`run_ranks(fn, world_size, *args)` on gloo ranks that stay up between calls ([Note: warm
+    ranks]): fn(rank, world_size, *args) on every rank, a module-level function of a file that
+    rank processes can load by path. A failure in any rank re-raises here as `run_ranks` raises it."""
+    source = str(pathlib.Path(inspect.getfile(fn)).resolve())
+    world = _worlds.pop(world_size, None)
+    if world is None:
+        while len(_worlds) >= _MAX_WORLDS:
+            _worlds.pop(next(iter(_worlds))).close()
+        world = _WarmWorld(world_size)
+    try:
+        world.run(source, fn.__name__, args)
+    except BaseException:
+        world.kill()
+        raise
+    _worlds[world_size] = world
+
+
+@atexit.register
+def _close_worlds() -> None:
+    while _worlds:
+        _worlds.popitem()[1].close()
+
+
+def _serve_calls(rank: int, world_size: int, store: str, connection: multiprocessing.connection.Connection) -> None:
+    torch.set_num_threads(1)  # the world's processes share the machine's cores
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    while (call := connection.recv()) is not None:
+        source, name, args = call
+        try:
+            getattr(load_by_path(source), name)(rank, world_size, *args)
+            dist.barrier()  # no rank takes the next call while another still runs this one
+        except BaseException:
+            connection.send(traceback.format_exc())
+            break
+        torch._dynamo.reset()
+        gc.collect()
+        connection.send(None)
+    # As run_ranks's ranks: leave without tearing the process group down (gloo's threads race
+    # with interpreter finalization).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
