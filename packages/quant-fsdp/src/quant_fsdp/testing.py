@@ -318,12 +318,15 @@ def _run_scenarios(rank: int, world_size: int, source: str, plan: list, log: str
 # tests' gloo worlds run on ranks that stay up: the first call of a world size starts its ranks
 # and process group, later calls send them (fn's file, fn's name, args) and wait for every rank's
 # answer. Each call loads fn's file afresh (its module globals start new, as in a new process)
-# and ends with a barrier, then resets torch.compile's caches and collects garbage. A rank that
+# and ends with a barrier, then drops that module, resets torch.compile's caches and collects
+# garbage. What torch keeps process-wide (compiled artifacts, fake tensors in their graphs) may
+# outlive a call: a check over every live object skips what it does not own. A rank that
 # raises or dies ends its world: the other ranks are killed and the error is raised as
 # torch.multiprocessing's spawn raises it (ProcessRaisedException with the rank's traceback,
-# ProcessExitedException with its exit code or signal); the next call starts new ranks. What
-# must run in a fresh process (a process that never imports quant_fsdp, a rank killed on
-# purpose, NCCL) keeps `run_ranks`. At most `_MAX_WORLDS` worlds stay up at once (the least
+# ProcessExitedException with its exit code or signal); the next call starts new ranks. Ranks
+# keep the environment variables they started with. What must run in a fresh process (a
+# process that never imports quant_fsdp, a rank killed on purpose, variables set for the ranks,
+# NCCL) keeps `run_ranks`. At most `_MAX_WORLDS` worlds stay up at once (the least
 # recently used one is closed first) to bound the memory their idle ranks hold.
 _MAX_WORLDS = 3
 
@@ -425,11 +428,13 @@ def _serve_calls(rank: int, world_size: int, store: str, connection: multiproces
     while (call := connection.recv()) is not None:
         source, name, args = call
         try:
-            getattr(load_by_path(source), name)(rank, world_size, *args)
+            module = load_by_path(source)
+            getattr(module, name)(rank, world_size, *args)
             dist.barrier()  # no rank takes the next call while another still runs this one
         except BaseException:
             connection.send(traceback.format_exc())
             break
+        del sys.modules[module.__name__], module  # its globals go with it
         torch._dynamo.reset()
         gc.collect()
         connection.send(None)
