@@ -1,5 +1,7 @@
 // The multi-tensor Adam step of quant_core._adam ([Note: Adam numerics]): one pass over every
 // parameter, its gradient and moments, optionally recording max |p| of each updated parameter.
+#include <array>
+
 #include "common.h"
 #include "kernels.h"
 
@@ -29,6 +31,19 @@ struct MomentScales {
   float exp_avg_scale_inv = 1.0f, exp_avg_scale = 1.0f, exp_avg_sq_scale_inv = 1.0f, exp_avg_sq_scale = 1.0f;
 };
 
+// decode_fp8 through a table of its 256 values. The lookup keeps GCC's vectorizer off the fp8-moment
+// variants of adam_range (hundreds of them, three ISAs each), which would otherwise more than
+// double this file's compile time (~2.5 to ~6 min on 2 cores); their loops stay scalar.
+template <Fp8Format F>
+float decode_fp8_by_table(uint8_t code) {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> values{};
+    for (int c = 0; c < 256; ++c) values[size_t(c)] = decode_fp8<F>(uint8_t(c));
+    return values;
+  }();
+  return table[code];
+}
+
 // Reads a moment as fp32: fp8 codes decoded as dequantize_fp8 decodes them (code * scale_inv,
 // canonical NaN).
 template <Moment M>
@@ -38,7 +53,7 @@ inline float load_moment(const void* base, int64_t index, float scale_inv) {
   } else if constexpr (M == Moment::kBFloat16) {
     return bfloat16_to_float(static_cast<const uint16_t*>(base)[index]);
   } else {
-    const float value = decode_fp8<kFormat<M>>(static_cast<const uint8_t*>(base)[index]) * scale_inv;
+    const float value = decode_fp8_by_table<kFormat<M>>(static_cast<const uint8_t*>(base)[index]) * scale_inv;
     return std::isnan(value) ? std::numeric_limits<float>::quiet_NaN() : value;
   }
 }
@@ -61,7 +76,7 @@ inline void store_moment(void* base, int64_t index, float value, float scale) {
 // kStochastic: p holds bf16 masters, stored rounded stochastically with the counter RNG's stream
 // `stream` ([Note: Adam stochastic rounding]); else fp32 masters.
 template <Decay kDecay, DType G, Moment M, Moment V, bool kAmax, bool kStochastic>
-__attribute__((noinline, target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) int32_t adam_range(
+QUANT_CORE_CLONES int32_t adam_range(
     void* __restrict p_base, const void* __restrict g, void* __restrict m, void* __restrict v, int64_t begin,
     int64_t end, const AdamScalars& s, const MomentScales& scales, uint64_t stream) {
   using Key = MagnitudeKey<DType::kFloat32>;
@@ -136,7 +151,7 @@ std::vector<MomentScales> moment_scales(int exp_avg_moment, int exp_avg_sq_momen
 // its updated fp8 moments (a moment that is not fp8 is not computed; its key stays 0), exactly
 // as adam_range updates them. kL2: the gradient takes Adam's L2 weight decay from the param (P).
 template <bool kL2, DType P, DType G, Moment M, Moment V>
-__attribute__((noinline, target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) void moment_amax_range(
+QUANT_CORE_CLONES void moment_amax_range(
     const void* __restrict p, const void* __restrict g, const void* __restrict m, const void* __restrict v,
     int64_t begin, int64_t end, const AdamScalars& s, const MomentScales& scales, int32_t* exp_avg_key,
     int32_t* exp_avg_sq_key) {

@@ -47,19 +47,43 @@ inline void hadamard_16(float* v, const float* signs) {
   for (int j = 0; j < 16; ++j) v[j] *= 0.25f;
 }
 
+// hadamard_16 of every column j < w of a 16-row tile (row i at tile + i * row_stride), in place:
+// the same operations on each element in the same order, with the loops over columns innermost
+// so that they vectorize.
+inline void hadamard_16_columns(float* __restrict tile, int64_t row_stride, int64_t w, const float* signs) {
+  for (int i = 0; i < 16; ++i)
+    for (int64_t j = 0; j < w; ++j) tile[i * row_stride + j] *= signs[i];
+  for (int h = 1; h < 16; h *= 2) {
+    for (int i0 = 0; i0 < 16; i0 += 2 * h) {
+      for (int i = i0; i < i0 + h; ++i) {
+        float* __restrict upper = tile + i * row_stride;
+        float* __restrict lower = tile + (i + h) * row_stride;
+        for (int64_t j = 0; j < w; ++j) {
+          const float a = upper[j], b = lower[j];
+          upper[j] = a + b;
+          lower[j] = a - b;
+        }
+      }
+    }
+  }
+  for (int i = 0; i < 16; ++i)
+    for (int64_t j = 0; j < w; ++j) tile[i * row_stride + j] *= 0.25f;
+}
+
 // Policies: how a block's scale and codes are computed. kTransformsColumns: the policy may ask
-// (runtime `transform_columns()`) for each 1 x B columnwise run to go through `transform(run)`
-// before its amax and encode (NVFP4's Hadamard transform; B = 16 and whole runs then).
+// (runtime `transform_columns()`) for the 1 x B columnwise runs of a tile (its columns) to go
+// through `transform_columns(tile, row_stride, w)` before their amax and encode (NVFP4's
+// Hadamard transform; B = 16 and whole runs then).
 struct Mxfp8Policy {
   static constexpr bool kTransformsColumns = false;
   static constexpr bool kNeedsIndex = false;
   static constexpr int kCodesPerByte = 1;
   static constexpr bool kFloatScale = false;
-  BlockScale scale(float amax) const {
+  QUANT_CORE_INLINE BlockScale scale(float amax) const {
     const int e = std::clamp(-max_exponent_within(amax, 448.0f), -127, 127);
     return {power_of_two(-e), 0.0f, uint8_t(e + 127), false};
   }
-  uint8_t encode(float v, uint64_t) const { return encode_fp8<Fp8Format::kE4M3>(v); }
+  QUANT_CORE_INLINE uint8_t encode(float v, uint64_t) const { return encode_fp8<Fp8Format::kE4M3>(v); }
 };
 
 template <Fp8Format F>
@@ -69,7 +93,7 @@ struct BlockwisePolicy {
   static constexpr int kCodesPerByte = 1;
   static constexpr bool kFloatScale = true;
   bool power_2_scales;
-  BlockScale scale(float amax) const {
+  QUANT_CORE_INLINE BlockScale scale(float amax) const {
     constexpr float kFmax = F == Fp8Format::kE4M3 ? 448.0f : 57344.0f;
     float scale = 1.0f;
     if (amax > 0.0f) {
@@ -78,7 +102,7 @@ struct BlockwisePolicy {
     }
     return {scale, 1.0f / scale, 0, false};
   }
-  uint8_t encode(float v, uint64_t) const { return encode_fp8<F>(v); }
+  QUANT_CORE_INLINE uint8_t encode(float v, uint64_t) const { return encode_fp8<F>(v); }
 };
 
 template <bool kStochastic>
@@ -91,14 +115,16 @@ struct Nvfp4Policy {
   uint64_t seed;
   const HadamardSigns* hadamard;  // columnwise runs are T(x^T) when set
   bool transform_columns() const { return hadamard != nullptr; }
-  void transform(float* run) const { hadamard_16(run, hadamard->values); }
-  BlockScale scale(float amax) const {
+  void transform_columns(float* tile, int64_t row_stride, int64_t w) const {
+    hadamard_16_columns(tile, row_stride, w, hadamard->values);
+  }
+  QUANT_CORE_INLINE BlockScale scale(float amax) const {
     const uint8_t s = encode_fp8<Fp8Format::kE4M3>(amax / 6.0f * tensor_scale);
     const float s_f32 = decode_fp8<Fp8Format::kE4M3>(s);
     // enc = S / s is clamped to the largest fp32 like every scale (S may already be, and s < 1).
     return {s_f32 > 0.0f ? std::min(tensor_scale / s_f32, kFloat32Max) : 0.0f, 0.0f, s, s_f32 == 0.0f};
   }
-  uint8_t encode(float v, uint64_t index) const {
+  QUANT_CORE_INLINE uint8_t encode(float v, uint64_t index) const {
     if constexpr (kStochastic) {
       return encode_e2m1_stochastic(v, uint32_t(splitmix64(seed, index) >> 40));
     } else {
@@ -125,7 +151,7 @@ inline void store_scale(void* scales, int64_t index, const BlockScale& s) {
 
 // Writes `count` codes (one per byte in `codes`) to `out`, packing pairs for 4-bit formats.
 template <int kCodesPerByte>
-inline void write_codes(uint8_t* out, const uint8_t* codes, int64_t count) {
+QUANT_CORE_INLINE void write_codes(uint8_t* __restrict out, const uint8_t* __restrict codes, int64_t count) {
   if constexpr (kCodesPerByte == 1) {
     std::memcpy(out, codes, size_t(count));
   } else {
@@ -133,120 +159,161 @@ inline void write_codes(uint8_t* out, const uint8_t* codes, int64_t count) {
   }
 }
 
-inline float finite_magnitude(float v) {
-  const float a = std::fabs(v);
-  return a <= kFloat32Max ? a : 0.0f;  // NaN and Inf count as 0
-}
+// The magnitude key of an fp32 value ([Note: magnitude keys]): max over keys is the amax over
+// finite magnitudes (NaN and +-Inf count as 0), as an integer reduction that vectorizes.
+QUANT_CORE_INLINE int32_t magnitude_key(float v) { return MagnitudeKey<DType::kFloat32>::of(float_to_bits(v)); }
 
-// Per-thread scratch for one tile: values and codes in both orientations.
+// Tiles are B rows (a columnwise run) by kTileCols columns (whole rowwise blocks of every block
+// size), so that the loops along a row are long enough to vectorize.
+constexpr int64_t kMaxBlock = 128;
+constexpr int64_t kTileCols = 128;
+
+// Per-thread scratch for one tile, row-major with rows kTileCols apart unless said otherwise.
 struct TileScratch {
-  explicit TileScratch(int64_t B)
-      : B(B),
-        values(new float[size_t(B * B)]),
-        run(new float[size_t(B)]),
-        codes(new uint8_t[size_t(B * B)]),
-        codes_t(new uint8_t[size_t(B * B)]) {}
-  int64_t B;
-  std::unique_ptr<float[]> values;     // [row][col]
-  std::unique_ptr<float[]> run;        // one transformed column run
-  std::unique_ptr<uint8_t[]> codes;    // [row][col]
-  std::unique_ptr<uint8_t[]> codes_t;  // [col][row]
+  TileScratch()
+      : values(new float[size_t(kMaxBlock * kTileCols)]),
+        transformed(new float[size_t(kMaxBlock * kTileCols)]),
+        codes(new uint8_t[size_t(kMaxBlock * kTileCols)]),
+        column_codes(new uint8_t[size_t(kMaxBlock * kTileCols)]),
+        codes_t(new uint8_t[size_t(kTileCols * kMaxBlock)]) {}
+  std::unique_ptr<float[]> values;           // x's tile as fp32
+  std::unique_ptr<float[]> transformed;      // the tile with its columns transformed
+  std::unique_ptr<uint8_t[]> codes;          // rowwise codes (b x b tiles: the tile's codes)
+  std::unique_ptr<uint8_t[]> column_codes;   // columnwise codes, still [row][col]
+  std::unique_ptr<uint8_t[]> codes_t;        // columnwise codes [col][row], rows kMaxBlock apart
+  int32_t keys[kTileCols];                   // per column: magnitude key of its run
+  float multipliers[kTileCols];              // per column: its run's BlockScale::multiplier
+  uint8_t zero[kTileCols];                   // per column: BlockScale::zero
 };
 
-// codes[j * code_stride] = encode(values[j * value_stride] * multiplier) for j < n; element j's
-// counter is first_index + j * index_stride. Unit strides (the rowwise case) vectorize.
+// codes[j] = encode(values[j] * multipliers[j]) for j < n (0 where zero[j]), element j's counter
+// first_index + j * index_stride. Whole tile rows at once, with a multiplier per element: a loop
+// over one block of 16 or 32 codes is shorter than a vector of codes and would not vectorize.
 template <class Policy>
-inline void encode_run(const Policy& policy, const BlockScale& s, const float* values, int64_t value_stride,
-                       uint8_t* codes, int64_t code_stride, int64_t n, uint64_t first_index, uint64_t index_stride) {
-  if (s.zero) {
-    for (int64_t j = 0; j < n; ++j) codes[j * code_stride] = 0;
-    return;
-  }
-  const float multiplier = s.multiplier;
-  if (value_stride == 1 && code_stride == 1) {
-    for (int64_t j = 0; j < n; ++j) {
-      codes[j] = policy.encode(values[j] * multiplier, Policy::kNeedsIndex ? first_index + uint64_t(j) * index_stride : 0);
-    }
-    return;
-  }
+QUANT_CORE_INLINE void encode_row(const Policy& policy, const float* __restrict values,
+                                  const float* __restrict multipliers, const uint8_t* __restrict zero,
+                                  uint8_t* __restrict codes, int64_t n, uint64_t first_index, uint64_t index_stride) {
   for (int64_t j = 0; j < n; ++j) {
-    codes[j * code_stride] = policy.encode(values[j * value_stride] * multiplier,
-                                           Policy::kNeedsIndex ? first_index + uint64_t(j) * index_stride : 0);
+    const uint8_t code = policy.encode(values[j] * multipliers[j], first_index + uint64_t(j) * index_stride);
+    codes[j] = zero[j] ? uint8_t(0) : code;
   }
 }
 
-// `policy` quantizes rowwise blocks and b x b tiles, `columnwise_policy` the 1 x B columnwise runs.
+// Sets columns [j0, j0 + n) of the tile's per-column multipliers and zero flags to those of s.
+QUANT_CORE_INLINE void set_block_scale(TileScratch& t, int64_t j0, int64_t n, const BlockScale& s) {
+  for (int64_t j = j0; j < j0 + n; ++j) {
+    t.multipliers[j] = s.multiplier;
+    t.zero[j] = s.zero;
+  }
+}
+
+// The largest magnitude key of rows x cols values, rows row_stride apart.
+QUANT_CORE_INLINE int32_t max_key_of_rows(const float* __restrict values, int64_t row_stride, int64_t rows,
+                                          int64_t cols) {
+  int32_t key = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < cols; ++j) {
+      const int32_t k = magnitude_key(values[i * row_stride + j]);
+      key = k > key ? k : key;
+    }
+  }
+  return key;
+}
+
+// codes_t[j * kMaxBlock + i] = codes[i * kTileCols + j] for i < h, j < w.
+QUANT_CORE_INLINE void transpose_tile_codes(const uint8_t* __restrict codes, uint8_t* __restrict codes_t, int64_t h,
+                                            int64_t w) {
+  for (int64_t j = 0; j < w; ++j)
+    for (int64_t i = 0; i < h; ++i) codes_t[j * kMaxBlock + i] = codes[i * kTileCols + j];
+}
+
+// Quantizes the tile of rows [r0, r0 + B) x cols [c0, c0 + kTileCols) (clipped to x): `policy`
+// the rowwise blocks and b x b tiles, `columnwise_policy` the 1 x B columnwise runs.
 template <DType D, class Policy>
-void quantize_tile(const void* x, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col, int64_t B,
-                   bool two_d, const Policy& policy, const Policy& columnwise_policy, const Outputs& out, int64_t r0,
-                   int64_t c0, TileScratch& t) {
+QUANT_CORE_CLONES void quantize_tile(const void* x, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
+                                     int64_t B, bool two_d, const Policy& policy, const Policy& columnwise_policy,
+                                     const Outputs& out, int64_t r0, int64_t c0, TileScratch& t) {
   constexpr int64_t kCpb = Policy::kCodesPerByte;
-  const int64_t h = std::min(B, M - r0), w = std::min(B, K - c0);
-  float* values = t.values.get();
-  uint8_t* codes = t.codes.get();
-  uint8_t* codes_t = t.codes_t.get();
+  const int64_t h = std::min(B, M - r0), w = std::min(kTileCols, K - c0);
+  const int64_t Mb = (M + B - 1) / B, Kb = (K + B - 1) / B;
+  float* __restrict values = t.values.get();
+  uint8_t* __restrict codes = t.codes.get();
+  uint8_t* __restrict codes_t = t.codes_t.get();
   for (int64_t i = 0; i < h; ++i) {
     const int64_t offset = (r0 + i) * stride_row + c0 * stride_col;
-    float* row = values + i * B;
+    float* __restrict row = values + i * kTileCols;
     if (stride_col == 1) {
       for (int64_t j = 0; j < w; ++j) row[j] = load<D>(x, offset + j);
     } else {
       for (int64_t j = 0; j < w; ++j) row[j] = load<D>(x, offset + j * stride_col);
     }
   }
-  const int64_t Mb = (M + B - 1) / B, Kb = (K + B - 1) / B;
   if (two_d) {
-    float amax = 0.0f;
-    for (int64_t i = 0; i < h; ++i)
-      for (int64_t j = 0; j < w; ++j) amax = std::max(amax, finite_magnitude(values[i * B + j]));
-    const BlockScale s = policy.scale(amax);
-    for (int64_t i = 0; i < h; ++i) {
-      encode_run(policy, s, values + i * B, 1, codes + i * B, 1, w, uint64_t((r0 + i) * K + c0), 1);
+    for (int64_t j0 = 0; j0 < w; j0 += B) {
+      const int64_t block_w = std::min(B, w - j0);
+      const BlockScale s = policy.scale(bits_to_float(uint32_t(max_key_of_rows(values + j0, kTileCols, h, block_w))));
+      set_block_scale(t, j0, block_w, s);
+      const int64_t block = (c0 + j0) / B;
+      if (out.rowwise_scale != nullptr) store_scale<Policy>(out.rowwise_scale, (r0 / B) * Kb + block, s);
+      if (out.columnwise_scale != nullptr) store_scale<Policy>(out.columnwise_scale, block * Mb + r0 / B, s);
     }
-    for (int64_t i = 0; i < h; ++i)
-      for (int64_t j = 0; j < w; ++j) codes_t[j * B + i] = codes[i * B + j];
-    if (out.rowwise_scale != nullptr) store_scale<Policy>(out.rowwise_scale, (r0 / B) * Kb + c0 / B, s);
-    if (out.columnwise_scale != nullptr) store_scale<Policy>(out.columnwise_scale, (c0 / B) * Mb + r0 / B, s);
+    for (int64_t i = 0; i < h; ++i) {
+      encode_row(policy, values + i * kTileCols, t.multipliers, t.zero, codes + i * kTileCols, w,
+                 uint64_t((r0 + i) * K + c0), 1);
+    }
+    if (out.columnwise_data != nullptr) transpose_tile_codes(codes, codes_t, h, w);
   } else {
     if (out.rowwise_data != nullptr) {
       for (int64_t i = 0; i < h; ++i) {
-        float amax = 0.0f;
-        for (int64_t j = 0; j < w; ++j) amax = std::max(amax, finite_magnitude(values[i * B + j]));
-        const BlockScale s = policy.scale(amax);
-        encode_run(policy, s, values + i * B, 1, codes + i * B, 1, w, uint64_t((r0 + i) * K + c0), 1);
-        store_scale<Policy>(out.rowwise_scale, (r0 + i) * Kb + c0 / B, s);
+        const float* row = values + i * kTileCols;
+        for (int64_t j0 = 0; j0 < w; j0 += B) {
+          const int64_t block_w = std::min(B, w - j0);
+          const BlockScale s = policy.scale(bits_to_float(uint32_t(max_key_of_rows(row + j0, kTileCols, 1, block_w))));
+          set_block_scale(t, j0, block_w, s);
+          store_scale<Policy>(out.rowwise_scale, (r0 + i) * Kb + (c0 + j0) / B, s);
+        }
+        encode_row(policy, row, t.multipliers, t.zero, codes + i * kTileCols, w, uint64_t((r0 + i) * K + c0), 1);
       }
     }
     if (out.columnwise_data != nullptr) {
-      for (int64_t j = 0; j < w; ++j) {
-        const float* run = values + j;
-        int64_t run_stride = B;
-        if constexpr (Policy::kTransformsColumns) {
-          if (columnwise_policy.transform_columns()) {  // h == B == 16: the caller checked M % 16 == 0
-            for (int64_t i = 0; i < h; ++i) t.run[size_t(i)] = values[i * B + j];
-            columnwise_policy.transform(t.run.get());
-            run = t.run.get();
-            run_stride = 1;
-          }
+      const float* __restrict runs = values;
+      if constexpr (Policy::kTransformsColumns) {
+        if (columnwise_policy.transform_columns()) {  // h == B == 16: the caller checked M % 16 == 0
+          float* transformed = t.transformed.get();
+          std::memcpy(transformed, values, size_t(h * kTileCols) * sizeof(float));
+          columnwise_policy.transform_columns(transformed, kTileCols, w);
+          runs = transformed;
         }
-        float amax = 0.0f;
-        for (int64_t i = 0; i < h; ++i) amax = std::max(amax, finite_magnitude(run[i * run_stride]));
-        const BlockScale s = columnwise_policy.scale(amax);
-        // Columnwise counters continue after x's M * K elements, in x^T's row-major order.
-        encode_run(columnwise_policy, s, run, run_stride, codes_t + j * B, 1, h, uint64_t(M * K + (c0 + j) * M + r0),
-                   1);
+      }
+      for (int64_t j = 0; j < w; ++j) t.keys[j] = 0;
+      for (int64_t i = 0; i < h; ++i) {
+        for (int64_t j = 0; j < w; ++j) {
+          const int32_t k = magnitude_key(runs[i * kTileCols + j]);
+          t.keys[j] = k > t.keys[j] ? k : t.keys[j];
+        }
+      }
+      for (int64_t j = 0; j < w; ++j) {
+        const BlockScale s = columnwise_policy.scale(bits_to_float(uint32_t(t.keys[j])));
+        set_block_scale(t, j, 1, s);
         store_scale<Policy>(out.columnwise_scale, (c0 + j) * Mb + r0 / B, s);
       }
+      // Columnwise counters continue after x's M * K elements, in x^T's row-major order.
+      uint8_t* column_codes = t.column_codes.get();
+      for (int64_t i = 0; i < h; ++i) {
+        encode_row(columnwise_policy, runs + i * kTileCols, t.multipliers, t.zero, column_codes + i * kTileCols, w,
+                   uint64_t(M * K + c0 * M + r0 + i), uint64_t(M));
+      }
+      transpose_tile_codes(column_codes, codes_t, h, w);
     }
   }
   if (out.rowwise_data != nullptr) {
     for (int64_t i = 0; i < h; ++i) {
-      write_codes<kCpb>(out.rowwise_data + ((r0 + i) * K + c0) / kCpb, codes + i * B, w);
+      write_codes<kCpb>(out.rowwise_data + ((r0 + i) * K + c0) / kCpb, codes + i * kTileCols, w);
     }
   }
   if (out.columnwise_data != nullptr) {
     for (int64_t j = 0; j < w; ++j) {
-      write_codes<kCpb>(out.columnwise_data + ((c0 + j) * M + r0) / kCpb, codes_t + j * B, h);
+      write_codes<kCpb>(out.columnwise_data + ((c0 + j) * M + r0) / kCpb, codes_t + j * kMaxBlock, h);
     }
   }
 }
@@ -258,8 +325,8 @@ void quantize_blocks(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t st
   const void* x = reinterpret_cast<const void*>(x_MK);
   dispatch_dtype(dtype, [&](auto d) {
     constexpr DType D = decltype(d)::value;
-    parallel_for_tiles(M, K, B, B, num_threads, [&](int64_t r0, int64_t c0, int64_t, int64_t) {
-      thread_local TileScratch scratch(128);  // per worker thread; fits the largest block size
+    parallel_for_tiles(M, K, B, kTileCols, num_threads, [&](int64_t r0, int64_t c0, int64_t, int64_t) {
+      thread_local TileScratch scratch;  // per worker thread
       quantize_tile<D>(x, M, K, stride_row, stride_col, B, two_d, policy, columnwise_policy, out, r0, c0, scratch);
     });
   });
@@ -276,24 +343,48 @@ Outputs outputs(uintptr_t rowwise_data, uintptr_t rowwise_scale, uintptr_t colum
           reinterpret_cast<uint8_t*>(columnwise_data), reinterpret_cast<void*>(columnwise_scale)};
 }
 
-// out[r, c] = decode(row r, column c) * factor(r, block column) for blocks of `block_cols` along
-// each row; rows split across threads, one factor per block, the inner loop over one block.
-template <class Decode, class Factor>
-void dequantize_rows(int64_t R, int64_t C, int64_t block_cols, int out_dtype, uintptr_t out_ptr, int num_threads,
-                     Decode decode, Factor factor) {
+// Rows [row_begin, row_end) of out (R x C, dtype D) = decode(code) * factor(r, block) for blocks
+// of `block_cols` codes along each row; `codes` holds R x C codes, kCodesPerByte to a byte (4-bit
+// codes low nibble first; C even then, so each row starts on a byte). A row goes in chunks of
+// kChunk codes with a factor per code, so that the loops are long enough to vectorize.
+template <DType D, int kCodesPerByte, class Decode, class Factor>
+QUANT_CORE_CLONES void dequantize_row_range(const uint8_t* __restrict codes, int64_t C, int64_t block_cols,
+                                            void* __restrict out, int64_t row_begin, int64_t row_end,
+                                            const Decode& decode, const Factor& factor) {
+  using Out = std::conditional_t<D == DType::kFloat32, float, uint16_t>;
+  constexpr int64_t kChunk = 256;  // a multiple of every block size
+  float factors[kChunk];
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    for (int64_t c0 = 0; c0 < C; c0 += kChunk) {
+      const int64_t n = std::min(kChunk, C - c0);
+      for (int64_t j0 = 0; j0 < n; j0 += block_cols) {
+        const float f = factor(r, (c0 + j0) / block_cols);
+        for (int64_t j = j0; j < std::min(n, j0 + block_cols); ++j) factors[j] = f;
+      }
+      const uint8_t* __restrict in = codes + (r * C + c0) / kCodesPerByte;
+      Out* __restrict dst = static_cast<Out*>(out) + r * C + c0;
+      if constexpr (kCodesPerByte == 1) {
+        for (int64_t c = 0; c < n; ++c) store<D>(dst, c, decode(in[c]) * factors[c]);
+      } else {
+        for (int64_t b = 0; b < n / 2; ++b) {
+          store<D>(dst, 2 * b, decode(uint8_t(in[b] & 0xF)) * factors[2 * b]);
+          store<D>(dst, 2 * b + 1, decode(uint8_t(in[b] >> 4)) * factors[2 * b + 1]);
+        }
+      }
+    }
+  }
+}
+
+// Dequantizes all R rows with dequantize_row_range, rows split across threads.
+template <int kCodesPerByte, class Decode, class Factor>
+void dequantize_rows(const uint8_t* codes, int64_t R, int64_t C, int64_t block_cols, int out_dtype, uintptr_t out_ptr,
+                     int num_threads, Decode decode, Factor factor) {
   void* out = reinterpret_cast<void*>(out_ptr);
   dispatch_dtype(out_dtype, [&](auto d) {
     constexpr DType D = decltype(d)::value;
     const int64_t row_grain = std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(C, 1));
     parallel_for(R, row_grain, num_threads, [&](int64_t, int64_t row_begin, int64_t row_end) {
-      for (int64_t r = row_begin; r < row_end; ++r) {
-        const int64_t row_offset = r * C;
-        for (int64_t c0 = 0, block = 0; c0 < C; c0 += block_cols, ++block) {
-          const float f = factor(r, block);
-          const int64_t c1 = std::min(C, c0 + block_cols);
-          for (int64_t c = c0; c < c1; ++c) store<D>(out, row_offset + c, decode(row_offset, c) * f);
-        }
-      }
+      dequantize_row_range<D, kCodesPerByte>(codes, C, block_cols, out, row_begin, row_end, decode, factor);
     });
   });
 }
@@ -348,9 +439,9 @@ void dequantize_fp8(uintptr_t data, int fp8_format, int64_t R, int64_t C, uintpt
   const float factor = *reinterpret_cast<const float*>(scale_inv);
   dispatch_fp8_format(fp8_format, [&](auto f) {
     constexpr Fp8Format F = decltype(f)::value;
-    dequantize_rows(
-        R, C, std::max<int64_t>(C, 1), out_dtype, out, num_threads,
-        [&](int64_t row, int64_t c) { return decode_fp8<F>(codes[row + c]); }, [&](int64_t, int64_t) { return factor; });
+    dequantize_rows<1>(
+        codes, R, C, std::max<int64_t>(C, 1), out_dtype, out, num_threads,
+        [](uint8_t code) { return decode_fp8<F>(code); }, [factor](int64_t, int64_t) { return factor; });
   });
 }
 
@@ -359,10 +450,9 @@ void dequantize_mxfp8(uintptr_t data, int64_t R, int64_t C, uintptr_t scale_inv,
   const auto* codes = reinterpret_cast<const uint8_t*>(data);
   const auto* scales = reinterpret_cast<const uint8_t*>(scale_inv);
   const int64_t Cb = (C + 31) / 32;
-  dequantize_rows(
-      R, C, 32, out_dtype, out, num_threads,
-      [&](int64_t row, int64_t c) { return decode_fp8<Fp8Format::kE4M3>(codes[row + c]); },
-      [&](int64_t r, int64_t block) { return power_of_two(int(scales[r * Cb + block]) - 127); });
+  dequantize_rows<1>(
+      codes, R, C, 32, out_dtype, out, num_threads, [](uint8_t code) { return decode_fp8<Fp8Format::kE4M3>(code); },
+      [scales, Cb](int64_t r, int64_t block) { return power_of_two(int(scales[r * Cb + block]) - 127); });
 }
 
 void dequantize_fp8_blockwise(uintptr_t data, int fp8_format, int64_t R, int64_t C, int64_t block_rows,
@@ -372,9 +462,9 @@ void dequantize_fp8_blockwise(uintptr_t data, int fp8_format, int64_t R, int64_t
   const int64_t Cb = (C + 127) / 128;
   dispatch_fp8_format(fp8_format, [&](auto f) {
     constexpr Fp8Format F = decltype(f)::value;
-    dequantize_rows(
-        R, C, 128, out_dtype, out, num_threads, [&](int64_t row, int64_t c) { return decode_fp8<F>(codes[row + c]); },
-        [&](int64_t r, int64_t block) { return scales[(r / block_rows) * Cb + block]; });
+    dequantize_rows<1>(
+        codes, R, C, 128, out_dtype, out, num_threads, [](uint8_t code) { return decode_fp8<F>(code); },
+        [scales, Cb, block_rows](int64_t r, int64_t block) { return scales[(r / block_rows) * Cb + block]; });
   });
 }
 
@@ -384,11 +474,11 @@ void dequantize_nvfp4(uintptr_t data, int64_t R, int64_t C, int64_t block_rows, 
   const auto* scales = reinterpret_cast<const uint8_t*>(scale_inv);
   const float S = nvfp4_tensor_scale(*reinterpret_cast<const float*>(global_amax));
   const int64_t Cb = (C + 15) / 16;
-  dequantize_rows(
-      R, C, 16, out_dtype, out, num_threads,
-      // C is even, so row r starts on a byte: element c is nibble c & 1 of byte (row + c) / 2.
-      [&](int64_t row, int64_t c) { return decode_e2m1(uint8_t((packed[(row + c) >> 1] >> ((c & 1) * 4)) & 0xF)); },
-      [&](int64_t r, int64_t block) { return decode_fp8<Fp8Format::kE4M3>(scales[(r / block_rows) * Cb + block]) / S; });
+  dequantize_rows<2>(
+      packed, R, C, 16, out_dtype, out, num_threads, [](uint8_t code) { return decode_e2m1(code); },
+      [scales, Cb, block_rows, S](int64_t r, int64_t block) {
+        return decode_fp8<Fp8Format::kE4M3>(scales[(r / block_rows) * Cb + block]) / S;
+      });
 }
 
 void transpose_bytes(uintptr_t src, int64_t R, int64_t C, int64_t stride_row, int64_t stride_col, uintptr_t dst,
@@ -456,12 +546,40 @@ void hadamard_transform_16(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int6
   });
 }
 
+namespace {
+
+// Rows [r0, r0 + h) x cols [c0, c0 + w) of x into a 16 x kHadamardColumns fp32 tile, rows past h
+// zeros; returns the largest magnitude key of the values read.
+constexpr int64_t kHadamardColumns = 64;
+template <DType D>
+QUANT_CORE_CLONES int32_t load_tile_rows(const void* x, int64_t stride_row, int64_t stride_col, int64_t r0, int64_t c0,
+                                         int64_t h, int64_t w, float* __restrict tile) {
+  int32_t key = 0;
+  for (int64_t i = 0; i < 16; ++i) {
+    float* __restrict row = tile + i * kHadamardColumns;
+    for (int64_t j = 0; j < w; ++j) {
+      row[j] = i < h ? load<D>(x, (r0 + i) * stride_row + (c0 + j) * stride_col) : 0.0f;
+      const int32_t k = magnitude_key(row[j]);
+      key = k > key ? k : key;
+    }
+  }
+  return key;
+}
+
+// The largest magnitude key of the tile's first w columns after hadamard_16 of each (in place).
+QUANT_CORE_CLONES int32_t transformed_columns_key(float* __restrict tile, int64_t w, const float* signs) {
+  hadamard_16_columns(tile, kHadamardColumns, w, signs);
+  return max_key_of_rows(tile, kHadamardColumns, 16, w);
+}
+
+}  // namespace
+
 void hadamard_amaxes(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
                      uint64_t seed, uintptr_t amax_out, int num_threads) {
   // Runs of 16 rows split across threads; each run is read 64 columns at a time into a 16 x 64
   // tile (rows past M are zeros), whose magnitudes feed amax(x) and whose columns are transformed
   // for amax(T(x^T)). Both maxima are over finite magnitudes (NaN and +-Inf count as 0).
-  constexpr int64_t kColumns = 64;
+  constexpr int64_t kColumns = kHadamardColumns;
   const HadamardSigns signs(seed);
   const void* x = reinterpret_cast<const void*>(x_MK);
   const int64_t runs = (M + 15) / 16;
@@ -471,27 +589,17 @@ void hadamard_amaxes(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t st
     const int64_t grain = std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(16 * K, 1));
     parallel_for(runs, grain, num_threads, [&](int64_t chunk, int64_t begin, int64_t end) {
       float tile[16][kColumns];
-      float column[16];
-      float largest = 0.0f, largest_transformed = 0.0f;
+      int32_t largest = 0, largest_transformed = 0;  // magnitude keys
       for (int64_t g = begin; g < end; ++g) {
         const int64_t r0 = g * 16, h = std::min<int64_t>(16, M - r0);
         for (int64_t c0 = 0; c0 < K; c0 += kColumns) {
           const int64_t w = std::min(kColumns, K - c0);
-          for (int64_t i = 0; i < 16; ++i) {
-            for (int64_t j = 0; j < w; ++j) {
-              tile[i][j] = i < h ? load<D>(x, (r0 + i) * stride_row + (c0 + j) * stride_col) : 0.0f;
-              largest = std::max(largest, finite_magnitude(tile[i][j]));
-            }
-          }
-          for (int64_t j = 0; j < w; ++j) {
-            for (int64_t i = 0; i < 16; ++i) column[i] = tile[i][j];
-            hadamard_16(column, signs.values);
-            for (int64_t i = 0; i < 16; ++i) largest_transformed = std::max(largest_transformed, finite_magnitude(column[i]));
-          }
+          largest = std::max(largest, load_tile_rows<D>(x, stride_row, stride_col, r0, c0, h, w, &tile[0][0]));
+          largest_transformed = std::max(largest_transformed, transformed_columns_key(&tile[0][0], w, signs.values));
         }
       }
-      partial[size_t(2 * chunk)] = largest;
-      partial[size_t(2 * chunk + 1)] = largest_transformed;
+      partial[size_t(2 * chunk)] = bits_to_float(uint32_t(largest));
+      partial[size_t(2 * chunk + 1)] = bits_to_float(uint32_t(largest_transformed));
     });
   });
   float* result = reinterpret_cast<float*>(amax_out);

@@ -18,6 +18,18 @@
 #include <type_traits>
 #include <vector>
 
+// Element helpers are forced inline: an out-of-line copy (GCC's choice in large translation units)
+// turns a vectorizable loop into a call per element.
+#define QUANT_CORE_INLINE inline __attribute__((always_inline))
+// A kernel's hot loop, out of line so that it is vectorized on its own; on x86-64 compiled for
+// AVX-512, AVX2 and the baseline ISA, the best one picked when the library loads (GCC function
+// multiversioning).
+#if defined(__x86_64__)
+#define QUANT_CORE_CLONES __attribute__((noinline, target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define QUANT_CORE_CLONES __attribute__((noinline))
+#endif
+
 namespace quant_core {
 
 // Input dtypes, numbered as quant_core._cpp passes them.
@@ -25,22 +37,22 @@ enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 // FP8 formats, numbered as quant_core._cpp passes them.
 enum class Fp8Format : int { kE4M3 = 0, kE5M2 = 1 };
 
-inline float bits_to_float(uint32_t u) {
+QUANT_CORE_INLINE float bits_to_float(uint32_t u) {
   float f;
   std::memcpy(&f, &u, sizeof(f));
   return f;
 }
 
-inline uint32_t float_to_bits(float f) {
+QUANT_CORE_INLINE uint32_t float_to_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof(u));
   return u;
 }
 
-inline float bfloat16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
+QUANT_CORE_INLINE float bfloat16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
 
 // Exact fp16 -> fp32, written with selects rather than branches so loops over it vectorize.
-inline float float16_to_float(uint16_t h) {
+QUANT_CORE_INLINE float float16_to_float(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000) << 16;
   const uint32_t exponent = (h >> 10) & 0x1F;
   const uint32_t mantissa = h & 0x3FF;
@@ -54,7 +66,7 @@ inline float float16_to_float(uint16_t h) {
 
 // Reads element `index` of an input of the given dtype as fp32 (exact for all three dtypes).
 template <DType D>
-inline float load(const void* base, int64_t index) {
+QUANT_CORE_INLINE float load(const void* base, int64_t index) {
   if constexpr (D == DType::kFloat32) {
     return static_cast<const float*>(base)[index];
   } else if constexpr (D == DType::kBFloat16) {
@@ -78,7 +90,7 @@ struct MagnitudeKey {
                                : D == DType::kBFloat16 ? Bits(0x7F80)
                                                        : Bits(0x7C00);
   // The key of a finite magnitude, 0 for NaN and +-Inf.
-  static Bits of(RawBits raw) {
+  static QUANT_CORE_INLINE Bits of(RawBits raw) {
     const Bits magnitude = Bits(raw & RawBits(kAbsMask));
     return magnitude < kInf ? magnitude : Bits(0);
   }
@@ -110,7 +122,7 @@ inline void dispatch_dtype(int dtype, Fn&& fn) {
 // a multiple of that step with round-to-nearest-even. Both results are computed and one is
 // selected, so loops over this function vectorize.
 template <Fp8Format F>
-inline uint8_t encode_fp8(float v) {
+QUANT_CORE_INLINE uint8_t encode_fp8(float v) {
   constexpr bool kE4M3 = F == Fp8Format::kE4M3;
   constexpr int32_t kMaxBits = kE4M3 ? 0x43E00000 : 0x47600000;        // 448, 57344
   constexpr int32_t kMinNormalBits = kE4M3 ? 0x3C800000 : 0x38800000;  // 2^-6, 2^-14
@@ -208,7 +220,7 @@ inline float nvfp4_tensor_scale(float amax) {
 
 // The largest integer s with amax * 2^s <= fmax, exactly, from the fp32 bits (amax >= 0); the
 // mirror of _numerics.max_exponent_within. A subnormal amax is normalised by an exact 2^64.
-inline int max_exponent_within(float amax, float fmax) {
+QUANT_CORE_INLINE int max_exponent_within(float amax, float fmax) {
   const uint32_t fmax_bits = float_to_bits(fmax);
   const int q = int(fmax_bits >> 23) - 127;
   const uint32_t fmax_mantissa = fmax_bits & 0x7FFFFFu;
@@ -222,40 +234,36 @@ inline int max_exponent_within(float amax, float fmax) {
 }
 
 // 2^e as fp32, exactly, for e in [-127, 127] (2^-127 is subnormal).
-inline float power_of_two(int e) { return bits_to_float(e > -127 ? uint32_t(e + 127) << 23 : 0x00400000u); }
+QUANT_CORE_INLINE float power_of_two(int e) { return bits_to_float(e > -127 ? uint32_t(e + 127) << 23 : 0x00400000u); }
 
-// fp32 value of every FP8 code (NaN codes give a quiet NaN), built once.
-struct Fp8DecodeTable {
-  float e4m3[256];
-  float e5m2[256];
-  Fp8DecodeTable() {
-    for (int code = 0; code < 256; ++code) {
-      const float sign = code & 0x80 ? -1.0f : 1.0f;
-      const int e4 = (code >> 3) & 0xF, m3 = code & 0x7;
-      e4m3[code] = (e4 == 0xF && m3 == 0x7) ? std::numeric_limits<float>::quiet_NaN()
-                   : e4 == 0                ? sign * float(m3) * 0.001953125f  // m * 2^-9
-                                            : sign * std::ldexp(1.0f + float(m3) / 8.0f, e4 - 7);
-      const int e5 = (code >> 2) & 0x1F, m2 = code & 0x3;
-      e5m2[code] = e5 == 0x1F ? (m2 == 0 ? sign * std::numeric_limits<float>::infinity()
-                                         : std::numeric_limits<float>::quiet_NaN())
-                   : e5 == 0  ? sign * float(m2) * 1.52587890625e-05f  // m * 2^-16
-                              : sign * std::ldexp(1.0f + float(m2) / 4.0f, e5 - 15);
-    }
-  }
-};
-inline const Fp8DecodeTable& fp8_decode_table() {
-  static const Fp8DecodeTable table;
-  return table;
-}
-
+// fp32 value of an FP8 code, from its bits with selects (loops over it vectorize; a table lookup
+// does not): a normal code is the fp32 with the code's exponent rebiased and its mantissa bits
+// shifted up, a subnormal one m * 2^-9 (E4M3) or m * 2^-16 (E5M2), exactly. Every NaN code gives
+// the quiet NaN 0x7FC00000; E5M2's 0x7C / 0xFC give +-Inf.
 template <Fp8Format F>
-inline float decode_fp8(uint8_t code) {
-  return F == Fp8Format::kE4M3 ? fp8_decode_table().e4m3[code] : fp8_decode_table().e5m2[code];
+QUANT_CORE_INLINE float decode_fp8(uint8_t code) {
+  constexpr bool kE4M3 = F == Fp8Format::kE4M3;
+  constexpr int kShift = kE4M3 ? 20 : 21;                           // 23 - mantissa bits
+  constexpr uint32_t kRebias = kE4M3 ? (120u << 23) : (112u << 23);  // (127 - bias) << 23
+  constexpr uint32_t kMantissaMask = kE4M3 ? 0x7u : 0x3u;
+  constexpr float kSubnormalStep = kE4M3 ? 0.001953125f : 1.52587890625e-05f;  // 2^-9, 2^-16
+  const uint32_t magnitude = code & 0x7Fu;
+  const uint32_t sign = uint32_t(code & 0x80u) << 24;
+  const uint32_t normal = (magnitude << kShift) + kRebias;
+  const uint32_t subnormal = float_to_bits(float(int32_t(magnitude & kMantissaMask)) * kSubnormalStep);
+  const bool is_subnormal = (magnitude >> (23 - kShift)) == 0;
+  uint32_t bits = sign | (is_subnormal ? subnormal : normal);
+  if constexpr (kE4M3) {
+    bits = magnitude == 0x7Fu ? 0x7FC00000u : bits;
+  } else {
+    bits = magnitude > 0x7Cu ? 0x7FC00000u : (magnitude == 0x7Cu ? (sign | 0x7F800000u) : bits);
+  }
+  return bits_to_float(bits);
 }
 
 // E2M1 (NVFP4 elements): the mirror of _numerics.encode_e2m1. The magnitude code counts the
 // rounding thresholds below |v|; a tie goes to the even code. NaN -> 0; saturates at 6.
-inline uint8_t encode_e2m1(float v) {
+QUANT_CORE_INLINE uint8_t encode_e2m1(float v) {
   const float a = std::fabs(v);
   const int code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
   const bool negative = std::signbit(v) && !std::isnan(v);
@@ -263,7 +271,7 @@ inline uint8_t encode_e2m1(float v) {
 }
 
 // Stochastic E2M1: the mirror of _numerics.encode_e2m1_stochastic (random24 is uniform in [0, 2^24)).
-inline uint8_t encode_e2m1_stochastic(float v, uint32_t random24) {
+QUANT_CORE_INLINE uint8_t encode_e2m1_stochastic(float v, uint32_t random24) {
   // |v| >= 6 saturates whatever the draw, so clamping at 8 first changes no result and keeps the
   // integer truncation below exact and in range (NaN becomes 8 here and 0 at the end). The steps
   // are powers of two, so multiplying by their reciprocals is exact: no division, no floor call.
@@ -277,14 +285,17 @@ inline uint8_t encode_e2m1_stochastic(float v, uint32_t random24) {
   return encode_e2m1(std::signbit(v) && !std::isnan(v) ? -rounded : rounded);
 }
 
-inline float decode_e2m1(uint8_t code) {
-  static constexpr float kValues[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-  const float magnitude = kValues[code & 0x7];
-  return code & 0x8 ? -magnitude : magnitude;
+QUANT_CORE_INLINE float decode_e2m1(uint8_t code) {
+  // Magnitude codes 0..7 are {0, 0.5, 1, 1.5, 2, 3, 4, 6}: from code 2 on, exponent code / 2 - 1
+  // and the mantissa's top bit code & 1; selects rather than a table so that loops vectorize.
+  const uint32_t magnitude = code & 0x7u;
+  const uint32_t normal = (((magnitude >> 1) + 126u) << 23) | ((magnitude & 1u) << 22);
+  const uint32_t bits = magnitude == 0 ? 0u : (magnitude == 1 ? 0x3F000000u : normal);
+  return bits_to_float(bits | (uint32_t(code & 0x8u) << 28));
 }
 
 // [Note: counter RNG] in _numerics.py: output `index` of the SplitMix64 stream seeded with `seed`.
-inline uint64_t splitmix64(uint64_t seed, uint64_t index) {
+QUANT_CORE_INLINE uint64_t splitmix64(uint64_t seed, uint64_t index) {
   uint64_t z = (index + 1) * 0x9E3779B97F4A7C15ull + seed;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
@@ -293,7 +304,7 @@ inline uint64_t splitmix64(uint64_t seed, uint64_t index) {
 
 // [Note: bf16 stochastic rounding] in _numerics.py: the bf16 bits of fp32 f with random16 (below
 // 2^16) added to its bits and the sum truncated; every NaN gives the canonical 0x7FC0.
-inline uint16_t float_to_bfloat16_stochastic(float f, uint32_t random16) {
+QUANT_CORE_INLINE uint16_t float_to_bfloat16_stochastic(float f, uint32_t random16) {
   const uint32_t u = float_to_bits(f);
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
   return uint16_t((u + random16) >> 16);  // no carry past bit 31: u <= 0xFF800000
@@ -301,34 +312,34 @@ inline uint16_t float_to_bfloat16_stochastic(float f, uint32_t random16) {
 
 // ---- stores of dequantized values, round to nearest even, canonical NaN ([Note: FP8 NaN]) ----
 
-inline uint16_t float_to_bfloat16(float f) {
+QUANT_CORE_INLINE uint16_t float_to_bfloat16(float f) {
   const uint32_t u = float_to_bits(f);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  const uint16_t rounded = uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0) : rounded;
 }
 
 // fp32 -> fp16 with round to nearest even, overflow to Inf and subnormal results, done with
 // exact fp32 arithmetic (M. Maratyszcza's FP16 method, as torch's c10 uses).
-inline uint16_t float_to_float16(float f) {
+QUANT_CORE_INLINE uint16_t float_to_float16(float f) {
   const uint32_t w = float_to_bits(f);
-  if ((w & 0x7FFFFFFFu) > 0x7F800000u) return 0x7E00;
   const float scale_to_inf = 5.192296858534828e+33f;   // 2^112
   const float scale_to_zero = 7.703719777548943e-34f;  // 2^-110
   float base = (std::fabs(f) * scale_to_inf) * scale_to_zero;
   const uint32_t shl1_w = w + w;
   const uint32_t sign = w & 0x80000000u;
   uint32_t bias = shl1_w & 0xFF000000u;
-  if (bias < 0x71000000u) bias = 0x71000000u;
+  bias = bias < 0x71000000u ? 0x71000000u : bias;
   base = bits_to_float((bias >> 1) + 0x07800000u) + base;
   const uint32_t result_bits = float_to_bits(base);
   const uint32_t exponent_bits = (result_bits >> 13) & 0x00007C00u;
   const uint32_t mantissa_bits = result_bits & 0x00000FFFu;
-  return uint16_t((sign >> 16) | (exponent_bits + mantissa_bits));
+  const uint16_t result = uint16_t((sign >> 16) | (exponent_bits + mantissa_bits));
+  return (w & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7E00) : result;
 }
 
 // Writes fp32 `value` as element `index` of an output of dtype D (canonical NaN for fp32 too).
 template <DType D>
-inline void store(void* base, int64_t index, float value) {
+QUANT_CORE_INLINE void store(void* base, int64_t index, float value) {
   if constexpr (D == DType::kFloat32) {
     static_cast<float*>(base)[index] = std::isnan(value) ? std::numeric_limits<float>::quiet_NaN() : value;
   } else if constexpr (D == DType::kBFloat16) {

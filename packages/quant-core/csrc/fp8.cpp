@@ -13,8 +13,8 @@ constexpr int64_t kTileCols = 256;
 // out[i] = fp8(x[offset + i * stride] * scale) for i in [begin, end). kUnitStride makes the
 // stride a compile-time 1, so the contiguous case vectorizes.
 template <DType D, Fp8Format F, bool kUnitStride>
-void cast_sequence(const void* x, int64_t offset, int64_t begin, int64_t end, int64_t stride, float scale,
-                   uint8_t* out) {
+QUANT_CORE_CLONES void cast_sequence(const void* __restrict x, int64_t offset, int64_t begin, int64_t end, int64_t stride, float scale,
+                   uint8_t* __restrict out) {
   for (int64_t i = begin; i < end; ++i) {
     out[i] = encode_fp8<F>(load<D>(x, offset + (kUnitStride ? i : i * stride)) * scale);
   }
@@ -34,7 +34,7 @@ void cast_sequence(const void* x, int64_t offset, int64_t begin, int64_t end, in
 // vectorized loop), copied to the rowwise output, and scattered into a transposed tile whose
 // rows are then written to the columnwise output in contiguous runs.
 template <DType D, Fp8Format F>
-void cast_tile(const void* x, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col, float scale, int64_t r0,
+QUANT_CORE_CLONES void cast_tile(const void* x, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col, float scale, int64_t r0,
                int64_t r1, int64_t c0, int64_t c1, uint8_t* rowwise_MK, uint8_t* columnwise_KM) {
   uint8_t tile_KM[kTileCols][kTileRows];
   uint8_t row_codes[kTileCols];
