@@ -2,10 +2,11 @@
 // dequantizer, specialised by a small policy per format; plus the lossless transposes and the
 // 16 x 16 Hadamard transform. The layouts are those of [Note: block layouts] (_blocks.py).
 //
-// Quantize reads x once, tile by tile (B x B for block size B): a b x b-tiled format computes one
-// scale per tile and writes the rowwise codes and their transpose; a 1 x B format computes a
-// scale per tile row for rowwise and per tile column for columnwise (the quantization of x^T,
-// for NVFP4 optionally of T(x^T), [Note: NVFP4 random Hadamard transform] in _nvfp4.py).
+// Quantize reads x once, tile by tile (B rows x 128 columns for block size B): a b x b-tiled
+// format computes one scale per B x B block of the tile and writes the rowwise codes and their
+// transpose; a 1 x B format computes a scale per block of each tile row for rowwise and one per
+// tile column for columnwise (the quantization of x^T, for NVFP4 optionally of T(x^T), [Note:
+// NVFP4 random Hadamard transform] in _nvfp4.py).
 #include <memory>
 
 #include "common.h"
