@@ -173,6 +173,22 @@ def test_dequantize_equals_reference_for_both_usages(backend, case, out_dtype):
         assert torch.equal(bitwise(got), bitwise(want)), usage
 
 
+@pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
+def test_dequantize_decodes_every_code_and_scale_byte_like_the_reference(backend, out_dtype):
+    # MXFP8: all 256 codes against all 256 E8M0 bytes (255 gives 2^128 = Inf, 0 gives 2^-127).
+    data = torch.arange(256, dtype=torch.uint8).repeat(256, 1).view(E4M3)
+    scales = torch.arange(256, dtype=torch.uint8).reshape(256, 1).repeat(1, 8)
+    got = quant_core.dequantize_mxfp8(data, scales, out_dtype)
+    assert torch.equal(bitwise(got), bitwise(quant_core.dequantize_mxfp8_reference(data, scales, out_dtype)))
+    # NVFP4: all 256 bytes (every pair of E2M1 codes) against all 256 E4M3 block-scale bytes.
+    packed = torch.arange(256, dtype=torch.uint8).repeat(256, 1)
+    block_scales = torch.arange(256, dtype=torch.uint8).reshape(256, 1).repeat(1, 32).view(E4M3)
+    amax = torch.tensor(3.0)
+    got = quant_core.dequantize_nvfp4(packed, block_scales, amax, (1, 16), out_dtype)
+    want = quant_core.dequantize_nvfp4_reference(packed, block_scales, amax, (1, 16), out_dtype)
+    assert torch.equal(bitwise(got), bitwise(want))
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_round_trip_error_on_gaussian_data(case):
     x = torch.randn(512, 1024, generator=torch.Generator().manual_seed(0))

@@ -278,6 +278,19 @@ def test_dequantize_equals_reference(backend, fp8_dtype, out_dtype, shape):
         assert torch.equal(got.view(bitwise), want.view(bitwise))
 
 
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("out_dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("scale_inv", [1.0, 3.0, 2.0**-20, 2.0**100])
+def test_dequantize_decodes_every_code_like_the_reference(backend, fp8_dtype, out_dtype, scale_inv):
+    # All 256 codes (NaNs, +-Inf for E5M2, subnormals, both zeros) in rows of 256, scales that keep
+    # them, shrink them into subnormals or overflow bf16 and fp16.
+    data = torch.arange(256, dtype=torch.uint8).repeat(3, 1).view(fp8_dtype)
+    scale = torch.tensor(scale_inv, dtype=torch.float32)
+    got = quant_core.dequantize_fp8(data, scale, out_dtype)
+    want = quant_core.dequantize_fp8_reference(data, scale, out_dtype)
+    assert torch.equal(raw_bits(got), raw_bits(want))
+
+
 @pytest.mark.parametrize("shape", [(1,), (70, 90), (3, 5, 40), (300, 200)])
 def test_transpose_equals_columnwise(backend, shape):
     q = quant_core.quantize_fp8(adversarial(shape, torch.bfloat16, seed=8), columnwise=True)
