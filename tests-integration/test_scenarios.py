@@ -27,7 +27,7 @@ Rows run in one shared world per world size ([Note: shared worlds] in quant_fsdp
 writes each row's losses and counters, the tests assert on them.
 
 The same ground in depth: test_fsdp2_training.py (parity, 12 steps, every recipe x mode x
-world 1/2/4), test_fused_adam_fsdp2.py / test_fused_adam_parity.py (FusedAdam on FSDP2),
+world 1/2), test_fused_adam_fsdp2.py / test_fused_adam_parity.py (FusedAdam on FSDP2),
 test_fsdp2_gather.py (exact bytes against a bf16 FSDP2 run, fallbacks, MXFP8 without
 reshard_after_forward), test_tensor_parallel.py (TP layers bitwise, TP+SP training with quantized
 weights, TP checkpoints), test_sequence_gather.py (every sequence-gather path),
