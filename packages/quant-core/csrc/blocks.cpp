@@ -168,17 +168,19 @@ QUANT_CORE_INLINE int32_t magnitude_key(float v) { return MagnitudeKey<DType::kF
 // size), so that the loops along a row are long enough to vectorize.
 constexpr int64_t kMaxBlock = 128;
 constexpr int64_t kTileCols = 128;
+// Rows of a tile whose columns are transformed: the Hadamard transform runs over 16-row runs only.
+constexpr int64_t kTransformedRows = 16;
 
 // Per-thread scratch for one tile, row-major with rows kTileCols apart unless said otherwise.
 struct TileScratch {
   TileScratch()
       : values(new float[size_t(kMaxBlock * kTileCols)]),
-        transformed(new float[size_t(kMaxBlock * kTileCols)]),
+        transformed(new float[size_t(kTransformedRows * kTileCols)]),
         codes(new uint8_t[size_t(kMaxBlock * kTileCols)]),
         column_codes(new uint8_t[size_t(kMaxBlock * kTileCols)]),
         codes_t(new uint8_t[size_t(kTileCols * kMaxBlock)]) {}
   std::unique_ptr<float[]> values;           // x's tile as fp32
-  std::unique_ptr<float[]> transformed;      // the tile with its columns transformed
+  std::unique_ptr<float[]> transformed;      // a 16-row tile with its columns transformed
   std::unique_ptr<uint8_t[]> codes;          // rowwise codes (b x b tiles: the tile's codes)
   std::unique_ptr<uint8_t[]> column_codes;   // columnwise codes, still [row][col]
   std::unique_ptr<uint8_t[]> codes_t;        // columnwise codes [col][row], rows kMaxBlock apart
@@ -279,7 +281,7 @@ QUANT_CORE_CLONES void quantize_tile(const void* x, int64_t M, int64_t K, int64_
     if (out.columnwise_data != nullptr) {
       const float* __restrict runs = values;
       if constexpr (Policy::kTransformsColumns) {
-        if (columnwise_policy.transform_columns()) {  // h == B == 16: the caller checked M % 16 == 0
+        if (columnwise_policy.transform_columns()) {  // h == B == 16 rows: the caller checked M % 16 == 0
           float* transformed = t.transformed.get();
           std::memcpy(transformed, values, size_t(h * kTileCols) * sizeof(float));
           columnwise_policy.transform_columns(transformed, kTileCols, w);
