@@ -344,8 +344,9 @@ def _live_tensors() -> tuple[int, int]:
     return count, sum(storages.values())
 
 
-# A scan of every live object costs ~0.2 s in a warm rank, several steps of this model: count after steps 2 (the
-# buffers of both gathers and Adam's states exist), 5 and 9 (a leak of anything per step shows).
+# A scan of every live object costs ~0.2 s in a warm rank, several steps of this model: count
+# after steps 2 (the buffers of both gathers and Adam's states exist), 5 and 9 (a leak of
+# anything per step shows).
 LEAK_STEPS, LEAK_SAMPLES = 10, (2, 5, 9)
 
 

@@ -3,9 +3,10 @@ rows, and the exposed-communication arithmetic of --profile.
 
 The driver trains four runs once each, each launch its own torchrun (5-7 s a launch on 2 cores,
 mostly imports); how it orders repeats and folds them into rows is checked with launches stubbed
-out (test_repeats_launch_round_robin_into_median_rows). The compiled run uses the `aot_eager` backend: Dynamo and AOTAutograd trace as
-for Inductor and the same kernels run, so it trains bit for bit like its eager twin (as
-test_fsdp2_compile.py checks in one process), without Inductor's ~20 s per compile.
+out (test_repeats_launch_round_robin_into_median_rows). The compiled run uses the `aot_eager`
+backend: Dynamo and AOTAutograd trace as for Inductor and the same kernels run, so it trains bit
+for bit like its eager twin (as test_fsdp2_compile.py checks in one process), without Inductor's
+~20 s per compile.
 """
 
 from __future__ import annotations
