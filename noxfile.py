@@ -1,7 +1,8 @@
 """Every developer task of the quant-fsdp monorepo: `nox -l` lists them.
 
-torch is pinned to 2.13.0 (a CPU build that lies on disk on the project's machines); set
-QUANT_TORCH_SPEC (e.g. "torch==2.11.0") to test another release.
+Every session but `tests_latest` and `pins` installs the exact releases of constraints.txt, so a
+fresh clone tests what its last change was tested with; `tests_latest` tests the newest releases
+and `pins` rewrites constraints.txt from them (docs/development.md).
 """
 
 from __future__ import annotations
@@ -9,14 +10,17 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
+import re
 
 import nox
 import tomllib
 
 ROOT = pathlib.Path(__file__).parent
+CONSTRAINTS = ROOT / "constraints.txt"
 # Lowest layer first: installing in this order lets pip resolve each package's siblings locally.
 PACKAGES = ("quant-core", "quant-tensors", "quant-fsdp", "quant-optim")
-TORCH_SPEC = os.environ.get("QUANT_TORCH_SPEC", "torch==2.13.0")
+# torch's CPU build (the newer releases on the package index are CUDA builds of several GB).
+TORCH = "torch==2.13.0"
 # triton: its CPU interpreter checks the CUDA kernels' indexing and integer numerics on machines
 # without a GPU (the tests/test_triton_*.py that are not marked cuda).
 # build and the two backends (as in the packages' build-system.requires; pybind11 is needed only to
@@ -27,15 +31,25 @@ TEST_DEPS = (
     "pytest>=8", "hypothesis>=6.100", "numpy", "triton>=3.6",
     "build>=1.2", "hatchling>=1.24", "scikit-build-core>=0.10", "matplotlib>=3.8", "transformers>=4.45",
 )  # fmt: skip
+LINT_DEPS = ("ruff>=0.6", "import-linter>=2.1")
+DOCS_DEPS = ("mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26")
+# nox itself (.ci/run installs it from the pins) and what pip's isolated build of quant-core adds.
+TOOL_DEPS = ("nox>=2024.4", "pybind11>=2.13")
 
 nox.options.sessions = ["lint", "tests"]
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 
 
+def _pin(session: nox.Session) -> None:
+    """Every install of this session takes the releases of constraints.txt, pip's isolated build
+    environments included (they read PIP_CONSTRAINT, not a `-c` given to the outer pip)."""
+    session.env["PIP_CONSTRAINT"] = str(CONSTRAINTS)
+
+
 def _install_packages(session: nox.Session, *extra: str) -> None:
-    """torch first (pinned), then all four packages from the working tree."""
-    session.install(TORCH_SPEC)
+    """torch first, then all four packages from the working tree."""
+    session.install(TORCH)
     session.install(*(f"./packages/{p}" for p in PACKAGES), *extra)
 
 
@@ -46,7 +60,7 @@ _NOT_INSTALLED = {"tests", "build", "dist", "_skbuild", "__pycache__"}
 
 def _sources_digest(*requirements: str) -> str:
     """sha256 over the requirements and the packages' installed sources (paths and contents)."""
-    digest = hashlib.sha256("\0".join((TORCH_SPEC, *requirements)).encode())
+    digest = hashlib.sha256("\0".join((TORCH, CONSTRAINTS.read_text(), *requirements)).encode())
     for package in PACKAGES:
         root = ROOT / "packages" / package
         for path in sorted(root.rglob("*")):
@@ -73,14 +87,46 @@ def _install_packages_once(session: nox.Session, *extra: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Run every package's unit tests, tests-integration and benchmarks/tests against the working tree."""
+    _pin(session)
     _install_packages(session, *TEST_DEPS)
+    unpinned = set(_third_party_releases(session)) - set(CONSTRAINTS.read_text().splitlines())
+    if unpinned:
+        session.error(f"installed but not pinned in {CONSTRAINTS.name}: {sorted(unpinned)}; run `nox -s pins`")
     session.run("pytest", *session.posargs)
+
+
+@nox.session
+def tests_latest(session: nox.Session) -> None:
+    """`tests` with the newest release of every dependency instead of constraints.txt's."""
+    _install_packages(session, "--upgrade", *TEST_DEPS)
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def pins(session: nox.Session) -> None:
+    """Rewrite constraints.txt: the newest releases of what every session installs, resolved together."""
+    _install_packages(session, "--upgrade", *TEST_DEPS, *LINT_DEPS, *DOCS_DEPS, *TOOL_DEPS)
+    pins = sorted(_third_party_releases(session), key=str.lower)
+    header = "# Every third-party release the nox sessions install (nox -s pins rewrites this file).\n"
+    CONSTRAINTS.write_text(header + "\n".join(pins) + "\n")
+    session.log(f"wrote {len(pins)} pins to {CONSTRAINTS.name}")
+
+
+def _third_party_releases(session: nox.Session) -> list[str]:
+    """`name==version` of every distribution in the session's environment but ours and pip."""
+    from packaging.utils import canonicalize_name
+
+    # --all keeps setuptools (a dependency of some of them); pip itself comes with the venv.
+    frozen = session.run("python", "-m", "pip", "freeze", "--all", silent=True)
+    ours = {*PACKAGES, "pip"}
+    return [line for line in frozen.splitlines() if canonicalize_name(re.split("[ =@]", line)[0]) not in ours]
 
 
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check, ruff format --check and the import-linter layer contract."""
-    session.install("ruff>=0.6", "import-linter>=2.1")
+    _pin(session)
+    session.install(*LINT_DEPS)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     src_paths = os.pathsep.join(str(ROOT / "packages" / p / "src") for p in PACKAGES)
@@ -90,6 +136,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def build(session: nox.Session) -> None:
     """Build wheels and sdists of the four packages into dist/, then install quant-fsdp[optim] from dist/ alone."""
+    _pin(session)
     session.install("build>=1.2")
     dist = ROOT / "dist"
     for package in PACKAGES:
@@ -98,7 +145,7 @@ def build(session: nox.Session) -> None:
     venv_python = pathlib.Path(check) / "fresh" / "bin" / "python"
     session.run("python", "-m", "venv", str(venv_python.parent.parent), external=True)
     pip = (str(venv_python), "-m", "pip", "install", "-q", "--pre")
-    session.run(*pip, TORCH_SPEC, external=True)
+    session.run(*pip, TORCH, external=True)
     # Our four packages from dist/ alone (no index), then the extra's resolution, which may only
     # add third-party dependencies from the index since every quant-* requirement is now met.
     session.run(*pip, "--no-index", "--no-deps", "--find-links", str(dist), *PACKAGES, external=True)
@@ -141,10 +188,6 @@ def check_versions(session: nox.Session) -> None:
         session.error("; ".join(problems))
 
 
-# Pinned: a new theme or handler release must not break `--strict` builds on its own.
-DOCS_DEPS = ("mkdocs==1.6.1", "mkdocs-material==9.8.1", "mkdocstrings[python]==1.0.8", "mkdocstrings-python==2.0.11")
-
-
 @nox.session
 def docs(session: nox.Session) -> None:
     """Build the user docs (mkdocs-material, API pages by mkdocstrings) into site/; warnings are errors.
@@ -152,6 +195,7 @@ def docs(session: nox.Session) -> None:
     mkdocstrings reads the four packages' sources from packages/*/src (mkdocs.yml `paths`), so the
     packages need not be built or installed here.
     """
+    _pin(session)
     session.install(*DOCS_DEPS)
     session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"), env={"NO_MKDOCS_2_WARNING": "1"})
 
@@ -160,16 +204,20 @@ def docs(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """Run the end-to-end demo (`quant-fsdp demo`): tables, results/demo.json and results/demo_loss.png.
 
-    Reuses its environment: the packages install again only when their sources changed."""
+    Reuses its environment: the packages install again only when their sources or pins changed."""
+    _pin(session)
     _install_packages_once(session, "matplotlib>=3.8")
     session.run("quant-fsdp", "demo", "--out", str(ROOT / "results"), *session.posargs)
 
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Run the CPU benchmarks of benchmarks/: kernels.py (kernels, FSDP2 hooks; posargs go to it),
+    """Run the CPU benchmarks of benchmarks/: kernel_speed.py (kernels, FSDP2 hooks; posargs go to it),
     then optim.py (FusedAdam vs torch AdamW); tables, results/bench.json and results/bench_optim.json.
     The GPU benchmarks (linear_host.py, e2e.py, multi_gpu.py) run in scripts/gpu-suite.sh."""
+    _pin(session)
     _install_packages_once(session)
-    session.run("python", str(ROOT / "benchmarks" / "kernels.py"), "--out", str(ROOT / "results"), *session.posargs)
+    session.run(
+        "python", str(ROOT / "benchmarks" / "kernel_speed.py"), "--out", str(ROOT / "results"), *session.posargs
+    )
     session.run("python", str(ROOT / "benchmarks" / "optim.py"), "--out", str(ROOT / "results"))

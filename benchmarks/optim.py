@@ -22,7 +22,7 @@ side. Each graph row first checks that one replay equals one eager step bit for 
 built alike) and prints an error instead of a time when it does not.
 Prints a table and writes `<out>/bench_optim.json` (device, torch version, threads, date; the eager
 rows' ms of every round under "ms per round", to recompute from).
-`nox -s bench` runs it after benchmarks/kernels.py.
+`nox -s bench` runs it after benchmarks/kernel_speed.py.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ if want tests; then
   tests_rc=${PIPESTATUS[0]}
 fi
 if want bench; then
-  python3 benchmarks/kernels.py --device cuda --out "$out" 2>&1 | tee "$out/bench.log"
+  python3 benchmarks/kernel_speed.py --device cuda --out "$out" 2>&1 | tee "$out/bench.log"
   bench_rc=${PIPESTATUS[0]}
 fi
 if want linear; then

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
+import sys
 
 import pytest
 import torch.distributed as dist
@@ -23,6 +24,26 @@ def _record(rank: int, world_size: int, folder: str) -> None:
     gathered = [None] * world_size
     dist.all_gather_object(gathered, [rank])
     pathlib.Path(folder, f"rank-{rank}").write_text(f"{os.getpid()} {_calls_in_this_module} {gathered}")
+
+
+def _import_a_shadow(rank: int, world_size: int, folder: str) -> None:
+    """Puts `folder` first on the path and imports from it a `hatchling` (an installed distribution's
+    module, which no rank imports on its own) and a helper module."""
+    sys.path.insert(0, folder)
+    import hatchling
+    import warm_ranks_helper
+
+    assert hatchling.SHADOW
+    assert warm_ranks_helper.HELPER
+
+
+def _import_the_installed_module(rank: int, world_size: int, folder: str, caller_path: list[str]) -> None:
+    assert sys.path == caller_path
+    assert folder not in sys.path
+    assert "warm_ranks_helper" not in sys.modules
+    import hatchling
+
+    assert not hasattr(hatchling, "SHADOW"), hatchling.__file__
 
 
 def _raise_on_rank_1(rank: int, world_size: int) -> None:
@@ -55,6 +76,13 @@ def test_calls_reuse_the_ranks_and_load_the_file_afresh(tmp_path):
     assert [pid for pid, _, _ in before] == [pid for pid, _, _ in after]  # the same processes
     assert [count for _, count, _ in before + after] == [1, 1, 1, 1]  # module globals start new
     assert {gathered for _, _, gathered in before + after} == {"[[0], [1]]"}  # one process group
+
+
+def test_a_call_imports_as_a_new_rank_would_whatever_an_earlier_call_put_on_the_path(tmp_path):
+    tmp_path.joinpath("hatchling.py").write_text("SHADOW = True\n")
+    tmp_path.joinpath("warm_ranks_helper.py").write_text("HELPER = True\n")
+    run_on_warm_ranks(_import_a_shadow, 2, str(tmp_path))
+    run_on_warm_ranks(_import_the_installed_module, 2, str(tmp_path), list(sys.path))
 
 
 def test_a_rank_that_raises_fails_the_call_with_its_traceback_and_the_next_call_gets_new_ranks(tmp_path):

@@ -26,9 +26,11 @@ import os
 import pathlib
 import signal
 import sys
+import sysconfig
 import tempfile
 import traceback
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -323,7 +325,11 @@ def _run_scenarios(rank: int, world_size: int, source: str, plan: list, log: str
 # outlive a call: a check over every live object skips what it does not own. A rank that
 # raises or dies ends its world: the other ranks are killed and the error is raised as
 # torch.multiprocessing's spawn raises it (ProcessRaisedException with the rank's traceback,
-# ProcessExitedException with its exit code or signal); the next call starts new ranks. Ranks
+# ProcessExitedException with its exit code or signal); the next call starts new ranks. Each call
+# imports as a rank started for it would: it runs with the caller's `sys.path` of that moment, and
+# what it imported from outside the installed environment (the test file, helpers next to it, a
+# script folder it put on the path) is dropped from `sys.modules` after it, so no call sees a
+# module that an earlier call's file brought in under a name an installed package also has. Ranks
 # keep the environment variables they started with. What must run in a fresh process (a
 # process that never imports quant_fsdp, a rank killed on purpose, variables set for the ranks,
 # NCCL) keeps `run_ranks`. At most `_MAX_WORLDS` worlds stay up at once (the least
@@ -352,7 +358,7 @@ class _WarmWorld:
 
     def run(self, source: str, name: str, args: tuple[Any, ...]) -> None:
         for connection in self.connections:
-            connection.send((source, name, args))
+            connection.send((source, name, args, sys.path))
         waiting = dict(enumerate(self.connections))
         while waiting:
             ready = multiprocessing.connection.wait([*waiting.values(), *(p.sentinel for p in self.processes)])
@@ -424,19 +430,36 @@ def _close_worlds() -> None:
         _worlds.popitem()[1].close()
 
 
+# Where a new rank imports from before any call: the standard library and site-packages.
+_INSTALLED = tuple(
+    {os.path.join(sysconfig.get_path(key), "") for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+)
+
+
+def _imported_from_outside_the_environment(module: ModuleType) -> bool:
+    file = getattr(module, "__file__", None)
+    if isinstance(file, str):
+        return not file.startswith(_INSTALLED)
+    folders = getattr(module, "__path__", None)  # a namespace package has folders but no file
+    return folders is not None and not all(str(folder).startswith(_INSTALLED) for folder in folders)
+
+
 def _serve_calls(rank: int, world_size: int, store: str, connection: multiprocessing.connection.Connection) -> None:
     torch.set_num_threads(1)  # the world's processes share the machine's cores
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     while (call := connection.recv()) is not None:
-        source, name, args = call
+        source, name, args, caller_path = call
+        sys.path[:] = caller_path
+        before = set(sys.modules)
         try:
-            module = load_by_path(source)
-            getattr(module, name)(rank, world_size, *args)
+            getattr(load_by_path(source), name)(rank, world_size, *args)
             dist.barrier()  # no rank takes the next call while another still runs this one
         except BaseException:
             connection.send(traceback.format_exc())
             break
-        del sys.modules[module.__name__], module  # its globals go with it
+        for module_name in sys.modules.keys() - before:  # the call's file and its globals go with it
+            if _imported_from_outside_the_environment(sys.modules[module_name]):
+                del sys.modules[module_name]
         torch._dynamo.reset()
         gc.collect()
         connection.send(None)

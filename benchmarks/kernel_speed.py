@@ -1,4 +1,4 @@
-"""`python benchmarks/kernels.py`: every kernel against its plain-torch reference, side by side in one run.
+"""`python benchmarks/kernel_speed.py`: every kernel against its plain-torch reference, side by side in one run.
 
 Ratios are what the targets of DESIGN section 9 are stated in; absolute numbers depend on the
 machine, so each result records the device, torch version and thread count it ran with.
@@ -503,7 +503,7 @@ def run_bench(out: pathlib.Path, *, size: int, min_run_time: float, device: str 
     """Runs the suite on the CPU and/or CUDA (`device`), prints a table, writes bench.json."""
     console = Console(width=None if sys.stdout.isatty() else 120)  # logs: no wrapped tables
     if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("kernels.py --device cuda: no CUDA device is visible")
+        raise SystemExit("kernel_speed.py --device cuda: no CUDA device is visible")
     devices = [torch.device(d) for d in ("cpu", "cuda") if device in (d, "all")]
     devices = [d for d in devices if d.type == "cpu" or torch.cuda.is_available()]
     records = []
@@ -542,7 +542,7 @@ def run_bench(out: pathlib.Path, *, size: int, min_run_time: float, device: str 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = Parser(prog="kernels.py", description=__doc__.splitlines()[0])
+    parser = Parser(prog="kernel_speed.py", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="folder for bench.json")
     parser.add_argument(
         "--size", type=kernel_size, default=4096, help="square input size of the kernel benchmarks (a multiple of 128)"

@@ -1,10 +1,10 @@
-"""benchmarks/kernels.py refuses bad values before any work starts: exit code 2, one line naming the
+"""benchmarks/kernel_speed.py refuses bad values before any work starts: exit code 2, one line naming the
 option and the fix, nothing written."""
 
 from __future__ import annotations
 
 import pytest
-from kernels import main
+from kernel_speed import main
 
 BAD = {
     "--size 0": (["--size", "0"], "--size: must be a positive multiple of 128"),
