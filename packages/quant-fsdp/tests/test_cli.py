@@ -1,14 +1,17 @@
 """The command line refuses bad values before any work starts: exit code 2, one line naming the
-option and the fix, nothing written."""
+option and the fix, nothing written; --help, --version and those refusals import no torch."""
 
 from __future__ import annotations
 
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
+import quant_fsdp_cli
 from quant_fsdp import __version__
-from quant_fsdp.cli import DEMO_STEPS, main
+from quant_fsdp_cli import DEMO_STEPS, main
 
 BAD = {
     "demo --steps 0": (["demo", "--steps", "0"], "argument --steps: must be >= 1"),
@@ -128,6 +131,44 @@ def test_an_out_under_a_file_is_refused(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert "cannot create folders under" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == [parent]  # the probe folder is gone
+
+
+def test_recipes_and_batch_are_the_demos():
+    # The command line keeps its own copy, so that checking --recipes and --nproc imports no torch.
+    from quant_fsdp.demo import _training
+
+    assert (quant_fsdp_cli.RECIPES, quant_fsdp_cli.BATCH) == (_training.RECIPES, _training.BATCH)
+
+
+# Runs the command line on its arguments in a fresh interpreter, then names the heavy modules it imported.
+DRIVER = """
+import sys
+import quant_fsdp_cli
+try:
+    quant_fsdp_cli.main(sys.argv[1:])
+finally:
+    print("imported:", *sorted({"torch", "quant_fsdp", "quant_tensors"} & set(sys.modules)), file=sys.stderr)
+"""
+
+WITHOUT_TORCH = {
+    "--help": (["--help"], 0, "usage: quant-fsdp"),
+    "demo --help": (["demo", "--help"], 0, "usage: quant-fsdp demo"),
+    "--version": (["--version"], 0, f"quant-fsdp {__version__}"),
+    "no command": ([], 2, "the following arguments are required: command"),
+    "demo --steps 0": (["demo", "--steps", "0"], 2, "argument --steps: must be >= 1"),
+    "demo --nproc 3": (["demo", "--nproc", "3"], 2, "argument --nproc: must split the global batch"),
+    "demo --recipes fp9": (["demo", "--recipes", "fp9"], 2, "argument --recipes: unknown recipe 'fp9'"),
+    "demo --out file": (["demo", "--out", __file__], 2, "exists and is not a folder"),
+}
+
+
+@pytest.mark.parametrize("case", WITHOUT_TORCH)
+def test_help_version_and_refusals_import_no_torch(case):
+    argv, code, expected = WITHOUT_TORCH[case]
+    done = subprocess.run([sys.executable, "-c", DRIVER, *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == code, done.stderr
+    assert expected in done.stdout + done.stderr
+    assert done.stderr.splitlines()[-1] == "imported:", done.stderr
 
 
 def test_version(capsys):

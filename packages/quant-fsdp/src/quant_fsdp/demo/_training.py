@@ -39,7 +39,7 @@ LEARNING_RATE = 1e-3
 
 @dataclass(frozen=True, kw_only=True)
 class DemoOptions:
-    """What `quant-fsdp demo` runs; quant_fsdp.cli checks each value before work starts."""
+    """What `quant-fsdp demo` runs; quant_fsdp_cli checks each value before work starts."""
 
     recipes: tuple[str, ...]
     """Recipes trained after bf16 (names from RECIPES)."""

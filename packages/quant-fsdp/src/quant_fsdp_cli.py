@@ -1,10 +1,14 @@
 """The `quant-fsdp` command line: `demo` FSDP2-trains a small transformer with bf16 and each recipe
 and checks the quantized all-gather. The benchmarks live in the repository's benchmarks/ folder."""
 
+# A module beside the quant_fsdp package, not in it: importing quant_fsdp imports torch (seconds), so
+# the command parses and answers --help, --version and bad arguments before importing either.
+
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import os
 import pathlib
 import shlex
@@ -14,9 +18,12 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
-from quant_fsdp._version import __version__
-
 Runner = Callable[[pathlib.Path], int]
+
+# The demo's recipes and global batch (quant_fsdp.demo._training), repeated here so that checking
+# --recipes and --nproc imports no torch; test_cli checks that both agree.
+RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
+BATCH = 8
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,7 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `quant-fsdp` console script. Every argument is checked before any work
     starts: a bad value exits with code 2 and one line naming it and what to do."""
     parser = _Parser(prog="quant-fsdp", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"quant-fsdp {__version__}")
+    version = importlib.metadata.version("quant-fsdp")
+    parser.add_argument("--version", action="version", version=f"quant-fsdp {version}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="FSDP2-train a small transformer with bf16 and each recipe")
     _add_demo_arguments(demo)
@@ -83,8 +91,6 @@ def _seed(text: str) -> int:
 
 
 def _num_ranks(text: str) -> int:
-    from quant_fsdp.demo._training import BATCH
-
     value = _integer(text)
     if not 1 <= value <= BATCH or BATCH % value:
         divisors = ", ".join(str(n) for n in range(1, BATCH + 1) if BATCH % n == 0)
@@ -95,8 +101,6 @@ def _num_ranks(text: str) -> int:
 
 
 def _recipe_names(text: str) -> tuple[str, ...]:
-    from quant_fsdp.demo._training import RECIPES
-
     if text.strip() == "all":
         return RECIPES
     names = [name.strip() for name in text.split(",")]
