@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     problem = _unwritable(args.out)
     if problem:
-        parser.error(f"--out {args.out}: {problem}")
+        args.subparser.error(f"argument --out {args.out}: {problem}")
     run = _demo_command(args.subparser, args, argv)
     with _staged(args.out) as folder:
         return run(folder)
@@ -118,10 +118,15 @@ def _unwritable(out: pathlib.Path) -> str:
     if out.exists() and not out.is_dir():
         return "exists and is not a folder; name a folder"
     existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        return f"{existing} is a file, so no folder can be created in it; name a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "folder is not writable" if existing == out.absolute() else f"folder {existing} is not writable"
+        return f"{where}; name a writable folder"
     try:  # a probe folder, removed at once: permissions alone do not tell (root, /proc, read-only mounts)
         os.rmdir(tempfile.mkdtemp(dir=existing))
     except OSError as error:
-        return f"cannot create folders under {existing} ({error.strerror}); name a writable folder"
+        return f"cannot create folders in {existing} ({error.strerror}); name a writable folder"
     return ""
 
 
@@ -161,7 +166,9 @@ def _add_demo_arguments(demo: argparse.ArgumentParser) -> None:
         "--out",
         type=pathlib.Path,
         default=pathlib.Path("results"),
-        help="folder for demo.json, demo_gather.json and demo_loss.png (default results)",
+        metavar="FOLDER",
+        help="folder for demo.json, demo_gather.json and demo_loss.png, created if missing and filled once the "
+        "demo has finished (default results)",
     )
 
 

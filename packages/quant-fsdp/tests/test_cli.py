@@ -3,6 +3,7 @@ option and the fix, nothing written; --help, --version and those refusals import
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -129,8 +130,42 @@ def test_an_out_under_a_file_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--out", str(parent / "sub")])
     assert exit_info.value.code == 2
-    assert "cannot create folders under" in capsys.readouterr().err
-    assert list(tmp_path.iterdir()) == [parent]  # the probe folder is gone
+    assert f"{parent} is a file, so no folder can be created in it; name a folder" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == [parent]
+
+
+@pytest.mark.parametrize("missing", [False, True], ids=["out exists", "out under it"])
+def test_an_out_in_a_folder_that_is_not_writable_is_refused(missing, tmp_path, capsys, monkeypatch):
+    # The tests run as root, for whom every folder is writable: os.access answers for a user here.
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    access = os.access
+    monkeypatch.setattr(
+        os, "access", lambda path, mode, **kw: pathlib.Path(path) != locked and access(path, mode, **kw)
+    )
+    out = locked / "results" if missing else locked
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--out", str(out)])
+    assert exit_info.value.code == 2
+    where = f"folder {locked} is not writable" if missing else "folder is not writable"
+    assert capsys.readouterr().err == (
+        f"quant-fsdp demo: error: argument --out {out}: {where}; name a writable folder (see quant-fsdp demo --help)\n"
+    )
+    assert list(locked.iterdir()) == []
+
+
+def test_out_errors_point_to_the_demo_help_which_documents_out(tmp_path, capsys):
+    target = tmp_path / "results"
+    target.write_text("")
+    with pytest.raises(SystemExit):
+        main(["demo", "--out", str(target)])
+    error = capsys.readouterr().err
+    assert error.startswith(f"quant-fsdp demo: error: argument --out {target}: exists and is not a folder")
+    assert error.endswith("(see quant-fsdp demo --help)\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--help"])
+    assert exit_info.value.code == 0
+    assert "--out FOLDER" in capsys.readouterr().out
 
 
 def test_recipes_and_batch_are_the_demos():
