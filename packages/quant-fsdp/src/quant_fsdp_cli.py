@@ -47,9 +47,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = _unwritable(args.out)
     if problem:
         args.subparser.error(f"argument --out {args.out}: {problem}")
-    run = _demo_command(args.subparser, args, argv)
-    with _staged(args.out) as folder:
-        return run(folder)
+    try:
+        run = _demo_command(args.subparser, args, argv)
+        with _staged(args.out) as folder:
+            return run(folder)
+    except KeyboardInterrupt:  # Ctrl-C: the ranks are ended (quant_fsdp.demo.run_ranks), `out` is as it was
+        _leave_progress_display()
+        print(f"{args.subparser.prog}: interrupted; nothing written to {args.out}", file=sys.stderr)
+        return 130
+
+
+def _leave_progress_display() -> None:
+    """Shows the cursor that rank 0's progress bars hid, on a new line (when stdout is a terminal)."""
+    from rich.console import Console
+
+    console = Console()
+    if console.is_terminal:
+        console.show_cursor(True)
+        console.line()
 
 
 @contextlib.contextmanager

@@ -6,7 +6,12 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import pathlib
+import signal
 import statistics
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -104,3 +109,57 @@ def test_demo_training_passes_on_demand_columnwise_on_the_recipes_not_the_enviro
     assert weight_bytes["mxfp8"] > weight_bytes["bf16"]
     assert demo_recipe("fp8").weight_columnwise_on_demand is True
     assert demo_recipe("mxfp8").weight_columnwise_on_demand is None
+
+
+def _session(session: int) -> list[str]:
+    """The command lines of the processes of session `session` (from /proc)."""
+    found = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
+            if int(fields[3]) == session:
+                found.append((stat.parent / "cmdline").read_text().replace("\0", " "))
+        except OSError:  # it ended meanwhile
+            continue
+    return found
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/stat").exists(), reason="finds the rank processes in /proc")
+def test_ctrl_c_ends_every_rank_says_one_line_and_writes_nothing(tmp_path):
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "demo.json").write_text("previous run")
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    argv = ["demo", "--recipes", "fp8", "--steps", "100000", "--out", str(out)]
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "quant_fsdp_cli", *argv],
+        env={**os.environ, "TMPDIR": str(temporary)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group and session, as a shell gives a command
+    )
+    try:
+        # The ranks' process-group store appears once they have joined the group and begin training.
+        while not list(temporary.glob("*/store")):
+            assert demo.poll() is None, demo.communicate()
+            time.sleep(0.2)
+        os.killpg(demo.pid, signal.SIGINT)  # Ctrl-C in a terminal: SIGINT to every process of the group
+        _, error = demo.communicate(timeout=120)
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait()
+    assert demo.returncode == 130
+    assert error == f"quant-fsdp demo: interrupted; nothing written to {out}\n"
+    assert [p.name for p in out.iterdir()] == ["demo.json"]
+    assert (out / "demo.json").read_text() == "previous run"
+    assert not list(temporary.glob("quant-fsdp-*")), "the staging folder is removed"
+    assert not list(temporary.glob("*/store")), "the ranks' temporary folder is removed"
+    # multiprocessing's resource tracker leaves once the command has exited; no rank stays.
+    for _ in range(300):
+        if not _session(demo.pid):
+            break
+        time.sleep(0.2)
+    assert _session(demo.pid) == []
