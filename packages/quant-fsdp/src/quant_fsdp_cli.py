@@ -202,6 +202,14 @@ def _demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace, arg
             f"use --nproc {num_gpus} or --device cpu"
         )
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and num_gpus >= args.nproc) else "cpu"
+    cores = _cpu_cores()
+    if device == "cpu" and args.nproc > cores:
+        print(
+            f"{parser.prog}: warning: --nproc {args.nproc} is more ranks than the {cores} CPU cores this process "
+            f"may use; the ranks then wait for cores, so tokens/s and step ms are not comparable with runs of "
+            f"--nproc {cores} or fewer",
+            file=sys.stderr,
+        )
     options = DemoOptions(
         recipes=args.recipes,
         num_ranks=args.nproc,
@@ -211,6 +219,11 @@ def _demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace, arg
         command=_command_line(argv),
     )
     return lambda out: run_demo(out, options)
+
+
+def _cpu_cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _command_line(argv: Sequence[str] | None) -> str:

@@ -251,3 +251,20 @@ def test_results_move_into_out_only_when_the_command_returns(tmp_path, monkeypat
     assert sorted(p.name for p in out.iterdir()) == ["demo.json", "demo.md"]
     assert (out / "demo.json").read_text() == "{}"
     assert f"wrote demo.json, demo.md to {out}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("nproc", "gpus", "warned"), [(4, 0, True), (2, 0, False), (4, 4, False)])
+def test_more_cpu_ranks_than_cores_warns_in_one_line(nproc, gpus, warned, tmp_path, monkeypatch, capsys, num_gpus):
+    import quant_fsdp.demo._run
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(quant_fsdp.demo._run, "run_demo", _fake_demo({}))
+    num_gpus["value"] = gpus
+    assert main(["demo", "--nproc", str(nproc), "--out", str(tmp_path)]) == 0
+    error = capsys.readouterr().err
+    if warned:
+        assert error.startswith("quant-fsdp demo: warning: --nproc 4 is more ranks than the 2 CPU cores")
+        assert "tokens/s and step ms are not comparable" in error
+        assert len(error.splitlines()) == 1
+    else:
+        assert error == ""
