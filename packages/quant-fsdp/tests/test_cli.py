@@ -1,14 +1,18 @@
 """The command line refuses bad values before any work starts: exit code 2, one line naming the
-option and the fix, nothing written."""
+option and the fix, nothing written; --help, --version and those refusals import no torch."""
 
 from __future__ import annotations
 
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
+import quant_fsdp_cli
 from quant_fsdp import __version__
-from quant_fsdp.cli import DEMO_STEPS, main
+from quant_fsdp_cli import DEMO_STEPS, main
 
 BAD = {
     "demo --steps 0": (["demo", "--steps", "0"], "argument --steps: must be >= 1"),
@@ -126,8 +130,80 @@ def test_an_out_under_a_file_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--out", str(parent / "sub")])
     assert exit_info.value.code == 2
-    assert "cannot create folders under" in capsys.readouterr().err
-    assert list(tmp_path.iterdir()) == [parent]  # the probe folder is gone
+    assert f"{parent} is a file, so no folder can be created in it; name a folder" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == [parent]
+
+
+@pytest.mark.parametrize("missing", [False, True], ids=["out exists", "out under it"])
+def test_an_out_in_a_folder_that_is_not_writable_is_refused(missing, tmp_path, capsys, monkeypatch):
+    # The tests run as root, for whom every folder is writable: os.access answers for a user here.
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    access = os.access
+    monkeypatch.setattr(
+        os, "access", lambda path, mode, **kw: pathlib.Path(path) != locked and access(path, mode, **kw)
+    )
+    out = locked / "results" if missing else locked
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--out", str(out)])
+    assert exit_info.value.code == 2
+    where = f"folder {locked} is not writable" if missing else "folder is not writable"
+    assert capsys.readouterr().err == (
+        f"quant-fsdp demo: error: argument --out {out}: {where}; name a writable folder (see quant-fsdp demo --help)\n"
+    )
+    assert list(locked.iterdir()) == []
+
+
+def test_out_errors_point_to_the_demo_help_which_documents_out(tmp_path, capsys):
+    target = tmp_path / "results"
+    target.write_text("")
+    with pytest.raises(SystemExit):
+        main(["demo", "--out", str(target)])
+    error = capsys.readouterr().err
+    assert error.startswith(f"quant-fsdp demo: error: argument --out {target}: exists and is not a folder")
+    assert error.endswith("(see quant-fsdp demo --help)\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--help"])
+    assert exit_info.value.code == 0
+    assert "--out FOLDER" in capsys.readouterr().out
+
+
+def test_recipes_and_batch_are_the_demos():
+    # The command line keeps its own copy, so that checking --recipes and --nproc imports no torch.
+    from quant_fsdp.demo import _training
+
+    assert (quant_fsdp_cli.RECIPES, quant_fsdp_cli.BATCH) == (_training.RECIPES, _training.BATCH)
+
+
+# Runs the command line on its arguments in a fresh interpreter, then names the heavy modules it imported.
+DRIVER = """
+import sys
+import quant_fsdp_cli
+try:
+    quant_fsdp_cli.main(sys.argv[1:])
+finally:
+    print("imported:", *sorted({"torch", "quant_fsdp", "quant_tensors"} & set(sys.modules)), file=sys.stderr)
+"""
+
+WITHOUT_TORCH = {
+    "--help": (["--help"], 0, "usage: quant-fsdp"),
+    "demo --help": (["demo", "--help"], 0, "usage: quant-fsdp demo"),
+    "--version": (["--version"], 0, f"quant-fsdp {__version__}"),
+    "no command": ([], 2, "the following arguments are required: command"),
+    "demo --steps 0": (["demo", "--steps", "0"], 2, "argument --steps: must be >= 1"),
+    "demo --nproc 3": (["demo", "--nproc", "3"], 2, "argument --nproc: must split the global batch"),
+    "demo --recipes fp9": (["demo", "--recipes", "fp9"], 2, "argument --recipes: unknown recipe 'fp9'"),
+    "demo --out file": (["demo", "--out", __file__], 2, "exists and is not a folder"),
+}
+
+
+@pytest.mark.parametrize("case", WITHOUT_TORCH)
+def test_help_version_and_refusals_import_no_torch(case):
+    argv, code, expected = WITHOUT_TORCH[case]
+    done = subprocess.run([sys.executable, "-c", DRIVER, *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == code, done.stderr
+    assert expected in done.stdout + done.stderr
+    assert done.stderr.splitlines()[-1] == "imported:", done.stderr
 
 
 def test_version(capsys):
@@ -165,8 +241,8 @@ def test_results_move_into_out_only_when_the_command_returns(tmp_path, monkeypat
     out.mkdir()
     (out / "demo.json").write_text("previous run")
     monkeypatch.setattr(quant_fsdp.demo._run, "run_demo", _fake_run(fail=True))
-    with pytest.raises(KeyboardInterrupt):
-        main(["demo", "--out", str(out)])
+    assert main(["demo", "--out", str(out)]) == 130  # 128 + SIGINT, as shells report Ctrl-C
+    assert capsys.readouterr().err == f"quant-fsdp demo: interrupted; nothing written to {out}\n"
     assert [p.name for p in out.iterdir()] == ["demo.json"]
     assert (out / "demo.json").read_text() == "previous run"  # as it was
 
@@ -175,3 +251,20 @@ def test_results_move_into_out_only_when_the_command_returns(tmp_path, monkeypat
     assert sorted(p.name for p in out.iterdir()) == ["demo.json", "demo.md"]
     assert (out / "demo.json").read_text() == "{}"
     assert f"wrote demo.json, demo.md to {out}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("nproc", "gpus", "warned"), [(4, 0, True), (2, 0, False), (4, 4, False)])
+def test_more_cpu_ranks_than_cores_warns_in_one_line(nproc, gpus, warned, tmp_path, monkeypatch, capsys, num_gpus):
+    import quant_fsdp.demo._run
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(quant_fsdp.demo._run, "run_demo", _fake_demo({}))
+    num_gpus["value"] = gpus
+    assert main(["demo", "--nproc", str(nproc), "--out", str(tmp_path)]) == 0
+    error = capsys.readouterr().err
+    if warned:
+        assert error.startswith("quant-fsdp demo: warning: --nproc 4 is more ranks than the 2 CPU cores")
+        assert "tokens/s and step ms are not comparable" in error
+        assert len(error.splitlines()) == 1
+    else:
+        assert error == ""

@@ -6,15 +6,20 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import pathlib
+import signal
 import statistics
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import quant_tensors as qt
-from quant_fsdp.cli import main
 from quant_fsdp.demo._training import FINAL_WINDOW, LOSS_BOUND, DemoOptions, _train_all, demo_recipe
+from quant_fsdp_cli import main
 
 
 def test_demo_learns_and_writes_the_table_json_and_plot(tmp_path, capsys):
@@ -75,11 +80,31 @@ def test_demo_learns_and_writes_the_table_json_and_plot(tmp_path, capsys):
     )
 
 
-def test_demo_on_one_rank_gathers_nothing(tmp_path):
+def test_demo_on_one_rank_gathers_nothing(tmp_path, capsys):
     # FSDP2 on one rank skips the collectives: no bytes gathered, no ratio to bf16's.
     out = tmp_path / "results"
-    assert main(["demo", "--recipes", "fp8", "--nproc", "1", "--steps", "2", "--out", str(out)]) == 0
-    runs = {run["run"]: run for run in json.loads((out / "demo.json").read_text())["runs"]}
+    assert main(["demo", "--recipes", "fp8", "--nproc", "1", "--steps", "1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    flat = " ".join(printed.split())  # rich wraps long lines
+    # One step is too short for a loss verdict: the demo says so instead of PASS or FAIL.
+    row = next(line for line in printed.splitlines() if line.startswith("│ fp8 "))
+    assert "PASS" not in row
+    assert "FAIL" not in row
+    assert "none (< 10 steps)" in row
+    assert "The verdict needs at least 10 steps (this run has 1)" in flat
+    assert "No loss verdict: it needs at least 10 steps, this run has 1 (--steps)" in flat
+    assert not any(line.startswith(("PASS", "FAIL")) for line in printed.splitlines())
+    assert "1 step of 8x64 tokens" in flat
+    assert "after 1 step)" in flat
+    # What is trained, and every column of the gather table, in a user's words.
+    assert "a small transformer (4 blocks, width 256, " in flat
+    assert "learning a synthetic next-token task" in flat
+    for legend in ("backend: ", "ms: ", "bytes/bf16: ", "rel err: ", "=ref: ", "shards=full: ", "fallback: "):
+        assert legend in flat
+    report = json.loads((out / "demo.json").read_text())
+    assert report["passed"] is True
+    runs = {run["run"]: run for run in report["runs"]}
+    assert runs["fp8"]["passed"] is None
     assert runs["bf16"]["gathered_mib_per_step"] == runs["fp8"]["gathered_mib_per_step"] == 0
     assert runs["fp8"]["gathered_vs_bf16"] is None
     # The one rank holds every Linear weight: one FP8 byte per bf16 pair, plus one fp32 scale per weight.
@@ -104,3 +129,71 @@ def test_demo_training_passes_on_demand_columnwise_on_the_recipes_not_the_enviro
     assert weight_bytes["mxfp8"] > weight_bytes["bf16"]
     assert demo_recipe("fp8").weight_columnwise_on_demand is True
     assert demo_recipe("mxfp8").weight_columnwise_on_demand is None
+
+
+@pytest.mark.parametrize(
+    ("steps", "label"), [(3, "loss (mean of the last 3 steps) "), (12, "loss (mean of the last 10 steps) ")]
+)
+def test_progress_bars_name_the_steps_they_average(steps, label, tmp_path, capsys):
+    # Rank 0's work, run here as the one rank of a gloo group; bf16 only.
+    options = DemoOptions(recipes=(), num_ranks=1, num_steps=steps, device="cpu", seed=0)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        _train_all(0, 1, options, str(tmp_path / "results.json"))
+    finally:
+        dist.destroy_process_group()
+    assert label in capsys.readouterr().out
+
+
+def _session(session: int) -> list[str]:
+    """The command lines of the processes of session `session` (from /proc)."""
+    found = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, session, ...
+            if int(fields[3]) == session:
+                found.append((stat.parent / "cmdline").read_text().replace("\0", " "))
+        except OSError:  # it ended meanwhile
+            continue
+    return found
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/stat").exists(), reason="finds the rank processes in /proc")
+def test_ctrl_c_ends_every_rank_says_one_line_and_writes_nothing(tmp_path):
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "demo.json").write_text("previous run")
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    argv = ["demo", "--recipes", "fp8", "--steps", "100000", "--out", str(out)]
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "quant_fsdp_cli", *argv],
+        env={**os.environ, "TMPDIR": str(temporary)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group and session, as a shell gives a command
+    )
+    try:
+        # The ranks' process-group store appears once they have joined the group and begin training.
+        while not list(temporary.glob("*/store")):
+            assert demo.poll() is None, demo.communicate()
+            time.sleep(0.2)
+        os.killpg(demo.pid, signal.SIGINT)  # Ctrl-C in a terminal: SIGINT to every process of the group
+        _, error = demo.communicate(timeout=120)
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait()
+    assert demo.returncode == 130
+    assert error == f"quant-fsdp demo: interrupted; nothing written to {out}\n"
+    assert [p.name for p in out.iterdir()] == ["demo.json"]
+    assert (out / "demo.json").read_text() == "previous run"
+    assert not list(temporary.glob("quant-fsdp-*")), "the staging folder is removed"
+    assert not list(temporary.glob("*/store")), "the ranks' temporary folder is removed"
+    # multiprocessing's resource tracker leaves once the command has exited; no rank stays.
+    for _ in range(300):
+        if not _session(demo.pid):
+            break
+        time.sleep(0.2)
+    assert _session(demo.pid) == []

@@ -172,10 +172,13 @@ def print_plan(module: torch.nn.Module) -> None:
 
     table = Table(title=f"quant_fsdp gather plan: {type(module).__name__}")
     for column in ("parameter", "format", "shape", "mode", "all-gather"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")  # a name too long for a narrow terminal folds, never cut
     for plan in gather_plan(module):
         gather = (
             "quantized bytes" if plan.quantized_gather else f"high precision, then quantize: {plan.fallback_reason}"
         )
         table.add_row(plan.name, plan.format, str(plan.shape), plan.mode, gather)
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: as wide as the table, each row on one line
+        console.width = max(console.width, console.measure(table, options=console.options.update_width(10**6)).maximum)
+    console.print(table)

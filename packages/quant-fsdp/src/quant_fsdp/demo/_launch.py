@@ -6,13 +6,16 @@ with it (quant_fsdp.demo.run_ranks).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import os
 import pathlib
+import signal
 import sys
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -29,21 +32,48 @@ def run_ranks(fn: Callable[..., None], world_size: int, *args: Any, backend: str
     `fn` must be a module-level function. Each process loads fn's file by path rather than by
     module name, so this works for test files that pytest imported under a path-derived name
     (`--import-mode=importlib`). A failure in any rank re-raises here with that rank's traceback.
+    The ranks ignore Ctrl-C (SIGINT): it interrupts this process, which ends them before it re-raises.
     """
     source = pathlib.Path(inspect.getfile(fn)).resolve()
     with tempfile.TemporaryDirectory() as tmp:
         store = str(pathlib.Path(tmp) / "store")
-        mp.spawn(
-            _rank_entry,
-            args=(world_size, str(source), fn.__name__, store, args, backend),
-            nprocs=world_size,
-            join=True,
-        )
+        with _sigint_ignored():  # the ranks inherit the ignored SIGINT from their start on
+            context = mp.spawn(
+                _rank_entry,
+                args=(world_size, str(source), fn.__name__, store, args, backend),
+                nprocs=world_size,
+                join=False,
+            )
+        try:
+            while not context.join():
+                pass
+        except BaseException:  # Ctrl-C, a test's timeout, or a failed rank: no rank outlives the call
+            for process in context.processes:
+                process.terminate()
+            for process in context.processes:
+                process.join()
+            raise
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Ignores SIGINT meanwhile, so that the processes started meanwhile ignore it from their start.
+    Only the main thread may set signal handlers (and only it receives Ctrl-C): elsewhere it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _rank_entry(
     rank: int, world_size: int, source: str, name: str, store: str, args: tuple[Any, ...], backend: str
 ) -> None:
+    # torch's spawn has a rank sent SIGINT when its parent dies; ranks ignore SIGINT, so SIGTERM it is.
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGTERM)
     module = load_by_path(source)
     torch.set_num_threads(1)  # world_size processes share the machine's cores
     if backend == "nccl":

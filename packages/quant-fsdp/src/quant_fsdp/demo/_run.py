@@ -43,12 +43,14 @@ from quant_fsdp.demo._training import (
     BATCH,
     FINAL_WINDOW,
     LEARNING_RATE,
+    VERDICT_MIN_STEPS,
     DemoOptions,
     TrainingResult,
     final_loss_definition,
     plot_losses,
     print_training_table,
     run_training,
+    steps_phrase,
 )
 
 _HIDDEN = 256
@@ -233,22 +235,29 @@ def run_demo(out: pathlib.Path, options: DemoOptions) -> int:
 
 
 def _verdict(training: TrainingResult, gathers_passed: bool, options: DemoOptions) -> str:
-    """The closing line: PASS, or FAIL with what failed."""
+    """The closing line: PASS, FAIL with what failed, or no loss verdict for a run too short for one."""
     failed = [f"{r.run} {r.vs_bf16:+.2%} vs bf16 (bound ±{r.bound:.0%})" for r in training.rows if r.passed is False]
     if not gathers_passed:
         failed.append("a kernel or sharded-gather check (see the second table)")
     if failed:
         return f"[red]FAIL[/red]: {'; '.join(failed)}."
+    checks = "kernels equal their references, sharded gathers the whole."
+    if options.num_steps < VERDICT_MIN_STEPS:
+        return (
+            f"No loss verdict: it needs at least {VERDICT_MIN_STEPS} steps, this run has "
+            f"{options.num_steps} (--steps); {checks}"
+        )
     return (
         f"[green]PASS[/green]: every recipe ({', '.join(options.recipes)}) within its loss bound of bf16 after "
-        f"{options.num_steps} steps; kernels equal their references, sharded gathers the whole."
+        f"{steps_phrase(options.num_steps)}; {checks}"
     )
 
 
 def _definitions(options: DemoOptions) -> dict[str, str]:
     return {
         "final_loss": final_loss_definition(options.num_steps) + " (cross-entropy, nats per token, global batch)",
-        "vs_bf16": "final_loss / bf16's final_loss - 1; passed when abs(vs_bf16) <= bound",
+        "vs_bf16": "final_loss / bf16's final_loss - 1; passed when abs(vs_bf16) <= bound (null for bf16 and "
+        f"when the run has fewer than {VERDICT_MIN_STEPS} steps)",
         "loss_floor": "entropy of the task's Markov chain: the lowest loss any model can reach",
         "tokens_per_s": "tokens of the global batch / median step time, all ranks together",
         "gathered_mib_per_step": "bytes FSDP2's all-gathers deliver to one rank per step (median)",
@@ -306,7 +315,8 @@ def run_gather_checks(console: Console, out: pathlib.Path, options: DemoOptions)
                 progress.advance(task)
     numel = sum(w.numel() for w in weights.values())
     table = Table(
-        title=f"{len(weights)} Linear weights ({numel / 1e6:.1f}M parameters, bf16), simulated {world_size}-rank FSDP2 gather"
+        title=f"The {len(weights)} Linear weights of the transformer's blocks ({numel / 1e6:.1f}M parameters, bf16), "
+        f"simulated {world_size}-rank FSDP2 gather"
     )
     for column in ("recipe", "backend", "ms", "bytes/bf16", "rel err", "=ref", "shards=full", "fallback"):
         table.add_column(column, justify="left" if column in ("recipe", "backend") else "right")
@@ -323,11 +333,17 @@ def run_gather_checks(console: Console, out: pathlib.Path, options: DemoOptions)
             str(r.fallbacks),
         )
     console.print(table)
-    console.print("shards=full: weights whose gathered shards equal the unsharded quantization bit for bit.")
-    console.print(
+    for line in (
+        "backend: the quant_core kernels that quantized, reference (plain torch) or cpp (C++). ms: time to quantize "
+        "all the weights once.",
+        "bytes/bf16: bytes a gather moves (codes and scales) / bf16's. rel err: ||dequantized - weight|| / "
+        "||weight|| over all the weights.",
+        "=ref: codes and scales equal the plain-torch reference bit for bit. shards=full: weights whose gathered "
+        "shards equal the unsharded quantization bit for bit.",
         "fallback: weights whose shard rows miss the format's block boundaries (quant_fsdp.fully_shard gathers "
-        "those in high precision and quantizes after)."
-    )
+        "those in high precision and quantizes after).",
+    ):
+        console.print(line, highlight=False)
     (out / "demo_gather.json").write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
     passed = all(r.equals_reference and not r.sharded_gathers_differ for r in rows)
     return passed

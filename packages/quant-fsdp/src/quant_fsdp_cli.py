@@ -1,10 +1,14 @@
 """The `quant-fsdp` command line: `demo` FSDP2-trains a small transformer with bf16 and each recipe
 and checks the quantized all-gather. The benchmarks live in the repository's benchmarks/ folder."""
 
+# A module beside the quant_fsdp package, not in it: importing quant_fsdp imports torch (seconds), so
+# the command parses and answers --help, --version and bad arguments before importing either.
+
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import os
 import pathlib
 import shlex
@@ -14,9 +18,12 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
-from quant_fsdp._version import __version__
-
 Runner = Callable[[pathlib.Path], int]
+
+# The demo's recipes and global batch (quant_fsdp.demo._training), repeated here so that checking
+# --recipes and --nproc imports no torch; test_cli checks that both agree.
+RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
+BATCH = 8
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,7 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `quant-fsdp` console script. Every argument is checked before any work
     starts: a bad value exits with code 2 and one line naming it and what to do."""
     parser = _Parser(prog="quant-fsdp", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"quant-fsdp {__version__}")
+    version = importlib.metadata.version("quant-fsdp")
+    parser.add_argument("--version", action="version", version=f"quant-fsdp {version}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="FSDP2-train a small transformer with bf16 and each recipe")
     _add_demo_arguments(demo)
@@ -38,10 +46,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     problem = _unwritable(args.out)
     if problem:
-        parser.error(f"--out {args.out}: {problem}")
-    run = _demo_command(args.subparser, args, argv)
-    with _staged(args.out) as folder:
-        return run(folder)
+        args.subparser.error(f"argument --out {args.out}: {problem}")
+    try:
+        run = _demo_command(args.subparser, args, argv)
+        with _staged(args.out) as folder:
+            return run(folder)
+    except KeyboardInterrupt:  # Ctrl-C: the ranks are ended (quant_fsdp.demo.run_ranks), `out` is as it was
+        _leave_progress_display()
+        print(f"{args.subparser.prog}: interrupted; nothing written to {args.out}", file=sys.stderr)
+        return 130
+
+
+def _leave_progress_display() -> None:
+    """Shows the cursor that rank 0's progress bars hid, on a new line (when stdout is a terminal)."""
+    from rich.console import Console
+
+    console = Console()
+    if console.is_terminal:
+        console.show_cursor(True)
+        console.line()
 
 
 @contextlib.contextmanager
@@ -83,8 +106,6 @@ def _seed(text: str) -> int:
 
 
 def _num_ranks(text: str) -> int:
-    from quant_fsdp.demo._training import BATCH
-
     value = _integer(text)
     if not 1 <= value <= BATCH or BATCH % value:
         divisors = ", ".join(str(n) for n in range(1, BATCH + 1) if BATCH % n == 0)
@@ -95,8 +116,6 @@ def _num_ranks(text: str) -> int:
 
 
 def _recipe_names(text: str) -> tuple[str, ...]:
-    from quant_fsdp.demo._training import RECIPES
-
     if text.strip() == "all":
         return RECIPES
     names = [name.strip() for name in text.split(",")]
@@ -114,10 +133,15 @@ def _unwritable(out: pathlib.Path) -> str:
     if out.exists() and not out.is_dir():
         return "exists and is not a folder; name a folder"
     existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        return f"{existing} is a file, so no folder can be created in it; name a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "folder is not writable" if existing == out.absolute() else f"folder {existing} is not writable"
+        return f"{where}; name a writable folder"
     try:  # a probe folder, removed at once: permissions alone do not tell (root, /proc, read-only mounts)
         os.rmdir(tempfile.mkdtemp(dir=existing))
     except OSError as error:
-        return f"cannot create folders under {existing} ({error.strerror}); name a writable folder"
+        return f"cannot create folders in {existing} ({error.strerror}); name a writable folder"
     return ""
 
 
@@ -157,7 +181,9 @@ def _add_demo_arguments(demo: argparse.ArgumentParser) -> None:
         "--out",
         type=pathlib.Path,
         default=pathlib.Path("results"),
-        help="folder for demo.json, demo_gather.json and demo_loss.png (default results)",
+        metavar="FOLDER",
+        help="folder for demo.json, demo_gather.json and demo_loss.png, created if missing and filled once the "
+        "demo has finished (default results)",
     )
 
 
@@ -176,6 +202,14 @@ def _demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace, arg
             f"use --nproc {num_gpus} or --device cpu"
         )
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and num_gpus >= args.nproc) else "cpu"
+    cores = _cpu_cores()
+    if device == "cpu" and args.nproc > cores:
+        print(
+            f"{parser.prog}: warning: --nproc {args.nproc} is more ranks than the {cores} CPU cores this process "
+            f"may use; the ranks then wait for cores, so tokens/s and step ms are not comparable with runs of "
+            f"--nproc {cores} or fewer",
+            file=sys.stderr,
+        )
     options = DemoOptions(
         recipes=args.recipes,
         num_ranks=args.nproc,
@@ -185,6 +219,11 @@ def _demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace, arg
         command=_command_line(argv),
     )
     return lambda out: run_demo(out, options)
+
+
+def _cpu_cores() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _command_line(argv: Sequence[str] | None) -> str:
