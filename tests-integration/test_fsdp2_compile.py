@@ -48,14 +48,16 @@ from quant_optim import FusedAdam
 
 
 def _benchmark_module(name: str):
-    """A script module of benchmarks/ (a folder of scripts, not a package), loaded by path."""
-    if name not in sys.modules:
+    """A script module of benchmarks/ (a folder of scripts, not a package), loaded by path under a
+    name of its own, so that it never answers another file's `import <name>`."""
+    private_name = f"_quant_benchmarks_{name}"
+    if private_name not in sys.modules:
         path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(name, path)
+        spec = importlib.util.spec_from_file_location(private_name, path)
         module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # its dataclasses look their module up
+        sys.modules[private_name] = module  # its dataclasses look their module up
         spec.loader.exec_module(module)
-    return sys.modules[name]
+    return sys.modules[private_name]
 
 
 _e2e_model = _benchmark_module("_e2e_model")  # the benchmarks' Llama-style decoder (torchtitan's layout)

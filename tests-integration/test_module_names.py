@@ -51,12 +51,13 @@ def test_the_check_sees_every_script():
 
 def test_benchmarks_is_importable_by_this_folders_tests_only():
     # Every test file is collected before the first test runs: benchmarks/tests/conftest.py has
-    # been imported and its tests collected, so a path entry or module it left would be here.
-    assert str(ROOT / "benchmarks") not in sys.path
+    # been imported and its tests collected, so a path entry or a module it left under its bare
+    # name (the name a later `import` would find) would be here.
     benchmarks = ROOT / "benchmarks"
+    assert str(benchmarks) not in sys.path
     leaked = [
-        m.__name__
-        for m in list(sys.modules.values())
-        if pathlib.Path(getattr(m, "__file__", None) or "/").parent == benchmarks
+        name
+        for name, module in list(sys.modules.items())
+        if (file := getattr(module, "__file__", None)) and pathlib.Path(file) == benchmarks / f"{name}.py"
     ]
-    assert not leaked, f"modules of benchmarks/ in sys.modules outside its tests: {leaked}"
+    assert not leaked, f"modules of benchmarks/ under their own names outside its tests: {leaked}"

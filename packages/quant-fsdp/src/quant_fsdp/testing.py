@@ -337,6 +337,7 @@ def _run_scenarios(rank: int, world_size: int, source: str, plan: list, log: str
 # sizes 1 to 4 all stay up (10 ranks, ~0.6 GiB resident each), so a file that moves between
 # them (a checkpoint saved on 2 ranks, loaded on 1, 3 and 4) starts no world twice.
 _MAX_WORLDS = 4
+_DEATH_GRACE_S = 1.0
 
 
 class _WarmWorld:
@@ -369,20 +370,31 @@ class _WarmWorld:
                     except EOFError:  # it died: its exit code says how, below
                         continue
                     if outcome is not None:
+                        # A peer that died makes the others fail ("connection closed by peer"):
+                        # report the death, the cause, when it shows within a moment. (A rank
+                        # that sent an error leaves with exit code 0: not a death.)
+                        others = [p.sentinel for r, p in enumerate(self.processes) if r != rank]
+                        multiprocessing.connection.wait(others, timeout=_DEATH_GRACE_S)
+                        self._raise_if_one_died({r: c for r, c in waiting.items() if r != rank}, deaths_only=True)
                         raise mp.ProcessRaisedException(
                             f"\n\n-- Process {rank} terminated with the following error:\n{outcome}",
                             rank,
                             self.processes[rank].pid,
                         )
                     del waiting[rank]
-            for rank, process in enumerate(self.processes):
-                if rank in waiting and process.exitcode is not None:
-                    code = process.exitcode
-                    signal_name = signal.Signals(-code).name if code < 0 else None
-                    how = f"signal {signal_name}" if signal_name else f"exit code {code}"
-                    raise mp.ProcessExitedException(
-                        f"process {rank} terminated with {how}", rank, process.pid, code, signal_name
-                    )
+            self._raise_if_one_died(waiting)
+
+    def _raise_if_one_died(self, waiting: dict[int, Any], deaths_only: bool = False) -> None:
+        """Raises as torch's spawn does for the first rank of `waiting` that exited (with
+        `deaths_only`, only for one killed by a signal or leaving with a nonzero code)."""
+        for rank, process in enumerate(self.processes):
+            if rank in waiting and process.exitcode is not None and not (deaths_only and process.exitcode == 0):
+                code = process.exitcode
+                signal_name = signal.Signals(-code).name if code < 0 else None
+                how = f"signal {signal_name}" if signal_name else f"exit code {code}"
+                raise mp.ProcessExitedException(
+                    f"process {rank} terminated with {how}", rank, process.pid, code, signal_name
+                )
 
     def close(self) -> None:
         for connection in self.connections:
