@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -377,8 +377,10 @@ class Linear(torch.nn.Linear):
         super()._load_from_state_dict(*args, **kwargs)
         self._bind_quantizer_states()  # load_state_dict(assign=True) replaces buffers
 
-    def reset_parameters(self) -> None:
-        """nn.Linear's initialisation; a quantized weight is initialised in high precision, then requantized.
+    def reset_parameters(self, init: Mapping[str, Callable[[torch.Tensor], object]] | None = None) -> None:
+        """nn.Linear's initialisation, or `init[name](parameter)` for "weight" and "bias" (in place, as
+        torch.nn.init's functions and torchtitan's `param_init` do); a quantized weight is initialised
+        in high precision, then requantized.
 
         Under FSDP2 (a DTensor weight after meta-device init) only the local shard is initialised
         and quantized; its quantizer's `amax_group` keeps per-tensor scales equal across shards.
@@ -387,6 +389,17 @@ class Linear(torch.nn.Linear):
             state = self._buffers.get(f"{role}_quantizer_state")
             if state is not None:
                 state.zero_()
+        if init is not None:
+            for name, param in self.named_parameters(recurse=False):
+                if name == "weight" and local_quantized(param) is not None:
+                    value = _high_precision_like(param)
+                    init[name](value)
+                    with torch.no_grad():
+                        param.copy_(value)
+                    attach_high_precision_init_value(param, value)
+                else:
+                    init[name](param)
+            return
         if local_quantized(getattr(self, "weight", None)) is None:
             super().reset_parameters()
             return
