@@ -385,19 +385,22 @@ def test_no_growth_in_live_tensors_after_step_2(mode, world_2):
 
 
 def _meta_init(rank: int, world_size: int) -> None:
-    for recipe_name in RECIPES:
-        _meta_init_one(world_size, recipe_name)
+    for shard in (quant_fsdp.fully_shard, torch_fully_shard):
+        for recipe_name in RECIPES:
+            _meta_init_one(rank, world_size, recipe_name, shard)
 
 
-def _meta_init_one(world_size: int, recipe_name: str) -> None:
+def _meta_init_one(rank: int, world_size: int, recipe_name: str, shard) -> None:
+    """Under quant_fsdp's fully_shard and torch's own (as torchtitan shards a model built on the
+    meta device: no gather has bound the amax groups before the initialisation)."""
     with torch.device("meta"):
         model = Stack()
     qt.convert(model, qt.recipe_from_name(recipe_name), quantized_weights=True)
     for layer in model.layers:
-        quant_fsdp.fully_shard(layer)
-    quant_fsdp.fully_shard(model)
+        shard(layer)
+    shard(model)
     model.to_empty(device="cpu")
-    torch.manual_seed(1)
+    torch.manual_seed(1 + rank)  # each rank draws other values: the shards' amaxes differ
     for layer in model.layers:
         layer.reset_parameters()
     for layer in model.layers:

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from quant_tensors import ops
-from quant_tensors._tensor import QuantizedTensor, local_quantized, local_shard, shard_like
+from quant_tensors._tensor import QuantizedTensor, bind_shard_amax_group, local_quantized, local_shard, shard_like
 from quant_tensors.ops import scaled_mm, scaled_mm_unchecked
 from quant_tensors.quantizer import Quantizer
 from quant_tensors.recipes import ROLES, Recipe
@@ -383,12 +383,15 @@ class Linear(torch.nn.Linear):
         in high precision, then requantized.
 
         Under FSDP2 (a DTensor weight after meta-device init) only the local shard is initialised
-        and quantized; its quantizer's `amax_group` keeps per-tensor scales equal across shards.
+        and quantized; its quantizer's `amax_group` keeps per-tensor scales equal across shards
+        (the shard group, bound here where torch's `fully_shard` sharded the weight and no gather
+        has bound it yet: `quant_tensors.fsdp.bind_shard_amax_group`).
         """
         for role in ROLES:  # absent while nn.Linear.__init__ runs
             state = self._buffers.get(f"{role}_quantizer_state")
             if state is not None:
                 state.zero_()
+        bind_shard_amax_group(getattr(self, "weight", None))
         if init is not None:
             for name, param in self.named_parameters(recurse=False):
                 if name == "weight" and local_quantized(param) is not None:
