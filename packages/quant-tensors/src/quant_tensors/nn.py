@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from quant_tensors import ops
+from quant_tensors._fsdp import in_backward
 from quant_tensors._tensor import QuantizedTensor, bind_shard_amax_group, local_quantized, local_shard, shard_like
 from quant_tensors.ops import scaled_mm, scaled_mm_unchecked
 from quant_tensors.quantizer import Quantizer
@@ -315,6 +316,20 @@ class Linear(torch.nn.Linear):
             raise ValueError(
                 f"qt.nn.Linear: the input's last dim is {x.shape[-1]} but the weight's in_features are "
                 f"{weight.shape[-1]}; pass an input of shape (..., {weight.shape[-1]})"
+            )
+        if (
+            isinstance(weight, QuantizedTensor)
+            and weight.rowwise_data is None
+            and not torch.compiler.is_compiling()
+            and in_backward()
+        ):
+            raise ValueError(
+                f"qt.nn.Linear: a forward recomputed in the backward (activation checkpointing) got a "
+                f"{type(weight).__name__} weight without the rowwise data it needs: FSDP2's backward gather brings "
+                "only columnwise data of 1-D block formats (MXFP8) unless the FSDP2 module holds a checkpoint_wrapper. "
+                "Apply activation checkpointing with torch's checkpoint_wrapper to the module fully_shard wraps (or to "
+                "modules inside it) instead of torch.utils.checkpoint calls, or fully_shard that module with "
+                "reshard_after_forward=False."
             )
         states = self._buffers
         # is_compiling first: dynamo folds it, so compiled code never reads the cache (its graph quantizes)
