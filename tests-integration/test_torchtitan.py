@@ -229,9 +229,21 @@ def _named_states(optimizer):
 def _adamw_refuses_quantized_weights(rank: int, world_size: int) -> None:
     from torchtitan.components.optimizer import ParamGroupConfig, default_adamw
 
-    model, _ = _build("fp8", True, world_size)
-    # torchtitan's own AdamW: its first step raises quant-tensors' error, which names FusedAdam.
+    from quant_optim.torchtitan import with_quantized_training_checks
+
+    model, spec = _build("fp8", True, world_size)
     optimizer = default_adamw(lr=1e-3).build(model_parts=[model])
+    # torchtitan's own AdamW: refused by the checks' post_optimizer_build_fn, called as the Trainer does.
+    previous_calls = []
+    spec.post_optimizer_build_fn = lambda *args: previous_calls.append(args)  # e.g. MoE load balancing
+    spec = with_quantized_training_checks(spec)
+    with pytest.raises(ValueError, match=r"AdamW cannot step quantized weights \(layers\.0\..*FusedAdamOptimizers"):
+        spec.post_optimizer_build_fn(optimizer, [model], None)
+    assert previous_calls == []  # the checks run first
+    fused_adam = _optimizer(model)
+    spec.post_optimizer_build_fn(fused_adam, [model], None)  # FusedAdam passes, then the spec's own hook runs
+    assert previous_calls == [(fused_adam, [model], None)]
+    # Without the checks, its first step raises quant-tensors' error, which names FusedAdam.
     with pytest.raises(NotImplementedError, match="quant_optim.FusedAdam"):
         _train(model, optimizer, rank, world_size, 1)
     # Our container refuses an AdamW group over quantized weights when it is built.
@@ -294,3 +306,23 @@ def test_torchao_float8_converter_and_ours_are_refused() -> None:
     float8 = Float8LinearConverter.Config(emulate=True)
     with pytest.raises(ValueError, match="List only QuantLinearConverter.Config in `converters`"):
         model_registry("debugmodel", converters=[float8, QuantLinearConverter.Config()])
+
+
+def test_torchao_float8_converter_after_ours_is_refused_after_the_optimizer_build() -> None:
+    pytest.importorskip("torchao")
+    from torchtitan.components.quantization import Float8LinearConverter
+    from torchtitan.models.llama3 import model_registry
+
+    from quant_fsdp.torchtitan import QuantLinearConverter
+    from quant_optim.torchtitan import with_quantized_training_checks
+
+    # Ours leaves lm_head in high precision (filter_fqns' default); torchao's then converts it.
+    float8 = Float8LinearConverter.Config(emulate=True)
+    spec = with_quantized_training_checks(
+        model_registry("debugmodel", converters=[QuantLinearConverter.Config(), float8])
+    )
+    spec.model.layers = spec.model.layers[:LAYERS]
+    with torch.device("meta"):
+        model = spec.model.build()
+    with pytest.raises(ValueError, match=r"torchtitan's own quantized Linears \(lm_head \(Float8Linear\)\) next to"):
+        spec.post_optimizer_build_fn([], [model], None)
