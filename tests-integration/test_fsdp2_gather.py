@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
@@ -385,19 +386,22 @@ def test_no_growth_in_live_tensors_after_step_2(mode, world_2):
 
 
 def _meta_init(rank: int, world_size: int) -> None:
-    for recipe_name in RECIPES:
-        _meta_init_one(world_size, recipe_name)
+    for shard in (quant_fsdp.fully_shard, torch_fully_shard):
+        for recipe_name in RECIPES:
+            _meta_init_one(rank, world_size, recipe_name, shard)
 
 
-def _meta_init_one(world_size: int, recipe_name: str) -> None:
+def _meta_init_one(rank: int, world_size: int, recipe_name: str, shard) -> None:
+    """Under quant_fsdp's fully_shard and torch's own (as torchtitan shards a model built on the
+    meta device: no gather has bound the amax groups before the initialisation)."""
     with torch.device("meta"):
         model = Stack()
     qt.convert(model, qt.recipe_from_name(recipe_name), quantized_weights=True)
     for layer in model.layers:
-        quant_fsdp.fully_shard(layer)
-    quant_fsdp.fully_shard(model)
+        shard(layer)
+    shard(model)
     model.to_empty(device="cpu")
-    torch.manual_seed(1)
+    torch.manual_seed(1 + rank)  # each rank draws other values: the shards' amaxes differ
     for layer in model.layers:
         layer.reset_parameters()
     for layer in model.layers:
@@ -421,6 +425,45 @@ def _meta_init_one(world_size: int, recipe_name: str) -> None:
 
 def test_meta_init_then_reset_parameters_quantizes_local_shards(world_2):
     world_2.check("meta init")
+
+
+# ---- MXFP8 under activation checkpointing: the recomputed forward needs rowwise data ------------
+
+
+def _checkpointed_gradients(rank: int, how: str) -> list[torch.Tensor]:
+    """One forward and backward of an MXFP8 stack (each layer an FSDP2 module that reshards after
+    forward), with activation checkpointing `how`; the local gradient shards."""
+    model = stack("mxfp8", "quantized-weights")
+    if how == "checkpoint_wrapper":  # as torchtitan applies it: fully_shard wraps the wrapper
+        for index, layer in enumerate(model.layers):
+            model.layers[index] = checkpoint_wrapper(layer)
+    elif how != "none":  # torch.utils.checkpoint called inside the forward, as Hugging Face's layers do
+
+        def forward(x):
+            x.requires_grad_()  # a reentrant checkpoint's output needs a grad-requiring input
+            for layer in model.layers:
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=how == "reentrant")
+            return x
+
+        model.forward = forward
+    for layer in model.layers:
+        quant_fsdp.fully_shard(layer)
+    quant_fsdp.fully_shard(model)
+    one_step(model, rank)
+    return [p.grad.to_local() for p in model.parameters()]
+
+
+def _mxfp8_activation_checkpointing(rank: int, world_size: int) -> None:
+    expected = _checkpointed_gradients(rank, "none")
+    got = _checkpointed_gradients(rank, "checkpoint_wrapper")  # both usages in every gather
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    for how in ("non-reentrant", "reentrant"):  # not detected: refused where the recompute needs rowwise data
+        with pytest.raises(ValueError, match="a forward recomputed in the backward .* checkpoint_wrapper"):
+            _checkpointed_gradients(rank, how)
+
+
+def test_mxfp8_under_a_checkpoint_wrapper_trains_and_other_recomputes_are_refused(world_2):
+    world_2.check("mxfp8 activation checkpointing")
 
 
 def _refuses_int_reshard(rank: int, world_size: int) -> None:
@@ -541,6 +584,7 @@ def world_2() -> SharedWorld:
                 ("quantized-weights", False, {"mxfp8": 1.0 + 1 / 32 + 1e-9}),
             ),
             "meta init": (_meta_init, ()),
+            "mxfp8 activation checkpointing": (_mxfp8_activation_checkpointing, ()),
             "ranks disagree": (ranks_that_disagree_are_refused, ()),
             "gather watch": (watch_names_a_stuck_gather, ()),
             "bytes under torch's fully_shard": (

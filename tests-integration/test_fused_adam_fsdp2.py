@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 import quant_tensors as qt
@@ -119,3 +122,40 @@ def assert_equal_on_every_rank(scalar: torch.Tensor, world_size: int, what: str)
 
 def test_one_amax_all_reduce_per_step_on_two_ranks():
     run_on_warm_ranks(_one_amax_all_reduce, 2)
+
+
+def _torch_sharded(recipe_name: str) -> TinyTransformer:
+    torch.manual_seed(0)
+    model = qt.convert(TinyTransformer(CONFIG), qt.recipe_from_name(recipe_name), quantized_weights=True)
+    for block in model.blocks:
+        torch_fully_shard(block)
+    torch_fully_shard(model)
+    return model
+
+
+def _load_before_any_gather(rank: int, world_size: int, folder: str) -> None:
+    for recipe_name in ("fp8", "nvfp4"):
+        saved, resumed = _torch_sharded(recipe_name), _torch_sharded(recipe_name)
+        _, optimizer = train(saved, 2, rank, world_size)
+        model_state, optimizer_state = get_state_dict(saved, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=f"{folder}/{recipe_name}")
+        resumed_optimizer = FusedAdam(resumed.parameters(), lr=1e-3, weight_decay=0.01)
+        model_state, optimizer_state = get_state_dict(resumed, resumed_optimizer)
+        dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=f"{folder}/{recipe_name}")
+        set_state_dict(resumed, resumed_optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+        quantized = 0
+        for (name, a), b in zip(saved.named_parameters(), resumed.parameters(), strict=True):
+            quantized += qt.local_quantized(b) is not None
+            assert all(torch.equal(x, y) for x, y in zip(local_bytes(a), local_bytes(b), strict=True)), (
+                recipe_name,
+                name,
+            )
+        assert quantized > 0
+
+
+def test_load_under_torchs_fully_shard_before_any_gather_requantizes_with_the_whole_amax(tmp_path):
+    """torch's fully_shard binds a per-tensor quantizer's amax group at its first gather; a
+    checkpoint loaded before that (as torchtitan resumes) requantizes the weights from their
+    shards of the masters with the whole tensor's amax all the same: bit for bit the saving run's
+    bytes, on the rank whose shard holds the largest value and on the others."""
+    run_on_warm_ranks(_load_before_any_gather, 2, str(tmp_path))

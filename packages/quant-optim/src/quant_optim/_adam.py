@@ -182,6 +182,9 @@ class FusedAdam(torch.optim.Optimizer):
         for index, p in enumerate(group["params"], start=first):
             if self.capturable:
                 _check_capturable(p)
+            # A weight torch's fully_shard sharded gets its amax group at its first gather; requantizing
+            # loaded masters before that (load_state_dict) must agree on the whole tensor's amax too.
+            qt.fsdp.bind_shard_amax_group(p)
             if p.requires_grad:
                 self._state_of(p, group, index)
         self._plan_version += 1

@@ -268,7 +268,8 @@ def _splits_usages(shard: QuantizedTensor, module: torch.nn.Module | None) -> bo
     splits = _SPLITS_USAGES.get(quantizer)
     if splits is None:
         sizes = [tuple(t.numel() for t in shard.usage_buffers(usage)) for usage in _USAGES]
-        splits = sizes[0] == sizes[1] and _reshards_after_forward(_policy.fsdp_module(quantizer, module))
+        fsdp_module = _policy.fsdp_module(quantizer, module)
+        splits = sizes[0] == sizes[1] and _reshards_after_forward(fsdp_module) and not _recomputes_forward(fsdp_module)
         _SPLITS_USAGES[quantizer] = splits
     return splits
 
@@ -304,6 +305,17 @@ def _reshards_after_forward(module: torch.nn.Module | None) -> bool:
         return group is not None and group.post_forward_mesh_info is not None
     except AttributeError:
         return False
+
+
+def _recomputes_forward(module: torch.nn.Module | None) -> bool:
+    """Whether activation checkpointing (torch's `checkpoint_wrapper`, as torchtitan applies it) re-runs
+    the forward of `module` or of a module inside it in the backward: that recomputed forward needs the
+    rowwise data from the backward's gather too, so every gather must send both usages."""
+    if module is None:
+        return False
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return any(isinstance(m, CheckpointWrapper) for m in module.modules())
 
 
 def _payload_of(

@@ -392,6 +392,29 @@ def local_quantized(t: Any) -> QuantizedTensor | None:
     return local if isinstance(local, QuantizedTensor) else None
 
 
+def bind_shard_amax_group(p: torch.Tensor | None) -> None:
+    """Binds the group over which a sharded quantized weight's shards split it as the `amax_group`
+    of its per-tensor quantizer, where none is bound yet.
+
+    A DTensor parameter `p` holding a QuantizedTensor shard whose quantizer scales per tensor (FP8
+    current or delayed scaling, NVFP4) and has no `amax_group`, sharded along exactly one mesh dim
+    (FSDP2's shard dim; the Shard dim of HSDP's 2-D mesh), gets that dim's process group: the group
+    FSDP2's first gather binds ([Note: gather policy] in quant_tensors._fsdp). Quantizations of the
+    shard before that gather (an initialisation after `fully_shard`, an optimizer requantizing
+    loaded masters) then use the whole tensor's amax, as every later one does. Anything else is
+    left as it is.
+    """
+    local = local_quantized(p)
+    if not isinstance(p, DTensor) or local is None or local.quantizer is None:
+        return
+    quantizer = local.quantizer
+    if not quantizer.per_tensor_amax or quantizer.amax_group_name is not None:
+        return
+    shard_dims = [dim for dim, placement in enumerate(p.placements) if placement.is_shard()]
+    if len(shard_dims) == 1:
+        quantizer.bind(amax_group=p.device_mesh.get_group(shard_dims[0]))
+
+
 def _rebuild_quantized_tensor(
     cls: type[QuantizedTensor],
     shape: tuple[int, ...],

@@ -16,12 +16,15 @@ from quant_tensors._fsdp import (
     register_gather_policy,
     unsharded_from_gather,
 )
+from quant_tensors._tensor import bind_shard_amax_group
 
 __all__ = [
     # the policy a sharding layer registers
     "GatherPolicy",
     "register_gather_policy",
     "gather_policy",
+    # the amax group a quantization of a shard needs before FSDP2's first gather binds it
+    "bind_shard_amax_group",
     # the all-gather building blocks (quantize-on-gather, sequence-parallel gathers reuse them)
     "GatherPayload",
     "all_gather_inputs",

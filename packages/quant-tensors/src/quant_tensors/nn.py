@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from quant_tensors import ops
-from quant_tensors._tensor import QuantizedTensor, local_quantized, local_shard, shard_like
+from quant_tensors._fsdp import in_backward
+from quant_tensors._tensor import QuantizedTensor, bind_shard_amax_group, local_quantized, local_shard, shard_like
 from quant_tensors.ops import scaled_mm, scaled_mm_unchecked
 from quant_tensors.quantizer import Quantizer
 from quant_tensors.recipes import ROLES, Recipe
@@ -316,6 +317,20 @@ class Linear(torch.nn.Linear):
                 f"qt.nn.Linear: the input's last dim is {x.shape[-1]} but the weight's in_features are "
                 f"{weight.shape[-1]}; pass an input of shape (..., {weight.shape[-1]})"
             )
+        if (
+            isinstance(weight, QuantizedTensor)
+            and weight.rowwise_data is None
+            and not torch.compiler.is_compiling()
+            and in_backward()
+        ):
+            raise ValueError(
+                f"qt.nn.Linear: a forward recomputed in the backward (activation checkpointing) got a "
+                f"{type(weight).__name__} weight without the rowwise data it needs: FSDP2's backward gather brings "
+                "only columnwise data of 1-D block formats (MXFP8) unless the FSDP2 module holds a checkpoint_wrapper. "
+                "Apply activation checkpointing with torch's checkpoint_wrapper to the module fully_shard wraps (or to "
+                "modules inside it) instead of torch.utils.checkpoint calls, or fully_shard that module with "
+                "reshard_after_forward=False."
+            )
         states = self._buffers
         # is_compiling first: dynamo folds it, so compiled code never reads the cache (its graph quantizes)
         cached = None
@@ -377,16 +392,32 @@ class Linear(torch.nn.Linear):
         super()._load_from_state_dict(*args, **kwargs)
         self._bind_quantizer_states()  # load_state_dict(assign=True) replaces buffers
 
-    def reset_parameters(self) -> None:
-        """nn.Linear's initialisation; a quantized weight is initialised in high precision, then requantized.
+    def reset_parameters(self, init: Mapping[str, Callable[[torch.Tensor], object]] | None = None) -> None:
+        """nn.Linear's initialisation, or `init[name](parameter)` for "weight" and "bias" (in place, as
+        torch.nn.init's functions and torchtitan's `param_init` do); a quantized weight is initialised
+        in high precision, then requantized.
 
         Under FSDP2 (a DTensor weight after meta-device init) only the local shard is initialised
-        and quantized; its quantizer's `amax_group` keeps per-tensor scales equal across shards.
+        and quantized; its quantizer's `amax_group` keeps per-tensor scales equal across shards
+        (the shard group, bound here where torch's `fully_shard` sharded the weight and no gather
+        has bound it yet: `quant_tensors.fsdp.bind_shard_amax_group`).
         """
         for role in ROLES:  # absent while nn.Linear.__init__ runs
             state = self._buffers.get(f"{role}_quantizer_state")
             if state is not None:
                 state.zero_()
+        bind_shard_amax_group(getattr(self, "weight", None))
+        if init is not None:
+            for name, param in self.named_parameters(recurse=False):
+                if name == "weight" and local_quantized(param) is not None:
+                    value = _high_precision_like(param)
+                    init[name](value)
+                    with torch.no_grad():
+                        param.copy_(value)
+                    attach_high_precision_init_value(param, value)
+                else:
+                    init[name](param)
+            return
         if local_quantized(getattr(self, "weight", None)) is None:
             super().reset_parameters()
             return

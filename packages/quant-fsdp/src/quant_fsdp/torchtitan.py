@@ -1,0 +1,197 @@
+"""torchtitan (0.3) model converter: the model's Linear layers become qt.nn.Linear under a recipe.
+
+torchtitan 0.3 builds models from a tree of configs; its converters rewrite that tree before the
+model is built (`torchtitan.protocols.model.ModelConfigConverter`). `QuantLinearConverter`
+replaces each selected `torchtitan.models.common.Linear.Config` by a `QuantLinear.Config`, whose
+module is a `qt.nn.Linear` that satisfies torchtitan's Module protocol (built on the meta device,
+initialised by torchtitan's `init_weights` with the model's own initialisers, in high precision
+and then quantized when the weights are quantized). torchtitan's parallelize function then shards
+the model with torch's `fully_shard`, which gathers quantized bytes (the gather hooks are methods
+of the quantized tensors; importing this module imports quant_fsdp, whose gather policy counts
+them in `comm_stats()`).
+
+    from quant_fsdp.torchtitan import QuantLinearConverter
+    from quant_optim.torchtitan import FusedAdamOptimizers
+
+    config.model_spec = model_registry(
+        "debugmodel", converters=[QuantLinearConverter.Config(recipe_name="fp8", quantized_weights=True)]
+    )
+    config.optimizer = FusedAdamOptimizers.Config(lr=8e-4)
+    config.parallelism.spmd_backend = "partial_dtensor"
+
+Limits: data parallelism (FSDP2, HSDP) only, under torchtitan's "partial_dtensor" backend
+(`QuantLinear.parallelize`, which torchtitan calls for tensor parallelism and for the other
+backends, refuses with the fix named).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field, replace
+
+import torch
+from torchtitan.components.quantization import QuantizationConverter
+from torchtitan.components.quantization.utils import has_quantization
+from torchtitan.distributed import ParallelDims
+from torchtitan.models.common.attention import FusedQKVLinear, QKVLinear
+from torchtitan.models.common.linear import Linear
+from torchtitan.protocols.module import Module
+
+import quant_fsdp  # noqa: F401  (registers the gather policy: comm_stats of torchtitan's fully_shard)
+import quant_tensors as qt
+
+__all__ = ["QuantLinear", "QuantLinearConverter", "unfuse_qkv"]
+
+
+class QuantLinear(qt.nn.Linear, Module):
+    """qt.nn.Linear as a torchtitan Module, built from a `QuantLinear.Config`."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        """A `Linear.Config` with a recipe: what `QuantLinearConverter` puts in its place."""
+
+        in_features: int
+        """Input features, as in `Linear.Config`."""
+        out_features: int
+        """Output features, as in `Linear.Config`."""
+        bias: bool = False
+        """Whether the layer has a bias, as in `Linear.Config`."""
+        recipe_name: str = "fp8"
+        """A quant_tensors recipe name (`qt.recipe_from_name`)."""
+        quantized_weights: bool = False
+        """Quantized primary weights (stepped by quant_optim's FusedAdam) instead of high-precision ones."""
+
+    def __init__(self, config: Config) -> None:
+        qt.nn.Linear.__init__(
+            self,
+            config.in_features,
+            config.out_features,
+            config.bias,
+            recipe=qt.recipe_from_name(config.recipe_name),
+        )
+        if config.quantized_weights and not self.high_precision_reason:
+            weight = self.weight
+            if weight.is_meta:  # torchtitan builds models on the meta device
+                value = self.weight_quantizer.make_empty(weight.shape, dtype=weight.dtype, device="meta")
+                self.weight = torch.nn.Parameter(value, requires_grad=weight.requires_grad)
+            else:
+                self.weight = qt.nn.quantized_parameter(weight, self.weight_quantizer)
+
+    def _init_self_parameters(self) -> None:
+        """torchtitan's initialisation (the config's `param_init`), through `reset_parameters`: a
+        quantized weight is initialised in high precision, then quantized; the quantizer states
+        (delayed scaling's histories, NVFP4's rounding counter) start from zero."""
+        self.reset_parameters(init=self._param_init)
+
+    def parallelize(self, parallel_dims: ParallelDims) -> None:
+        """torchtitan calls this for tensor parallelism and its "spmd_types"/"full_dtensor" backends;
+        neither is built for quantized layers."""
+        raise ValueError(
+            f"QuantLinear supports data parallelism (FSDP2, HSDP) under parallelism.spmd_backend='partial_dtensor' "
+            f"only; got spmd_backend={parallel_dims.spmd_backend!r}, tensor_parallel_degree={parallel_dims.tp}. "
+            "Set parallelism.spmd_backend = 'partial_dtensor' and tensor_parallel_degree = 1."
+        )
+
+
+class QuantLinearConverter(QuantizationConverter):
+    """Replaces the model config's `Linear.Config`s by `QuantLinear.Config`s under a quant_tensors recipe."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(QuantizationConverter.Config):
+        """What to quantize and how (torchtitan's configs are mutable slots dataclasses)."""
+
+        recipe_name: str = "fp8"
+        """"fp8", "fp8-delayed", "mxfp8", "fp8-block" or "nvfp4" (`qt.recipe_from_name`)."""
+        quantized_weights: bool = False
+        """Quantized primary weights; needs `quant_optim.torchtitan.FusedAdamOptimizers` as the optimizer."""
+        filter_fqns: list[str] = field(default_factory=lambda: ["output", "lm_head"])
+        """Layers to keep in high precision: a Linear whose fully qualified name contains any entry."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        try:
+            self.recipe = qt.recipe_from_name(config.recipe_name)
+        except ValueError as error:
+            raise ValueError(f"QuantLinearConverter.Config(recipe_name={config.recipe_name!r}): {error}") from None
+
+    def convert(self, model_config: Module.Config) -> Module.Config:
+        """Swaps every selected Linear config in `model_config` (in place; returns the root)."""
+        if has_quantization(model_config):
+            raise ValueError(
+                "the model config already holds torchtitan's own quantized Linear configs (Float8LinearConverter, "
+                "MXFP8LinearConverter or NVFP4LinearConverter); a layer takes one quantization. List only "
+                "QuantLinearConverter.Config in `converters` (recipes 'fp8', 'mxfp8' and 'nvfp4' cover those)."
+            )
+        if self.config.quantized_weights:
+            model_config = unfuse_qkv(model_config)
+        rows_multiple, k_multiple = self.recipe.quantizer("weight").dim_multiple
+        unquantizable = []
+        for fqn, linear, parent, attribute in list(model_config.traverse(Linear.Config)):
+            if any(pattern in fqn for pattern in self.config.filter_fqns):
+                continue
+            if linear.in_features % k_multiple or linear.out_features % rows_multiple:
+                unquantizable.append(f"{fqn} ({linear.out_features} x {linear.in_features})")
+                continue
+            replacement = QuantLinear.Config(
+                in_features=linear.in_features,
+                out_features=linear.out_features,
+                bias=linear.bias,
+                param_init=linear.param_init,
+                sharding_config=linear.sharding_config,
+                recipe_name=self.config.recipe_name,
+                quantized_weights=self.config.quantized_weights,
+            )
+            if parent is None:
+                model_config = replacement
+            elif isinstance(parent, list):
+                parent[attribute] = replacement
+            else:
+                setattr(parent, attribute, replacement)
+        if unquantizable:
+            warnings.warn(
+                f"QuantLinearConverter ({self.config.recipe_name}): {len(unquantizable)} Linear layers stay in high "
+                f"precision, their weights not being multiples of {rows_multiple} x {k_multiple} (out x in "
+                f"features): {', '.join(unquantizable)}. Pad those features to quantize them, or list them in "
+                "filter_fqns to silence this.",
+                stacklevel=2,
+            )
+        return model_config
+
+
+def unfuse_qkv(model_config: Module.Config) -> Module.Config:
+    """Replaces each `FusedQKVLinear.Config` by the equivalent three-projection `QKVLinear.Config` (in
+    place; returns the root). Same parameters under the same state-dict keys (the fused module saves
+    wq/wk/wv through state-dict hooks that slice its weight along a dim a quantized weight cannot be
+    sliced along), so `QuantLinearConverter` calls it for quantized primary weights."""
+    for _, fused, parent, attribute in list(model_config.traverse(FusedQKVLinear.Config)):
+        head_dim = fused.head_dim
+        param_init = _stock_qkv_param_init(fused.wqkv.param_init)
+        replacement = QKVLinear.Config(
+            head_dim=head_dim,
+            param_init=fused.param_init,
+            sharding_config=fused.sharding_config,
+            wq=replace(fused.wqkv, out_features=fused.n_heads * head_dim, param_init=param_init),
+            wkv=replace(fused.wqkv, out_features=fused.n_kv_heads * head_dim, param_init=param_init),
+        )
+        if parent is None:
+            model_config = replacement
+        elif isinstance(parent, list):
+            parent[attribute] = replacement
+        else:
+            setattr(parent, attribute, replacement)
+    return model_config
+
+
+def _stock_qkv_param_init(fused_init: dict | None) -> dict | None:
+    """The initialisers of the stock wq/wk/wv that torchtitan's fused-QKV initialisers wrap
+    (`_fused_qkv_param_init` draws q, k and v with them, in that order, so the three separate
+    projections get the same values)."""
+    if fused_init is None:
+        return None
+    stock = {}
+    for name, init in fused_init.items():
+        free = dict(zip(init.__code__.co_freevars, init.__closure__ or (), strict=True))
+        if "base_init" not in free:
+            return fused_init  # not torchtitan's fused initialiser: an initialiser of any shape
+        stock[name] = free["base_init"].cell_contents
+    return stock
