@@ -57,7 +57,7 @@ class DecoderConfig:
         return 2 * self.vocab_size * h + self.num_layers * (4 * h * h + 3 * h * i + 2 * h) + h
 
 
-# DESIGN section 9's model (0.67B parameters), its wider variant (~1.2B) and a CPU smoke size.
+# The one-GPU model of docs/benchmarks.md (0.67B parameters), its wider variant (~1.2B) and a CPU smoke size.
 CONFIGS = {
     "default": DecoderConfig(
         vocab_size=32000,

@@ -19,7 +19,7 @@ RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 TORCHAO_BASES = ("torchao-tensorwise", "torchao-rowwise")
 MODES = ("eager", "compiled")
 MODELS = {
-    # DESIGN section 9's multi-GPU model: a 2.2B Llama.
+    # The multi-GPU model of docs/benchmarks.md: a 2.2B Llama.
     "llama-2b": DecoderConfig(
         vocab_size=32000,
         hidden_size=4096,

@@ -1,6 +1,6 @@
 """`python benchmarks/kernel_speed.py`: every kernel against its plain-torch reference, side by side in one run.
 
-Ratios are what the targets of DESIGN section 9 are stated in; absolute numbers depend on the
+Ratios are what the targets in docs/benchmarks.md are stated in; absolute numbers depend on the
 machine, so each result records the device, torch version and thread count it ran with.
 """
 
@@ -97,7 +97,7 @@ def _kernel_cases(shape: tuple[int, int], device: torch.device) -> list[_Case]:
     """The kernel benchmarks on a bf16 input of `shape` (M, K).
 
     Bytes are the least traffic the op needs (read the input once, write each output once), the
-    convention of DESIGN section 9's bandwidth targets: 4 B/element for quantize with transpose.
+    convention of the bandwidth targets in docs/benchmarks.md: 4 B/element for quantize with transpose.
     Scales are left out of the count (at most 1/16 of the data).
     """
     x = torch.randn(*shape, device=device).to(torch.bfloat16)
@@ -314,7 +314,7 @@ def _backends_with_kernels(case: _Case, backends: tuple[str, ...], device: torch
 def benchmark_kernels(size: int, min_run_time: float, device: torch.device) -> list[Result]:
     """Times every kernel case on `device` for each backend that has its kernels, and the reference.
 
-    CPU: one square `size`. CUDA: bf16 8192^2, 4096^2 and 2048x8192 (DESIGN section 9), each case also
+    CPU: one square `size`. CUDA: bf16 8192^2, 4096^2 and 2048x8192, each case also
     against the eager `*_reference` functions, and at 8192^2 against torch.compile of them; bandwidth
     as a percentage of a device-to-device copy measured in the same run.
     """

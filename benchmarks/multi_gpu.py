@@ -23,7 +23,7 @@ Runs are named `<base>[:<weights>]:<mode>[+<states>]`:
   moments bf16), `m-fp8` (first moment FP8 E4M3 with a per-tensor scale, second bf16),
   `master-bf16` (bf16 masters with stochastic rounding), `master-bf16-m-fp8` (both); the others
   (torch's AdamW): `ao-adamw8bit`, `ao-adamwfp8` (torchao.optim's low-bit AdamW instead).
-Layout (torchtitan's, DESIGN section 5): the model is built in fp32 on each rank's device from
+Layout (torchtitan's; docs/design.md, 'FSDP2'): the model is built in fp32 on each rank's device from
 one seed, converted, then `fully_shard(layer, mesh=..., mp_policy=MixedPrecisionPolicy(
 param_dtype=bf16, reduce_dtype=fp32))` on each decoder layer and on the root. The lm_head is never
 converted. bf16 and torchao runs use torch.optim.AdamW too; every optimizer has weight decay 0.

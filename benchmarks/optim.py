@@ -9,7 +9,7 @@ Cases, each over `--tensors` parameters of `--numel` elements (default 10 x 1e6 
 These eager rows are timed in `--rounds` interleaved rounds ([Note: interleaved rounds]): each row's
 ms/step is its median over rounds, and `x torch` is the median over rounds of the per-round ratio
 with its min-max spread, "1.16 (0.98-1.31)".
-`--preset 1e9` runs instead the DESIGN section 9 case (`mix_cases`): ~1e9 parameters in the weight
+`--preset 1e9` runs instead the ~1e9-parameter case of docs/benchmarks.md (`mix_cases`): ~1e9 parameters in the weight
 shapes of 4 Llama-3-8B-like layers plus an embedding, once all fp32 and once per quantized format
 (per-tensor FP8, MXFP8, blockwise FP8, NVFP4: the Linear weights quantized with fp32 masters, the
 embedding and norms fp32), each against torch AdamW(fused=True) + a separate requantize of every
@@ -511,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, default=5, help="interleaved rounds of the eager rows (ratios per round; not --preset)"
     )
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--preset", choices=["1e9"], help="1e9: the DESIGN section 9 case (mix_cases) instead")
+    parser.add_argument("--preset", choices=["1e9"], help="1e9: the docs/benchmarks.md case (mix_cases) instead")
     args = parser.parse_args(argv)
     run(
         args.out,

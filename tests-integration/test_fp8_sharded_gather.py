@@ -1,6 +1,6 @@
 """Per-tensor FP8 over gloo: quantize shards with the all-reduced amax, all-gather the bytes.
 
-This is the invariant FSDP2's quantized all-gather stands on (DESIGN section 5): the gathered
+This is the invariant FSDP2's quantized all-gather stands on (docs/design.md, 'FSDP2'): the gathered
 codes must equal the quantization of the unsharded tensor bit for bit, at every world size.
 """
 

@@ -16,10 +16,10 @@ freshly built modules, and is checked three ways, each its own test with the row
   one replica per data-parallel rank, the same optimizer), where the order of fp32 sums (gradients
   over ranks, TP partial products) and the slice of the batch that per-tensor activation scales
   and NVFP4's stochastic rounding see are the only differences; a resumed run's losses equal the
-  uninterrupted run's bit for bit (DESIGN section 6);
+  uninterrupted run's bit for bit (docs/design.md, 'FusedAdam and checkpoints');
 - quantized bytes: what comm_stats() counts as quantized in the last step equals what the formats
   predict (computed below from the codes and scales per element, independently of the product),
-  and its ratio to the same gathers in bf16 is within DESIGN section 9's bound;
+  and its ratio to the same gathers in bf16 is within BOUNDS (below);
 - no unexpected fallback: comm_stats()'s fallback bytes (and, under FSDP2, the gather plan) are
   exactly the row's named fallback, none where it names none.
 
@@ -303,7 +303,7 @@ def reference_losses(recipe_name: str, weights: str, config: TransformerConfig, 
     return train_replicas(replicas, TASK, steps=STEPS, batch_size=BATCH, lr=LR, optimizer=optimizer)
 
 
-# Bytes per element from the formats (DESIGN section 3): codes, plus block scales per element;
+# Bytes per element from the formats (docs/design.md, 'Numerics'): codes, plus block scales per element;
 # per-tensor scales and NVFP4's global amax are not gathered. Weights: the rowwise usage (per-tensor
 # FP8, 128 x 128 and 16 x 16 tiles derive columnwise locally; MXFP8 gathers rowwise for the forward
 # and columnwise for the backward, of equal size). Activations and gradients (1-D blocks): one gather
@@ -324,7 +324,7 @@ ACTIVATION_BYTES = {
 }
 BLOCK_ROWS = {"fp8": 1, "fp8-delayed": 1, "mxfp8": 32, "fp8-block": 128, "nvfp4": 16}  # weight shards
 TOKEN_ROWS = {"fp8": 16, "fp8-delayed": 16, "mxfp8": 32, "fp8-block": 128, "nvfp4": 16}  # local tokens
-BOUNDS = {"fp8": 0.52, "fp8-delayed": 0.52, "mxfp8": 0.52, "fp8-block": 0.52, "nvfp4": 0.30}  # DESIGN section 9
+BOUNDS = {"fp8": 0.52, "fp8-delayed": 0.52, "mxfp8": 0.52, "fp8-block": 0.52, "nvfp4": 0.30}  # gather bytes / bf16's
 HIGH_PRECISION = 4  # fp32 parameters and activations
 
 

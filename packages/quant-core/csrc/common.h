@@ -115,7 +115,7 @@ inline void dispatch_dtype(int dtype, Fn&& fn) {
   }
 }
 
-// fp8(v) of DESIGN section 3: saturate to +-max (Inf included), NaN to the canonical 0x7F (the
+// fp8(v) of docs/design.md, 'Numerics': saturate to +-max (Inf included), NaN to the canonical 0x7F (the
 // sign of a NaN is dropped: torch does not keep it reliably either), round to nearest even.
 // Normal results round on the fp32 bits; subnormal results are rounded by the FPU itself: adding
 // 2^14 (E4M3) or 2^7 (E5M2), whose ulp is exactly the format's subnormal step, rounds the sum to
@@ -193,11 +193,11 @@ inline void parallel_for_tiles(int64_t R, int64_t C, int64_t tile_rows, int64_t 
 
 namespace quant_core {
 
-// ---- more of DESIGN section 3, shared by the block formats ------------------------------------
+// ---- more of docs/design.md, 'Numerics', shared by the block formats --------------------------
 
 constexpr float kFloat32Max = 3.4028234663852886e+38f;
 
-// DESIGN section 3, the mirror of _fp8_scale.fp8_scale_reference: scale = fmax / amax / 2^margin
+// docs/design.md, 'Numerics'; the mirror of _fp8_scale.fp8_scale_reference: scale = fmax / amax / 2^margin
 // (1 unless amax > 0; a NaN amax gives 1), each division one IEEE fp32 division; clamped to the
 // largest finite fp32 (NaN would pass, but none can arise); with power_2_scales only the exponent
 // bits are kept. `divisor` is 2^margin, exact for margin in [-126, 127].

@@ -1,4 +1,4 @@
-"""Blockwise FP8 known answers, worked out by hand from DESIGN section 3 (never from a reference function).
+"""Blockwise FP8 known answers, worked out by hand from the rules of docs/design.md, 'Numerics' (never from a reference function).
 
 Per block (1 x 128 along K, or a 128 x 128 tile): scale = the largest power of two with
 block_amax * scale <= 448 (1 for an all-zero block), or 448 / block_amax with power_2_scales=False;

@@ -18,7 +18,7 @@ def codes(values: list[float], fp8_dtype: torch.dtype, backend: str = "reference
     return rowwise.view(torch.uint8).tolist()
 
 
-# ---- known answers, worked out by hand from DESIGN section 3 -----------------------------------
+# ---- known answers, worked out by hand from docs/design.md, 'Numerics' ------------------------
 
 
 @pytest.mark.parametrize("backend", quant_core.available_backends())

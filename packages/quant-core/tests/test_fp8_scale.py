@@ -35,7 +35,7 @@ def assert_same(got: quant_core.Float8Quantized, want: quant_core.Float8Quantize
         assert_bitwise(getattr(got, field), getattr(want, field), field)
 
 
-# ---- known answers (DESIGN section 3) --------------------------------------------------------------
+# ---- known answers (docs/design.md, 'Numerics') -----------------------------------------------
 
 
 def test_scale_edge_known_answers():

@@ -1,4 +1,4 @@
-"""MXFP8 known answers, worked out by hand from DESIGN section 3 (never from a reference function).
+"""MXFP8 known answers, worked out by hand from the rules of docs/design.md, 'Numerics' (never from a reference function).
 
 Per block of 32: e = the smallest integer with block_amax <= 448 * 2^e, clamped to [-127, 127]
 (-127 for an all-zero block), stored as the E8M0 byte e + 127; codes = e4m3(x / 2^e).

@@ -1,4 +1,4 @@
-"""NVFP4 and Hadamard known answers, worked out by hand from DESIGN section 3 (never from a reference function).
+"""NVFP4 and Hadamard known answers, worked out by hand from the rules of docs/design.md, 'Numerics' (never from a reference function).
 
 Tensor scale S = 448 * 6 / global_amax = 2688 / global_amax (1 if 0, clamped to the largest fp32).
 Per block: s = e4m3(block_amax / 6 * S), enc = S / s, q = e2m1(x * enc) (q = 0 where s = 0);

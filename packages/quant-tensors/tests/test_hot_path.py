@@ -1,5 +1,5 @@
 """qt.nn.Linear's host cost: the Python calls one per-tensor FP8 forward makes into quant-core and
-quant-tensors, counted with sys.setprofile (DESIGN section 4: as lean as torchao's Float8Linear,
+quant-tensors, counted with sys.setprofile (docs/design.md, 'Tensor subclasses and the quantized Linear': as lean as torchao's Float8Linear,
 which makes about 40)."""
 
 from __future__ import annotations

@@ -199,8 +199,8 @@ class TensorParallelBlock(torch.nn.Module):
 
 
 class TensorParallelModel(torch.nn.Module):
-    """Embedding, TensorParallelBlocks, norm and a high-precision LM head (as DESIGN section 9's
-    e2e model); `config` is what the training loops of this module read."""
+    """Embedding, TensorParallelBlocks, norm and a high-precision LM head (as the e2e
+    benchmark's model, benchmarks/_e2e_model.py); `config` is what the training loops of this module read."""
 
     def __init__(self, config: TransformerConfig, linear: Callable[[int, int], torch.nn.Module] = torch.nn.Linear):
         super().__init__()

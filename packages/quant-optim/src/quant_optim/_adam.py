@@ -7,8 +7,8 @@ DTensors like it (mesh, placements, shape, stride), so torch.distributed.checkpo
 and reloads them onto another world size. fp8 moments keep one fp32 scale per (unsharded)
 tensor, equal on every shard, so they reshard too.
 
-[Note: checkpoints across weight forms] A quantized weight's value is its master (DESIGN
-section 6; fp32, or bf16: [Note: FusedAdam bf16 masters] in quant_optim._plan); its bytes are the
+[Note: checkpoints across weight forms] A quantized weight's value is its master (docs/design.md,
+'FusedAdam and checkpoints'; fp32, or bf16: [Note: FusedAdam bf16 masters] in quant_optim._plan); its bytes are the
 master's quantization. Its form depends on the layout: where quant-fsdp's alignment fallback
 keeps it in high precision (its shards would split blocks, so blockwise FP8 at one world size
 and not at another, or any format with uneven shards), that shard is the master itself and
@@ -438,8 +438,8 @@ def _check_saved_state(saved_id: int, p: torch.Tensor, saved: dict[str, Any], ma
     if p.requires_grad and qt.nn.is_quantized_weight(p) and "master" not in saved:
         raise ValueError(
             f"the checkpoint holds no {_SHORT_NAMES[master_dtype]} master for {what}, a quantized weight: its master "
-            "is its value "
-            "(DESIGN section 6), without it the weight could only be restored from its lossy quantization. Load a "
+            "is its value, "
+            "without it the weight could only be restored from its lossy quantization. Load a "
             "checkpoint saved from FusedAdam.state_dict (torch's get_state_dict), which holds the master of every "
             "quantized weight in either form, or load the model alone and build a new FusedAdam, whose masters start "
             "from the loaded weights (nothing was changed)"

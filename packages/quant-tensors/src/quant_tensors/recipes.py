@@ -1,7 +1,7 @@
 """Recipes: which format each GEMM operand uses. `recipe.quantizer(role)` makes the quantizers.
 
 Roles: "weight", "input" (activations) and "grad_output" (gradients of the output). Role
-defaults follow DESIGN section 3: "hybrid" FP8 is E4M3 for weights and inputs and E5M2 for
+defaults follow docs/design.md, 'Numerics': "hybrid" FP8 is E4M3 for weights and inputs and E5M2 for
 gradients; 2-D tiles (128 x 128, 16 x 16) for weights, 1-D blocks (1 x 128, 1 x 16) for the
 others; NVFP4 rounds gradients stochastically. Every recipe takes `weight_columnwise_on_demand`
 ([Note: on-demand columnwise] in quant_tensors.quantizer).

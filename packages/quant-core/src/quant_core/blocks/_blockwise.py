@@ -1,4 +1,4 @@
-"""Blockwise FP8 (DESIGN section 3): 1 x 128 blocks (activations, gradients), 128 x 128 tiles (weights).
+"""Blockwise FP8 (docs/design.md, 'Numerics'): 1 x 128 blocks (activations, gradients), 128 x 128 tiles (weights).
 
 Per block: with power-of-two scales (the default) scale = the largest power of two with
 block_amax * scale <= fmax (1 for an all-zero block); otherwise scale = fmax / block_amax

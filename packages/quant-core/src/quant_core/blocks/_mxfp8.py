@@ -1,4 +1,4 @@
-"""MXFP8 (DESIGN section 3): E4M3 codes in blocks of 32 with a power-of-two E8M0 scale each.
+"""MXFP8 (docs/design.md, 'Numerics'): E4M3 codes in blocks of 32 with a power-of-two E8M0 scale each.
 
 Per block: e = the smallest integer with block_amax <= 448 * 2^e, clamped to [-127, 127]
 (an all-zero block gets -127); stored as the byte e + 127; codes = e4m3(x / 2^e); dequantized

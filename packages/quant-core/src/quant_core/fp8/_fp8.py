@@ -1,4 +1,4 @@
-"""Per-tensor FP8 (DESIGN section 3): amax, cast with a given scale, dequantize and transpose, each
+"""Per-tensor FP8 (docs/design.md, 'Numerics'): amax, cast with a given scale, dequantize and transpose, each
 with its reference. The scales are in `fp8._scale`, the one-operator quantize functions in
 `fp8._quantize`.
 

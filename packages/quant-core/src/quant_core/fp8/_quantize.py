@@ -1,4 +1,4 @@
-"""Per-tensor FP8 quantize (DESIGN section 3): current and delayed scaling, each one operator.
+"""Per-tensor FP8 quantize (docs/design.md, 'Numerics'): current and delayed scaling, each one operator.
 
 [Note: fused FP8 quantize] `quantize_fp8` and `quantize_fp8_delayed` are single operators with a
 kernel of their own per backend: the reference and C++ ones run the kernels of `amax`,
@@ -85,7 +85,7 @@ def quantize_fp8_reference(
     columnwise: bool = False,
     amax: torch.Tensor | None = None,
 ) -> Float8Quantized:
-    """Plain-torch per-tensor current-scaling quantization (DESIGN section 3)."""
+    """Plain-torch per-tensor current-scaling quantization (docs/design.md, 'Numerics')."""
     x_amax = amax_reference(x) if amax is None else amax.reshape(())
     scale, scale_inv = fp8_scale_reference(x_amax, fp8_dtype, power_2_scales=power_2_scales)
     rowwise_data, columnwise_data = cast_to_fp8_reference(x, scale, fp8_dtype, rowwise=rowwise, columnwise=columnwise)
@@ -218,7 +218,7 @@ def quantize_fp8_delayed_reference(
     columnwise: bool = False,
     amax: torch.Tensor | None = None,
 ) -> Float8Quantized:
-    """Plain-torch per-tensor delayed-scaling quantization (DESIGN section 3); updates the history."""
+    """Plain-torch per-tensor delayed-scaling quantization (docs/design.md, 'Numerics'); updates the history."""
     x_amax = amax_reference(x) if amax is None else amax.reshape(())
     scale, scale_inv = delayed_fp8_scale_reference(
         amax_history,

@@ -1,4 +1,4 @@
-"""Per-tensor FP8 scales (DESIGN section 3): current scaling from an amax, delayed scaling from an
+"""Per-tensor FP8 scales (docs/design.md, 'Numerics'): current scaling from an amax, delayed scaling from an
 amax history, each an operator with a reference, a C++ and a Triton kernel.
 
 [Note: FP8 scale arithmetic] scale = fmax / amax / 2^margin, each division one IEEE fp32 division

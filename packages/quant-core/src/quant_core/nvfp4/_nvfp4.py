@@ -1,4 +1,4 @@
-"""NVFP4 (DESIGN section 3): E2M1 codes, two per byte, with an E4M3 scale per 1 x 16 block or 16 x 16 tile.
+"""NVFP4 (docs/design.md, 'Numerics'): E2M1 codes, two per byte, with an E4M3 scale per 1 x 16 block or 16 x 16 tile.
 
 Tensor scale S = 448 * 6 / global_amax (1 if 0, clamped to the largest fp32), global_amax over
 the whole unsharded tensor (pass it in when quantizing a shard). Per block:

@@ -1,4 +1,4 @@
-"""Reference numerics shared by every format (DESIGN section 3), in plain torch.
+"""Reference numerics shared by every format (docs/design.md, 'Numerics'), in plain torch.
 
 These are the spec in code: the C++ and Triton kernels reproduce them bit for bit.
 """

@@ -1,4 +1,4 @@
-"""DESIGN section 3 in Triton: the element encodings, scale rules and RNG every CUDA kernel shares.
+"""The numerics of docs/design.md, 'Numerics', in Triton: the element encodings, scale rules and RNG every CUDA kernel shares.
 
 Each function mirrors its plain-torch reference in `_numerics.py` (and the C++ in csrc/common.h)
 bit for bit; kernels that call them launch with `enable_fp_fusion=False` and divide with
@@ -6,7 +6,7 @@ bit for bit; kernels that call them launch with `enable_fp_fusion=False` and div
 
 [Note: Triton FP8 casts] On the GPU, fp32 -> FP8 uses the hardware conversion
 (`cvt.rn.satfinite.{e4m3,e5m2}x2.f32`: round to nearest even, +-Inf and overflow saturate to +-max,
-which is DESIGN's clamp-then-round), with NaN remapped to 0x7F; FP8 -> fp32 uses the exact hardware
+which is the references' clamp-then-round), with NaN remapped to 0x7F; FP8 -> fp32 uses the exact hardware
 upcast. Triton's CPU interpreter mis-rounds FP8 casts, so under TRITON_INTERPRET=1 the same
 functions compute the codes with integer arithmetic on the fp32 bits instead (the mirror of
 csrc/common.h's `encode_fp8`). `tests/testfp8/_triton.py` checks on the GPU that both paths give
