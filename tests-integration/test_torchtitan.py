@@ -10,7 +10,6 @@ in for the debug config's dataset. All scenarios share one warm world of 2 ranks
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import warnings
@@ -26,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.fsdp import FSDPModule
 
 import quant_fsdp
-from quant_fsdp.testing import run_on_warm_ranks
+from quant_fsdp.testing import count_all_gather_bytes, run_on_warm_ranks
 
 SEQUENCE = 64
 BATCH = 2
@@ -120,7 +119,7 @@ def _parity_and_gathered_bytes(rank: int, world_size: int) -> None:
     for recipe in (None, "fp8"):
         model, _ = _build(recipe, recipe is not None, world_size)
         optimizer = _optimizer(model)
-        with _all_gather_sizes() as gathered[recipe]:
+        with count_all_gather_bytes() as gathered[recipe]:
             losses[recipe] = _train(model, optimizer, rank, world_size, steps)
     for reference, fp8 in zip(losses[None], losses["fp8"], strict=True):
         assert math.isfinite(fp8), losses
@@ -132,36 +131,12 @@ def _parity_and_gathered_bytes(rank: int, world_size: int) -> None:
     # Same FSDP units, same gathers in the same order: those of the transformer blocks (FP8 block
     # Linears + two bf16 norm weights) shrink, those of the embedding and of the root (norm,
     # lm_head, kept bf16 by filter_fqns' default) do not.
-    bf16, fp8 = gathered[None], gathered["fp8"]
+    bf16, fp8 = gathered[None].sizes, gathered["fp8"].sizes
     assert len(bf16) == len(fp8)
     blocks = [(a, b) for a, b in zip(bf16, fp8, strict=True) if a != b]
     assert len(blocks) == steps * 2 * LAYERS, (bf16, fp8)  # each block: forward and backward
     ratio = sum(b for _, b in blocks) / sum(a for a, _ in blocks)
     assert ratio <= 0.52, ratio
-
-
-@contextlib.contextmanager
-def _all_gather_sizes():
-    """The bytes of each all-gather FSDP2 issues in the block, in order."""
-    sizes: list[int] = []
-
-    def counting(original):
-        def wrapper(output_tensor, *args, **kwargs):
-            sizes.append(output_tensor.numel() * output_tensor.element_size())
-            return original(output_tensor, *args, **kwargs)
-
-        return wrapper
-
-    originals = {
-        name: getattr(dist, name) for name in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, name)
-    }
-    try:
-        for name, original in originals.items():
-            setattr(dist, name, counting(original))
-        yield sizes
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
 
 
 def _checkpoint_resume(rank: int, world_size: int, folder: str) -> None:

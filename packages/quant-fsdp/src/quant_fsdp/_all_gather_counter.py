@@ -11,11 +11,12 @@ __all__ = ["AllGatherBytes", "count_all_gather_bytes"]
 
 
 class AllGatherBytes:
-    """Bytes delivered by all-gather collectives (output sizes) while counting."""
+    """Bytes delivered by all-gather collectives (output sizes) while counting, in total and per call."""
 
     def __init__(self) -> None:
         self.bytes = 0
         self.calls = 0
+        self.sizes: list[int] = []
 
 
 @contextlib.contextmanager
@@ -32,8 +33,10 @@ def count_all_gather_bytes() -> Iterator[AllGatherBytes]:
 
     def counting(original):
         def wrapper(output_tensor, *args, **kwargs):
-            counter.bytes += output_tensor.numel() * output_tensor.element_size()
+            size = output_tensor.numel() * output_tensor.element_size()
+            counter.bytes += size
             counter.calls += 1
+            counter.sizes.append(size)
             return original(output_tensor, *args, **kwargs)
 
         return wrapper

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torchtitan.components.quantization import QuantizationConverter
@@ -141,12 +142,7 @@ class QuantLinearConverter(QuantizationConverter):
                 recipe_name=self.config.recipe_name,
                 quantized_weights=self.config.quantized_weights,
             )
-            if parent is None:
-                model_config = replacement
-            elif isinstance(parent, list):
-                parent[attribute] = replacement
-            else:
-                setattr(parent, attribute, replacement)
+            model_config = _replaced(model_config, parent, attribute, replacement)
         if unquantizable:
             warnings.warn(
                 f"QuantLinearConverter ({self.config.recipe_name}): {len(unquantizable)} Linear layers stay in high "
@@ -173,13 +169,20 @@ def unfuse_qkv(model_config: Module.Config) -> Module.Config:
             wq=replace(fused.wqkv, out_features=fused.n_heads * head_dim, param_init=param_init),
             wkv=replace(fused.wqkv, out_features=fused.n_kv_heads * head_dim, param_init=param_init),
         )
-        if parent is None:
-            model_config = replacement
-        elif isinstance(parent, list):
-            parent[attribute] = replacement
-        else:
-            setattr(parent, attribute, replacement)
+        model_config = _replaced(model_config, parent, attribute, replacement)
     return model_config
+
+
+def _replaced(root: Module.Config, parent: Any, attribute: Any, replacement: Module.Config) -> Module.Config:
+    """Puts `replacement` where `traverse` found a config (`parent[attribute]` or `parent.attribute`;
+    the root itself where `parent` is None); returns the root."""
+    if parent is None:
+        return replacement
+    if isinstance(parent, list):
+        parent[attribute] = replacement
+    else:
+        setattr(parent, attribute, replacement)
+    return root
 
 
 def _stock_qkv_param_init(fused_init: dict | None) -> dict | None:
