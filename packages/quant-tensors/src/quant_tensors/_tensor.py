@@ -86,6 +86,13 @@ class QuantizedTensor(torch.Tensor):
     def metadata(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self._metadata_names}
 
+    def data_ptr(self) -> int:
+        """The address of the first buffer present (the codes): a wrapper has no storage of its own,
+        and torch's answer for one, 0, is the same for every quantized tensor, while callers that
+        match tensors by address (Accelerate maps an optimizer's parameters to their sharded
+        replacements by `data_ptr()`) need one per tensor."""
+        return next((b.data_ptr() for b in self.buffers().values() if b is not None), 0)
+
     def _rebuilt(
         self,
         *,
