@@ -250,6 +250,13 @@ class QuantizedTensor(torch.Tensor):
                 )
             unwrap = lambda t: t.dequantize() if isinstance(t, QuantizedTensor) else t  # noqa: E731
             return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        if func is torch.ops.c10d.broadcast_.default:
+            raise ValueError(
+                f"cannot broadcast a {cls.__name__}: the receiving ranks allocate a plain tensor of its size and "
+                "dtype, which cannot hold its codes and scales. Load a full state dict that every rank holds "
+                "(set_model_state_dict with full_state_dict=True, without broadcast_from_rank0=True); with "
+                "Accelerate's FSDP2, set cpu_ram_efficient_loading=False"
+            )
         if func._schema.is_mutable:
             raise NotImplementedError(
                 f"{func} would update a {cls.__name__} in place, which its op table (quant_tensors README) does not "
