@@ -205,6 +205,7 @@ class FusedAdam(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's state_dict, with the master of every quantized weight that this layout holds in
         high precision: a copy of its shard ([Note: checkpoints across weight forms])."""
+        self._drop_states_of_replaced_params()
         state_dict = super().state_dict()
         params = [(p, group) for group in self.param_groups for p in group["params"]]  # torch's numbering
         for index, (p, group) in enumerate(params):
@@ -218,6 +219,15 @@ class FusedAdam(torch.optim.Optimizer):
                 master = qt.local_shard(state_dict["state"][index]["master"])
                 self._masters_given[master] = master._version
         return state_dict
+
+    def _drop_states_of_replaced_params(self) -> None:
+        """Forget the states of tensors that no param group holds any more: a caller that swaps the
+        groups' parameters for others (Accelerate's FSDP2 prepare puts the sharded parameters in
+        place of those the optimizer was built over, after a `load_state_dict(state_dict())` that
+        made their states) leaves them behind, and torch's `state_dict` cannot number them."""
+        held = {id(p) for group in self.param_groups for p in group["params"]}
+        for p in [p for p in self.state if id(p) not in held]:
+            del self.state[p]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load_state_dict, with masters and moments in the dtypes this optimizer keeps them in,
@@ -333,6 +343,7 @@ class FusedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._drop_states_of_replaced_params()
         work = [(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None]
         if not work:
             self._last_verdict = False

@@ -86,6 +86,13 @@ class QuantizedTensor(torch.Tensor):
     def metadata(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self._metadata_names}
 
+    def data_ptr(self) -> int:
+        """The address of the first buffer present (the codes): a wrapper has no storage of its own,
+        and torch's answer for one, 0, is the same for every quantized tensor, while callers that
+        match tensors by address (Accelerate maps an optimizer's parameters to their sharded
+        replacements by `data_ptr()`) need one per tensor."""
+        return next((b.data_ptr() for b in self.buffers().values() if b is not None), 0)
+
     def _rebuilt(
         self,
         *,
@@ -243,6 +250,13 @@ class QuantizedTensor(torch.Tensor):
                 )
             unwrap = lambda t: t.dequantize() if isinstance(t, QuantizedTensor) else t  # noqa: E731
             return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        if func is torch.ops.c10d.broadcast_.default:
+            raise ValueError(
+                f"cannot broadcast a {cls.__name__}: the receiving ranks allocate a plain tensor of its size and "
+                "dtype, which cannot hold its codes and scales. Load a full state dict that every rank holds "
+                "(set_model_state_dict with full_state_dict=True, without broadcast_from_rank0=True); with "
+                "Accelerate's FSDP2, set cpu_ram_efficient_loading=False"
+            )
         if func._schema.is_mutable:
             raise NotImplementedError(
                 f"{func} would update a {cls.__name__} in place, which its op table (quant_tensors README) does not "
