@@ -29,10 +29,11 @@ TORCH = "torch==2.13.0"
 # transformers: a sharded Hugging Face Llama must export to its plain class (test_export_llama.py).
 # torchtitan (the extra quant-fsdp[torchtitan]; it imports triton) and torchao: test_torchtitan.py
 # trains torchtitan's llama3 with the converter and refuses torchao's float8 converter beside it.
+# accelerate: test_hf_accelerate.py runs Accelerate's own FSDP2 prepare on a converted Llama.
 TEST_DEPS = (
     "pytest>=8", "hypothesis>=6.100", "numpy", "triton>=3.6",
     "build>=1.2", "hatchling>=1.24", "scikit-build-core>=0.10", "matplotlib>=3.8", "transformers>=4.45",
-    "torchtitan>=0.3", "torchao>=0.18",
+    "torchtitan>=0.3", "torchao>=0.18", "accelerate>=1.16",
 )  # fmt: skip
 LINT_DEPS = ("ruff>=0.6", "import-linter>=2.1")
 DOCS_DEPS = ("mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26")

@@ -225,6 +225,8 @@ class FusedAdam(torch.optim.Optimizer):
         groups' parameters for others (Accelerate's FSDP2 prepare puts the sharded parameters in
         place of those the optimizer was built over, after a `load_state_dict(state_dict())` that
         made their states) leaves them behind, and torch's `state_dict` cannot number them."""
+        if len(self.state) <= sum(len(group["params"]) for group in self.param_groups):
+            return  # the common case, checked per step without walking the parameters
         held = {id(p) for group in self.param_groups for p in group["params"]}
         for p in [p for p in self.state if id(p) not in held]:
             del self.state[p]
