@@ -8,16 +8,8 @@ initialised by torchtitan's `init_weights` with the model's own initialisers, in
 and then quantized when the weights are quantized). torchtitan's parallelize function then shards
 the model with torch's `fully_shard`, which gathers quantized bytes (the gather hooks are methods
 of the quantized tensors; importing this module imports quant_fsdp, whose gather policy counts
-them in `comm_stats()`).
-
-    from quant_fsdp.torchtitan import QuantLinearConverter
-    from quant_optim.torchtitan import FusedAdamOptimizers
-
-    config.model_spec = model_registry(
-        "debugmodel", converters=[QuantLinearConverter.Config(recipe_name="fp8", quantized_weights=True)]
-    )
-    config.optimizer = FusedAdamOptimizers.Config(lr=8e-4)
-    config.parallelism.spmd_backend = "partial_dtensor"
+them in `comm_stats()`). docs/integrations.md shows a config registry entry that lists the
+converter beside quant-optim's FusedAdam optimizer config.
 
 Limits: data parallelism (FSDP2, HSDP) only, under torchtitan's "partial_dtensor" backend
 (`QuantLinear.parallelize`, which torchtitan calls for tensor parallelism and for the other
