@@ -203,11 +203,6 @@ def test_fp8_and_nvfp4_train_like_bf16_and_gather_quantized_bytes() -> None:
     run_on_warm_ranks(_parity_and_gathered_bytes, 2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch's set_state_dict initialises the empty FusedAdam state of the re-prepared model with a "
-    "step on zeros_like gradients, which are flat views of the quantized shards here (NotImplementedError)",
-)
 def test_dcp_resume_is_bitwise() -> None:
     run_on_warm_ranks(_checkpoint_resume, 2)
 

@@ -108,6 +108,23 @@ def test_states_exist_from_construction():
     assert torch.equal(optimizer.state[model.bf16]["master"], model.bf16.float())
 
 
+def test_parameters_swapped_into_the_groups_get_their_states_in_state_dict():
+    """Accelerate's FSDP2 prepare swaps the parameters for others in the groups' lists (not through
+    add_param_group) and moves no state: state_dict drops the old ones' states and makes the new
+    ones', so torch's get_state_dict neither meets states it cannot number nor steps on zeros_like
+    gradients to make them."""
+    old, new = Weights("nvfp4"), Weights("nvfp4")
+    optimizer = old.optimizer()
+    swap = dict(zip(map(id, old.parameters()), new.parameters(), strict=True))
+    for group in optimizer.param_groups:
+        group["params"] = [swap[id(p)] for p in group["params"]]
+    state_dict = optimizer.state_dict()
+    assert sorted(state_dict["state"]) == [0, 1, 2]
+    assert {id(p) for p in optimizer.state} == {id(p) for p in new.parameters()}
+    assert "master" in state_dict["state"][1]
+    assert all(p.grad is None for p in new.parameters())  # no step was taken
+
+
 def test_fp8_moments_round_trip_and_refuse_a_cast():
     p = torch.nn.Parameter(torch.randn(64, 32))
     optimizer = FusedAdam([p], exp_avg_dtype=torch.float8_e4m3fn, exp_avg_sq_dtype=torch.float8_e4m3fn)

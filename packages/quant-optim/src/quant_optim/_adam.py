@@ -180,14 +180,18 @@ class FusedAdam(torch.optim.Optimizer):
         group = self.param_groups[-1]
         first = sum(len(g["params"]) for g in self.param_groups[:-1])
         for index, p in enumerate(group["params"], start=first):
-            if self.capturable:
-                _check_capturable(p)
-            # A weight torch's fully_shard sharded gets its amax group at its first gather; requantizing
-            # loaded masters before that (load_state_dict) must agree on the whole tensor's amax too.
-            qt.fsdp.bind_shard_amax_group(p)
-            if p.requires_grad:
-                self._state_of(p, group, index)
+            self._adopt(p, group, index)
         self._plan_version += 1
+
+    def _adopt(self, p: torch.Tensor, group: dict[str, Any], index: int | None = None) -> None:
+        """Takes `p` in as a parameter of `group`: checks it, binds its amax group and makes its state."""
+        if self.capturable:
+            _check_capturable(p)
+        # A weight torch's fully_shard sharded gets its amax group at its first gather; requantizing
+        # loaded masters before that (load_state_dict) must agree on the whole tensor's amax too.
+        qt.fsdp.bind_shard_amax_group(p)
+        if p.requires_grad:
+            self._state_of(p, group, index)
 
     @property
     def last_step_skipped(self) -> bool:
@@ -205,7 +209,7 @@ class FusedAdam(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's state_dict, with the master of every quantized weight that this layout holds in
         high precision: a copy of its shard ([Note: checkpoints across weight forms])."""
-        self._drop_states_of_replaced_params()
+        self._sync_states_with_params()
         state_dict = super().state_dict()
         params = [(p, group) for group in self.param_groups for p in group["params"]]  # torch's numbering
         for index, (p, group) in enumerate(params):
@@ -220,11 +224,32 @@ class FusedAdam(torch.optim.Optimizer):
                 self._masters_given[master] = master._version
         return state_dict
 
+    def _sync_states_with_params(self) -> None:
+        """Makes the states those of the parameters the groups hold now, walking all of them (not per
+        step). A caller may put other tensors in the groups' `params` lists without add_param_group:
+        Accelerate's FSDP2 prepare swaps the parameters the optimizer was built over for the sharded
+        ones (matched by `data_ptr()`) and moves no state. The states made for the old ones are
+        dropped (torch's `state_dict` cannot number them), and the new ones are taken in as
+        add_param_group would: their amax groups bound and their states made. Without them torch's
+        get_state_dict / set_state_dict would see the old states, or none, and initialise the
+        missing ones with a step on `zeros_like` gradients (see add_param_group)."""
+        held = [(p, group) for group in self.param_groups for p in group["params"]]
+        held_ids = {id(p) for p, _ in held}
+        for p in [p for p in self.state if id(p) not in held_ids]:
+            del self.state[p]
+        adopted = False
+        for index, (p, group) in enumerate(held):
+            if p.requires_grad and not self.state.get(p):
+                self._adopt(p, group, index)
+                adopted = True
+        if adopted:
+            self._plan_version += 1
+
     def _drop_states_of_replaced_params(self) -> None:
-        """Forget the states of tensors that no param group holds any more: a caller that swaps the
-        groups' parameters for others (Accelerate's FSDP2 prepare puts the sharded parameters in
-        place of those the optimizer was built over, after a `load_state_dict(state_dict())` that
-        made their states) leaves them behind, and torch's `state_dict` cannot number them."""
+        """Forget the states of tensors that no param group holds any more, per step: a caller that
+        swaps the groups' parameters for others (Accelerate's FSDP2 prepare) leaves them behind
+        (see _sync_states_with_params). Counting suffices here: the first step makes the new
+        parameters' states, and the next one finds more states than parameters."""
         if len(self.state) <= sum(len(group["params"]) for group in self.param_groups):
             return  # the common case, checked per step without walking the parameters
         held = {id(p) for group in self.param_groups for p in group["params"]}
@@ -249,6 +274,10 @@ class FusedAdam(torch.optim.Optimizer):
         """
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [(p, group) for group in self.param_groups for p in group["params"]]
+        for p, _ in params:  # parameters put in the groups without add_param_group too (_sync_states_with_params)
+            if self.capturable:
+                _check_capturable(p)
+            qt.fsdp.bind_shard_amax_group(p)
         master_dtypes = [group["master_weight_dtype"] for group in self.param_groups]
         for group, saved_group in zip(self.param_groups, state_dict["param_groups"], strict=False):
             _check_saved_master_dtype(group, saved_group)
