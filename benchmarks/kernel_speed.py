@@ -428,7 +428,6 @@ def benchmark_hooks(min_run_time: float, device: torch.device, size: int = 1024,
     with an unchanged shard (its quantized shard is reused: the backward gather, or a second forward);
     quantizing a changed shard is kernel time, measured by `benchmark_kernels`.
     """
-    import quant_fsdp  # noqa: F401  (installs the hooks)
     import quant_tensors as qt
     from quant_fsdp import QuantizeOnGatherTensor
     from quant_tensors.testing import FakeMesh

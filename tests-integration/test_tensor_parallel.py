@@ -168,7 +168,7 @@ def _qkv_share_one_gather(rank: int, world_size: int) -> None:
 def _rowwise_data_freed_with_the_input(rank: int, world_size: int) -> None:
     """The gathered input keeps its rowwise data (the forward GEMMs) while the input lives, and
     only the columnwise data (the wgrad GEMM) once it is gone; the backward still runs."""
-    from quant_fsdp.parallel import _shared_gathers
+    from quant_fsdp.parallel import _SHARED_GATHER
 
     mesh = init_device_mesh("cpu", (world_size,))
     layer = qt.nn.Linear(512, 512, recipe=qt.MXFP8BlockScaling())
@@ -180,7 +180,7 @@ def _rowwise_data_freed_with_the_input(rank: int, world_size: int) -> None:
     )
     x = leaf * 1  # not a leaf: nothing else keeps it alive
     y = layer(x)
-    gathered = _shared_gathers.get(x).gathered
+    gathered = getattr(x, _SHARED_GATHER).gathered
     assert gathered.usages == (True, True)
     del x
     assert gathered.usages == (False, True)

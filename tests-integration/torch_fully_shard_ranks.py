@@ -1,8 +1,10 @@
 """Rank processes of test_torch_fully_shard.py: torch's own `fully_shard` over quantized primary
-weights in processes that never import quant_fsdp (the all-gather hooks are QuantizedTensor's own,
-with quant-tensors' default gather policy).
+weights (the all-gather hooks are QuantizedTensor's own, each weight with the plain shard context
+its first gather binds), in processes that never import quant_fsdp or, given `--import-quant-fsdp`,
+that import it first.
 
-`python torch_fully_shard_ranks.py RANK WORLD_SIZE STORE_FILE` joins a gloo group and, for every
+`python torch_fully_shard_ranks.py RANK WORLD_SIZE STORE_FILE [--import-quant-fsdp]` joins a gloo
+group and, for every
 recipe, shards a converted model per block and at the root, trains a few steps (forward, backward,
 an SGD step on fp32 masters that requantizes the shards) and checks, against the same model
 unsharded in this process:
@@ -14,12 +16,17 @@ unsharded in this process:
   with their global amax (the default policy bound the shard group as `amax_group`);
 - MXFP8 sends one usage per gather where FSDP2 gathers again in the backward (the blocks), both
   at once where it does not (the root's head).
-Prints "checked RECIPE" per recipe; any failure exits non-zero with the traceback.
+Prints "checked RECIPE DIGEST" per recipe, DIGEST a sha256 of the outputs, gradients, every
+all-gather's input bytes and the gathered weights, which the test compares between the processes
+that imported quant_fsdp and those that did not; the importing ones check that `comm_stats()`
+counted nothing (quant_fsdp's counters are for the weights it shards). Any failure exits non-zero
+with the traceback.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
 import sys
 import traceback
@@ -115,7 +122,52 @@ def sgd_step(
                 reference.copy_(master)
 
 
-def check_recipe(rank: int, world_size: int, recipe_name: str) -> None:
+class Digest:
+    """sha256 over the bytes of tensors seen in order."""
+
+    def __init__(self) -> None:
+        self.sha = hashlib.sha256()
+
+    def add(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if isinstance(t, qt.QuantizedTensor):
+                self.add(*(b for b in t.buffers().values() if b is not None))
+            else:
+                self.sha.update(
+                    raw_bits(t.detach().reshape(-1)).clone().numpy().tobytes()
+                )  # a copy: numpy pins storage
+
+
+def check_recipe(rank: int, world_size: int, recipe_name: str) -> str:
+    """Checks one recipe; returns the digest of what it computed and gathered."""
+    digest = Digest()
+    gathers = []
+    # FSDP2's all-gather of every parameter group: dist.all_gather_single (torch 2.13), or
+    # all_gather_into_tensor (earlier releases).
+    originals = {
+        name: getattr(dist, name) for name in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, name)
+    }
+
+    def counting(original):
+        def counted(output, input, *args, **kwargs):
+            digest.add(input)
+            gathers.append(input.numel())
+            return original(output, input, *args, **kwargs)
+
+        return counted
+
+    for name, original in originals.items():
+        setattr(dist, name, counting(original))
+    try:
+        check_training(rank, world_size, recipe_name, digest)
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    assert gathers, "FSDP2's all-gathers were not seen"
+    return digest.sha.hexdigest()
+
+
+def check_training(rank: int, world_size: int, recipe_name: str, digest: Digest) -> None:
     torch.manual_seed(0)
     model = Model()
     qt.convert(model, qt.recipe_from_name(recipe_name), quantized_weights=True)
@@ -129,6 +181,7 @@ def check_recipe(rank: int, world_size: int, recipe_name: str) -> None:
 
     for step in range(STEPS):
         out, x_grad = run(model, inputs(step, rank))
+        digest.add(out, x_grad)
         expected = [run(reference, inputs(step, r)) for r, reference in enumerate(references)]
         assert_bitwise(out, expected[rank][0], f"{recipe_name} step {step}: output")
         assert_bitwise(x_grad, expected[rank][1], f"{recipe_name} step {step}: input gradient")
@@ -152,6 +205,7 @@ def check_recipe(rank: int, world_size: int, recipe_name: str) -> None:
         if linear is model.head and gathered.usages[1]:  # the root gathers MXFP8's both usages at once
             names = [n for n, b in expected.buffers().items() if b is not None]
         assert_same_buffers(gathered, expected, names, f"{recipe_name} linear {i}")
+        digest.add(*(getattr(gathered, name) for name in names))  # not the buffers a later gather fills
         owner.reshard()
         # What a forward gather sends: MXFP8 blocks, which FSDP2 gathers again in the backward,
         # send rowwise only; the root's head, kept for the backward, both usages; 2-D-scaled and
@@ -161,22 +215,28 @@ def check_recipe(rank: int, world_size: int, recipe_name: str) -> None:
         both = recipe_name == "mxfp8" and linear is model.head
         sent = {name.split("_")[0] for name in payload.names}
         assert sent == ({"rowwise", "columnwise"} if both else {"rowwise"}), (recipe_name, i, payload.names)
+        assert type(weight.to_local().quantizer.shard_context) is qt.fsdp.ShardContext, recipe_name
 
 
-def main(rank: int, world_size: int, store: str) -> None:
+def main(rank: int, world_size: int, store: str, import_quant_fsdp: bool) -> None:
     torch.set_num_threads(1)
+    if import_quant_fsdp:
+        import quant_fsdp
+
+        quant_fsdp.reset_comm_stats()
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
-    assert "quant_fsdp" not in sys.modules, "a module this process imported pulled in quant_fsdp"
+    assert import_quant_fsdp or "quant_fsdp" not in sys.modules, "a module this process imported pulled in quant_fsdp"
     for recipe_name in RECIPES:
-        check_recipe(rank, world_size, recipe_name)
-        print(f"checked {recipe_name}", flush=True)
-    assert "quant_fsdp" not in sys.modules
+        print(f"checked {recipe_name} {check_recipe(rank, world_size, recipe_name)}", flush=True)
+    assert import_quant_fsdp or "quant_fsdp" not in sys.modules
+    if import_quant_fsdp:
+        assert quant_fsdp.comm_stats() == {}, quant_fsdp.comm_stats()
     dist.barrier()
 
 
 if __name__ == "__main__":
     try:
-        main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+        main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], "--import-quant-fsdp" in sys.argv[4:])
     except BaseException:
         traceback.print_exc()
         sys.stdout.flush()

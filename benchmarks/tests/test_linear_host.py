@@ -29,7 +29,7 @@ def test_each_step_quantizes_a_new_input(monkeypatch):
     quantize_input = qt_nn._quantize_input
 
     def recording(x, *args, **kwargs):
-        seen.append(x in qt_nn._quantized_inputs)
+        seen.append(hasattr(x, qt_nn._QUANTIZED_INPUT))
         return quantize_input(x, *args, **kwargs)
 
     monkeypatch.setattr(qt_nn, "_quantize_input", recording)

@@ -9,17 +9,19 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-import quant_fsdp  # noqa: F401  (installs __get_tensor_shard__ on every QuantizedTensor)
 import quant_tensors as qt
 from quant_core.testing import raw_bits
 from quant_fsdp import _checkpoint
+from quant_fsdp._context import ShardedWeight
 
 
 def weight(recipe_name: str, seed: int = 0) -> qt.QuantizedTensor:
-    """A fresh 256x128 quantized weight, registered as one fully_shard manages."""
+    """A fresh 256x128 quantized weight with the context fully_shard binds to the weights it shards."""
     quantizer = qt.recipe_from_name(recipe_name).quantizer("weight")
     local = quantizer.quantize(torch.randn(256, 128, generator=torch.Generator().manual_seed(seed)))
-    _checkpoint.register_placement(quantizer, (256, 128), None, ())  # placement unused by these loads
+    context = ShardedWeight(quantizer.format_name)
+    context.placement = _checkpoint.Placement((256, 128), None, ())  # placement unused by these loads
+    quantizer.bind(shard_context=context)
     return local
 
 
@@ -64,13 +66,25 @@ def test_a_staged_per_tensor_weight_waits_and_a_later_write_wins():
         amax_group=types.SimpleNamespace(group_name="7")
     )  # as fully_shard binds it (never reached here)
     values = torch.randn(256, 128)
+    before = bits(local)
     local.__get_tensor_shard__(MetadataIndex("w")).copy_(values)
-    assert _checkpoint.pending()
+    context = local.quantizer.shard_context
+    assert context.pending is not None
+    assert all(torch.equal(a, b) for a, b in zip(bits(local), before, strict=True))  # nothing written yet
+    object.__setattr__(local.quantizer, "amax_group_name", None)
+    _checkpoint.RequantizePendingHook([context])(torch.nn.Module(), None)  # load_state_dict's post-hook
+    assert context.pending is None
+    expected = local.quantizer.quantize(values)
+    assert all(torch.equal(a, b) for a, b in zip(bits(local), bits(expected), strict=True))
+
+    object.__setattr__(local.quantizer, "amax_group_name", "7")
+    local.__get_tensor_shard__(MetadataIndex("w")).copy_(values)  # a second load, staged again
+    assert context.pending is not None
     requantized = torch.randn(256, 128)
     object.__setattr__(local.quantizer, "amax_group_name", None)
     local.quantizer.quantize_(requantized, local)  # FusedAdam's requantize from the master
-    _checkpoint.requantize_pending()
-    assert not _checkpoint.pending()
+    _checkpoint.requantize_pending(context)
+    assert context.pending is None
     expected = local.quantizer.quantize(requantized)
     assert all(torch.equal(a, b) for a, b in zip(bits(local), bits(expected), strict=True))
 

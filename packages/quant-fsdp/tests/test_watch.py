@@ -40,16 +40,19 @@ def watched(monkeypatch, caplog):
     _watch.watch_gathers(None)
 
 
-class _Quantizer:  # what the watch reads of a quantizer (weak-referenceable, as real ones are)
+class _Weight:  # what the watch reads of a weight's context (quant_fsdp._context.ShardedWeight)
     def __init__(self, format_name: str) -> None:
         self.format_name = format_name
+        self.name = None
+        self.module = None
+        self.open_gather = None
 
 
-def _gather(name: str) -> _Quantizer:
-    quantizer = _Quantizer(name)
-    _watch.gather_began(quantizer)
-    _watch.gather_ended(quantizer, torch.device("cuda", 0))  # the host goes on; the event tells
-    return quantizer
+def _gather(name: str) -> _Weight:
+    weight = _Weight(name)
+    _watch.gather_began(weight)
+    _watch.gather_ended(weight, torch.device("cuda", 0))  # the host goes on; the event tells
+    return weight
 
 
 def _errors(caplog) -> list[str]:

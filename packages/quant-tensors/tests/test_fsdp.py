@@ -1,4 +1,4 @@
-"""QuantizedTensor's FSDP2 all-gather hooks and gather policy in one process: FSDP2's gather is
+"""QuantizedTensor's FSDP2 all-gather hooks and shard contexts in one process: FSDP2's gather is
 simulated by concatenating the inputs of every shard along dim 0, as its all-gather + copy-out
 does. Multi-process runs (torch's fully_shard without quant_fsdp) live in tests-integration."""
 
@@ -83,13 +83,17 @@ def test_mxfp8_gathers_both_usages_when_no_fsdp_module_is_found():
     assert_same(unsharded, full)
 
 
-class RecordingPolicy(qt.fsdp.GatherPolicy):
+class RecordingContext(qt.fsdp.ShardContext):
     def __init__(self) -> None:
+        super().__init__()
         self.calls: list[tuple[Any, ...]] = []
 
     def before_gather(self, shard, mesh):
         self.calls.append(("before_gather", shard, mesh))
         super().before_gather(shard, mesh)
+
+    def after_gather(self, shard):
+        self.calls.append(("after_gather", shard))
 
     def count_gather(self, format_name, inputs, world_size):
         self.calls.append(("count_gather", format_name, sum(t.numel() * t.element_size() for t in inputs), world_size))
@@ -99,38 +103,46 @@ class RecordingPolicy(qt.fsdp.GatherPolicy):
         return shard
 
 
-def test_the_hooks_ask_the_registered_policy(monkeypatch):
-    monkeypatch.setattr(_fsdp, "_policy", qt.fsdp.GatherPolicy())  # as in a process that registered none
-    policy = RecordingPolicy()
-    qt.fsdp.register_gather_policy(policy)
-    assert qt.fsdp.gather_policy() is policy
-    shard = qt.Float8CurrentScaling().quantizer("weight").quantize(torch.randn(64, 32))
+def test_the_hooks_ask_the_context_bound_to_the_weights_quantizer():
+    context = RecordingContext()
+    quantizer = qt.Float8CurrentScaling().quantizer("weight").bind(shard_context=context)
+    shard = quantizer.quantize(torch.randn(64, 32))
     mesh = FakeMesh(2)
-    shard.fsdp_pre_all_gather(mesh)
-    assert policy.calls == [("before_gather", shard, mesh), ("count_gather", "per-tensor FP8", 64 * 32, 2)]
-    assert shard.__get_tensor_shard__("index") is shard
-    assert policy.calls[-1] == ("tensor_shard_for_checkpoint", shard, "index")
+    inputs, payload = shard.fsdp_pre_all_gather(mesh)
+    assert context.calls == [("before_gather", shard, mesh), ("count_gather", "per-tensor FP8", 64 * 32, 2)]
+    shard.fsdp_post_all_gather(tuple(torch.cat([t, t]) for t in inputs), payload, torch.float32)
+    assert context.calls[-1] == ("after_gather", shard)
+    detached = shard.detach()  # as a state dict holds it: another tensor, the same quantizer
+    assert detached.__get_tensor_shard__("index") is detached
+    assert context.calls[-1] == ("tensor_shard_for_checkpoint", detached, "index")
+    # Another weight's quantizer, equal in value, has its own context.
+    other = qt.Float8CurrentScaling().quantizer("weight").quantize(torch.randn(64, 32))
+    other.fsdp_pre_all_gather(mesh)
+    assert len(context.calls) == 4
+    assert type(other.quantizer.shard_context) is qt.fsdp.ShardContext
 
 
-def test_default_policy_lets_checkpoints_read_the_shard_itself(monkeypatch):
-    monkeypatch.setattr(_fsdp, "_policy", qt.fsdp.GatherPolicy())
-    shard = qt.NVFP4BlockScaling().quantizer("weight").quantize(torch.randn(32, 32))
-    assert shard.__get_tensor_shard__("index") is shard
+def test_a_weight_without_a_context_gets_the_plain_one_at_its_first_gather():
+    quantizer = qt.NVFP4BlockScaling().quantizer("weight")
+    shard = quantizer.quantize(torch.randn(32, 32))
+    assert shard.__get_tensor_shard__("index") is shard  # DCP reads the shard itself
+    assert quantizer.shard_context is None
+    shard.fsdp_pre_all_gather(FakeMesh(2))
+    context = quantizer.shard_context
+    assert type(context) is qt.fsdp.ShardContext
+    shard.fsdp_pre_all_gather(FakeMesh(2))
+    assert quantizer.shard_context is context
 
 
-def test_one_sharding_layer_registers_its_policy(monkeypatch):
-    monkeypatch.setattr(_fsdp, "_policy", qt.fsdp.GatherPolicy())
+def test_copies_of_a_quantizer_leave_its_shard_context_behind():
+    import copy
+    import pickle
 
-    class OtherLayer(qt.fsdp.GatherPolicy):
-        pass
-
-    first = RecordingPolicy()
-    qt.fsdp.register_gather_policy(first)
-    qt.fsdp.register_gather_policy(RecordingPolicy())  # the same layer again (a re-import) replaces it
-    assert isinstance(qt.fsdp.gather_policy(), RecordingPolicy)
-    assert qt.fsdp.gather_policy() is not first
-    with pytest.raises(RuntimeError, match="already the gather policy"):
-        qt.fsdp.register_gather_policy(OtherLayer())
+    quantizer = qt.Float8CurrentScaling().quantizer("weight").bind(shard_context=RecordingContext())
+    assert copy.deepcopy(quantizer).shard_context is None
+    assert pickle.loads(pickle.dumps(quantizer)).shard_context is None
+    assert quantizer.with_usage(columnwise=False).shard_context is quantizer.shard_context  # a binding, shared
+    assert copy.deepcopy(quantizer) == quantizer  # configuration only
 
 
 @pytest.mark.parametrize("recipe_name", RECIPES)

@@ -2,20 +2,18 @@
 (`quant_fsdp.parallel`), the CLI.
 
 Quantized primary weights (`qt.convert(..., quantized_weights=True)`) gather their low-precision
-bytes under torch's own `fully_shard` with or without quant_fsdp: the hooks are the tensors' own.
-Importing quant_fsdp registers its gather policy with them (comm_stats(), checkpoint loads across
-weight forms). `quant_fsdp.fully_shard` is the drop-in that also plans each weight's gather
-(explicit high-precision fallback for shards that cannot be quantized on their own) and offers
-quantize-on-gather for high-precision weights. `export_state_dict` gives a trained model's weights
+bytes under torch's own `fully_shard` with or without quant_fsdp: the hooks are the tensors' own,
+and importing quant_fsdp changes nothing about them. `quant_fsdp.fully_shard` is the drop-in that
+also plans each weight's gather (explicit high-precision fallback for shards that cannot be
+quantized on their own), counts it in comm_stats(), loads checkpoints across weight forms and
+offers quantize-on-gather for high-precision weights. `export_state_dict` gives a trained model's weights
 as plain tensors for the model class before qt.convert. See docs/fsdp.md.
 """
 
-import quant_tensors as qt
 from quant_fsdp import parallel
 from quant_fsdp._amax import sync_amax_, sync_amax_histories_
 from quant_fsdp._export import export_state_dict
 from quant_fsdp._fully_shard import fully_shard
-from quant_fsdp._gather_policy import FullyShardGatherPolicy
 from quant_fsdp._plan import GatherPlan, gather_plan
 from quant_fsdp._quantize_on_gather import QuantizeOnGatherTensor
 from quant_fsdp._sequence import (
@@ -27,8 +25,6 @@ from quant_fsdp._sequence import (
 from quant_fsdp._stats import comm_stats, reset_comm_stats
 from quant_fsdp._version import __version__
 from quant_fsdp._watch import watch_gathers
-
-qt.fsdp.register_gather_policy(FullyShardGatherPolicy())
 
 __all__ = [
     # FSDP2 with quantized weights

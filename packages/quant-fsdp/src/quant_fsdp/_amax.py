@@ -3,8 +3,7 @@ histories (`sync_amax_histories_`)."""
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -63,24 +62,25 @@ def sync_amax_(params: Iterable[torch.Tensor], group: dist.ProcessGroup | None =
 # nothing (MAX is idempotent), so a resumed run continues bitwise.
 
 
-def amax_histories(module: torch.nn.Module, *, skip: Collection[torch.nn.Module] = ()) -> list[torch.Tensor]:
-    """The delayed-scaling amax histories of every qt.nn.Linear in `module` (its state buffers),
-    leaving out the subtrees of the modules in `skip` (other than `module` itself)."""
+def amax_histories(module: torch.nn.Module, *, own_only: bool = False) -> list[torch.Tensor]:
+    """The delayed-scaling amax histories of every qt.nn.Linear in `module` (its state buffers);
+    `own_only`: leaving out the subtrees of submodules that sync their own (a HistorySyncHook)."""
     return [
         layer.get_buffer(f"{role}_quantizer_state")
-        for layer in _modules_outside(module, skip)
+        for layer in _modules_outside(module, own_only)
         if isinstance(layer, qt.nn.Linear)
         for role in qt.ROLES
         if isinstance(getattr(layer, f"{role}_quantizer"), qt.Float8DelayedQuantizer)
     ]
 
 
-def _modules_outside(module: torch.nn.Module, skip: Collection[torch.nn.Module]) -> Iterator[torch.nn.Module]:
-    """`module` and its submodules, leaving out the subtrees rooted at submodules in `skip`."""
+def _modules_outside(module: torch.nn.Module, own_only: bool) -> Iterator[torch.nn.Module]:
+    """`module` and its submodules, with `own_only` leaving out the subtrees rooted at submodules
+    a HistorySyncHook serves."""
     yield module
     for child in module.children():
-        if child not in skip:
-            yield from _modules_outside(child, skip)
+        if not (own_only and getattr(child, _SYNCS_HISTORIES, False)):
+            yield from _modules_outside(child, own_only)
 
 
 def sync_amax_histories_(
@@ -105,7 +105,7 @@ def _all_reduce_max(histories: list[torch.Tensor], groups: Any) -> int:
     return len(histories)
 
 
-_HOOKED_MODULES: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # the modules a HistorySyncHook serves
+_SYNCS_HISTORIES = "_quant_fsdp_syncs_amax_histories"  # set on the modules a HistorySyncHook serves
 
 
 class HistorySyncHook:
@@ -130,10 +130,10 @@ class HistorySyncHook:
         module.register_forward_pre_hook(self.before)
         module.register_forward_hook(self.after, always_call=True)
         module.register_state_dict_pre_hook(self.before_state_dict)
-        _HOOKED_MODULES.add(module)
+        setattr(module, _SYNCS_HISTORIES, True)
 
     def before_state_dict(self, module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
-        _all_reduce_max(amax_histories(module, skip=_HOOKED_MODULES), self.groups)
+        _all_reduce_max(amax_histories(module, own_only=True), self.groups)
 
     @torch.compiler.disable  # communication between compiled blocks, as FSDP2's own hooks
     def before(self, module: torch.nn.Module, args: Any) -> None:

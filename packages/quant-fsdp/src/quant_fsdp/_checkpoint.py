@@ -13,9 +13,9 @@ DCP's load protocol (DTensor hands `__create_chunk_list__` and `__get_tensor_sha
   the high-precision form are staged in a high-precision tensor of the shard's shape and, once
   every row has arrived, quantized into the weight. Formats with a per-tensor amax need the
   shard group's amax for that, a collective that cannot run inside DCP's reads (ranks read
-  different chunks): those wait in `_PENDING` for `requantize_pending()`, which
+  different chunks): those wait in the weight's context for `requantize_pending`, which
   `quant_fsdp.fully_shard`'s load_state_dict post-hook calls (set_state_dict, or
-  model.load_state_dict after dcp.load), and else the first all-gather. A write to the weight
+  model.load_state_dict after dcp.load), and else the weight's next all-gather. A write to the weight
   in between (FusedAdam requantizing it from its master) cancels the staged value.
 - fallback weight (QuantizeOnGatherTensor local): its shard starts or ends inside a block, so
   DCP would cut a quantized chunk there. It asks DCP for the rows of the whole blocks around its
@@ -26,10 +26,12 @@ DCP's load protocol (DTensor hands `__create_chunk_list__` and `__get_tensor_sha
   quantized primary weight) loads its own rows, as a plain DTensor's local tensor would.
 
 The weights' local tensors find their parameter's placement (global shape, mesh, placements)
-through their quantizer (DCP hands over the detached local of a state dict entry, a new object
-each time, never the parameter). The placement is kept, not a weak reference to the parameter:
-`module.to_empty()` after meta-device init swaps parameters with `torch.utils.swap_tensors`,
-which refuses a tensor that has a weak reference.
+through their quantizer's shard context (`quant_fsdp._context.ShardedWeight`; DCP hands over the
+detached local of a state dict entry, a new object each time, never the parameter). The placement
+is kept, not a weak reference to the parameter: `module.to_empty()` after meta-device init swaps
+parameters with `torch.utils.swap_tensors`, which refuses a tensor that has a weak reference. A
+load in progress is held by the local tensor DCP reads into (`_LOAD_TARGET`), a value staged for a
+collective by the weight's context (`pending`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.utils.weak import WeakIdKeyDictionary
 
 from quant_tensors import QuantizedTensor, Quantizer
 
@@ -49,22 +50,25 @@ aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
-class _Placement:
+class Placement:
     """Where a sharded parameter's local tensor lies in the whole tensor."""
 
     shape: tuple[int, ...]
     mesh: Any
     placements: tuple[Any, ...]
 
+    @classmethod
+    def of(cls, param: torch.Tensor) -> Placement:
+        """The placement of a DTensor parameter."""
+        return cls(tuple(param.shape), param.device_mesh, tuple(param.placements))
 
-# The placement of the sharded parameter each quantizer quantizes (by identity: quantizers compare by value).
-_PLACEMENT_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
-# The load target of a state dict entry's local tensor while DCP reads into it.
-_TARGETS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+# The attribute of a state dict entry's local tensor that holds its load target while DCP reads into it.
+_LOAD_TARGET = "_quant_fsdp_load_target"
 
 
 @dataclass(eq=False)
-class _Pending:
+class Pending:
     """A quantized weight's high-precision value, staged from a checkpoint, waiting for a collective."""
 
     local: QuantizedTensor
@@ -73,61 +77,55 @@ class _Pending:
     """The weight's buffer versions when staged: a later write (a requantize from the master) wins."""
 
 
-# By the entry's fully qualified name: every rank requantizes in the same order.
-_PENDING: dict[str, _Pending] = {}
-
-
-def register(param: torch.Tensor, quantizer: Quantizer) -> None:
-    """Lets the local tensors of a weight `fully_shard` sharded (a DTensor) find its placement."""
-    register_placement(quantizer, tuple(param.shape), param.device_mesh, tuple(param.placements))
-
-
-def register_placement(quantizer: Quantizer, shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]) -> None:
-    """`register` given the whole shape, the mesh and the placements of the quantizer's parameter."""
-    _PLACEMENT_OF[quantizer] = _Placement(shape, mesh, placements)
+def _placement(local: torch.Tensor) -> Placement | None:
+    context = local.quantizer.shard_context if local.quantizer is not None else None
+    return getattr(context, "placement", None)
 
 
 def _versions(t: QuantizedTensor) -> tuple[int, ...]:
     return tuple(b._version for b in t.buffers().values() if b is not None)
 
 
-def pending() -> bool:
-    """Whether staged weights wait for `requantize_pending`."""
-    return bool(_PENDING)
+def requantize_pending(context: Any) -> None:
+    """Quantizes the weight value `context` staged from a high-precision checkpoint entry, whose
+    format needs the shard group's amax (a collective: every rank calls this for the same weights,
+    in the same order), unless the weight was written since."""
+    pending, context.pending = context.pending, None
+    if pending is not None and _versions(pending.local) == pending.versions:
+        pending.local.quantizer.quantize_(pending.values, pending.local)
 
 
-def requantize_pending() -> None:
-    """Quantizes the weights staged from a high-precision checkpoint entry whose format needs the
-    shard group's amax (a collective: every rank calls this, and has the same entries)."""
-    for fqn in sorted(_PENDING):
-        pending = _PENDING.pop(fqn)
-        if _versions(pending.local) == pending.versions:
-            pending.local.quantizer.quantize_(pending.values, pending.local)
+class RequantizePendingHook:
+    """load_state_dict post-hook of a module fully_shard shards: requantizes the staged values of
+    the weights it sharded (`requantize_pending`), in the order of their names."""
 
+    def __init__(self, contexts: list[Any]) -> None:
+        self.contexts = sorted(contexts, key=lambda c: c.name)
 
-def requantize_pending_hook(module: torch.nn.Module, incompatible_keys: Any) -> None:
-    """load_state_dict post-hook of the modules fully_shard shards: see `requantize_pending`."""
-    requantize_pending()
+    def __call__(self, module: torch.nn.Module, incompatible_keys: Any) -> None:
+        for context in self.contexts:
+            requantize_pending(context)
 
 
 # ---- the protocol methods ---------------------------------------------------------------------
 
 
-def quantized_local_for_checkpoint(self: QuantizedTensor, index: MetadataIndex) -> torch.Tensor:
-    """`__get_tensor_shard__` of every QuantizedTensor: a load window over the shard of a weight
-    fully_shard shards; the tensor itself otherwise (DCP's default)."""
-    if self.quantizer is None or self.quantizer not in _PLACEMENT_OF:
+def quantized_local_for_checkpoint(self: QuantizedTensor, context: Any) -> torch.Tensor:
+    """`__get_tensor_shard__` of a QuantizedTensor whose weight fully_shard shards (`context`: its
+    ShardedWeight): a load window over the shard once it is placed; the tensor itself before."""
+    if context.placement is None:
         return self
-    target = _TARGETS.get(self)
+    target = getattr(self, _LOAD_TARGET, None)
     if target is None:
-        target = _TARGETS[self] = _QuantizedTarget(self, index.fqn)
+        target = _QuantizedTarget(self, context)
+        setattr(self, _LOAD_TARGET, target)
     return _LoadWindow(target, 0, self.shape[0])
 
 
 def high_precision_chunks_for_loading(local: torch.Tensor) -> list[ChunkStorageMetadata]:
     """`__create_chunk_list__` of a QuantizeOnGatherTensor (called when DCP plans a load): its
     chunk, widened to whole blocks when it starts or ends inside one (not for a gather-only one)."""
-    placement = _PLACEMENT_OF.get(local.quantizer)
+    placement = _placement(local)
     if placement is None:
         raise RuntimeError(
             f"a QuantizeOnGatherTensor of shape {tuple(local.shape)} is not a parameter sharded by "
@@ -138,14 +136,14 @@ def high_precision_chunks_for_loading(local: torch.Tensor) -> list[ChunkStorageM
     if local.quantize_after_gather:  # a gather-only TP slice reads DCP's own chunk, as a plain local does
         start, stop = _block_cover(local.quantizer, placement.shape, start, stop)
     if (start, stop) != (offsets[0], offsets[0] + sizes[0]):
-        _TARGETS[local] = _HighPrecisionTarget(local, start, stop - start, offsets[0] - start)
+        setattr(local, _LOAD_TARGET, _HighPrecisionTarget(local, start, stop - start, offsets[0] - start))
     return [ChunkStorageMetadata(torch.Size((start, *offsets[1:])), torch.Size((stop - start, *sizes[1:])))]
 
 
 def high_precision_local_for_checkpoint(local: torch.Tensor, index: MetadataIndex) -> torch.Tensor:
     """`__get_tensor_shard__` of a QuantizeOnGatherTensor: the staging window of a load that reads
     whole blocks around the shard, else the shard itself."""
-    target = _TARGETS.get(local)
+    target = getattr(local, _LOAD_TARGET, None)
     return local if target is None else _LoadWindow(target, 0, target.values.shape[0])
 
 
@@ -164,8 +162,8 @@ def _block_cover(quantizer: Quantizer, shape: tuple[int, ...], start: int, stop:
 class _QuantizedTarget:
     """A quantized weight's shard as DCP loads it: quantized chunks as bytes, others staged."""
 
-    def __init__(self, local: QuantizedTensor, fqn: str) -> None:
-        self.local, self.fqn = local, fqn
+    def __init__(self, local: QuantizedTensor, context: Any) -> None:
+        self.local, self.context = local, context
         self.values: torch.Tensor | None = None
         self.rows_missing = local.shape[0]
 
@@ -179,11 +177,11 @@ class _QuantizedTarget:
         self.values[start : start + rows].copy_(source)
         self.rows_missing -= rows
         if self.rows_missing == 0:
-            del _TARGETS[self.local]
+            delattr(self.local, _LOAD_TARGET)
             if self.local.quantizer.amax_group_name is None:  # no per-tensor amax to agree on: now
                 self.local.quantizer.quantize_(self.values, self.local)
             else:
-                _PENDING[self.fqn] = _Pending(self.local, self.values, _versions(self.local))
+                self.context.pending = Pending(self.local, self.values, _versions(self.local))
 
 
 class _HighPrecisionTarget:
@@ -199,7 +197,7 @@ class _HighPrecisionTarget:
         self.values[start : start + source.shape[0]].copy_(source)  # a quantized chunk is dequantized
         self.rows_missing -= source.shape[0]
         if self.rows_missing == 0:
-            del _TARGETS[self.local]
+            delattr(self.local, _LOAD_TARGET)
             self.local.copy_(self.values[self.shard[0] : self.shard[1]])
 
 

@@ -15,7 +15,9 @@ manages:
    QuantizeOnGatherTensor: the fallback's high-precision gather, not quantized after (the TP layer
    quantizes its slice in the forward), so that comm_stats() and gather_plan() show it;
 4. calls torch's fully_shard, and shards the kept high-precision initial values alongside;
-5. lets checkpoints load each quantized weight from either of its forms ([Note: checkpoints
+5. binds each quantized weight's quantizer a context (quant_fsdp._context.ShardedWeight) that the
+   gather hooks and DCP consult: its plan, FSDP module, placement and byte counts;
+6. lets checkpoints load each quantized weight from either of its forms ([Note: checkpoints
    across weight forms] in quant_optim._adam, quant_fsdp._checkpoint): the fallback weights of
    mode 1 are marked as quantized weights (`qt.nn.mark_quantized_weight`), and staged loads that
    need a collective are requantized by a load_state_dict post-hook.
@@ -37,6 +39,7 @@ from torch.distributed.tensor import DTensor
 import quant_tensors as qt
 from quant_fsdp import _checkpoint, _plan
 from quant_fsdp._amax import HistorySyncHook, amax_histories
+from quant_fsdp._context import ShardedWeight
 from quant_fsdp._quantize_on_gather import QuantizeOnGatherTensor
 from quant_tensors import QuantizedTensor
 
@@ -87,8 +90,11 @@ def fully_shard(
             f"({entries[0][0].name}, ...): FSDP2 does not call the all-gather hooks on that path. Use True or False."
         )
     init_values: dict[str, torch.Tensor] = {}
+    contexts = []
     for plan, owner, attribute, param, quantizer in entries:
-        _plan.register_fsdp_module(quantizer, module, plan.name)
+        context = ShardedWeight(plan.format, plan, module)
+        quantizer.bind(shard_context=context)
+        contexts.append(context)
         if plan.fallback_reason:
             logger.warning(
                 "%s (%s, %s): gathers in high precision, then quantizes: %s",
@@ -118,13 +124,13 @@ def fully_shard(
     if amax_histories(module):  # [Note: shared amax histories]
         HistorySyncHook(tuple(mesh.get_group(d) for d in range(mesh.ndim))).register(module)
     _attach_init_value_shards(module, init_values, mesh)
-    for plan, _, _, _, quantizer in entries:
+    for (plan, *_), context in zip(entries, contexts, strict=True):
         param = module.get_parameter(plan.name)
-        _checkpoint.register(param, quantizer)
+        context.placement = _checkpoint.Placement.of(param)
         if plan.mode == _plan.QUANTIZED_WEIGHTS and not plan.quantized_gather:
             qt.nn.mark_quantized_weight(param)
     if entries:
-        module.register_load_state_dict_post_hook(_checkpoint.requantize_pending_hook)
+        module.register_load_state_dict_post_hook(_checkpoint.RequantizePendingHook(contexts))
     _plan.record(module, tuple(entry[0] for entry in entries))
     if print_plan:
         _plan.print_plan(module)

@@ -17,14 +17,12 @@ FSDP2 gathers their high-precision TP slices and the TP layer quantizes its slic
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.weak import WeakIdKeyDictionary
 
 QUANTIZED_WEIGHTS = "quantized weights"
 QUANTIZE_ON_GATHER = "quantize on gather"
@@ -107,33 +105,6 @@ def fallback_reason(quantizer: Any, shape: tuple[int, ...], world_size: int, *, 
     if shard_rows % alignment:
         return f"shards of {shard_rows} rows would split {quantizer.format_name}'s {alignment}-row blocks"
     return ""
-
-
-# ---- which FSDP2 module gathers a quantizer's weight ---------------------------------------------
-
-# quantizer -> (weak reference to the module, the weight's name under it). Keyed by identity:
-# quantizers compare by value, and equal quantizers of two layers may belong to differently
-# sharded modules.
-_FSDP_MODULE_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def register_fsdp_module(quantizer: Any, module: torch.nn.Module, name: str) -> None:
-    """Records that `module` shards the weight of `quantizer`, called `name` under it."""
-    _FSDP_MODULE_OF[quantizer] = (weakref.ref(module), name)
-
-
-def name_of(quantizer: Any) -> str | None:
-    """The name `register_fsdp_module` recorded for the weight of `quantizer`, or None."""
-    entry = _FSDP_MODULE_OF.get(quantizer)
-    return None if entry is None else entry[1]
-
-
-def fsdp_module_of(quantizer: Any) -> torch.nn.Module | None:
-    """The module `quant_fsdp.fully_shard` sharded the weight of `quantizer` with (None if none,
-    or gone): what decides whether the backward gathers the weight again ([Note: quantized
-    all-gather] in quant_tensors._fsdp)."""
-    entry = _FSDP_MODULE_OF.get(quantizer)
-    return None if entry is None else entry[0]()
 
 
 # ---- reporting --------------------------------------------------------------------------------------

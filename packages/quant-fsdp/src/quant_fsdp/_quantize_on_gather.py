@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_map, tree_map_only
 
 import quant_tensors as qt
 from quant_fsdp import _checkpoint, _watch
+from quant_fsdp._context import context_of
 from quant_fsdp._stats import count_gather
 from quant_tensors import QuantizedTensor, Quantizer
 
@@ -186,10 +187,10 @@ class QuantizeOnGatherTensor(torch.Tensor):
     # ---- FSDP2 all-gather hooks (both signatures: (mesh) and the 5-argument one) -----------------
 
     def fsdp_pre_all_gather(self, mesh, outer_size=None, outer_stride=None, module=None, mp_policy=None):
-        if _checkpoint.pending():  # a checkpoint loaded without load_state_dict after dcp.load
-            _checkpoint.requantize_pending()
         world_size = mesh.size()
-        _watch.gather_began(self.quantizer)
+        context = context_of(self.quantizer)
+        if context is not None:
+            _watch.gather_began(context)
         if not self.fallback:
             return qt.fsdp.all_gather_inputs(self._quantize_shard(), world_size, module=module)
         param_dtype = getattr(mp_policy, "param_dtype", None) or self.dtype
@@ -203,7 +204,9 @@ class QuantizeOnGatherTensor(torch.Tensor):
     fsdp_pre_all_gather.__signature__ = inspect.signature(fsdp_pre_all_gather)  # type: ignore[attr-defined]
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        _watch.gather_ended(self.quantizer, self.device)
+        context = context_of(self.quantizer)
+        if context is not None:
+            _watch.gather_ended(context, self.device)
         if not self.fallback:
             unsharded = qt.fsdp.unsharded_from_gather(self, all_gather_outputs, metadata, param_dtype, out)
             if torch._C._current_graph_task_id() != -1 and self.quantizer.stateless:  # in a backward

@@ -28,8 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from quant_fsdp import _plan
-
 logger = logging.getLogger("quant_fsdp")
 
 
@@ -38,7 +36,8 @@ class _Gather:
     """One quantized weight's gather as the watch follows it."""
 
     began: float
-    quantizer: Any
+    weight: Any
+    """The weight's context (quant_fsdp._context.ShardedWeight)."""
     done: bool = False
     """Its post-all-gather hook ran on CPU tensors (gloo: the collective had completed)."""
     event: torch.cuda.Event | None = None
@@ -50,10 +49,9 @@ class _Gather:
 
 
 _timeout: float | None = None
-# Gathers in the order they began; the watch drops completed ones from the front. `_last` finds a
-# weight's latest gather for its post hook.
+# Gathers in the order they began; the watch drops completed ones from the front. A weight's
+# context holds its latest gather for its post hook (`open_gather`).
 _gathers: collections.deque[_Gather] = collections.deque()
-_last: dict[int, _Gather] = {}
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 
@@ -69,25 +67,25 @@ def watch_gathers(seconds: float | None) -> None:
     with _lock:
         _timeout = seconds
         _gathers.clear()
-        _last.clear()
         if seconds is not None and (_thread is None or not _thread.is_alive()):
             _thread = threading.Thread(target=_watch, name="quant_fsdp gather watch", daemon=True)
             _thread.start()
 
 
-def gather_began(quantizer: Any) -> None:
-    """Called by the pre-all-gather hooks of quantized weights."""
+def gather_began(weight: Any) -> None:
+    """Called by the pre-all-gather hooks of quantized weights, with the weight's context."""
     if _timeout is not None:
-        gather = _Gather(time.monotonic(), quantizer)
+        gather = _Gather(time.monotonic(), weight)
         _gathers.append(gather)
-        _last[id(quantizer)] = gather
+        weight.open_gather = gather
 
 
-def gather_ended(quantizer: Any, device: torch.device) -> None:
-    """Called by the post-all-gather hooks of quantized weights, with the gathered tensors' device."""
+def gather_ended(weight: Any, device: torch.device) -> None:
+    """Called by the post-all-gather hooks of quantized weights, with the weight's context and the
+    gathered tensors' device."""
     if _timeout is None:
         return
-    gather = _last.pop(id(quantizer), None)
+    gather, weight.open_gather = weight.open_gather, None
     if gather is None:
         return
     if device.type == "cuda":  # completes with an event the watch polls ([Note: gather watch])
@@ -117,20 +115,16 @@ def _watch() -> None:
                 continue
             front.reported = True
             waiting = [g for g in list(_gathers) if not g.completed()]
-        module = _plan.fsdp_module_of(front.quantizer)
+        module = front.weight.module
         together = 1  # the collective's other weights: the gathers that follow of its module
-        while (
-            module is not None
-            and together < len(waiting)
-            and _plan.fsdp_module_of(waiting[together].quantizer) is module
-        ):
+        while module is not None and together < len(waiting) and waiting[together].weight.module is module:
             together += 1
-        quantizers = [g.quantizer for g in waiting[:together]]
-        _report(module, quantizers, now - front.began, later=len(waiting) - together)
+        weights = [g.weight for g in waiting[:together]]
+        _report(module, weights, now - front.began, later=len(waiting) - together)
 
 
-def _report(module: Any, quantizers: list[Any], waited: float, later: int) -> None:
-    weights = ", ".join(f"{_plan.name_of(q) or '?'} ({q.format_name})" for q in quantizers)
+def _report(module: Any, weights_gathered: list[Any], waited: float, later: int) -> None:
+    weights = ", ".join(f"{w.name or '?'} ({w.format_name})" for w in weights_gathered)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     behind = f"; {later} later weight gathers wait behind it" if later else ""
     logger.error(

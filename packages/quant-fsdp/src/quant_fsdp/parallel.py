@@ -49,7 +49,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
-from torch.utils.weak import WeakIdKeyDictionary
 
 import quant_tensors as qt
 from quant_fsdp._sequence import gather_along_first_dim, reduce_scatter_along_first_dim
@@ -212,8 +211,9 @@ class _SharedGather:
 
 
 # The column-parallel layers reading one input object (q, k and v after one norm) share its
-# sequence gather while that object lives, when their quantizers quantize alike.
-_shared_gathers = WeakIdKeyDictionary()
+# sequence gather while that object lives, when their quantizers quantize alike: the input holds
+# it, as this attribute.
+_SHARED_GATHER = "_quant_fsdp_shared_gather"
 
 
 def _gathered_input(
@@ -223,7 +223,7 @@ def _gathered_input(
     quantized; reused when another layer already gathered the same, unmodified x alike. Once x is
     gone, so is every forward reader: the rowwise data (forward GEMM) is dropped, the columnwise
     (wgrad) kept."""
-    shared = _shared_gathers.get(x)
+    shared = getattr(x, _SHARED_GATHER, None)
     if (
         shared is not None
         and shared.version == x._version
@@ -235,7 +235,7 @@ def _gathered_input(
         return shared.gathered
     gathered = _GatherSequence.apply(rows.reshape(-1, rows.shape[-1]), group, quantizer)
     if quantizer is None or quantizer.stateless:
-        _shared_gathers[x] = _SharedGather(x._version, torch.is_grad_enabled(), dim, group, quantizer, gathered)
+        setattr(x, _SHARED_GATHER, _SharedGather(x._version, torch.is_grad_enabled(), dim, group, quantizer, gathered))
     if isinstance(gathered, QuantizedTensor) and quantizer.columnwise:
         weakref.finalize(x, gathered.update_usage, rowwise=False)
     return gathered

@@ -7,8 +7,8 @@ module is a `qt.nn.Linear` that satisfies torchtitan's Module protocol (built on
 initialised by torchtitan's `init_weights` with the model's own initialisers, in high precision
 and then quantized when the weights are quantized). torchtitan's parallelize function then shards
 the model with torch's `fully_shard`, which gathers quantized bytes (the gather hooks are methods
-of the quantized tensors; importing this module imports quant_fsdp, whose gather policy counts
-them in `comm_stats()`). docs/integrations.md shows a config registry entry that lists the
+of the quantized tensors; each quantized weight's quantizer holds a quant_fsdp context, so its
+gathers count in `comm_stats()`). docs/integrations.md shows a config registry entry that lists the
 converter beside quant-optim's FusedAdam optimizer config.
 
 Limits: data parallelism (FSDP2, HSDP) only, under torchtitan's "partial_dtensor" backend
@@ -30,8 +30,8 @@ from torchtitan.models.common.attention import FusedQKVLinear, QKVLinear
 from torchtitan.models.common.linear import Linear
 from torchtitan.protocols.module import Module
 
-import quant_fsdp  # noqa: F401  (registers the gather policy: comm_stats of torchtitan's fully_shard)
 import quant_tensors as qt
+from quant_fsdp._context import ShardedWeight
 
 __all__ = ["QuantLinear", "QuantLinearConverter", "unfuse_qkv"]
 
@@ -63,6 +63,8 @@ class QuantLinear(qt.nn.Linear, Module):
             recipe=qt.recipe_from_name(config.recipe_name),
         )
         if config.quantized_weights and not self.high_precision_reason:
+            # torchtitan shards with torch's fully_shard: the context makes the gathers count in comm_stats()
+            self.weight_quantizer.bind(shard_context=ShardedWeight(self.weight_quantizer.format_name))
             weight = self.weight
             if weight.is_meta:  # torchtitan builds models on the meta device
                 value = self.weight_quantizer.make_empty(weight.shape, dtype=weight.dtype, device="meta")

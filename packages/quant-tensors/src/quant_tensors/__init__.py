@@ -4,7 +4,7 @@
 blockwise FP8 and NVFP4, as wrapper subclasses whose `.dtype` is the nominal high-precision dtype
 ([Note: quantized tensor] in quant_tensors._tensor). Numerics come from quant-core. The tensors
 carry FSDP2's all-gather hooks, so torch's `fully_shard` gathers their quantized bytes; a sharding
-layer adds its policy through `qt.fsdp.register_gather_policy` ([Note: gather policy] in quant_tensors._fsdp).
+layer binds a per-weight `qt.fsdp.ShardContext` to say more ([Note: shard context] in quant_tensors._fsdp).
 """
 
 import torch

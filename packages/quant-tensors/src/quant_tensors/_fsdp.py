@@ -1,5 +1,5 @@
 """FSDP2's all-gather of quantized shards: what each format sends, how the unsharded tensor is
-rebuilt, and the gather policy a sharding layer can set.
+rebuilt, and the per-weight context a sharding layer binds.
 
 [Note: quantized all-gather] FSDP2 calls `fsdp_pre_all_gather` on each parameter's local shard
 and all-gathers the tensors it returns (concatenated along dim 0 across ranks), then calls
@@ -40,14 +40,17 @@ FSDP2 sizes its gather buffers on the first unshard, so every later gather of a 
 send the same number of tensors with the same sizes: the forward and backward payloads of 1-D
 block formats do (rows * K codes and rows * K / block scales either way).
 
-[Note: gather policy] What the protocol methods need beyond the format is asked of one
-`GatherPolicy` object: what to do before each gather (bind a per-tensor quantizer's `amax_group`),
-which FSDP2 module gathers a weight (whether the backward gathers again), what to record of each
-gather (communication statistics) and what torch.distributed.checkpoint reads a shard through
-(`__get_tensor_shard__`). The default policy, in force until `register_gather_policy` replaces it,
-binds the shard mesh's group, finds the module in FSDP2's state, records nothing and lets DCP read
-the shard itself: every gather is bit-exact without any sharding layer. quant_fsdp registers its
-own (plans, the explicit fallback, comm_stats(), checkpoint loads across weight forms).
+[Note: shard context] What the protocol methods need beyond the format is asked of the weight's
+`ShardContext`, a binding of its quantizer (`Quantizer.bind(shard_context=...)`), so it reaches
+the shard, every detached copy of it a state dict makes and the unsharded tensor alike: what to
+do before each gather (bind a per-tensor quantizer's `amax_group`), which FSDP2 module gathers the
+weight (whether the backward gathers again), what to record of each gather (communication
+statistics) and what torch.distributed.checkpoint reads a shard through (`__get_tensor_shard__`).
+A weight whose quantizer has none gets a plain `ShardContext` at its first gather: it binds the
+shard mesh's group, finds the module in FSDP2's state, records nothing and lets DCP read the
+shard itself, so every gather is bit-exact without any sharding layer and nothing imported
+changes that. quant_fsdp's `fully_shard` binds its own to the weights it shards (plans, the
+explicit fallback, comm_stats(), checkpoint loads across weight forms).
 """
 
 from __future__ import annotations
@@ -59,7 +62,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:
     from quant_tensors._tensor import QuantizedTensor
@@ -67,29 +69,34 @@ if TYPE_CHECKING:
 _USAGES = ("rowwise", "columnwise")
 
 
-class GatherPolicy:
-    """What QuantizedTensor's FSDP2 all-gather and checkpoint methods leave to the layer that
-    shards ([Note: gather policy] in quant_tensors._fsdp). This class is the default policy;
-    subclass it and `register_gather_policy` an instance to add to or replace a callback."""
+class ShardContext:
+    """What FSDP2's all-gather and DCP's shard protocol do with one sharded quantized weight beyond
+    its format's bytes ([Note: shard context] in quant_tensors._fsdp). This class is the plain
+    behaviour; a sharding layer subclasses it and binds an instance to each weight's quantizer."""
+
+    def __init__(self) -> None:
+        self.splits_usages: bool | None = None
+        """Whether FSDP2's forward gathers rowwise and its backward columnwise (formats that gather
+        their usages apart), decided at the first gather (`_splits_usages`)."""
 
     def before_gather(self, shard: QuantizedTensor, mesh: Any) -> None:
         """Runs first in every `fsdp_pre_all_gather` of `shard` (FSDP2's shard mesh `mesh`).
 
-        Default: a per-tensor-scaled quantizer that has no `amax_group` gets the mesh's group, so
+        Plain: a per-tensor-scaled quantizer that has no `amax_group` gets the mesh's group, so
         that every later quantization of the shard (an optimizer's requantize) agrees on the scale
         of the unsharded tensor.
         """
         quantizer = shard.quantizer
-        if quantizer.per_tensor_amax and quantizer.amax_group is None:
+        if quantizer.per_tensor_amax and quantizer.amax_group_name is None:
             quantizer.bind(amax_group=mesh.get_group())
 
-    def fsdp_module(self, quantizer: Any, owner: torch.nn.Module | None) -> torch.nn.Module | None:
-        """The FSDP2 module that gathers the weight of `quantizer`, a parameter of `owner` (the
-        module FSDP2 hands the hook; None in the 1-argument hook signature), or None if unknown.
-        Asked once per quantizer, at its first gather, by formats that can gather their usages
-        apart (whether that module gathers again in the backward decides it).
+    def fsdp_module(self, owner: torch.nn.Module | None) -> torch.nn.Module | None:
+        """The FSDP2 module that gathers the weight, a parameter of `owner` (the module FSDP2 hands
+        the hook; None in the 1-argument hook signature), or None if unknown. Asked once, at the
+        first gather, by formats that can gather their usages apart (whether that module gathers
+        again in the backward decides it).
 
-        Default: the FSDP2 module whose parameter group holds a parameter of `owner`, found in
+        Plain: the FSDP2 module whose parameter group holds a parameter of `owner`, found in
         FSDP2's state (private: if it moves, None, and both usages travel in every gather:
         correct, more bytes).
         """
@@ -97,39 +104,24 @@ class GatherPolicy:
 
     def after_gather(self, shard: QuantizedTensor) -> None:
         """Runs first in every `fsdp_post_all_gather` of `shard`, which FSDP2 calls once the
-        collective has completed. Default: nothing."""
+        collective has completed. Plain: nothing."""
 
     def count_gather(self, format_name: str, inputs: Sequence[torch.Tensor], world_size: int) -> None:
-        """Called with the all-gather inputs of every quantized gather of this rank. Default: nothing."""
+        """Called with the all-gather inputs of every quantized gather of the weight. Plain: nothing."""
 
     def tensor_shard_for_checkpoint(self, shard: QuantizedTensor, index: Any) -> torch.Tensor:
         """`__get_tensor_shard__`: what torch.distributed.checkpoint writes from and reads into for
-        `shard` (`index`: DCP's MetadataIndex). Default: the shard itself, as for a plain tensor."""
+        `shard` (`index`: DCP's MetadataIndex). Plain: the shard itself, as for a plain tensor."""
         return shard
 
 
-_policy = GatherPolicy()
-
-
-def register_gather_policy(policy: GatherPolicy) -> None:
-    """Makes `policy` the gather policy of every QuantizedTensor ([Note: gather policy]).
-
-    One sharding layer sets it, once per process (quant_fsdp does when it is imported); setting
-    another instance of the registered policy's class replaces it, a policy of another class is
-    refused.
-    """
-    global _policy
-    if type(_policy) not in (GatherPolicy, type(policy)):
-        raise RuntimeError(
-            f"a {type(_policy).__qualname__} is already the gather policy of QuantizedTensor; one sharding layer "
-            f"sets it, so {type(policy).__qualname__} cannot replace it"
-        )
-    _policy = policy
-
-
-def gather_policy() -> GatherPolicy:
-    """The gather policy in force ([Note: gather policy])."""
-    return _policy
+def shard_context(quantizer: Any) -> ShardContext:
+    """The `ShardContext` bound to `quantizer`; a plain one is bound first where there is none."""
+    context = quantizer.shard_context
+    if context is None:
+        context = ShardContext()
+        quantizer.bind(shard_context=context)
+    return context
 
 
 # ---- the FSDP2 hooks --------------------------------------------------------------------------
@@ -149,9 +141,10 @@ class GatherPayload:
 
 
 def pre_all_gather(shard: QuantizedTensor, mesh: Any, module: torch.nn.Module | None) -> tuple[Any, GatherPayload]:
-    """`fsdp_pre_all_gather` of a QuantizedTensor: the policy's preparation, then the shard's bytes."""
-    _policy.before_gather(shard, mesh)
-    return all_gather_inputs(shard, mesh.size(), module=module)
+    """`fsdp_pre_all_gather` of a QuantizedTensor: its context's preparation, then the shard's bytes."""
+    context = shard_context(shard.quantizer)
+    context.before_gather(shard, mesh)
+    return all_gather_inputs(shard, mesh.size(), module=module, context=context)
 
 
 def post_all_gather(
@@ -161,9 +154,9 @@ def post_all_gather(
     param_dtype: torch.dtype,
     out: QuantizedTensor | None,
 ) -> tuple[QuantizedTensor, tuple[torch.Tensor, ...]] | None:
-    """`fsdp_post_all_gather` of a QuantizedTensor: the policy's `after_gather`, then the
+    """`fsdp_post_all_gather` of a QuantizedTensor: its context's `after_gather`, then the
     unsharded tensor (`unsharded_from_gather`)."""
-    _policy.after_gather(shard)
+    shard_context(shard.quantizer).after_gather(shard)
     return unsharded_from_gather(shard, outputs, payload, param_dtype, out)
 
 
@@ -173,22 +166,27 @@ def all_gather_inputs(
     *,
     usages: tuple[bool, bool] | None = None,
     module: torch.nn.Module | None = None,
+    context: ShardContext | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], GatherPayload]:
     """The all-gather inputs of a quantized shard and the metadata that rebuilds the unsharded
     tensor from their gathered outputs (`unsharded_from_gather`).
 
     `usages`: (rowwise, columnwise) to send; default what FSDP2's gather of a parameter of `module`
     sends ([Note: quantized all-gather]). With one rank several inputs travel as one byte tensor.
+    `context`: the shard's (`shard_context`), told of the bytes sent.
     """
+    if context is None:
+        context = shard_context(shard.quantizer)
     if usages is None:
-        usages = _gathered_usages(shard, module)
+        usages = _gathered_usages(shard, module, context)
     buffers = tuple(shard.buffers().values())
     prepared = getattr(shard, "_prepared_gather", None)  # [Note: gathers prepared once]
     if prepared is not None and prepared[0] == (usages, world_size) and all(map(operator.is_, prepared[1], buffers)):
         _, _, inputs, names = prepared
-        _policy.count_gather(shard.quantizer.format_name, inputs, world_size)
+        context.count_gather(shard.quantizer.format_name, inputs, world_size)
         return inputs, GatherPayload(shard, names, world_size)
-    inputs, names = _payload_of(shard, usages, world_size)
+    inputs, names = _payload_of(shard, usages)
+    context.count_gather(shard.quantizer.format_name, inputs, world_size)
     if world_size > 1:
         if all(b is None or b.is_contiguous() for b in buffers):  # the inputs are views of the buffers
             shard._prepared_gather = ((usages, world_size), buffers, tuple(inputs), tuple(names))
@@ -244,38 +242,34 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _gathered_usages(shard: QuantizedTensor, module: torch.nn.Module | None) -> tuple[bool, bool]:
+def _gathered_usages(
+    shard: QuantizedTensor, module: torch.nn.Module | None, context: ShardContext
+) -> tuple[bool, bool]:
     """(rowwise, columnwise) FSDP2's gather sends ([Note: quantized all-gather])."""
     if shard.columnwise_data is None or shard.quantizer.can_derive_columnwise:
         return True, False
     if shard.rowwise_data is None:
         return False, True
-    if not _splits_usages(shard, module):
+    if not _splits_usages(shard, module, context):
         return True, True
     return (False, True) if in_backward() else (True, False)
 
 
-# Keyed by identity: quantizers compare by value, and equal quantizers of two layers may belong to
-# differently sharded modules.
-_SPLITS_USAGES: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def _splits_usages(shard: QuantizedTensor, module: torch.nn.Module | None) -> bool:
+def _splits_usages(shard: QuantizedTensor, module: torch.nn.Module | None, context: ShardContext) -> bool:
     """Whether the forward gathers rowwise and the backward columnwise (else every gather sends
-    both). Decided at the first gather and kept: FSDP2 sizes its buffers then, so the two payloads
-    must have equal sizes, and the backward must gather again."""
-    quantizer = shard.quantizer
-    splits = _SPLITS_USAGES.get(quantizer)
-    if splits is None:
+    both). Decided at the first gather and kept on the weight's context: FSDP2 sizes its buffers
+    then, so the two payloads must have equal sizes, and the backward must gather again."""
+    if context.splits_usages is None:
         sizes = [tuple(t.numel() for t in shard.usage_buffers(usage)) for usage in _USAGES]
-        fsdp_module = _policy.fsdp_module(quantizer, module)
-        splits = sizes[0] == sizes[1] and _reshards_after_forward(fsdp_module) and not _recomputes_forward(fsdp_module)
-        _SPLITS_USAGES[quantizer] = splits
-    return splits
+        fsdp_module = context.fsdp_module(module)
+        context.splits_usages = (
+            sizes[0] == sizes[1] and _reshards_after_forward(fsdp_module) and not _recomputes_forward(fsdp_module)
+        )
+    return context.splits_usages
 
 
 def _find_fsdp_module(owner: torch.nn.Module | None) -> torch.nn.Module | None:
-    """The FSDP2 module that manages `owner`'s parameters (see `GatherPolicy.fsdp_module`).
+    """The FSDP2 module that manages `owner`'s parameters (see `ShardContext.fsdp_module`).
     FSDP2 hands the hooks the owner (e.g. the Linear), not the FSDP module, and keeps no link
     back; so this searches the FSDP modules' parameter groups."""
     if owner is None:
@@ -318,12 +312,9 @@ def _recomputes_forward(module: torch.nn.Module | None) -> bool:
     return any(isinstance(m, CheckpointWrapper) for m in module.modules())
 
 
-def _payload_of(
-    shard: QuantizedTensor, usages: tuple[bool, bool], world_size: int
-) -> tuple[list[torch.Tensor], list[str]]:
+def _payload_of(shard: QuantizedTensor, usages: tuple[bool, bool]) -> tuple[list[torch.Tensor], list[str]]:
     """The all-gather inputs of a shard's wanted (rowwise, columnwise) usages: data and non-scalar
-    scales as bytes (a 0-d scale is per-tensor: it stays local), with their buffer names; handed
-    to the policy's `count_gather`."""
+    scales as bytes (a 0-d scale is per-tensor: it stays local), with their buffer names."""
     inputs: list[torch.Tensor] = []
     names: list[str] = []
     for usage, wanted in zip(_USAGES, usages, strict=True):
@@ -334,7 +325,6 @@ def _payload_of(
             if buffer.dim() > 0:
                 inputs.append(_as_bytes(buffer.contiguous()))
                 names.append(name)
-    _policy.count_gather(shard.quantizer.format_name, inputs, world_size)
     return inputs, names
 
 

@@ -269,8 +269,8 @@ class QuantizedTensor(torch.Tensor):
             "Call .dequantize() first if a high-precision result is what you want."
         )
 
-    # ---- FSDP2's all-gather and DCP's shard protocol ([Note: quantized all-gather], [Note: gather
-    # policy] in quant_tensors._fsdp); both hook signatures: (mesh) and the 5-argument one -------
+    # ---- FSDP2's all-gather and DCP's shard protocol ([Note: quantized all-gather], [Note: shard
+    # context] in quant_tensors._fsdp); both hook signatures: (mesh) and the 5-argument one --------
 
     def fsdp_pre_all_gather(
         self,
@@ -281,7 +281,7 @@ class QuantizedTensor(torch.Tensor):
         mp_policy: Any = None,
     ) -> tuple[tuple[torch.Tensor, ...], _fsdp.GatherPayload]:
         """FSDP2's hook: this shard's quantized bytes to all-gather, and the metadata that rebuilds the
-        unsharded tensor (the policy's `before_gather` runs first)."""
+        unsharded tensor (its context's `before_gather` runs first)."""
         return _fsdp.pre_all_gather(self, mesh, module)
 
     # FSDP2 reads this hook's signature at every gather (to pick the call form); computed once here.
@@ -296,13 +296,15 @@ class QuantizedTensor(torch.Tensor):
         out: QuantizedTensor | None = None,
     ) -> tuple[QuantizedTensor, tuple[torch.Tensor, ...]] | None:
         """FSDP2's hook: the unsharded tensor built from the gathered bytes, or `out` refilled in place
-        (the policy's `after_gather` runs first)."""
+        (its context's `after_gather` runs first)."""
         return _fsdp.post_all_gather(self, all_gather_outputs, metadata, param_dtype, out)
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
         """torch.distributed.checkpoint's protocol (DTensor hands it to its local tensor): what DCP
-        reads into and writes from, as the gather policy says (default: the tensor itself)."""
-        return _fsdp.gather_policy().tensor_shard_for_checkpoint(self, index)
+        reads into and writes from, as its context says (plain: the tensor itself)."""
+        if self.quantizer is None or self.quantizer.shard_context is None:
+            return self
+        return self.quantizer.shard_context.tensor_shard_for_checkpoint(self, index)
 
     # ---- serialization (torch.save / torch.load(weights_only=True), deepcopy) ----------------
 
@@ -413,7 +415,7 @@ def bind_shard_amax_group(p: torch.Tensor | None) -> None:
     A DTensor parameter `p` holding a QuantizedTensor shard whose quantizer scales per tensor (FP8
     current or delayed scaling, NVFP4) and has no `amax_group`, sharded along exactly one mesh dim
     (FSDP2's shard dim; the Shard dim of HSDP's 2-D mesh), gets that dim's process group: the group
-    FSDP2's first gather binds ([Note: gather policy] in quant_tensors._fsdp). Quantizations of the
+    FSDP2's first gather binds ([Note: shard context] in quant_tensors._fsdp). Quantizations of the
     shard before that gather (an initialisation after `fully_shard`, an optimizer requantizing
     loaded masters) then use the whole tensor's amax, as every later one does. Anything else is
     left as it is.

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from quant_tensors import ops
 from quant_tensors._fsdp import in_backward
@@ -513,8 +512,9 @@ def _cached_quantization(
 # quantizer quantizes like the first one (same configuration, stateless) and all-reduces over the
 # same group, and it holds the usages needed. Stateful quantizers (delayed scaling records every
 # layer's amax in its own history) never share; neither do inference-mode tensors (no version
-# counter). The entry (rowwise data included) lives as long as the tensor does.
-_quantized_inputs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# counter). The entry (rowwise data included) is an attribute of the tensor: it lives as long as
+# the tensor does.
+_QUANTIZED_INPUT = "_quant_tensors_quantized_input"
 
 
 def _quantize_input(
@@ -523,7 +523,7 @@ def _quantize_input(
     """x quantized with rowwise (and, if asked, columnwise) data, shared between sibling layers."""
     shareable = state is None and quantizer.stateless and not x.is_inference()
     if shareable:
-        entry = _quantized_inputs.get(x)
+        entry = getattr(x, _QUANTIZED_INPUT, None)
         if entry is not None:
             version, maker, qx = entry
             if (
@@ -538,7 +538,7 @@ def _quantize_input(
     usages = (True, columnwise and not quantizer.columnwise_on_demand)
     qx = quantizer._quantize(x_MK, out=None, amax=None, state=_state(quantizer, x, state), usages=usages)
     if shareable:
-        _quantized_inputs[x] = (x._version, quantizer, qx)
+        setattr(x, _QUANTIZED_INPUT, (x._version, quantizer, qx))
     return qx
 
 

@@ -6,13 +6,16 @@ A recipe makes one quantizer per role ("weight", "input", "grad_output").
 (format, FP8 dtype, block shape, default usages) is immutable and compared by value, so equal
 quantizers are equal constants to torch.compile (no recompilation per layer) and a quantizer is
 never copied per call: `quantize(x, rowwise=..., columnwise=...)` takes the usages of one call.
-Two things are *bindings*, not configuration, excluded from == and hash and set in place with
+Three things are *bindings*, not configuration, excluded from == and hash and set in place with
 `bind(...)` so every holder (the module, the tensors it made) sees them:
 - `amax_group`, the process group over which a per-tensor amax is all-reduced;
 - `state`, the tensor a stateful quantizer updates in place on every quantize: delayed scaling's
   amax history (fp32 (amax_history_len,)), NVFP4 stochastic rounding's counter (int64 0-d).
   qt.nn.Linear registers each of its quantizers' state as a buffer (moved by `.to()`, saved in
-  `state_dict`) and passes it explicitly as `quantize(..., state=...)`.
+  `state_dict`) and passes it explicitly as `quantize(..., state=...)`;
+- `shard_context`, what FSDP2's hooks do with the sharded weight this quantizer quantizes
+  ([Note: shard context] in quant_tensors._fsdp): one weight's, so a weight quantizer serves
+  one weight.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class Quantizer:
     format_name: ClassVar[str]
     per_tensor_amax: ClassVar[bool] = False
     """Whether one amax scales the whole tensor (then shards must agree on it: `amax_group`)."""
+    _shard_context: ClassVar[Any] = None  # the binding, set per instance by `bind`: not a field (see `shard_context`)
 
     def __post_init__(self) -> None:
         if self.state is None:
@@ -258,6 +262,14 @@ class Quantizer:
         return None
 
     @property
+    def shard_context(self) -> Any:
+        """Binding: the `quant_tensors.fsdp.ShardContext` of the sharded weight this quantizer
+        quantizes, set by the layer that shards it (or a plain one at its first gather); None
+        before. Not pickled nor deep-copied. Not a dataclass field: torch.compile guards on a
+        quantizer's fields, and one object per weight there would compile every layer anew."""
+        return self._shard_context
+
+    @property
     def amax_group(self) -> dist.ProcessGroup | None:
         """Binding: process group over which formats with a per-tensor amax (per-tensor FP8, NVFP4)
         all-reduce (MAX) the amax they measure, so that the shards of one tensor share one scale.
@@ -265,9 +277,17 @@ class Quantizer:
         name = self.amax_group_name
         return None if name is None else _resolve_process_group(name)
 
-    def bind(self, *, amax_group: dist.ProcessGroup | None = None, state: torch.Tensor | None = None) -> Quantizer:
+    def bind(
+        self,
+        *,
+        amax_group: dist.ProcessGroup | None = None,
+        state: torch.Tensor | None = None,
+        shard_context: Any = None,
+    ) -> Quantizer:
         """Sets the bindings given (not None) in place and returns self
         ([Note: quantizer configuration and bindings])."""
+        if shard_context is not None:
+            object.__setattr__(self, "_shard_context", shard_context)
         if amax_group is not None:
             object.__setattr__(self, "amax_group_name", amax_group.group_name)
         if state is not None:
@@ -316,11 +336,12 @@ class Quantizer:
 
         For one call, pass the usages to `quantize` instead: that copies nothing.
         """
-        return dataclasses.replace(
+        configured = dataclasses.replace(
             self,
             rowwise=self.rowwise if rowwise is None else rowwise,
             columnwise=self.columnwise if columnwise is None else columnwise,
         )
+        return configured.bind(shard_context=self.shard_context)
 
     def local_amax(self, x: torch.Tensor) -> torch.Tensor:
         """x's own per-tensor amax (fp32, before any all-reduce), in the form `quantize(x, amax=...)`
@@ -337,16 +358,21 @@ class Quantizer:
             dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=self.amax_group)
         return measured
 
-    # ---- pickling and copies: a process group is neither picklable nor copyable ----------------
+    # ---- pickling and copies: a process group is neither picklable nor copyable, and a copy is
+    # not the weight a shard context describes ------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "amax_group_name": None}
+        return {**self.__dict__, "amax_group_name": None, "_shard_context": None}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Quantizer:
         clone = object.__new__(type(self))
         memo[id(self)] = clone
-        for name, value in self.__dict__.items():  # the group is shared, everything else copied
-            object.__setattr__(clone, name, value if name == "amax_group_name" else copy.deepcopy(value, memo))
+        for name, value in self.__dict__.items():  # the group is shared, the context left, the rest copied
+            if name == "_shard_context":
+                value = None
+            elif name != "amax_group_name":
+                value = copy.deepcopy(value, memo)
+            object.__setattr__(clone, name, value)
         return clone
 
     # ---- what every format provides ----------------------------------------------------------
