@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pathlib
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -166,6 +167,19 @@ def _hsdp_histories_agree_and_hold_the_maximum(rank: int, world_size: int) -> No
     assert scales.shape == (STEPS * 2,)
     assert all(torch.equal(s, scales) for s in _everyone(scales, world_size))
 
+    # By hand (as with torch's own fully_shard), the mesh's groups given as a generator: the last
+    # step's newest amaxes, each rank's own so far, are reduced over all 4 ranks as well.
+    local = torch.stack(list(_histories(model).values()))
+    everyone = _everyone(local, world_size)
+    assert not all(torch.equal(e, local) for e in everyone)
+    assert quant_fsdp.sync_amax_histories_(model, (mesh.get_group(d) for d in range(mesh.ndim))) == 6
+    assert torch.equal(torch.stack(list(_histories(model).values())), torch.stack(everyone).amax(dim=0))
+
 
 def test_hsdp_histories_are_reduced_over_both_mesh_dims():
     run_on_warm_ranks(_hsdp_histories_agree_and_hold_the_maximum, 4)
+
+
+def test_sync_amax_histories_names_the_groups_it_takes():
+    with pytest.raises(TypeError, match=r"groups= as None .* \[mesh.get_group\(d\) for d in range\(mesh.ndim\)\]"):
+        quant_fsdp.sync_amax_histories_(torch.nn.Linear(4, 4), ["replicate", "shard"])
