@@ -89,17 +89,31 @@ def sync_amax_histories_(
     """All-reduces (MAX) every delayed-scaling amax history in `module` in one collective per
     group ([Note: shared amax histories]); returns how many histories were synced.
 
-    `groups`: the data-parallel group, or several (the dims of an HSDP mesh, reduced in turn);
-    default the whole world. Every rank of the groups must call it.
+    `groups`: the data-parallel group, or several (the dims of an HSDP mesh, reduced in turn:
+    `[mesh.get_group(d) for d in range(mesh.ndim)]`); default the whole world. Every rank of the
+    groups must call it.
     """
-    return _all_reduce_max(amax_histories(module), groups)
+    return _all_reduce_max(amax_histories(module), _group_tuple(groups))
 
 
-def _all_reduce_max(histories: list[torch.Tensor], groups: Any) -> int:
+def _group_tuple(groups: Any) -> tuple[dist.ProcessGroup | None, ...]:
+    """`sync_amax_histories_`'s `groups` as the groups to reduce over in turn (None: the whole world)."""
+    if groups is None or isinstance(groups, dist.ProcessGroup):
+        return (groups,)
+    several = tuple(groups) if isinstance(groups, Iterable) else ()
+    if not several or not all(isinstance(group, dist.ProcessGroup) for group in several):
+        raise TypeError(
+            f"sync_amax_histories_ takes groups= as None (the whole world), a ProcessGroup or several, got {groups!r}; "
+            "for a DeviceMesh pass [mesh.get_group(d) for d in range(mesh.ndim)]"
+        )
+    return several
+
+
+def _all_reduce_max(histories: list[torch.Tensor], groups: tuple[dist.ProcessGroup | None, ...]) -> int:
     if not histories:
         return 0
     flat = torch.cat(histories)
-    for group in groups if isinstance(groups, (list, tuple)) else (groups,):
+    for group in groups:
         dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
     torch._foreach_copy_(histories, list(flat.split([h.numel() for h in histories])))
     return len(histories)
