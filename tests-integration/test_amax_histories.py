@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 import quant_core
 import quant_fsdp
 import quant_tensors as qt
-from quant_fsdp.testing import run_on_warm_ranks
+from quant_lab.testing import run_on_warm_ranks
 
 STEPS = 3
 

@@ -2,7 +2,7 @@
 quant_fsdp: QuantizedTensor carries FSDP2's all-gather hooks itself, and quant-tensors' default
 gather policy gathers bit-exactly ([Note: gather policy] in quant_tensors._fsdp). The ranks run
 torch_fully_shard_ranks.py as plain scripts (its docstring lists the checks), so nothing of
-pytest's process or of quant_fsdp's launcher (quant_fsdp.testing imports quant_fsdp) reaches them;
+pytest's process or of quant_fsdp's launcher (quant_lab.testing imports quant_fsdp) reaches them;
 every recipe runs in one gloo group of 2 ranks."""
 
 from __future__ import annotations

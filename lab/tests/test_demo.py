@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 import quant_tensors as qt
-from quant_fsdp.demo._training import FINAL_WINDOW, LOSS_BOUND, DemoOptions, _train_all, demo_recipe
 from quant_fsdp_cli import main
+from quant_lab.demo._training import FINAL_WINDOW, LOSS_BOUND, DemoOptions, _train_all, demo_recipe
 
 
 def test_demo_learns_and_writes_the_table_json_and_plot(tmp_path, capsys):

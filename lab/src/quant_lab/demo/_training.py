@@ -25,9 +25,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_fsdp._all_gather_counter import count_all_gather_bytes
-from quant_fsdp.demo._launch import run_ranks
-from quant_fsdp.demo._model import MarkovTask, TinyTransformer, TransformerConfig, train
+from quant_lab._all_gather_counter import count_all_gather_bytes
+from quant_lab.demo._launch import run_ranks
+from quant_lab.demo._model import MarkovTask, TinyTransformer, TransformerConfig, train
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 BATCH = 8  # sequences per global batch, split evenly over the ranks
@@ -336,7 +336,7 @@ def plot_losses(console: Console, result: TrainingResult, options: DemoOptions, 
         import matplotlib.pyplot as plt
         from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
     except ImportError:
-        console.print("[yellow]no loss plot: matplotlib is not installed (pip install 'quant-fsdp\\[demo]')[/yellow]")
+        console.print("[yellow]no loss plot: matplotlib is not installed (pip install matplotlib)[/yellow]")
         return False
     figure, (losses, gaps) = plt.subplots(2, 1, figsize=(10, 10), sharex=True, height_ratios=(1, 1.2))
     steps = range(1, options.num_steps + 1)

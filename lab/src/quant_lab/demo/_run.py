@@ -1,6 +1,6 @@
 """`quant-fsdp demo`: the most complete end-to-end job the project can do today.
 
-Part 1 (`run_training`, quant_fsdp.demo._training): trains the test transformer on the synthetic
+Part 1 (`run_training`, quant_lab.demo._training): trains the test transformer on the synthetic
 Markov task with FSDP2 on `--nproc` ranks, bf16 and the chosen recipes (quantized primary weights),
 and reports each recipe's final loss against bf16's with a PASS/FAIL verdict, tokens/s, step time,
 all-gathered bytes per step and weight memory, with a loss plot.
@@ -36,10 +36,10 @@ from rich.progress import Progress
 from rich.table import Table
 
 import quant_core
+import quant_fsdp
 import quant_tensors as qt
-from quant_fsdp._version import __version__
-from quant_fsdp.demo._model import TransformerConfig
-from quant_fsdp.demo._training import (
+from quant_lab.demo._model import TransformerConfig
+from quant_lab.demo._training import (
     BATCH,
     FINAL_WINDOW,
     LEARNING_RATE,
@@ -217,7 +217,13 @@ def run_demo(out: pathlib.Path, options: DemoOptions) -> int:
     """Runs both parts, prints their tables and a closing verdict, writes demo.json, demo_gather.json
     and demo_loss.png into `out`; returns the exit code (1 if a check failed)."""
     console = Console(width=None if sys.stdout.isatty() else 160)  # logs: no wrapped tables
-    training = run_training(options)
+    try:
+        training = run_training(options)
+    except KeyboardInterrupt:  # the ranks are ended (run_ranks); rank 0's progress bars hid the cursor
+        if console.is_terminal:
+            console.show_cursor(True)
+            console.line()
+        raise
     print_training_table(console, training, options)
     plot_losses(console, training, options, out / "demo_loss.png")
     gathers_passed = run_gather_checks(console, out, options)
@@ -285,7 +291,7 @@ def _metadata(options: DemoOptions) -> dict[str, object]:
             "torch": torch.__version__,
             "quant-core": quant_core.__version__,
             "quant-tensors": qt.__version__,
-            "quant-fsdp": __version__,
+            "quant-fsdp": quant_fsdp.__version__,
             "quant-optim": _installed_version("quant-optim"),  # a sibling package: never imported here
         },
     }
