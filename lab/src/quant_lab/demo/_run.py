@@ -264,6 +264,8 @@ def _definitions(options: DemoOptions) -> dict[str, str]:
         "final_loss": final_loss_definition(options.num_steps) + " (cross-entropy, nats per token, global batch)",
         "vs_bf16": "final_loss / bf16's final_loss - 1; passed when abs(vs_bf16) <= bound (null for bf16 and "
         f"when the run has fewer than {VERDICT_MIN_STEPS} steps)",
+        "bound": "the demo's sanity bound for a short run, not a parity bound (docs/benchmarks.md, 'Loss parity "
+        "bounds')",
         "loss_floor": "entropy of the task's Markov chain: the lowest loss any model can reach",
         "tokens_per_s": "tokens of the global batch / median step time, all ranks together",
         "gathered_mib_per_step": "bytes FSDP2's all-gathers deliver to one rank per step (median)",
