@@ -1,5 +1,5 @@
 """Helpers for FSDP2 tests: train a sharded model, read a rank's bytes (and count_all_gather_bytes,
-re-exported from the demo's product code).
+which the demo counts its gathered bytes with).
 
 Tests train with quant_lab.demo.train; `train_data_parallel` calls it on the slice of a process
 group's rank, with the loss averaged over the group. `TensorParallelModel` and
