@@ -19,13 +19,17 @@ ROOT = pathlib.Path(__file__).parent
 CONSTRAINTS = ROOT / "constraints.txt"
 # Lowest layer first: installing in this order lets pip resolve each package's siblings locally.
 PACKAGES = ("quant-core", "quant-tensors", "quant-fsdp", "quant-optim")
+# The repository's lab (distribution quant-fsdp-lab, import quant_lab): the demo and the multi-process
+# test worlds. Every session that installs the packages installs it too; `build` never builds it.
+LAB = "lab"
+LAB_DISTRIBUTION = "quant-fsdp-lab"
 # torch's CPU build (the newer releases on the package index are CUDA builds of several GB).
 TORCH = "torch==2.13.0"
 # triton: its CPU interpreter checks the CUDA kernels' indexing and integer numerics on machines
 # without a GPU (the tests/test_triton_*.py that are not marked cuda).
 # build and the two backends (as in the packages' build-system.requires; pybind11 is needed only to
 # compile): tests-integration/test_packaging.py builds each sdist without isolation.
-# matplotlib (the demo's extra): the demo test checks the loss plot it draws.
+# matplotlib (the lab's extra `plot`): the demo test checks the loss plot it draws.
 # transformers: a sharded Hugging Face Llama must export to its plain class (test_export_llama.py).
 # torchtitan (the extra quant-fsdp[torchtitan]; it imports triton) and torchao: test_torchtitan.py
 # trains torchtitan's llama3 with the converter and refuses torchao's float8 converter beside it.
@@ -52,26 +56,25 @@ def _pin(session: nox.Session) -> None:
 
 
 def _install_packages(session: nox.Session, *extra: str) -> None:
-    """torch first, then all four packages from the working tree."""
+    """torch first, then all four packages and the lab from the working tree."""
     session.install(TORCH)
-    session.install(*(f"./packages/{p}" for p in PACKAGES), *extra)
+    session.install(*(f"./packages/{p}" for p in PACKAGES), f"./{LAB}", *extra)
 
 
-# What an installed copy of the packages is built from: every file of a package but its tests,
-# notes and build outputs (the folders and suffixes .gitignore names).
+# What an installed copy of the packages and the lab is built from: every file of a package but its
+# tests, notes and build outputs (the folders and suffixes .gitignore names).
 _NOT_INSTALLED = {"tests", "build", "dist", "_skbuild", "__pycache__"}
 
 
 def _sources_digest(*requirements: str) -> str:
-    """sha256 over the requirements and the packages' installed sources (paths and contents)."""
+    """sha256 over the requirements and the installed sources of the packages and the lab (paths and contents)."""
     digest = hashlib.sha256("\0".join((TORCH, CONSTRAINTS.read_text(), *requirements)).encode())
-    for package in PACKAGES:
-        root = ROOT / "packages" / package
+    for root in (*(ROOT / "packages" / p for p in PACKAGES), ROOT / LAB):
         for path in sorted(root.rglob("*")):
             relative = path.relative_to(root)
             if not path.is_file() or _NOT_INSTALLED.intersection(relative.parts) or path.suffix in (".so", ".pyc"):
                 continue
-            digest.update(f"{package}/{relative.as_posix()}\0".encode())
+            digest.update(f"{root.relative_to(ROOT).as_posix()}/{relative.as_posix()}\0".encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()
 
@@ -90,7 +93,7 @@ def _install_packages_once(session: nox.Session, *extra: str) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run every package's unit tests, tests-integration and benchmarks/tests against the working tree."""
+    """Run every package's unit tests, the lab's, tests-integration and benchmarks/tests against the working tree."""
     _pin(session)
     _install_packages(session, *TEST_DEPS)
     unpinned = set(_third_party_releases(session)) - set(CONSTRAINTS.read_text().splitlines())
@@ -117,12 +120,12 @@ def pins(session: nox.Session) -> None:
 
 
 def _third_party_releases(session: nox.Session) -> list[str]:
-    """`name==version` of every distribution in the session's environment but ours and pip."""
+    """`name==version` of every distribution in the session's environment but ours (the lab too) and pip."""
     from packaging.utils import canonicalize_name
 
     # --all keeps setuptools (a dependency of some of them); pip itself comes with the venv.
     frozen = session.run("python", "-m", "pip", "freeze", "--all", silent=True)
-    ours = {*PACKAGES, "pip"}
+    ours = {*PACKAGES, LAB_DISTRIBUTION, "pip"}
     return [line for line in frozen.splitlines() if canonicalize_name(re.split("[ =@]", line)[0]) not in ours]
 
 
@@ -133,13 +136,13 @@ def lint(session: nox.Session) -> None:
     session.install(*LINT_DEPS)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
-    src_paths = os.pathsep.join(str(ROOT / "packages" / p / "src") for p in PACKAGES)
+    src_paths = os.pathsep.join([*(str(ROOT / "packages" / p / "src") for p in PACKAGES), str(ROOT / LAB / "src")])
     session.run("lint-imports", env={"PYTHONPATH": src_paths})
 
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Build wheels and sdists of the four packages into dist/, then install quant-fsdp[optim] from dist/ alone."""
+    """Build wheels and sdists of the four packages (not the lab) into dist/, then install quant-fsdp[optim] from dist/ alone."""
     _pin(session)
     session.install("build>=1.2")
     dist = ROOT / "dist"
@@ -196,8 +199,8 @@ def check_versions(session: nox.Session) -> None:
 def docs(session: nox.Session) -> None:
     """Build the user docs (mkdocs-material, API pages by mkdocstrings) into site/; warnings are errors.
 
-    mkdocstrings reads the four packages' sources from packages/*/src (mkdocs.yml `paths`), so the
-    packages need not be built or installed here.
+    mkdocstrings reads the sources of the four packages and the lab from packages/*/src and lab/src
+    (mkdocs.yml `paths`), so nothing need be built or installed here.
     """
     _pin(session)
     session.install(*DOCS_DEPS)
@@ -206,9 +209,10 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """Run the end-to-end demo (`quant-fsdp demo`): tables, results/demo.json and results/demo_loss.png.
+    """Run the end-to-end demo (`quant-fsdp demo`, the lab's quant_lab.demo): tables, results/demo.json and
+    results/demo_loss.png.
 
-    Reuses its environment: the packages install again only when their sources or pins changed."""
+    Reuses its environment: the packages and the lab install again only when their sources or pins changed."""
     _pin(session)
     _install_packages_once(session, "matplotlib>=3.8")
     session.run("quant-fsdp", "demo", "--out", str(ROOT / "results"), *session.posargs)

@@ -61,7 +61,7 @@ from rich.table import Table
 
 import quant_core
 import quant_tensors as qt
-from quant_fsdp.demo import MarkovTask
+from quant_lab.demo import MarkovTask
 from quant_optim import FusedAdam
 
 # Variants of the named recipes, each run only when a --runs pattern names it ("nvfp4-rht", not "*"):

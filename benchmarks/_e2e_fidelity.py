@@ -204,7 +204,7 @@ def _plot(console: Console, rows: list[FidelityRow], report: dict, path: pathlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        console.print("no loss plot: matplotlib is not installed (pip install 'quant-fsdp\\[demo]')")
+        console.print("no loss plot: matplotlib is not installed (pip install matplotlib)")
         return
     curves = {r.run: torch.tensor(r.losses) for r in rows if r.losses}
     figure, (losses, gaps) = plt.subplots(1, 2, figsize=(13, 5))

@@ -1,4 +1,4 @@
-"""The model of the e2e benchmarks (e2e.py, multi_gpu.py): a Llama-style decoder (its data: quant_fsdp.demo.MarkovTask).
+"""The model of the e2e benchmarks (e2e.py, multi_gpu.py): a Llama-style decoder (its data: quant_lab.demo.MarkovTask).
 
 The decoder is Hugging Face transformers' `LlamaForCausalLM` when transformers imports (a model
 nobody in this project wrote, built from `LlamaConfig` with random weights), else `Decoder`

@@ -103,7 +103,7 @@ def count_collectives() -> Iterator[CollectiveCounter]:
     """Counts the all-gathers and reduce-scatters issued through torch.distributed in the block.
 
     Wraps every name of COLLECTIVES that this torch has, in the torch.distributed namespace (where
-    FSDP2 looks them up), as quant_fsdp.testing.count_all_gather_bytes does for all-gathers. A
+    FSDP2 looks them up), as quant_lab.testing.count_all_gather_bytes does for all-gathers. A
     deprecated name that forwards to its successor counts once (the inner call is not counted).
     Collectives traced into a compiled graph (functional collectives) are not seen: FSDP2 issues
     its own outside the per-block graphs.

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from quant_fsdp.demo import MarkovTask
+from quant_lab.demo import MarkovTask
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 TORCHAO_BASES = ("torchao-tensorwise", "torchao-rowwise")

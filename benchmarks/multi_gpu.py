@@ -27,7 +27,7 @@ Layout (torchtitan's; docs/design.md, 'FSDP2'): the model is built in fp32 on ea
 one seed, converted, then `fully_shard(layer, mesh=..., mp_policy=MixedPrecisionPolicy(
 param_dtype=bf16, reduce_dtype=fp32))` on each decoder layer and on the root. The lm_head is never
 converted. bf16 and torchao runs use torch.optim.AdamW too; every optimizer has weight decay 0.
-Each rank trains on its own slice of every global batch of quant_fsdp.demo.MarkovTask; the
+Each rank trains on its own slice of every global batch of quant_lab.demo.MarkovTask; the
 loss is the cross-entropy of logits.float(). CUDA with NCCL when present, else the CPU with gloo.
 
 `--memory-cap-gib 80 --num-layers N` (or `--batch-size B`) tells whether a model of N decoder

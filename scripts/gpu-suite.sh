@@ -13,7 +13,8 @@
 #
 # The GPU image has torch, Triton, pytest, hypothesis, rich, scikit-build-core and pybind11 but no
 # network and no hatchling, so quant-core is built in place without build isolation and the three
-# pure-Python packages are put on PYTHONPATH rather than installed. torchao (for the e2e
+# pure-Python packages and the lab (lab/: the demo and the test worlds) are put on PYTHONPATH rather
+# than installed. torchao (for the e2e
 # and host-time comparisons) comes as a wheel in the git-ignored .whl/ folder when someone put it there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +29,7 @@ want() { [[ "$steps" == *",$1,"* ]]; }
 
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name())'
 python3 -m pip install -q --no-build-isolation --no-deps ./packages/quant-core 2>&1 | tail -3
-export PYTHONPATH="$PWD/packages/quant-tensors/src:$PWD/packages/quant-fsdp/src:$PWD/packages/quant-optim/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/packages/quant-tensors/src:$PWD/packages/quant-fsdp/src:$PWD/packages/quant-optim/src:$PWD/lab/src${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c 'import quant_core; print("quant_core", quant_core.__version__, "backends", quant_core.available_backends())'
 if (want e2e || want linear || want multi) && compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -3

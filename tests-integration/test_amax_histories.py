@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 import quant_core
 import quant_fsdp
 import quant_tensors as qt
-from quant_fsdp.testing import run_on_warm_ranks
+from quant_lab.testing import run_on_warm_ranks
 
 STEPS = 3
 

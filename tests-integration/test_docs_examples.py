@@ -24,7 +24,7 @@ FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTA
 NUM_RANKS = 2
 RANK_TIMEOUT_S = 120
 # Runs the block file as __main__, then leaves without interpreter teardown: process-group
-# teardown at exit races with gloo's worker threads now and then (see quant_fsdp.demo._launch).
+# teardown at exit races with gloo's worker threads now and then (see quant_lab.demo._launch).
 RANK_WRAPPER = (
     "import os, runpy, sys\n"
     "runpy.run_path(sys.argv[1], run_name='__main__')\n"

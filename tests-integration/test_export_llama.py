@@ -21,7 +21,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_fsdp.testing import run_on_warm_ranks
+from quant_lab.testing import run_on_warm_ranks
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 # (weights, sharded by): quantized weights by quant_fsdp and by torch's fully_shard, and

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import quant_core
 from quant_core.testing import adversarial
-from quant_fsdp.testing import SharedWorld, run_shared_world
+from quant_lab.testing import SharedWorld, run_shared_world
 
 
 def _gather_quantized_shards(rank: int, world_size: int, fp8_dtype: torch.dtype, power_2_scales: bool) -> None:
@@ -40,7 +40,7 @@ CASES = [(torch.float8_e4m3fn, False), (torch.float8_e5m2, True)]
 
 @pytest.fixture(scope="module", params=[1, 2, 4])
 def world_size(request: pytest.FixtureRequest) -> SharedWorld:
-    """One world per world size runs every case ([Note: shared worlds] in quant_fsdp.testing)."""
+    """One world per world size runs every case ([Note: shared worlds] in quant_lab.testing)."""
     return run_shared_world(request.param, {str(case): (_gather_quantized_shards, case) for case in CASES})
 
 

@@ -42,8 +42,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig
-from quant_fsdp.testing import local_bytes, run_on_warm_ranks, train_data_parallel
+from quant_lab.demo import MarkovTask, TinyTransformer, TransformerConfig
+from quant_lab.testing import local_bytes, run_on_warm_ranks, train_data_parallel
 from quant_optim import FusedAdam
 
 

@@ -20,9 +20,9 @@ from torch.distributed.tensor import DTensor
 import quant_fsdp
 import quant_tensors as qt
 from quant_core.testing import no_host_syncs, raw_bits
-from quant_fsdp.demo import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig, run_ranks
-from quant_fsdp.demo._launch import load_by_path
-from quant_fsdp.testing import count_all_gather_bytes, quantized_transformer
+from quant_lab.demo import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig, run_ranks
+from quant_lab.demo._launch import load_by_path
+from quant_lab.testing import count_all_gather_bytes, quantized_transformer
 from quant_optim import FusedAdam
 
 pytestmark = pytest.mark.cuda

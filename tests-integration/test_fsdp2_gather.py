@@ -24,8 +24,8 @@ from torch.distributed.tensor import DTensor
 import quant_fsdp
 import quant_tensors as qt
 from quant_core.testing import raw_bits
-from quant_fsdp.demo import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig
-from quant_fsdp.testing import (
+from quant_lab.demo import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig
+from quant_lab.testing import (
     SharedWorld,
     count_all_gather_bytes,
     run_on_warm_ranks,
@@ -329,7 +329,7 @@ def _live_tensors() -> tuple[int, int]:
     count = 0
     for obj in gc.get_objects():
         # Fake tensors hold no memory: torch.compile's artifacts of earlier calls of a warm rank
-        # ([Note: warm ranks] in quant_fsdp.testing).
+        # ([Note: warm ranks] in quant_lab.testing).
         if isinstance(obj, torch.Tensor) and not obj.is_meta and not is_fake(obj):
             count += 1
             inner = [obj]
@@ -567,7 +567,7 @@ def test_resharding_to_a_smaller_mesh_is_refused_before_anything_changes():
     run_on_warm_ranks(_refuses_int_reshard, 1)
 
 
-# ---- one world per world size runs every scenario above ([Note: shared worlds] in quant_fsdp.testing)
+# ---- one world per world size runs every scenario above ([Note: shared worlds] in quant_lab.testing)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 World size 1 must equal training without FSDP bit for bit (losses and weights). Two ranks
 are compared with single-process training on the same global batches, done the data-parallel way
-(quant_fsdp.testing.train_replicas: one replica per rank slice, averaged gradients), so that the
+(quant_lab.testing.train_replicas: one replica per rank slice, averaged gradients), so that the
 order in which gradients are summed is the only difference: losses must agree within 0.5% at every
 step. The observed maxima are printed, together with the distance to one whole-batch model (which
 also differs in how activations are quantized: per-tensor amaxes and stochastic rounding per slice).
@@ -22,8 +22,8 @@ import torch
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig
-from quant_fsdp.testing import SharedWorld, local_bytes, run_shared_world, train_data_parallel, train_replicas
+from quant_lab.demo import MarkovTask, TinyTransformer, TransformerConfig
+from quant_lab.testing import SharedWorld, local_bytes, run_shared_world, train_data_parallel, train_replicas
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 MODES = ("quantized-weights", "quantize-on-gather")
@@ -64,7 +64,7 @@ def whole_batch_losses(recipe_name: str) -> tuple[float, ...]:
 
 
 def local_values(model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
-    """Every parameter's local bytes (quant_fsdp.testing.local_bytes)."""
+    """Every parameter's local bytes (quant_lab.testing.local_bytes)."""
     return {name: local_bytes(p) for name, p in model.named_parameters()}
 
 
@@ -120,7 +120,7 @@ def parity_scenarios(world_size: int, label: str, steps: int, kwargs: dict) -> d
     return {f"{label} {mode}": (_parity, (mode, expected, whole, dict(kwargs))) for mode in MODES}
 
 
-# One world ([Note: shared worlds] in quant_fsdp.testing) runs all the scenarios of two ranks.
+# One world ([Note: shared worlds] in quant_lab.testing) runs all the scenarios of two ranks.
 @pytest.fixture(scope="module")
 def world_2() -> SharedWorld:
     return run_shared_world(

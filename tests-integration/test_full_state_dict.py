@@ -1,6 +1,6 @@
 """torch's full state dict and quant_fsdp.export_state_dict of quantized models (gloo, CPU), every recipe.
 
-On 1 and 2 ranks (one world each, [Note: shared worlds] in quant_fsdp.testing), for three ways of
+On 1 and 2 ranks (one world each, [Note: shared worlds] in quant_lab.testing), for three ways of
 sharding: quant_fsdp.fully_shard with quantized primary weights, torch's own fully_shard with
 quantized primary weights, quant_fsdp.fully_shard with quantize-on-gather:
 - at construction, `get_model_state_dict(full_state_dict=True)` equals the state dict of the same
@@ -27,8 +27,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 import quant_fsdp
 import quant_tensors as qt
 from quant_core.testing import raw_bits
-from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig, train
-from quant_fsdp.testing import SharedWorld, local_bytes, run_shared_world
+from quant_lab.demo import MarkovTask, TinyTransformer, TransformerConfig, train
+from quant_lab.testing import SharedWorld, local_bytes, run_shared_world
 from quant_optim import FusedAdam
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")

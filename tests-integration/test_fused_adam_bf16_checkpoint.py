@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from quant_core.testing import raw_bits
-from quant_fsdp import demo
-from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig
-from quant_fsdp.testing import local_state_bytes, quantized_transformer, run_on_warm_ranks
+from quant_lab import demo
+from quant_lab.demo import MarkovTask, TinyTransformer, TransformerConfig
+from quant_lab.testing import local_state_bytes, quantized_transformer, run_on_warm_ranks
 from quant_optim import FusedAdam
 
 RECIPES = ("mxfp8", "fp8-block")

@@ -39,9 +39,9 @@ from torch.distributed.tensor import DTensor
 import quant_fsdp
 import quant_tensors as qt
 from quant_core.testing import raw_bits
-from quant_fsdp import demo
-from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig
-from quant_fsdp.testing import local_state_bytes, quantized_transformer, run_on_warm_ranks
+from quant_lab import demo
+from quant_lab.demo import MarkovTask, TinyTransformer, TransformerConfig
+from quant_lab.testing import local_state_bytes, quantized_transformer, run_on_warm_ranks
 from quant_optim import FusedAdam
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")

@@ -14,9 +14,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from quant_fsdp import demo
-from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig
-from quant_fsdp.testing import SharedWorld, local_state_bytes, quantized_transformer, run_shared_world
+from quant_lab import demo
+from quant_lab.demo import MarkovTask, TinyTransformer, TransformerConfig
+from quant_lab.testing import SharedWorld, local_state_bytes, quantized_transformer, run_shared_world
 from quant_optim import FusedAdam
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
@@ -118,7 +118,7 @@ def test_a_nan_gradient_on_one_rank_skips_the_step_on_every_rank(world_2):
     world_2.check("nan on one rank")
 
 
-# ---- one world runs every scenario above ([Note: shared worlds] in quant_fsdp.testing) ------------
+# ---- one world runs every scenario above ([Note: shared worlds] in quant_lab.testing) ------------
 
 
 def parity() -> tuple:

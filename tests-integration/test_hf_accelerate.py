@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import quant_fsdp
 import quant_optim
 import quant_tensors as qt
-from quant_fsdp.testing import count_all_gather_bytes, run_on_warm_ranks
+from quant_lab.testing import count_all_gather_bytes, run_on_warm_ranks
 
 VOCAB = 256
 SEQUENCE = 32

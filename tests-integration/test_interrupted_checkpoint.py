@@ -25,8 +25,8 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from quant_fsdp.demo import MarkovTask, TransformerConfig, run_ranks, train
-from quant_fsdp.testing import local_state_bytes, quantized_transformer
+from quant_lab.demo import MarkovTask, TransformerConfig, run_ranks, train
+from quant_lab.testing import local_state_bytes, quantized_transformer
 from quant_optim import FusedAdam
 
 CONFIG = TransformerConfig(vocab=128, hidden=128, layers=2, heads=2, sequence=32)

@@ -16,7 +16,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Folders whose files are imported by name: script folders and every folder of tests.
-FOLDERS = ("benchmarks", "scripts", "tests-integration", "benchmarks/tests", *(f"packages/{p}/tests" for p in (
+FOLDERS = ("benchmarks", "scripts", "tests-integration", "benchmarks/tests", "lab/tests", *(f"packages/{p}/tests" for p in (
     "quant-core", "quant-tensors", "quant-fsdp", "quant-optim")))  # fmt: skip
 
 
@@ -47,6 +47,7 @@ def test_the_check_sees_every_script():
     assert names["_e2e"] == "benchmarks/_e2e.py"
     assert names["profile_gpu"] == "scripts/profile_gpu.py"
     assert names["quant_tensors_op_test_helpers"] == "packages/quant-tensors/tests/quant_tensors_op_test_helpers.py"
+    assert names["test_warm_ranks"] == "lab/tests/test_warm_ranks.py"
 
 
 def test_benchmarks_is_importable_by_this_folders_tests_only():

@@ -3,7 +3,7 @@ checkpoint tests, on CUDA ranks (every GPU kernel, NCCL's collectives and stream
 
 - FSDP2 (1-D mesh) and HSDP (2-D meshes 1 x N and N x 1) train every recipe in both weight modes
   to the losses of single-GPU data-parallel training on the same global batches
-  (quant_fsdp.testing.train_replicas: one replica per rank slice, gradients averaged), within
+  (quant_lab.testing.train_replicas: one replica per rank slice, gradients averaged), within
   LOSS_TOLERANCE at every step: the order in which gradients are summed is the only difference.
 - TP=N with sequence parallelism (quant_fsdp.parallel's styles) trains to a single GPU's losses.
 - DCP with FusedAdam on quantized weights, every recipe and state configuration (fp32 or bf16
@@ -33,8 +33,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 import quant_fsdp
 import quant_tensors as qt
 from quant_core.testing import raw_bits
-from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig, run_ranks, train
-from quant_fsdp.testing import (
+from quant_lab.demo import MarkovTask, TinyTransformer, TransformerConfig, run_ranks, train
+from quant_lab.testing import (
     TensorParallelModel,
     quantized_transformer,
     tensor_parallel_plan,

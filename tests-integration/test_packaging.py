@@ -1,4 +1,6 @@
-"""Every package's sdist holds sources only, whatever build outputs lie in the checkout.
+"""Every package's sdist holds sources only, whatever build outputs lie in the checkout; quant-fsdp's
+wheel holds the library and its command line, not the repository's lab (lab/: the demo and the
+multi-process test worlds).
 
 Each package is copied (sources only) into a tmp monorepo beside the root .gitignore, the kinds of
 junk a developer's checkout holds are planted there (a CMake build tree, an in-place extension,
@@ -11,6 +13,7 @@ from __future__ import annotations
 import pathlib
 import shutil
 import tarfile
+import zipfile
 
 import pytest
 from build import ProjectBuilder
@@ -99,3 +102,19 @@ def test_sdist_holds_sources_only(package: str, tmp_path: pathlib.Path) -> None:
         expected |= {"CMakeLists.txt", "src/quant_core/_C.pyi"}
         expected |= {p.relative_to(source).as_posix() for p in (source / "csrc").glob("*.[ch]*")}
     assert sorted(expected - members) == []
+
+
+def test_quant_fsdp_wheel_holds_no_demo_or_testing_module(tmp_path: pathlib.Path) -> None:
+    source = ROOT / "packages" / "quant-fsdp"
+    repo = tmp_path / "repo"
+    copy = repo / "packages" / "quant-fsdp"
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns(*JUNK_NAMES))
+    shutil.copy(ROOT / ".gitignore", repo / ".gitignore")
+
+    wheel = pathlib.Path(ProjectBuilder(copy).build("wheel", tmp_path / "dist"))
+    with zipfile.ZipFile(wheel) as archive:
+        modules = [pathlib.PurePosixPath(name) for name in archive.namelist() if name.endswith(".py")]
+    assert pathlib.PurePosixPath("quant_fsdp/__init__.py") in modules
+    assert pathlib.PurePosixPath("quant_fsdp_cli.py") in modules
+    lab = [str(m) for m in modules if {"demo", "testing"} & {m.stem, *m.parts[:-1]}]
+    assert lab == [], f"the lab's modules belong in lab/, not in the published wheel: {lab}"

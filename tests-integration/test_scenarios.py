@@ -12,7 +12,7 @@ quantizes when it gathers them, "hp", or quant_optim.FusedAdam on quantized prim
 "qw"), optionally saving model and optimizer with DCP after SAVE_AFTER steps and resuming in
 freshly built modules, and is checked three ways, each its own test with the row's name as id:
 - loss parity: world size 1 equals the same model without FSDP bit for bit; larger worlds are
-  within LOSS_TOLERANCE of single-process data-parallel training (quant_fsdp.testing.train_replicas,
+  within LOSS_TOLERANCE of single-process data-parallel training (quant_lab.testing.train_replicas,
   one replica per data-parallel rank, the same optimizer), where the order of fp32 sums (gradients
   over ranks, TP partial products) and the slice of the batch that per-tensor activation scales
   and NVFP4's stochastic rounding see are the only differences; a resumed run's losses equal the
@@ -23,7 +23,7 @@ freshly built modules, and is checked three ways, each its own test with the row
 - no unexpected fallback: comm_stats()'s fallback bytes (and, under FSDP2, the gather plan) are
   exactly the row's named fallback, none where it names none.
 
-Rows run in one shared world per world size ([Note: shared worlds] in quant_fsdp.testing); rank 0
+Rows run in one shared world per world size ([Note: shared worlds] in quant_lab.testing); rank 0
 writes each row's losses and counters, the tests assert on them.
 
 The same ground in depth: test_fsdp2_training.py (parity, 12 steps, every recipe x mode x
@@ -53,9 +53,9 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_fsdp import demo
-from quant_fsdp.demo import MarkovTask, TransformerConfig
-from quant_fsdp.testing import (
+from quant_lab import demo
+from quant_lab.demo import MarkovTask, TransformerConfig
+from quant_lab.testing import (
     SharedWorld,
     TensorParallelModel,
     run_shared_world,

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import quant_fsdp
 import quant_tensors as qt
 from quant_core.testing import raw_bits
-from quant_fsdp.testing import SharedWorld, count_all_gather_bytes, run_on_warm_ranks, run_shared_world
+from quant_lab.testing import SharedWorld, count_all_gather_bytes, run_on_warm_ranks, run_shared_world
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 
@@ -279,7 +279,7 @@ def test_world_size_1_only_quantizes():
     run_on_warm_ranks(_world_size_1, 1)
 
 
-# ---- one world per world size runs every scenario above ([Note: shared worlds] in quant_fsdp.testing)
+# ---- one world per world size runs every scenario above ([Note: shared worlds] in quant_lab.testing)
 
 SCENARIOS = {
     "gathers": (_gathers, ()),

@@ -25,9 +25,9 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_fsdp.demo import MarkovTask, TransformerConfig, train
 from quant_fsdp.parallel import QuantColwiseParallel, QuantRowwiseParallel
-from quant_fsdp.testing import (
+from quant_lab.demo import MarkovTask, TransformerConfig, train
+from quant_lab.testing import (
     SharedWorld,
     TensorParallelModel,
     run_shared_world,
@@ -339,7 +339,7 @@ def test_checkpoint_of_a_tensor_parallel_model_resumes_bitwise(world_2):
     world_2.check("checkpoint")
 
 
-# ---- one world per world size runs every scenario above ([Note: shared worlds] in quant_fsdp.testing)
+# ---- one world per world size runs every scenario above ([Note: shared worlds] in quant_lab.testing)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ gathers bit-exactly ([Note: shard context] in quant_tensors._fsdp). Importing qu
 nothing of it: two gloo groups of 2 ranks, one whose processes import quant_fsdp first, run every
 recipe side by side and must compute, send and gather the same bytes. The ranks run
 torch_fully_shard_ranks.py as plain scripts (its docstring lists the checks), so nothing of
-pytest's process or of quant_fsdp's launcher (quant_fsdp.testing imports quant_fsdp) reaches them."""
+pytest's process or of the lab's launcher (quant_lab.testing imports quant_fsdp) reaches them."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.fsdp import FSDPModule
 
 import quant_fsdp
-from quant_fsdp.testing import count_all_gather_bytes, run_on_warm_ranks
+from quant_lab.testing import count_all_gather_bytes, run_on_warm_ranks
 
 SEQUENCE = 64
 BATCH = 2

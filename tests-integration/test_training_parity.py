@@ -26,8 +26,8 @@ import torch
 
 import quant_tensors as qt
 from quant_core.testing import bf16_gemms_in_fp32
-from quant_fsdp.demo import MarkovTask, TinyTransformer, TransformerConfig, train
-from quant_fsdp.testing import run_on_warm_ranks
+from quant_lab.demo import MarkovTask, TinyTransformer, TransformerConfig, train
+from quant_lab.testing import run_on_warm_ranks
 
 STEPS = 100
 CONFIG = TransformerConfig(layers=2)

@@ -32,7 +32,7 @@ from e2e import main
 from rich.console import Console
 
 import quant_tensors as qt
-from quant_fsdp.testing import local_bytes
+from quant_lab.testing import local_bytes
 
 
 def _names(patterns: str) -> list[str]:

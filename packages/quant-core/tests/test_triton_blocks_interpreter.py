@@ -5,7 +5,7 @@ Checks indexing on every machine: partial tiles (masks), tiles that divide x (no
 blocks of rows per program, rolled loops, a transposed view, each usage alone and both, against
 the reference bit for bit. The interpreter encodes FP8 with the integer mirror and flushes bf16
 subnormals (NOTES.md), so the inputs are fp32; the GPU's hardware path (and `early_nan`, which
-the interpreter never takes) is checked by test_triton_blocks.py and scripts/sweep_blocks.py.
+the interpreter never takes) is checked by test_triton_blocks.py and benchmarks/sweep_blocks.py.
 """
 
 from __future__ import annotations

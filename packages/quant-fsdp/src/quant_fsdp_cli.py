@@ -1,14 +1,17 @@
 """The `quant-fsdp` command line: `demo` FSDP2-trains a small transformer with bf16 and each recipe
-and checks the quantized all-gather. The benchmarks live in the repository's benchmarks/ folder."""
+and checks the quantized all-gather. The demo and the benchmarks live in the repository (its lab
+package, lab/, and its benchmarks/ folder), not in this package."""
 
 # A module beside the quant_fsdp package, not in it: importing quant_fsdp imports torch (seconds), so
-# the command parses and answers --help, --version and bad arguments before importing either.
+# the command parses and answers --help, --version and bad arguments before importing either. The
+# demo is the repository's lab package (quant_lab.demo), installed beside quant-fsdp from a clone.
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import importlib.metadata
+import importlib.util
 import os
 import pathlib
 import shlex
@@ -20,7 +23,7 @@ from typing import NoReturn
 
 Runner = Callable[[pathlib.Path], int]
 
-# The demo's recipes and global batch (quant_fsdp.demo._training), repeated here so that checking
+# The demo's recipes and global batch (quant_lab.demo._training), repeated here so that checking
 # --recipes and --nproc imports no torch; test_cli checks that both agree.
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 BATCH = 8
@@ -44,6 +47,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_demo_arguments(demo)
     demo.set_defaults(subparser=demo)  # reports the demo's option errors as `quant-fsdp demo: error: ...`
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("quant_lab") is None:
+        args.subparser.exit(
+            2,
+            f"{args.subparser.prog}: error: the demo ships with the quant-fsdp repository, not with this package: "
+            "run `nox -s demo` in a clone of it, or `pip install ./lab` there and then quant-fsdp demo\n",
+        )
     problem = _unwritable(args.out)
     if problem:
         args.subparser.error(f"argument --out {args.out}: {problem}")
@@ -51,20 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = _demo_command(args.subparser, args, argv)
         with _staged(args.out) as folder:
             return run(folder)
-    except KeyboardInterrupt:  # Ctrl-C: the ranks are ended (quant_fsdp.demo.run_ranks), `out` is as it was
-        _leave_progress_display()
+    except KeyboardInterrupt:  # Ctrl-C: the ranks are ended (quant_lab.demo.run_ranks), `out` is as it was
         print(f"{args.subparser.prog}: interrupted; nothing written to {args.out}", file=sys.stderr)
         return 130
-
-
-def _leave_progress_display() -> None:
-    """Shows the cursor that rank 0's progress bars hid, on a new line (when stdout is a terminal)."""
-    from rich.console import Console
-
-    console = Console()
-    if console.is_terminal:
-        console.show_cursor(True)
-        console.line()
 
 
 @contextlib.contextmanager
@@ -190,8 +188,8 @@ def _add_demo_arguments(demo: argparse.ArgumentParser) -> None:
 def _demo_command(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None) -> Runner:
     import torch
 
-    from quant_fsdp.demo._run import run_demo
-    from quant_fsdp.demo._training import DemoOptions
+    from quant_lab.demo._run import run_demo
+    from quant_lab.demo._training import DemoOptions
 
     num_gpus = torch.cuda.device_count()
     if args.device == "cuda" and num_gpus == 0:

@@ -75,11 +75,11 @@ def _fake_demo(seen: dict):
 
 
 def test_demo_options_reach_the_run_as_arguments(tmp_path, monkeypatch, num_gpus):
-    import quant_fsdp.demo._run
-    from quant_fsdp.demo._training import RECIPES, DemoOptions
+    import quant_lab.demo._run
+    from quant_lab.demo._training import RECIPES, DemoOptions
 
     seen: dict = {}
-    monkeypatch.setattr(quant_fsdp.demo._run, "run_demo", _fake_demo(seen))
+    monkeypatch.setattr(quant_lab.demo._run, "run_demo", _fake_demo(seen))
     argv = [
         "demo",
         "--recipes",
@@ -105,10 +105,10 @@ def test_demo_options_reach_the_run_as_arguments(tmp_path, monkeypatch, num_gpus
 
 @pytest.mark.parametrize(("gpus", "nproc", "device"), [(0, 1, "cpu"), (1, 2, "cpu"), (2, 2, "cuda"), (8, 4, "cuda")])
 def test_auto_device_is_cuda_when_every_rank_has_a_gpu(gpus, nproc, device, tmp_path, monkeypatch, num_gpus):
-    import quant_fsdp.demo._run
+    import quant_lab.demo._run
 
     seen: dict = {}
-    monkeypatch.setattr(quant_fsdp.demo._run, "run_demo", _fake_demo(seen))
+    monkeypatch.setattr(quant_lab.demo._run, "run_demo", _fake_demo(seen))
     num_gpus["value"] = gpus
     assert main(["demo", "--nproc", str(nproc), "--out", str(tmp_path)]) == 0
     assert seen["options"].device == device
@@ -170,7 +170,7 @@ def test_out_errors_point_to_the_demo_help_which_documents_out(tmp_path, capsys)
 
 def test_recipes_and_batch_are_the_demos():
     # The command line keeps its own copy, so that checking --recipes and --nproc imports no torch.
-    from quant_fsdp.demo import _training
+    from quant_lab.demo import _training
 
     assert (quant_fsdp_cli.RECIPES, quant_fsdp_cli.BATCH) == (_training.RECIPES, _training.BATCH)
 
@@ -206,6 +206,24 @@ def test_help_version_and_refusals_import_no_torch(case):
     assert done.stderr.splitlines()[-1] == "imported:", done.stderr
 
 
+def test_demo_without_the_lab_exits_2_with_one_line_saying_how_to_run_it(tmp_path):
+    # quant-fsdp installed from its wheel alone: the lab (quant_lab) cannot be imported.
+    out = tmp_path / "results"
+    without_lab = "sys.modules['quant_lab'] = None  # an import of it raises ModuleNotFoundError\n"
+    driver = DRIVER.replace("import quant_fsdp_cli\n", "import quant_fsdp_cli\n" + without_lab, 1)
+    done = subprocess.run(
+        [sys.executable, "-c", driver, "demo", "--out", str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr
+    *printed, imported = done.stderr.splitlines()
+    assert len(printed) == 1, done.stderr
+    assert printed[0].startswith("quant-fsdp demo: error: the demo ships with the quant-fsdp repository")
+    assert "`nox -s demo` in a clone" in printed[0]
+    assert "`pip install ./lab`" in printed[0]
+    assert imported == "imported:"
+    assert not out.exists()
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
@@ -235,18 +253,18 @@ def _fake_run(fail: bool):
 
 
 def test_results_move_into_out_only_when_the_command_returns(tmp_path, monkeypatch, capsys):
-    import quant_fsdp.demo._run
+    import quant_lab.demo._run
 
     out = tmp_path / "results"
     out.mkdir()
     (out / "demo.json").write_text("previous run")
-    monkeypatch.setattr(quant_fsdp.demo._run, "run_demo", _fake_run(fail=True))
+    monkeypatch.setattr(quant_lab.demo._run, "run_demo", _fake_run(fail=True))
     assert main(["demo", "--out", str(out)]) == 130  # 128 + SIGINT, as shells report Ctrl-C
     assert capsys.readouterr().err == f"quant-fsdp demo: interrupted; nothing written to {out}\n"
     assert [p.name for p in out.iterdir()] == ["demo.json"]
     assert (out / "demo.json").read_text() == "previous run"  # as it was
 
-    monkeypatch.setattr(quant_fsdp.demo._run, "run_demo", _fake_run(fail=False))
+    monkeypatch.setattr(quant_lab.demo._run, "run_demo", _fake_run(fail=False))
     assert main(["demo", "--out", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["demo.json", "demo.md"]
     assert (out / "demo.json").read_text() == "{}"
@@ -255,10 +273,10 @@ def test_results_move_into_out_only_when_the_command_returns(tmp_path, monkeypat
 
 @pytest.mark.parametrize(("nproc", "gpus", "warned"), [(4, 0, True), (2, 0, False), (4, 4, False)])
 def test_more_cpu_ranks_than_cores_warns_in_one_line(nproc, gpus, warned, tmp_path, monkeypatch, capsys, num_gpus):
-    import quant_fsdp.demo._run
+    import quant_lab.demo._run
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    monkeypatch.setattr(quant_fsdp.demo._run, "run_demo", _fake_demo({}))
+    monkeypatch.setattr(quant_lab.demo._run, "run_demo", _fake_demo({}))
     num_gpus["value"] = gpus
     assert main(["demo", "--nproc", str(nproc), "--out", str(tmp_path)]) == 0
     error = capsys.readouterr().err

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import quant_tensors as qt
-from quant_fsdp.testing import SharedWorld, run_shared_world
+from quant_lab.testing import SharedWorld, run_shared_world
 
 SHAPES = {"2d": SHAPE_2D, "3d": SHAPE_3D}  # every format's blocks split whole between 2 shards
 

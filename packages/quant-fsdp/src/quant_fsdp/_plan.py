@@ -135,21 +135,17 @@ def gather_plan(module: torch.nn.Module) -> tuple[GatherPlan, ...]:
 
 
 def print_plan(module: torch.nn.Module) -> None:
-    """Prints `gather_plan(module)` as a table, on rank 0 only."""
+    """Prints `gather_plan(module)` as a plain-text table, on rank 0 only: one row per line with whole
+    names and reasons, however narrow the terminal or log."""
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"quant_fsdp gather plan: {type(module).__name__}")
-    for column in ("parameter", "format", "shape", "mode", "all-gather"):
-        table.add_column(column, overflow="fold")  # a name too long for a narrow terminal folds, never cut
+    rows = [("parameter", "format", "shape", "mode", "all-gather")]
     for plan in gather_plan(module):
         gather = (
             "quantized bytes" if plan.quantized_gather else f"high precision, then quantize: {plan.fallback_reason}"
         )
-        table.add_row(plan.name, plan.format, str(plan.shape), plan.mode, gather)
-    console = Console()
-    if not console.is_terminal:  # a log or a pipe: as wide as the table, each row on one line
-        console.width = max(console.width, console.measure(table, options=console.options.update_width(10**6)).maximum)
-    console.print(table)
+        rows.append((plan.name, plan.format, str(plan.shape), plan.mode, gather))
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    print(f"quant_fsdp gather plan: {type(module).__name__}", *lines, sep="\n")

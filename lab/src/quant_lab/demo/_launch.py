@@ -1,7 +1,7 @@
 """Run a function in several processes joined in a torch.distributed process group.
 
 `quant-fsdp demo` trains on its ranks with it; multi-process tests and benchmarks run their scenarios
-with it (quant_fsdp.demo.run_ranks).
+with it (quant_lab.demo.run_ranks).
 """
 
 from __future__ import annotations

@@ -25,13 +25,16 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_fsdp._all_gather_counter import count_all_gather_bytes
-from quant_fsdp.demo._launch import run_ranks
-from quant_fsdp.demo._model import MarkovTask, TinyTransformer, TransformerConfig, train
+from quant_lab._all_gather_counter import count_all_gather_bytes
+from quant_lab.demo._launch import run_ranks
+from quant_lab.demo._model import MarkovTask, TinyTransformer, TransformerConfig, train
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 BATCH = 8  # sequences per global batch, split evenly over the ranks
-# Bound on |final loss / bf16's final loss - 1| (the single-process parity bounds of test_training.py).
+# The demo's sanity bound on |final loss / bf16's final loss - 1|: a short run (60 steps by default,
+# any --seed and --nproc) of a recipe that trains stays within it. It is not a parity bound: the
+# parity test (tests-integration/test_training_parity.py) and the GPU fidelity runs hold tighter
+# ones; docs/benchmarks.md, "Loss parity bounds", says what each bound checks.
 LOSS_BOUND = {"fp8": 0.03, "fp8-delayed": 0.03, "mxfp8": 0.03, "fp8-block": 0.03, "nvfp4": 0.06}
 FINAL_WINDOW = 10  # the final loss is the mean of the last FINAL_WINDOW steps' losses
 # The verdict compares final losses, means of the last FINAL_WINDOW steps' losses: a shorter run has
@@ -296,7 +299,9 @@ def print_training_table(console: Console, result: TrainingResult, options: Demo
     for line in (
         f"final loss: {final_loss_definition(options.num_steps)} (cross-entropy, nats per token, global batch); "
         "the progress bars show the same mean.",
-        "vs bf16: final loss / bf16's final loss - 1. verdict: PASS when within ± bound (the training parity bounds).",
+        "vs bf16: final loss / bf16's final loss - 1. verdict: PASS when within ± bound, the demo's sanity bound for a "
+        "short run (a recipe that trains stays within it), not a parity bound: docs/benchmarks.md, 'Loss parity "
+        "bounds', says what each bound checks.",
         *(
             [
                 f"The verdict needs at least {VERDICT_MIN_STEPS} steps (this run has {options.num_steps}): the final "
@@ -336,7 +341,7 @@ def plot_losses(console: Console, result: TrainingResult, options: DemoOptions, 
         import matplotlib.pyplot as plt
         from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator, NullLocator
     except ImportError:
-        console.print("[yellow]no loss plot: matplotlib is not installed (pip install 'quant-fsdp\\[demo]')[/yellow]")
+        console.print("[yellow]no loss plot: matplotlib is not installed (pip install matplotlib)[/yellow]")
         return False
     figure, (losses, gaps) = plt.subplots(2, 1, figsize=(10, 10), sharex=True, height_ratios=(1, 1.2))
     steps = range(1, options.num_steps + 1)

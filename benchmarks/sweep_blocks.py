@@ -1,8 +1,8 @@
-"""Sweep of the block quantize kernels' launch choices on the GPU (issue #15; run on the GPU machine).
+"""Sweep of the block quantize kernels' launch choices on the GPU (run on the GPU machine).
 
-    python3 scripts/sweep_blocks.py                       # ~1-2 min on one H100
-    python3 scripts/sweep_blocks.py --dtype float32 --jobs 16
-    python3 scripts/sweep_blocks.py --jobs 0 --json sweep_blocks.json
+    python3 benchmarks/sweep_blocks.py                       # ~1-2 min on one H100
+    python3 benchmarks/sweep_blocks.py --dtype float32 --jobs 16
+    python3 benchmarks/sweep_blocks.py --jobs 0 --json sweep_blocks.json
 
 Cases, input of `--dtype` (bf16, or fp32 as FusedAdam's master weights): MXFP8 both usages,
 blockwise FP8 1 x 128 both usages, 1 x 128 rowwise, 128 x 128 both usages (E4M3, power-of-two

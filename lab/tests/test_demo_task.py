@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from quant_fsdp.demo import MarkovTask
+from quant_lab.demo import MarkovTask
 
 
 def test_batch_is_that_steps_slice_of_batches():

@@ -1,4 +1,4 @@
-"""`run_on_warm_ranks` ([Note: warm ranks] in quant_fsdp.testing): ranks that stay up between calls
+"""`run_on_warm_ranks` ([Note: warm ranks] in quant_lab.testing): ranks that stay up between calls
 run each call like new processes would, and fail the way torch's spawn fails."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from quant_fsdp import testing
-from quant_fsdp.testing import run_on_warm_ranks
+from quant_lab import testing
+from quant_lab.testing import run_on_warm_ranks
 
 _calls_in_this_module = 0  # a call's module globals start new: every call sees 0 here
 

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 import quant_tensors as qt
-from quant_fsdp.demo._training import FINAL_WINDOW, LOSS_BOUND, DemoOptions, _train_all, demo_recipe
 from quant_fsdp_cli import main
+from quant_lab.demo._training import FINAL_WINDOW, LOSS_BOUND, DemoOptions, _train_all, demo_recipe
 
 
 def test_demo_learns_and_writes_the_table_json_and_plot(tmp_path, capsys):
@@ -74,10 +74,27 @@ def test_demo_learns_and_writes_the_table_json_and_plot(tmp_path, capsys):
         assert "PASS" in row
         assert "(emulated GEMMs)" in row
         assert f"{runs[recipe]['vs_bf16']:+.2%}" in row
+        assert f"±{LOSS_BOUND[recipe]:.0%}" in row
+    # The bound is the demo's own sanity bound, and the legend says where every bound is explained.
+    flat = " ".join(printed.split())  # rich wraps long lines
+    assert "PASS when within ± bound, the demo's sanity bound for a short run" in flat
+    assert "not a parity bound: docs/benchmarks.md, 'Loss parity bounds', says what each bound checks" in flat
+    assert report["definitions"]["bound"].startswith("the demo's sanity bound for a short run")
     assert any(
         line.startswith("PASS: every recipe (fp8, nvfp4) within its loss bound of bf16 after 20 steps")
         for line in lines
     )
+
+
+def test_the_demos_bounds_are_the_ones_docs_benchmarks_lists():
+    # docs/benchmarks.md, "Loss parity bounds" (where the demo's legend points): the demo's row of its table.
+    page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md").read_text()
+    section = page.split("\n## Loss parity bounds\n", 1)[1].split("\n## ", 1)[0]
+    header = next(line for line in section.splitlines() if line.startswith("| check |"))
+    row = next(line for line in section.splitlines() if line.startswith("| nox -s demo |"))
+    cells = dict(zip(*([c.strip() for c in line.strip("|").split("|")] for line in (header, row)), strict=True))
+    documented = {recipe: cells["NVFP4" if recipe == "nvfp4" else "FP8 recipes"] for recipe in LOSS_BOUND}
+    assert {recipe: f"{bound:.0%}" for recipe, bound in LOSS_BOUND.items()} == documented
 
 
 def test_demo_on_one_rank_gathers_nothing(tmp_path, capsys):

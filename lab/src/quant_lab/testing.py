@@ -1,7 +1,7 @@
 """Helpers for FSDP2 tests: train a sharded model, read a rank's bytes (and count_all_gather_bytes,
-re-exported from the demo's product code).
+which the demo counts its gathered bytes with).
 
-Tests train with quant_fsdp.demo.train; `train_data_parallel` calls it on the slice of a process
+Tests train with quant_lab.demo.train; `train_data_parallel` calls it on the slice of a process
 group's rank, with the loss averaged over the group. `TensorParallelModel` and
 `tensor_parallel_plan` are the transformer the tensor-parallel tests shard with torch's
 `parallelize_module`. `train_replicas` is the single-process reference of data-parallel training
@@ -41,12 +41,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 import quant_tensors as qt
-from quant_fsdp._all_gather_counter import AllGatherBytes, count_all_gather_bytes
-from quant_fsdp._fully_shard import fully_shard
-from quant_fsdp._quantize_on_gather import QuantizeOnGatherTensor
-from quant_fsdp.demo import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig, train
-from quant_fsdp.demo._launch import load_by_path
+from quant_fsdp import QuantizeOnGatherTensor, fully_shard
 from quant_fsdp.parallel import QuantColwiseParallel, QuantRowwiseParallel
+from quant_lab._all_gather_counter import AllGatherBytes, count_all_gather_bytes
+from quant_lab.demo import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig, train
+from quant_lab.demo._launch import load_by_path
 
 __all__ = [
     "AllGatherBytes",
@@ -74,7 +73,7 @@ def train_data_parallel(
     lr: float = 1e-3,
     group: dist.ProcessGroup | None = None,
 ) -> list[float]:
-    """quant_fsdp.demo.train on this rank's slice of every global batch; returns the global
+    """quant_lab.demo.train on this rank's slice of every global batch; returns the global
     batch's loss of every step (averaged over the ranks of `group`, default all ranks; without
     torch.distributed, the whole batch)."""
     world_size = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -94,7 +93,7 @@ def train_replicas(
     """Data-parallel training in one process: replica i takes slice i of every global batch; the
     gradients are averaged and every replica takes the same optimizer step. Returns the mean losses.
 
-    The optimizer is AdamW (weight decay 0, `lr`) over quant_fsdp.demo.MasterWeights, or
+    The optimizer is AdamW (weight decay 0, `lr`) over quant_lab.demo.MasterWeights, or
     `optimizer(replica)` where given (e.g. quant_optim.FusedAdam, which keeps the masters itself)."""
     world_size = len(replicas)
     if batch_size % world_size:
@@ -156,8 +155,9 @@ def local_bytes(t: torch.Tensor) -> list[torch.Tensor]:
             for name, b in local.buffers().items()
             if b is not None and not (derived and name.startswith("columnwise"))
         ]
-    if isinstance(local, QuantizeOnGatherTensor):
-        local = local._data
+    if isinstance(local, QuantizeOnGatherTensor):  # its one inner tensor (torch's subclass protocol)
+        (inner,), _ = local.__tensor_flatten__()
+        local = getattr(local, inner)
     return [local.detach().reshape(-1).view(torch.uint8).clone()]
 
 

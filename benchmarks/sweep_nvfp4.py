@@ -1,7 +1,7 @@
 """Times every NVFP4 quantize/dequantize kernel variant and tile of `quant_core.nvfp4._triton` on the
-GPU machine, checks their bytes, and names the fastest per case (issue #15; meant to take < 3 min on an H100).
+GPU machine, checks their bytes, and names the fastest per case (meant to take < 3 min on an H100).
 
-    python3 scripts/sweep_nvfp4.py [CASE ...]   # cases: 1x16-both 1x16-both-sr 1x16-rowwise
+    python3 benchmarks/sweep_nvfp4.py [CASE ...]   # cases: 1x16-both 1x16-both-sr 1x16-rowwise
                                                  #        16x16-rowwise 16x16-both 1x16-both-rht
                                                  #        hadamard-amaxes dequantize gemm-output
 

@@ -1,6 +1,6 @@
 """`quant-fsdp demo`: the most complete end-to-end job the project can do today.
 
-Part 1 (`run_training`, quant_fsdp.demo._training): trains the test transformer on the synthetic
+Part 1 (`run_training`, quant_lab.demo._training): trains the test transformer on the synthetic
 Markov task with FSDP2 on `--nproc` ranks, bf16 and the chosen recipes (quantized primary weights),
 and reports each recipe's final loss against bf16's with a PASS/FAIL verdict, tokens/s, step time,
 all-gathered bytes per step and weight memory, with a loss plot.
@@ -36,10 +36,10 @@ from rich.progress import Progress
 from rich.table import Table
 
 import quant_core
+import quant_fsdp
 import quant_tensors as qt
-from quant_fsdp._version import __version__
-from quant_fsdp.demo._model import TransformerConfig
-from quant_fsdp.demo._training import (
+from quant_lab.demo._model import TransformerConfig
+from quant_lab.demo._training import (
     BATCH,
     FINAL_WINDOW,
     LEARNING_RATE,
@@ -217,7 +217,13 @@ def run_demo(out: pathlib.Path, options: DemoOptions) -> int:
     """Runs both parts, prints their tables and a closing verdict, writes demo.json, demo_gather.json
     and demo_loss.png into `out`; returns the exit code (1 if a check failed)."""
     console = Console(width=None if sys.stdout.isatty() else 160)  # logs: no wrapped tables
-    training = run_training(options)
+    try:
+        training = run_training(options)
+    except KeyboardInterrupt:  # the ranks are ended (run_ranks); rank 0's progress bars hid the cursor
+        if console.is_terminal:
+            console.show_cursor(True)
+            console.line()
+        raise
     print_training_table(console, training, options)
     plot_losses(console, training, options, out / "demo_loss.png")
     gathers_passed = run_gather_checks(console, out, options)
@@ -258,6 +264,8 @@ def _definitions(options: DemoOptions) -> dict[str, str]:
         "final_loss": final_loss_definition(options.num_steps) + " (cross-entropy, nats per token, global batch)",
         "vs_bf16": "final_loss / bf16's final_loss - 1; passed when abs(vs_bf16) <= bound (null for bf16 and "
         f"when the run has fewer than {VERDICT_MIN_STEPS} steps)",
+        "bound": "the demo's sanity bound for a short run, not a parity bound (docs/benchmarks.md, 'Loss parity "
+        "bounds')",
         "loss_floor": "entropy of the task's Markov chain: the lowest loss any model can reach",
         "tokens_per_s": "tokens of the global batch / median step time, all ranks together",
         "gathered_mib_per_step": "bytes FSDP2's all-gathers deliver to one rank per step (median)",
@@ -285,7 +293,7 @@ def _metadata(options: DemoOptions) -> dict[str, object]:
             "torch": torch.__version__,
             "quant-core": quant_core.__version__,
             "quant-tensors": qt.__version__,
-            "quant-fsdp": __version__,
+            "quant-fsdp": quant_fsdp.__version__,
             "quant-optim": _installed_version("quant-optim"),  # a sibling package: never imported here
         },
     }

@@ -1,8 +1,8 @@
 """Host us per qt.nn.Linear forward + backward, one line per run: `name=us ...` (for A/B calls).
 
-    python3 scripts/host_per_linear.py [LAYER ...]   # default: nn.Linear fp8 fp8-delayed mxfp8 fp8-block nvfp4
+    python3 benchmarks/host_per_linear.py [LAYER ...]   # default: nn.Linear fp8 fp8-delayed mxfp8 fp8-block nvfp4
 
-Standalone on purpose (no quant_fsdp import): scripts/ab_trees.sh runs it against older source
+Standalone on purpose (no quant_fsdp import): benchmarks/ab_trees.sh runs it against older source
 trees, whose `benchmarks/linear_host.py` may time differently. Like that benchmark: bf16 256^3 on
 CUDA (the GPU idles, so a step costs its host time), a new input object each step (as in
 training: the same one would hit qt.nn's sibling cache and skip the input's quantize), eager;

@@ -2,14 +2,15 @@
 # Host-time and end-to-end A/B of source trees in one call on the GPU machine, alternating trees
 # round by round (the VM's host speed drifts by tens of percent between calls, less within one).
 #
-#   bash scripts/ab_trees.sh prepare REV [REV ...]   # here: `git archive` each REV's sources into .ab/REV
-#   ROUNDS=3 E2E_ROUNDS=2 bash scripts/ab_trees.sh run REV ... new   # there (device tool, carry [".ab", ".whl"])
+#   bash benchmarks/ab_trees.sh prepare REV [REV ...]   # here: `git archive` each REV's sources into .ab/REV
+#   ROUNDS=3 E2E_ROUNDS=2 bash benchmarks/ab_trees.sh run REV ... new   # there (device tool, carry [".ab", ".whl"])
 #
-# "new" is the working tree. Each round runs scripts/host_per_linear.py (LAYERS) under every tree,
+# "new" is the working tree. Each round runs benchmarks/host_per_linear.py (LAYERS) under every tree,
 # then each e2e round `benchmarks/e2e.py --runs $E2E_RUNS` (the working tree's benchmark) under
 # every tree's packages. quant-core's
 # compiled extension is built once from the working tree; an older tree's quant_core Python files
-# are laid over a copy of it (valid while csrc/ is unchanged between the trees). Results: $OUT.
+# are laid over a copy of it (valid while csrc/ is unchanged between the trees). The lab (the e2e
+# benchmark's task) is the working tree's for every tree. Results: $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 action=${1:?prepare or run}
@@ -37,12 +38,12 @@ path_of() {  # PYTHONPATH of tree $1
       mkdir -p "$core" && cp -r "$site/quant_core" "$core/" && cp "$src"/quant-core/src/quant_core/*.py "$core/quant_core/"
     fi
   fi
-  echo "$core:$src/quant-tensors/src:$src/quant-fsdp/src:$src/quant-optim/src:/tmp/ab-peers"
+  echo "$core:$src/quant-tensors/src:$src/quant-fsdp/src:$src/quant-optim/src:$PWD/lab/src:/tmp/ab-peers"
 }
 for round in $(seq 1 "${ROUNDS:-3}"); do
   for tree in "$@"; do
     # shellcheck disable=SC2086  # LAYERS is a list
-    echo "$tree $(PYTHONPATH=$(path_of "$tree") python3 scripts/host_per_linear.py ${LAYERS:-} 2> /dev/null)" | tee -a "$out/host_per_linear.txt"
+    echo "$tree $(PYTHONPATH=$(path_of "$tree") python3 benchmarks/host_per_linear.py ${LAYERS:-} 2> /dev/null)" | tee -a "$out/host_per_linear.txt"
   done
 done
 for round in $(seq 1 "${E2E_ROUNDS:-0}"); do
