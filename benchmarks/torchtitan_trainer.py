@@ -587,7 +587,9 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 result |= summarize_run(parse_steps(log), args.warmup)
             except ValueError as error:
-                result["error"] = str(error)
+                result["error"] = (
+                    str(error) if returncode == 0 else f"torchrun exited {returncode}: see {log_path.name}"
+                )
             results.append(result)
             status = (
                 f"{result['tps_median']:,.0f} tokens/s"
