@@ -8,14 +8,18 @@
 # every GPU of the host: nccl (the NCCL tests and collective bandwidth) and leak (memory after each
 # of 300 steps on 2 GPUs, every recipe and weight mode, eager and compiled), side by side (~7 min
 # for both on 2 H200s), then multi (benchmarks/multi_gpu.py with MULTI_GPU_ARGS, e.g.
-# "--runs bf16:compiled,fp8:qw:compiled --repeats 3"; ~35 s per run on the 2.2B model).
+# "--runs bf16:compiled,fp8:qw:compiled --repeats 3"; ~35 s per run on the 2.2B model), and titan
+# (benchmarks/torchtitan_trainer.py: inside torchtitan 0.2.2's own Trainer on one GPU, bf16 and
+# torchtitan's float8 vs ours, each run a torchrun process, ending by its --deadline-s (450 s);
+# TITAN_ARGS adds options, e.g. "--runs bf16,fp8:qw-bf16 --repeats 3"; not in the default steps).
 # `--multi` is GPU_SUITE_STEPS=nccl,leak,multi.
 #
 # The GPU image has torch, Triton, pytest, hypothesis, rich, scikit-build-core and pybind11 but no
 # network and no hatchling, so quant-core is built in place without build isolation and the three
 # pure-Python packages and the lab (lab/: the demo and the test worlds) are put on PYTHONPATH rather
-# than installed. torchao (for the e2e
-# and host-time comparisons) comes as a wheel in the git-ignored .whl/ folder when someone put it there.
+# than installed. torchao (for the e2e and host-time comparisons) and torchtitan 0.2.2 with its
+# dependencies (the titan step) come as wheels in the git-ignored .whl/ folder, which
+# scripts/gpu-wheels.sh fills.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-results}"
@@ -31,9 +35,9 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 python3 -m pip install -q --no-build-isolation --no-deps ./packages/quant-core 2>&1 | tail -3
 export PYTHONPATH="$PWD/packages/quant-tensors/src:$PWD/packages/quant-fsdp/src:$PWD/packages/quant-optim/src:$PWD/lab/src${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c 'import quant_core; print("quant_core", quant_core.__version__, "backends", quant_core.available_backends())'
-if (want e2e || want linear || want multi) && compgen -G ".whl/*.whl" > /dev/null; then
+if (want tests || want e2e || want linear || want multi || want titan) && compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -3
-  export PYTHONPATH="$PYTHONPATH:/tmp/site"  # after ours, still before site-packages: torchao only
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"  # after ours, still before site-packages: only what the image lacks
 fi
 
 set +e
@@ -102,6 +106,11 @@ if want multi; then
   python3 benchmarks/multi_gpu.py --drive --model llama-2b --out "$out/multi_gpu" ${MULTI_GPU_ARGS:-} 2>&1 | tee "$out/multi_gpu.log"
   bench_rc=$(( bench_rc | PIPESTATUS[0] ))
 fi
+if want titan; then
+  # shellcheck disable=SC2086  # TITAN_ARGS is a list of options
+  python3 benchmarks/torchtitan_trainer.py --out "$out/torchtitan" ${TITAN_ARGS:-} 2>&1 | tee "$out/titan.log"
+  bench_rc=$(( bench_rc | PIPESTATUS[0] ))
+fi
 if want optim; then
   python3 benchmarks/optim.py --device cuda --out "$out" 2>&1 | tee "$out/bench_optim.log"
   bench_rc=$(( bench_rc | PIPESTATUS[0] ))
@@ -126,5 +135,6 @@ if want e2e && [[ -f "$out/e2e.md" ]]; then cat "$out/e2e.md"; fi
 if want nccl; then tail -n 1 "$out/multi-tests.log"; grep '"collective"' "$out/bandwidth.log" || true; fi
 if want leak; then grep -hE "spread|passed|failed" "$out"/leak-*.log || true; fi
 if want multi; then grep "^|" "$out/multi_gpu/multi_gpu.md" || true; fi
+if want titan; then sed -n "/^torchtitan 0.2 Trainer, one GPU/,\$p" "$out/titan.log" || true; fi
 if want optim; then sed -n "/^FusedAdam vs torch AdamW/,/^wrote /{/^wrote /!p}" "$out/bench_optim.log" || true; fi
 exit $(( tests_rc == 5 ? bench_rc : tests_rc | bench_rc ))

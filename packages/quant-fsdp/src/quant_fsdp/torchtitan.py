@@ -18,7 +18,6 @@ backends, refuses with the fix named).
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -32,6 +31,7 @@ from torchtitan.protocols.module import Module
 
 import quant_tensors as qt
 from quant_fsdp._context import ShardedWeight
+from quant_fsdp.linear_selection import recipe_of, select_linears
 
 __all__ = ["QuantLinear", "QuantLinearConverter", "unfuse_qkv"]
 
@@ -104,10 +104,7 @@ class QuantLinearConverter(QuantizationConverter):
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        try:
-            self.recipe = qt.recipe_from_name(config.recipe_name)
-        except ValueError as error:
-            raise ValueError(f"QuantLinearConverter.Config(recipe_name={config.recipe_name!r}): {error}") from None
+        self.recipe = recipe_of(config.recipe_name, "QuantLinearConverter.Config")
 
     def convert(self, model_config: Module.Config) -> Module.Config:
         """Swaps every selected Linear config in `model_config` (in place; returns the root)."""
@@ -119,13 +116,14 @@ class QuantLinearConverter(QuantizationConverter):
             )
         if self.config.quantized_weights:
             model_config = unfuse_qkv(model_config)
-        rows_multiple, k_multiple = self.recipe.quantizer("weight").dim_multiple
-        unquantizable = []
-        for fqn, linear, parent, attribute in list(model_config.traverse(Linear.Config)):
-            if any(pattern in fqn for pattern in self.config.filter_fqns):
-                continue
-            if linear.in_features % k_multiple or linear.out_features % rows_multiple:
-                unquantizable.append(f"{fqn} ({linear.out_features} x {linear.in_features})")
+        linears = list(model_config.traverse(Linear.Config))
+        selected = select_linears(
+            ((fqn, linear.in_features, linear.out_features) for fqn, linear, _, _ in linears),
+            self.config.recipe_name,
+            self.config.filter_fqns,
+        )
+        for fqn, linear, parent, attribute in linears:
+            if fqn not in selected:
                 continue
             replacement = QuantLinear.Config(
                 in_features=linear.in_features,
@@ -137,14 +135,6 @@ class QuantLinearConverter(QuantizationConverter):
                 quantized_weights=self.config.quantized_weights,
             )
             model_config = _replaced(model_config, parent, attribute, replacement)
-        if unquantizable:
-            warnings.warn(
-                f"QuantLinearConverter ({self.config.recipe_name}): {len(unquantizable)} Linear layers stay in high "
-                f"precision, their weights not being multiples of {rows_multiple} x {k_multiple} (out x in "
-                f"features): {', '.join(unquantizable)}. Pad those features to quantize them, or list them in "
-                "filter_fqns to silence this.",
-                stacklevel=2,
-            )
         return model_config
 
 
