@@ -119,7 +119,6 @@ def _register_with_torchtitan() -> None:
     from torchtitan.protocols.train_spec import register_train_spec
     from torchtitan.tools.logging import logger
 
-    import quant_fsdp  # noqa: F401  (its gather policy counts the quantized gathers of torch's fully_shard)
     import quant_tensors as qt
     from quant_fsdp.linear_selection import recipe_of, select_linears
     from quant_optim import FusedAdam

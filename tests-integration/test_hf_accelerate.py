@@ -120,6 +120,7 @@ def _parity_and_gathered_bytes(rank: int, world_size: int) -> None:
         weights = [p for n, p in model.named_parameters() if "layers." in n and "proj" in n]
         if recipe is not None:
             assert all(isinstance(qt.local_shard(p), qt.QuantizedTensor) for p in weights)
+            assert quant_fsdp.count_gathers(model) == len(weights) + 1  # the projections and the lm_head
             # Accelerate swapped FusedAdam's parameters for the sharded ones, one for one
             owned = [p for group in optimizer.param_groups for p in group["params"]]
             assert {id(p) for p in owned} == {id(p) for p in model.parameters()}

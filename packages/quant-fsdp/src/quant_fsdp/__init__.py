@@ -12,6 +12,7 @@ as plain tensors for the model class before qt.convert. See docs/fsdp.md.
 
 from quant_fsdp import parallel
 from quant_fsdp._amax import sync_amax_, sync_amax_histories_
+from quant_fsdp._context import count_gathers
 from quant_fsdp._export import export_state_dict
 from quant_fsdp._fully_shard import fully_shard
 from quant_fsdp._plan import GatherPlan, gather_plan
@@ -34,6 +35,7 @@ __all__ = [
     "GatherPlan",
     "comm_stats",
     "reset_comm_stats",
+    "count_gathers",
     "watch_gathers",
     # export: plain high-precision weights for the unconverted model
     "export_state_dict",

@@ -76,3 +76,18 @@ def context_of(quantizer: Any) -> ShardedWeight | None:
     """The ShardedWeight bound to `quantizer`, or None."""
     context = getattr(quantizer, "shard_context", None)
     return context if isinstance(context, ShardedWeight) else None
+
+
+def count_gathers(module: torch.nn.Module) -> int:
+    """Makes the quantized all-gathers of `module`'s quantized weights count in `comm_stats()`
+    where another layer shards them (torch's own `fully_shard`, Accelerate's FSDP2 plugin);
+    `quant_fsdp.fully_shard` and the torchtitan converter do this themselves. Call it before or
+    after sharding; weights that count already are left as they are. Returns how many weights
+    were bound a counting context."""
+    bound = 0
+    for param in module.parameters():
+        local = qt.local_quantized(param)
+        if local is not None and local.quantizer is not None and context_of(local.quantizer) is None:
+            local.quantizer.bind(shard_context=ShardedWeight(local.quantizer.format_name))
+            bound += 1
+    return bound

@@ -242,12 +242,23 @@ def _gather_high_precision(x: torch.Tensor, rows: list[int], group, quantizer: Q
     return out, [work], lambda: quantizer.quantize_(full(), out)
 
 
+class _CountedGather(qt.fsdp.ShardContext):
+    """What a sequence gather of quantized activations tells `all_gather_inputs`: count the bytes
+    in `comm_stats()` (the activation's quantizer keeps no context of its own)."""
+
+    def count_gather(self, format_name: str, inputs, world_size: int) -> None:
+        count_gather(format_name, inputs, world_size, quantized=True)
+
+
+_COUNTED = _CountedGather()
+
+
 def _gather_quantized(shard: QuantizedTensor, quantizer: Quantizer, group, world_size: int) -> _Issued:
     """The fast path of [Note: sequence gather]: the shard's bytes, rebuilt as in FSDP2's gather."""
     rowwise, columnwise = shard.usages
     derive_columnwise = columnwise and quantizer.can_derive_columnwise
     inputs, payload = qt.fsdp.all_gather_inputs(
-        shard, world_size, usages=(rowwise, columnwise and not derive_columnwise)
+        shard, world_size, usages=(rowwise, columnwise and not derive_columnwise), context=_COUNTED
     )
     outputs = [t.new_empty((world_size * t.shape[0], *t.shape[1:])) for t in inputs]
     works = [_all_gather(o, i, group=group, async_op=True) for o, i in zip(outputs, inputs, strict=True)]

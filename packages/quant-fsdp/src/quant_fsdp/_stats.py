@@ -12,8 +12,9 @@ _BYTES: defaultdict[str, dict[str, int]] = defaultdict(lambda: {"quantized": 0, 
 
 
 def comm_stats() -> dict[str, dict[str, int]]:
-    """Bytes all-gathered by quant-fsdp since the last reset, per format: FSDP2's weight gathers
-    through the hooks and the sequence-parallel gathers (`gather_along_first_dim`, the TP styles).
+    """Bytes all-gathered by quant-fsdp since the last reset, per format: FSDP2's gathers of the
+    quantized weights that `quant_fsdp.fully_shard` shards (or `count_gathers` and the torchtitan
+    converter opt in) and the sequence-parallel gathers (`gather_along_first_dim`, the TP styles).
 
     `{format: {"quantized": bytes, "fallback": bytes}}`: "quantized" counts gathers of quantized
     bytes, "fallback" the high-precision gathers of parameters whose shards cannot be quantized on
