@@ -76,7 +76,7 @@ RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4", *OPT_IN_RECIPES)
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
 STATEFUL_WEIGHT_RECIPES = ("fp8-delayed",)  # weight quantizers with state (an amax history)
 MODES = ("eager", "compiled", "graphed")
-# Every eager run and the compiled runs the one-GPU targets of docs/benchmarks.md compare (~7 min on one H100).
+# Every eager run and the compiled runs docs/benchmarks.md's one-GPU table compares (~7 min on one H100).
 DEFAULT_RUNS = "*:eager,bf16:compiled,torchao-tensorwise:compiled,fp8:*:compiled"
 DEFAULT_FIDELITY_RUNS = "bf16:eager,*:hp:eager"
 BF16_BASELINE = "bf16:eager"

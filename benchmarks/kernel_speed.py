@@ -1,6 +1,6 @@
 """`python benchmarks/kernel_speed.py`: every kernel against its plain-torch reference, side by side in one run.
 
-Ratios are what the targets in docs/benchmarks.md are stated in; absolute numbers depend on the
+docs/benchmarks.md reports the ratios; absolute numbers depend on the
 machine, so each result records the device, torch version and thread count it ran with.
 """
 

@@ -3,8 +3,8 @@
 At a size where the GPU idles (bf16 256 x 256 x 256 by default) a layer's step costs what the
 host spends dispatching it: Python, torch's dispatcher, kernel launches. Measured side by side in
 one run: torch's nn.Linear, qt.nn.Linear under every recipe (eager and torch.compile), and
-torchao's Float8Linear (tensorwise; eager and compiled) where torchao imports. Target (docs/benchmarks.md,
-'Host time per Linear'): per-tensor FP8 eager <= 150 us.
+torchao's Float8Linear (tensorwise; eager and compiled) where torchao imports (results:
+docs/benchmarks.md, 'Host time per Linear').
 
 Host time per step = wall time of N steps issued back to back, before the closing synchronize,
 over N: the GPU finishes each step before the host has issued the next, so the host never waits.
