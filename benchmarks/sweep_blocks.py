@@ -8,7 +8,7 @@ Cases, input of `--dtype` (bf16, or fp32 as FusedAdam's master weights): MXFP8 b
 blockwise FP8 1 x 128 both usages, 1 x 128 rowwise, 128 x 128 both usages (E4M3, power-of-two
 scales), at 8192 x 8192 and 2048 x 8192. Each case times values (`Tiles` for
 `_quantize_blocks_kernel`, `TwoPassTiles` for `_quantize_two_pass_kernel`) of the module constant
-of `quant_core.blocks._triton` that the kernel reads for inputs of that dtype (`_tiles_for`:
+of `quant_core.blocks._triton_quantize` that the kernel reads for inputs of that dtype (`_tiles_for`:
 MXFP8_TILES for bf16, MXFP8_FP32_TILES for fp32, ...), the current value first and for fp32 the
 bf16 one next, with `triton.testing.do_bench` (the registered kernel on preallocated buffers, L2
 flushed before each run, median), and reports GB/s of the least traffic (input read once at its
@@ -36,10 +36,10 @@ import torch
 import triton
 
 import quant_core
-from quant_core.blocks import _triton as tb
+from quant_core.blocks import _triton_quantize as tb
 from quant_core.blocks._blockwise import QuantizeFp8BlockwiseArgs
 from quant_core.blocks._mxfp8 import QuantizeMxfp8Args
-from quant_core.blocks._triton import TwoPassTiles
+from quant_core.blocks._triton_two_pass import TwoPassTiles
 from quant_core.shared._triton_numerics import Tiles
 from quant_core.testing import adversarial
 
@@ -69,7 +69,7 @@ class Case:
     rowwise: bool
     columnwise: bool
     constant: str
-    """The `blocks._triton` constant the candidates replace (the one `_tiles_for` reads for the dtype)."""
+    """The `blocks._triton_quantize` constant the candidates replace (the one `_tiles_for` reads for the dtype)."""
     candidates: tuple[Tiles | TwoPassTiles, ...]
     """The current value first."""
 

@@ -1,5 +1,6 @@
-"""Times every NVFP4 quantize/dequantize kernel variant and tile of `quant_core.nvfp4._triton` on the
-GPU machine, checks their bytes, and names the fastest per case (meant to take < 3 min on an H100).
+"""Times every NVFP4 quantize/dequantize kernel variant and tile of `quant_core.nvfp4` (`_triton_quantize`,
+`_triton_dequantize`, `_triton_hadamard`) on the GPU machine, checks their bytes, and names the fastest per
+case (meant to take < 3 min on an H100).
 
     python3 benchmarks/sweep_nvfp4.py [CASE ...]   # cases: 1x16-both 1x16-both-sr 1x16-rowwise
                                                  #        16x16-rowwise 16x16-both 1x16-both-rht
@@ -31,13 +32,13 @@ import triton
 from triton.testing import do_bench
 
 import quant_core
-from quant_core.nvfp4 import _triton as kernels
+from quant_core.nvfp4 import _triton_dequantize, _triton_hadamard, _triton_quantize
+from quant_core.nvfp4._dequantize import Nvfp4GemmOutputArgs
 from quant_core.nvfp4._hadamard import HadamardArgs
-from quant_core.nvfp4._nvfp4 import Nvfp4GemmOutputArgs
 from quant_core.shared._triton_numerics import Tiles
 from quant_core.testing import adversarial
 
-BlockTiles = kernels.BlockTiles
+BlockTiles = _triton_quantize.BlockTiles
 CUDA = torch.device("cuda")
 SIZE = (8192, 8192)
 # Partial tiles both ways; multiples of 16 like SIZE, so no kernel compiles twice (partial blocks:
@@ -135,7 +136,7 @@ def launch_quantize(
     case: Case, x: torch.Tensor, amaxes: torch.Tensor, seed: object, out: tuple, variant: str, tiles: object
 ) -> None:
     hadamard_seed = HADAMARD_SEED if case.hadamard else None
-    kernels.launch_quantize(
+    _triton_quantize.launch_quantize(
         x, case.block_rows, amaxes[0], case.stochastic, seed, out, variant, tiles, amaxes[1], hadamard_seed
     )
 
@@ -174,7 +175,9 @@ def sweep_quantize(case: Case, x: torch.Tensor, x_small: torch.Tensor) -> list[t
         want_small.columnwise_scale_inv,
     )
     baseline = (
-        ("register_blocks", kernels.QUANTIZE_1X16_TILES) if case.hadamard else ("original", kernels.QUANTIZE_TILES)
+        ("register_blocks", _triton_quantize.QUANTIZE_1X16_TILES)
+        if case.hadamard
+        else ("original", _triton_quantize.QUANTIZE_TILES)
     )
     original = run_quantize(case, x, amaxes, *baseline)
     N = x.numel()
@@ -203,22 +206,22 @@ def sweep_hadamard_amaxes(x: torch.Tensor, x_small: torch.Tensor) -> list[tuple]
     """`hadamard_amaxes` with each tile (the module constant set for the call); timed on the kernel
     alone (the maxima land in a preallocated pair, as the operator's zeroed output): bf16 read once."""
     want_small = quant_core.hadamard_amaxes_reference(x_small, HADAMARD_SEED)
-    current = kernels.HADAMARD_AMAXES_TILES
+    current = _triton_hadamard.HADAMARD_AMAXES_TILES
     want = quant_core.hadamard_amaxes(x, HADAMARD_SEED)
     maxima = torch.zeros(2, device=CUDA)
     rows = []
     try:
         for tiles in HADAMARD_AMAXES_TILES:
-            kernels.HADAMARD_AMAXES_TILES = tiles
+            _triton_hadamard.HADAMARD_AMAXES_TILES = tiles
             small = quant_core.hadamard_amaxes(x_small.to(CUDA), HADAMARD_SEED)
             checks = "ok" if torch.equal(small.cpu(), want_small) else "REFERENCE MISMATCH"
             if not torch.equal(quant_core.hadamard_amaxes(x, HADAMARD_SEED), want):
                 checks += ", ORIGINAL MISMATCH"
-            us = bench(lambda: kernels._hadamard_amaxes(HadamardArgs(x, HADAMARD_SEED), maxima))
+            us = bench(lambda: _triton_hadamard._hadamard_amaxes(HadamardArgs(x, HADAMARD_SEED), maxima))
             variant = "original" if tiles == current else "tiles"
             rows.append(("hadamard-amaxes", variant, tiles, us, 2 * x.numel() / us / 1e3, checks))
     finally:
-        kernels.HADAMARD_AMAXES_TILES = current
+        _triton_hadamard.HADAMARD_AMAXES_TILES = current
     return rows
 
 
@@ -239,16 +242,18 @@ def sweep_dequantize(x: torch.Tensor, x_small: torch.Tensor) -> list[tuple]:
             )
             small_cases.append((block_rows, ref.rowwise_data, small_scale, dtype, want))
     reference_out = torch.empty(x.shape, dtype=torch.bfloat16, device=CUDA)
-    kernels.launch_dequantize(data, scale, 1, global_amax, reference_out, "elementwise", kernels.DEQUANTIZE_TILES)
+    _triton_dequantize.launch_dequantize(
+        data, scale, 1, global_amax, reference_out, "elementwise", _triton_dequantize.DEQUANTIZE_TILES
+    )
     N = x.numel()
     traffic = N // 2 + N // 16 + 2 * N
     rows = []
-    candidates = [("elementwise", kernels.DEQUANTIZE_TILES)] + [("pairs", t) for t in DEQUANTIZE_TILES]
+    candidates = [("elementwise", _triton_dequantize.DEQUANTIZE_TILES)] + [("pairs", t) for t in DEQUANTIZE_TILES]
     for variant, tiles in candidates:
         checks = "ok"
         for block_rows, small_data, small_scale, dtype, want in small_cases:
             got = torch.empty(want.shape, dtype=dtype, device=CUDA)
-            kernels.launch_dequantize(
+            _triton_dequantize.launch_dequantize(
                 small_data.to(CUDA), small_scale.to(CUDA), block_rows, check_amax.to(CUDA), got, variant, tiles
             )
             width = {4: torch.int32, 2: torch.int16}[want.element_size()]
@@ -257,7 +262,7 @@ def sweep_dequantize(x: torch.Tensor, x_small: torch.Tensor) -> list[tuple]:
         out = torch.empty(x.shape, dtype=torch.bfloat16, device=CUDA)
 
         def launch(out: torch.Tensor = out, variant: str = variant, tiles: Tiles = tiles) -> None:
-            kernels.launch_dequantize(data, scale, 1, global_amax, out, variant, tiles)
+            _triton_dequantize.launch_dequantize(data, scale, 1, global_amax, out, variant, tiles)
 
         us = bench(launch)
         if not torch.equal(out.view(torch.int16), reference_out.view(torch.int16)):
@@ -280,18 +285,18 @@ def sweep_gemm_output(x: torch.Tensor) -> list[tuple]:
     bias = torch.randn(x.shape[1], device=CUDA, dtype=torch.bfloat16)
     traffic = 6 * product.numel()
     rows = []
-    original = kernels.GEMM_OUTPUT_TILES
+    original = _triton_dequantize.GEMM_OUTPUT_TILES
     for tiles in [original, *(t for t in GEMM_OUTPUT_TILES if t != original)]:
-        kernels.GEMM_OUTPUT_TILES = tiles
+        _triton_dequantize.GEMM_OUTPUT_TILES = tiles
         got = torch.empty(CHECK_SIZE, dtype=torch.bfloat16, device=CUDA)
         small_args = Nvfp4GemmOutputArgs(small.to(CUDA), *amaxes, small_bias.to(CUDA), torch.bfloat16)
-        kernels._nvfp4_gemm_output(small_args, got)
+        _triton_dequantize._nvfp4_gemm_output(small_args, got)
         checks = "ok" if torch.equal(got.cpu().view(torch.int16), want.view(torch.int16)) else "REFERENCE MISMATCH"
         out = torch.empty(x.shape, dtype=torch.bfloat16, device=CUDA)
         args = Nvfp4GemmOutputArgs(product, *amaxes, bias, torch.bfloat16)
-        us = bench(lambda out=out, args=args: kernels._nvfp4_gemm_output(args, out))
+        us = bench(lambda out=out, args=args: _triton_dequantize._nvfp4_gemm_output(args, out))
         rows.append(("gemm-output", "triton", tiles, us, traffic / us / 1e3, checks))
-    kernels.GEMM_OUTPUT_TILES = original
+    _triton_dequantize.GEMM_OUTPUT_TILES = original
     factor = torch.reciprocal(quant_core.nvfp4_tensor_scale(amaxes[0])) * torch.reciprocal(
         quant_core.nvfp4_tensor_scale(amaxes[1])
     )

@@ -105,6 +105,23 @@ struct MagnitudeKey {
   }
 };
 
+// The magnitude key of an fp32 value ([Note: magnitude keys]): max over keys is the amax over
+// finite magnitudes (NaN and +-Inf count as 0), as an integer reduction that vectorizes.
+QUANT_CORE_INLINE int32_t magnitude_key(float v) { return MagnitudeKey<DType::kFloat32>::of(float_to_bits(v)); }
+
+// The largest magnitude key of rows x cols values, rows row_stride apart.
+QUANT_CORE_INLINE int32_t max_key_of_rows(const float* __restrict values, int64_t row_stride, int64_t rows,
+                                          int64_t cols) {
+  int32_t key = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < cols; ++j) {
+      const int32_t k = magnitude_key(values[i * row_stride + j]);
+      key = k > key ? k : key;
+    }
+  }
+  return key;
+}
+
 // Calls fn(DType-constant) for a runtime dtype code, so kernels are written once as templates.
 template <class Fn>
 inline void dispatch_dtype(int dtype, Fn&& fn) {

@@ -33,8 +33,8 @@ void fp8_scale(uintptr_t amax, int64_t n, float fmax, int margin, bool power_2_s
 void delayed_fp8_scale(uintptr_t amax_history, int64_t length, uintptr_t amax, float fmax, int margin,
                        bool power_2_scales, bool most_recent, uintptr_t scale, uintptr_t scale_inv);
 
-// Block-scaled quantize (blocks.cpp): outputs as in [Note: block layouts]; a zero pointer skips a
-// usage. Scales: MXFP8 E8M0 bytes, blockwise FP8 fp32 scale_inv, NVFP4 E4M3 bytes.
+// Block-scaled quantize (quantize_blocks.cpp): outputs as in [Note: block layouts]; a zero pointer
+// skips a usage. Scales: MXFP8 E8M0 bytes, blockwise FP8 fp32 scale_inv, NVFP4 E4M3 bytes.
 void quantize_mxfp8(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
                     uintptr_t rowwise_data, uintptr_t rowwise_scale, uintptr_t columnwise_data,
                     uintptr_t columnwise_scale, int num_threads);
@@ -53,7 +53,8 @@ void quantize_nvfp4(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t str
                     uintptr_t columnwise_amax, bool hadamard, uint64_t hadamard_seed, uintptr_t rowwise_data,
                     uintptr_t rowwise_scale, uintptr_t columnwise_data, uintptr_t columnwise_scale, int num_threads);
 
-// Dequantize R x C codes (contiguous; NVFP4 packed two per byte) into an R x C output of out_dtype.
+// Dequantize R x C codes (contiguous; NVFP4 packed two per byte) into an R x C output of out_dtype
+// (dequantize.cpp).
 void dequantize_fp8(uintptr_t data, int fp8_format, int64_t R, int64_t C, uintptr_t scale_inv, uintptr_t out,
                     int out_dtype, int num_threads);
 void dequantize_mxfp8(uintptr_t data, int64_t R, int64_t C, uintptr_t scale_inv, uintptr_t out, int out_dtype,
@@ -63,13 +64,14 @@ void dequantize_fp8_blockwise(uintptr_t data, int fp8_format, int64_t R, int64_t
 void dequantize_nvfp4(uintptr_t data, int64_t R, int64_t C, int64_t block_rows, uintptr_t scale_inv,
                       uintptr_t global_amax, uintptr_t out, int out_dtype, int num_threads);
 
-// Lossless transposes: one-byte codes read through strides into a contiguous C x R output, and
-// packed 4-bit codes (R x C codes, R even) into C x R codes packed along R.
+// Lossless transposes (transpose.cpp): one-byte codes read through strides into a contiguous C x R
+// output, and packed 4-bit codes (R x C codes, R even) into C x R codes packed along R.
 void transpose_bytes(uintptr_t src, int64_t R, int64_t C, int64_t stride_row, int64_t stride_col, uintptr_t dst,
                      int num_threads);
 void transpose_nvfp4(uintptr_t src, int64_t R, int64_t C, uintptr_t dst, int num_threads);
 
-// 16 x 16 random Hadamard transform along K (a multiple of 16) into a contiguous output of x's dtype.
+// 16 x 16 random Hadamard transform along K (a multiple of 16) into a contiguous output of x's dtype
+// (hadamard.cpp).
 void hadamard_transform_16(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
                            uint64_t seed, uintptr_t out_MK, int num_threads);
 // amax_out[0] = max |x| and amax_out[1] = max |T(x^T)| over the finite elements (fp32), T the

@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -109,6 +113,28 @@ def test_forcing_the_reference_reaches_calls_through_the_dispatcher(monkeypatch)
         torch.ops.quant_core.amax(x)
     assert calls == [1]
     _library.OPERATORS["amax"].resolved.clear()
+
+
+def test_every_module_with_triton_kernels_is_among_the_triton_modules():
+    # register_triton_kernels imports `_library.TRITON_MODULES` (found on disk), so a module
+    # registering a Triton kernel outside them would leave its op without a CUDA kernel. In a fresh
+    # process (the Triton modules set Inductor options when imported), every module of quant_core
+    # is imported; the modules of the Triton kernels registered then must all be among them.
+    pytest.importorskip("triton")
+    code = """
+import importlib, json, pkgutil
+import quant_core
+from quant_core import _library
+for module in pkgutil.walk_packages(quant_core.__path__, "quant_core."):
+    importlib.import_module(module.name)
+kernels = {name: op.kernels["triton"].__module__ for name, op in _library.OPERATORS.items() if "triton" in op.kernels}
+print(json.dumps(kernels))
+"""
+    run = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    modules = json.loads(run.stdout.splitlines()[-1])
+    assert set(modules) == set(_library.OPERATORS) - {"adam_step"}  # every op but adam_step has one
+    missing = {op: module for op, module in modules.items() if module not in _library.TRITON_MODULES}
+    assert not missing, f"Triton kernels in modules register_triton_kernels does not import: {missing}"
 
 
 def test_registering_a_kernel_twice_raises():

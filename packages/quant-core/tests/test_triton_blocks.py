@@ -1,6 +1,6 @@
 """The Triton kernels of blockwise FP8 and MXFP8 equal the reference bit for bit (CUDA only).
 
-References run on CPU copies of the inputs (see testfp8/_triton.py for why).
+References run on CPU copies of the inputs (see test_triton_fp8.py for why).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from quant_core.testing import FLOAT_DTYPES, adversarial
 
 pytest.importorskip("triton")  # CI machines have no Triton: the kernels' module needs it
 
-from quant_core.blocks import _triton as _triton_blocks
-from quant_core.blocks._triton import TwoPassTiles
+from quant_core.blocks import _triton_quantize
+from quant_core.blocks._triton_two_pass import TwoPassTiles
 
 pytestmark = [
     pytest.mark.cuda,
@@ -125,7 +125,7 @@ def test_two_pass_kernel_equals_reference(case, early_nan, monkeypatch):
         tile_k=64 if mxfp8 else 128, chunk_m=chunk_m, store_m=store_m, num_warps=4, early_nan=early_nan
     )
     for name in ("MXFP8_TILES", "MXFP8_ROWWISE_TILES") if mxfp8 else ("BLOCKWISE_TILES", "BLOCKWISE_ROWWISE_TILES"):
-        monkeypatch.setattr(_triton_blocks, name, tiles)
+        monkeypatch.setattr(_triton_quantize, name, tiles)
     quantize, reference, _, _ = CASES[case]
     for shape in [*SHAPES, (256, 512)]:
         x = adversarial(shape, torch.bfloat16, seed=sum(shape) + len(case))

@@ -23,10 +23,11 @@ import triton
 import triton.language as tl
 
 import quant_core
-from quant_core.blocks import _triton as tb
+from quant_core.blocks import _triton_dequantize, _triton_scales
+from quant_core.blocks import _triton_quantize as tb
 from quant_core.blocks._blockwise import QuantizeFp8BlockwiseArgs
 from quant_core.blocks._mxfp8 import DequantizeMxfp8PairArgs, QuantizeMxfp8Args
-from quant_core.blocks._triton import TwoPassTiles
+from quant_core.blocks._triton_two_pass import TwoPassTiles
 from quant_core.shared._triton_numerics import Tiles
 from quant_core.testing import adversarial
 
@@ -38,8 +39,8 @@ def scales_kernel(amax_ptr, out_ptr, N, SCALE_RULE: tl.constexpr, E4M3: tl.const
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < N
     amax = tl.load(amax_ptr + offsets, mask=mask, other=0.0)
-    fast, fast_stored = tb._power_of_two_scale(amax, SCALE_RULE, E4M3)
-    slow, slow_stored = tb._block_scale(amax, SCALE_RULE, E4M3)
+    fast, fast_stored = _triton_scales._power_of_two_scale(amax, SCALE_RULE, E4M3)
+    slow, slow_stored = _triton_scales._block_scale(amax, SCALE_RULE, E4M3)
     tl.store(out_ptr + 4 * offsets, fast.to(tl.int32, bitcast=True), mask=mask)
     tl.store(out_ptr + 4 * offsets + 1, slow.to(tl.int32, bitcast=True), mask=mask)
     if SCALE_RULE == 0:
@@ -98,14 +99,14 @@ check("blockwise", TwoPassTiles(tile_k=128, chunk_m=32, store_m=128, num_warps=4
 
 # Two operands in one launch ([Note: dequantizing two operands]): A's programs, then B's, with
 # partial tiles on both sides and an empty A; the values those of the reference, bit for bit.
-tb.DEQUANTIZE_TILES = Tiles(16, 64, 2)
+_triton_dequantize.DEQUANTIZE_TILES = Tiles(16, 64, 2)
 q = quant_core.quantize_mxfp8_reference(adversarial((40, 100), seed=5), rowwise=True, columnwise=True)
 empty = quant_core.quantize_mxfp8_reference(torch.empty(0, 64))
 buffers = [(q.rowwise_data, q.rowwise_scale_inv), (q.columnwise_data, q.columnwise_scale_inv), (empty.rowwise_data, empty.rowwise_scale_inv)]
 operands = [(data.contiguous(), scale.contiguous()) for data, scale in buffers]  # as the operator passes them
 for a, b in [(operands[0], operands[1]), (operands[1], operands[0]), (operands[2], operands[1])]:
     outs = [torch.empty(data.shape, dtype=torch.float32) for data, _ in (a, b)]
-    tb._dequantize_mxfp8_pair(DequantizeMxfp8PairArgs(*a, *b, torch.float32), *outs)
+    _triton_dequantize._dequantize_mxfp8_pair(DequantizeMxfp8PairArgs(*a, *b, torch.float32), *outs)
     for (data, scale), out in zip((a, b), outs):
         want = quant_core.dequantize_mxfp8_reference(data, scale, torch.float32)
         assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (data.shape, out.shape)

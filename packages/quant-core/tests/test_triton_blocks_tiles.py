@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")  # CI machines have no Triton: the kernels' module needs it
 
-from quant_core.blocks import _triton as tb
+from quant_core.blocks import _triton_quantize as tb
 from quant_core.blocks._blockwise import QuantizeFp8BlockwiseArgs
 from quant_core.blocks._mxfp8 import QuantizeMxfp8Args
 from quant_core.shared._triton_numerics import Tiles

@@ -1,9 +1,10 @@
 """The Triton kernels of NVFP4 equal the reference bit for bit (CUDA): quantize (1 x 16 and
 16 x 16, stochastic rounding), dequantize, the nibble transpose and the Hadamard transform, every
-kernel variant of `nvfp4._triton`. On machines without a GPU, Triton's CPU interpreter checks the
-indexing of the register-blocks quantize and the pairs dequantize kernels.
+kernel variant (`nvfp4._triton_quantize`, `nvfp4._triton_dequantize`). On machines without a GPU,
+Triton's CPU interpreter checks the indexing of the register-blocks quantize and the pairs
+dequantize kernels.
 
-References run on CPU copies of the inputs (see testfp8/_triton.py for why).
+References run on CPU copies of the inputs (see test_triton_fp8.py for why).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import quant_core
 from quant_core.testing import FLOAT_DTYPES, adversarial, run_in_triton_interpreter
 
 pytest.importorskip("triton")
-from quant_core.nvfp4 import _triton as _triton_nvfp4  # after the skip: imports Triton
+from quant_core.nvfp4 import _triton_dequantize, _triton_quantize  # after the skip: imports Triton
+from quant_core.shared._triton_numerics import Tiles
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu-suite.sh)")
 
@@ -179,7 +181,7 @@ def quantize_with(
     amax = torch.tensor(2688.0, device=device)
     columnwise_amax = torch.tensor(COLUMNWISE_AMAX, device=device)
     signed_seed = None if hadamard_seed is None else (hadamard_seed + 2**63) % 2**64 - 2**63  # int64 range
-    _triton_nvfp4.launch_quantize(
+    _triton_quantize.launch_quantize(
         x_MK, block_rows, amax, stochastic, SEED, out, variant, tiles, columnwise_amax, signed_seed
     )  # fmt: skip
     return out
@@ -219,15 +221,15 @@ import torch
 sys.path.insert(0, {tests!r})
 from test_triton_nvfp4 import quantize_with, reference_of, with_ties
 import quant_core
-from quant_core.nvfp4 import _triton as kernels
-from quant_core.nvfp4 import _hadamard, _nvfp4
+from quant_core.nvfp4 import _dequantize, _triton_dequantize, _triton_quantize
+from quant_core.shared._triton_numerics import Tiles
 from quant_core.testing import adversarial
 
 x = with_ties(adversarial((34, 50), torch.float32, seed=1))
 views = [x, x.t()[:, :34], x[::2, 1::2][:, :24]]  # transposed (stride_k 50), strided with odd M
 cases = [(1, False), (1, True), (16, False), (16, True)]
-runs = [(view, case, kernels.BlockTiles(32, 32, 2, 8)) for view in views for case in cases]
-runs += [(x, case, kernels.BlockTiles(16, 16, 1, 2)) for case in cases[1:3]]  # T = 2: H = 8
+runs = [(view, case, _triton_quantize.BlockTiles(32, 32, 2, 8)) for view in views for case in cases]
+runs += [(x, case, _triton_quantize.BlockTiles(16, 16, 1, 2)) for case in cases[1:3]]  # T = 2: H = 8
 for view, (block_rows, stochastic), tiles in runs:
     columnwise = view.shape[0] % 2 == 0
     got = quantize_with("register_blocks", tiles, view, block_rows, stochastic, columnwise)
@@ -240,26 +242,26 @@ for block_rows, dtype in [(1, torch.float32), (16, torch.bfloat16), (1, torch.fl
     q.rowwise_scale_inv.view(torch.uint8)[0, 1] = 0x7F  # a NaN scale
     want = quant_core.dequantize_nvfp4_reference(q.rowwise_data, q.rowwise_scale_inv, amax, (block_rows, 16), dtype)
     got = torch.empty(want.shape, dtype=dtype)
-    kernels.launch_dequantize(q.rowwise_data, q.rowwise_scale_inv, block_rows, amax, got, "pairs", kernels.Tiles(16, 32, 2))
+    _triton_dequantize.launch_dequantize(q.rowwise_data, q.rowwise_scale_inv, block_rows, amax, got, "pairs", Tiles(16, 32, 2))
     width = {{4: torch.int32, 2: torch.int16}}[got.element_size()]
     assert torch.equal(got.view(width), want.view(width)), (block_rows, dtype)
     want = quant_core.dequantize_nvfp4_reference(q.rowwise_data, q.rowwise_scale_inv, None, (block_rows, 16), dtype)
-    kernels.launch_dequantize(q.rowwise_data, q.rowwise_scale_inv, block_rows, None, got, "pairs", kernels.Tiles(16, 32, 2))
+    _triton_dequantize.launch_dequantize(q.rowwise_data, q.rowwise_scale_inv, block_rows, None, got, "pairs", Tiles(16, 32, 2))
     assert torch.equal(got.view(width), want.view(width)), (block_rows, dtype, "without the tensor scale")
 # Two operands in one launch: A's programs, then B's (partial tiles both sides, an empty A).
-kernels.DEQUANTIZE_PAIRS_TILES = kernels.Tiles(16, 32, 2)
+_triton_dequantize.DEQUANTIZE_PAIRS_TILES = Tiles(16, 32, 2)
 tiled = quant_core.quantize_nvfp4_reference(x, (16, 16), global_amax=amax)
 blocks = quant_core.quantize_nvfp4_reference(x, (1, 16), global_amax=amax)
 empty = quant_core.quantize_nvfp4_reference(torch.empty(0, 32))
 operands = [(tiled.rowwise_data, tiled.rowwise_scale_inv, 16, amax), (blocks.rowwise_data, blocks.rowwise_scale_inv, 1, None), (empty.rowwise_data, empty.rowwise_scale_inv, 1, None)]
 for a, b in [(operands[0], operands[1]), (operands[1], operands[0]), (operands[2], operands[0])]:
     outs = [torch.empty(op[0].shape[0], 2 * op[0].shape[1]) for op in (a, b)]
-    pair = _nvfp4.DequantizeNvfp4PairArgs(a[0], a[1], b[0], b[1], a[2], a[3], b[2], b[3], torch.float32)
-    kernels._dequantize_nvfp4_pair(pair, *outs)
+    pair = _dequantize.DequantizeNvfp4PairArgs(a[0], a[1], b[0], b[1], a[2], a[3], b[2], b[3], torch.float32)
+    _triton_dequantize._dequantize_nvfp4_pair(pair, *outs)
     for (data, scale, rows, global_amax), out in zip((a, b), outs):
         want = quant_core.dequantize_nvfp4_reference(data, scale, global_amax, (rows, 16), torch.float32)
         assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (data.shape, rows, global_amax)
-kernels.GEMM_OUTPUT_TILES = kernels.Tiles(1, 64, 2)  # 34 x 50 = 1700 elements: 27 programs, the last partial
+_triton_dequantize.GEMM_OUTPUT_TILES = Tiles(1, 64, 2)  # 34 x 50 = 1700 elements: 27 programs, the last partial
 product = adversarial((34, 50), torch.float32, seed=5)
 bias = adversarial((50,), torch.bfloat16, seed=6)
 for a_amax, b_amax, with_bias, dtype in [(3.0e3, 1.0e-3, True, torch.bfloat16), (0.0, 7.5, False, torch.float16)]:
@@ -267,7 +269,7 @@ for a_amax, b_amax, with_bias, dtype in [(3.0e3, 1.0e-3, True, torch.bfloat16), 
     b = bias if with_bias else None
     want = quant_core.nvfp4_gemm_output_reference(product, a_amax, b_amax, b, dtype)
     got = torch.empty(want.shape, dtype=dtype)
-    kernels._nvfp4_gemm_output(_nvfp4.Nvfp4GemmOutputArgs(product, a_amax, b_amax, b, dtype), got)
+    _triton_dequantize._nvfp4_gemm_output(_dequantize.Nvfp4GemmOutputArgs(product, a_amax, b_amax, b, dtype), got)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (a_amax, b_amax, with_bias, dtype)
 """
 
@@ -281,10 +283,10 @@ def test_new_kernels_index_like_the_reference_in_the_triton_interpreter():
 @pytest.mark.parametrize(
     ("variant", "tiles"),
     [
-        ("original", _triton_nvfp4.QUANTIZE_TILES),
-        ("register_blocks", _triton_nvfp4.BlockTiles(32, 32, 2, 8)),
-        ("register_blocks", _triton_nvfp4.BlockTiles(64, 64, 4, 4)),
-        ("register_blocks", _triton_nvfp4.BlockTiles(128, 128, 8, 8)),
+        ("original", _triton_quantize.QUANTIZE_TILES),
+        ("register_blocks", _triton_quantize.BlockTiles(32, 32, 2, 8)),
+        ("register_blocks", _triton_quantize.BlockTiles(64, 64, 4, 4)),
+        ("register_blocks", _triton_quantize.BlockTiles(128, 128, 8, 8)),
     ],
 )
 @pytest.mark.parametrize("block_rows", [1, 16])
@@ -304,7 +306,7 @@ def test_every_quantize_variant_equals_reference(variant, tiles, block_rows, sto
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize(
-    ("variant", "tiles"), [("elementwise", _triton_nvfp4.DEQUANTIZE_TILES), ("pairs", _triton_nvfp4.Tiles(16, 32, 2))]
+    ("variant", "tiles"), [("elementwise", _triton_dequantize.DEQUANTIZE_TILES), ("pairs", Tiles(16, 32, 2))]
 )
 def test_every_dequantize_variant_equals_reference(variant, tiles):
     amax = torch.tensor(3.0e3)
@@ -317,12 +319,12 @@ def test_every_dequantize_variant_equals_reference(variant, tiles):
             )
             got = torch.empty(want.shape, dtype=dtype, device=CUDA)
             data, scale = q.rowwise_data.to(CUDA), q.rowwise_scale_inv.to(CUDA)
-            _triton_nvfp4.launch_dequantize(data, scale, block_rows, amax.to(CUDA), got, variant, tiles)
+            _triton_dequantize.launch_dequantize(data, scale, block_rows, amax.to(CUDA), got, variant, tiles)
             assert_bitwise(got, want, f"{shape} {dtype}")
             want = quant_core.dequantize_nvfp4_reference(
                 q.rowwise_data, q.rowwise_scale_inv, None, (block_rows, 16), dtype
             )
-            _triton_nvfp4.launch_dequantize(data, scale, block_rows, None, got, variant, tiles)
+            _triton_dequantize.launch_dequantize(data, scale, block_rows, None, got, variant, tiles)
             assert_bitwise(got, want, f"{shape} {dtype} without the tensor scale")
 
 
@@ -411,10 +413,10 @@ def test_hadamard_amaxes_equal_reference(dtype):
 @pytest.mark.parametrize(
     "tiles",
     [
-        _triton_nvfp4.BlockTiles(32, 32, 2, 8),
-        _triton_nvfp4.BlockTiles(64, 64, 4, 4),
-        _triton_nvfp4.BlockTiles(64, 64, 4, 16),
-        _triton_nvfp4.BlockTiles(128, 128, 8, 8),
+        _triton_quantize.BlockTiles(32, 32, 2, 8),
+        _triton_quantize.BlockTiles(64, 64, 4, 4),
+        _triton_quantize.BlockTiles(64, 64, 4, 16),
+        _triton_quantize.BlockTiles(128, 128, 8, 8),
     ],
 )
 @pytest.mark.parametrize("stochastic", [False, True])
@@ -435,25 +437,25 @@ import torch
 sys.path.insert(0, {tests!r})
 from test_triton_nvfp4 import HADAMARD_SEED, quantize_with, reference_of, with_ties
 import quant_core
-from quant_core.nvfp4 import _triton as kernels
-from quant_core.nvfp4 import _hadamard, _nvfp4
+from quant_core.nvfp4 import _hadamard, _triton_hadamard, _triton_quantize
+from quant_core.shared._triton_numerics import Tiles
 from quant_core.testing import adversarial
 
 x = with_ties(adversarial((48, 50), torch.float32, seed=1))
 views = [x, x[:, :34], adversarial((50, 32), seed=2).t()[:, :48]]  # partial tiles; transposed (stride_k 50)
-runs = [(view, stochastic, kernels.BlockTiles(32, 32, 2, 8)) for view in views for stochastic in (False, True)]
-runs += [(x, False, kernels.BlockTiles(16, 16, 1, 2)), (x, True, kernels.BlockTiles(32, 16, 1, 16))]  # H = 8, T = 16
+runs = [(view, stochastic, _triton_quantize.BlockTiles(32, 32, 2, 8)) for view in views for stochastic in (False, True)]
+runs += [(x, False, _triton_quantize.BlockTiles(16, 16, 1, 2)), (x, True, _triton_quantize.BlockTiles(32, 16, 1, 16))]  # H = 8, T = 16
 for view, stochastic, tiles in runs:
     got = quantize_with("register_blocks", tiles, view, 1, stochastic, True, hadamard_seed=HADAMARD_SEED)
     want = reference_of(view, 1, stochastic, True, hadamard_seed=HADAMARD_SEED)
     for g, w in zip(got, want):
         assert torch.equal(g, w.reshape(g.shape)), (tuple(view.shape), stochastic, tiles)
-kernels.HADAMARD_AMAXES_TILES = kernels.Tiles(32, 16, 1)  # several programs: their atomics
+_triton_hadamard.HADAMARD_AMAXES_TILES = Tiles(32, 16, 1)  # several programs: their atomics
 for shape in [(34, 50), (16, 16), (7, 3)]:
     y = adversarial(shape, seed=3)
     for view in (y, y.t()):
         got = torch.zeros(2)
-        kernels._hadamard_amaxes(_hadamard.HadamardArgs(view, -5), got)
+        _triton_hadamard._hadamard_amaxes(_hadamard.HadamardArgs(view, -5), got)
         assert torch.equal(got, quant_core.hadamard_amaxes_reference(view, -5)), shape
 """
 

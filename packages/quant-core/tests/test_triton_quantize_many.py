@@ -21,7 +21,7 @@ from quant_core.blocks._mxfp8 import QuantizeMxfp8Args
 from quant_core.testing import FLOAT_DTYPES, adversarial, quantize_many_inputs, run_in_triton_interpreter
 
 tbm = pytest.importorskip("quant_core.blocks._triton_many")  # CI machines have no Triton
-tb = pytest.importorskip("quant_core.blocks._triton")
+tb = pytest.importorskip("quant_core.blocks._triton_quantize")
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu-suite.sh)")
 
@@ -35,7 +35,7 @@ FIELDS = ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_sc
 _INTERPRETED = """
 import torch
 import quant_core
-from quant_core.blocks import _triton as tb
+from quant_core.blocks import _triton_quantize as tb
 from quant_core.blocks import _triton_many as tbm
 from quant_core.blocks._blockwise import QuantizeFp8BlockwiseArgs
 from quant_core.blocks._mxfp8 import QuantizeMxfp8Args

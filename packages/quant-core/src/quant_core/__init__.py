@@ -82,6 +82,13 @@ from quant_core.fp8._scale import (
     fp8_scale_reference,
     push_amax_,
 )
+from quant_core.nvfp4._dequantize import (
+    dequantize_nvfp4,
+    dequantize_nvfp4_pair,
+    dequantize_nvfp4_reference,
+    nvfp4_gemm_output,
+    nvfp4_gemm_output_reference,
+)
 from quant_core.nvfp4._hadamard import (
     hadamard_amaxes,
     hadamard_amaxes_reference,
@@ -91,18 +98,8 @@ from quant_core.nvfp4._hadamard import (
     hadamard_transform_16,
     hadamard_transform_16_reference,
 )
-from quant_core.nvfp4._nvfp4 import (
-    NVFP4_BLOCK,
-    dequantize_nvfp4,
-    dequantize_nvfp4_pair,
-    dequantize_nvfp4_reference,
-    nvfp4_gemm_output,
-    nvfp4_gemm_output_reference,
-    nvfp4_tensor_scale,
-    quantize_nvfp4,
-    quantize_nvfp4_reference,
-    transpose_nvfp4,
-)
+from quant_core.nvfp4._nvfp4 import NVFP4_BLOCK, nvfp4_tensor_scale, quantize_nvfp4, quantize_nvfp4_reference
+from quant_core.nvfp4._transpose import transpose_nvfp4
 
 # The Triton kernels register on the CUDA dispatch key where they can run ([Note: custom ops] in
 # quant_core._library); the C++ kernels registered on the CPU key with their formats' modules.

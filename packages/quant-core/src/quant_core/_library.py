@@ -45,6 +45,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import pkgutil
 import types
 import typing
 from collections.abc import Callable, Iterator, Sequence
@@ -433,21 +434,26 @@ def cpp_extension() -> Any:
     return _extension
 
 
+def _triton_modules() -> tuple[str, ...]:
+    """Every `_triton*` module of quant_core's subpackages, found on disk: a format folder's
+    register their kernels when imported, `shared`'s hold what the kernels share. A module is
+    registered by its name alone, so none can be left out of a list."""
+    root = os.path.dirname(__file__)
+    return tuple(
+        f"{NAMESPACE}.{package.name}.{module.name}"
+        for package in pkgutil.iter_modules([root])
+        if package.ispkg
+        for module in pkgutil.iter_modules([os.path.join(root, package.name)])
+        if module.name.startswith("_triton")
+    )
+
+
 # The modules whose import registers the Triton kernels (CUDA key), imported only where they can run.
-TRITON_MODULES = (
-    "quant_core.adam._triton",
-    "quant_core.blocks._triton",
-    "quant_core.blocks._triton_many",
-    "quant_core.fp8._triton",
-    "quant_core.fp8._triton_amax_many",
-    "quant_core.fp8._triton_cast_many",
-    "quant_core.fp8._triton_scale",
-    "quant_core.nvfp4._triton",
-)
+TRITON_MODULES = _triton_modules()
 
 
 def register_triton_kernels() -> None:
-    """Imports the Triton modules, whose kernels register on the CUDA dispatch key."""
+    """Imports the Triton modules (`TRITON_MODULES`), whose kernels register on the CUDA dispatch key."""
     for module in TRITON_MODULES:
         importlib.import_module(module)
 

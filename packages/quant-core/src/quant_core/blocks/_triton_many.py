@@ -7,11 +7,11 @@ master after each step; one launch per weight costs ~90 us of host time on an H1
 operator dispatch, launch), more than the kernel at the sizes of most weights. Here one launch
 quantizes a list of tensors: program p reads row p of a program table (tensor t, tile i;
 `_triton_tables.program_table`), then tensor t's addresses, (M, K) and strides from a pointer
-table ([Note: pointer tables]), and runs the single-tensor kernel's tile body (`_quantize_tile`,
-`_quantize_two_pass_tile` in `blocks._triton`) on tile i of it, with the tiles `_tiles_for` picks
-for that tensor's single launch: the bytes are the single kernel's, bit for bit, and both tables
-are cached by content, so a step whose tensors keep their storages copies nothing to the device
-(and a CUDA graph can replay it).
+table ([Note: pointer tables]), and runs the single-tensor kernel's tile body (`_quantize_tile` in
+`blocks._triton_quantize`, `_quantize_two_pass_tile` in `blocks._triton_two_pass`) on tile i of
+it, with the tiles `_tiles_for` picks for that tensor's single launch: the bytes are the single
+kernel's, bit for bit, and both tables are cached by content, so a step whose tensors keep their
+storages copies nothing to the device (and a CUDA graph can replay it).
 Constexprs must be the same for every program of a launch, so the tensors are grouped by what
 the single launch specializes on: input dtype and usages (they pick the tiles), whether a tile
 is partial (the two-pass kernel's MASKED), and `ALIGNED`: rows contiguous (stride 1 along K),
@@ -40,17 +40,16 @@ from quant_core._library import register_kernel
 from quant_core.blocks._blockwise import QuantizeFp8BlockwiseArgs
 from quant_core.blocks._layout import quantize_buffers
 from quant_core.blocks._mxfp8 import QuantizeMxfp8Args
-from quant_core.blocks._triton import (
+from quant_core.blocks._triton_quantize import (
     MXFP8_FORMAT,
-    TwoPassTiles,
     _launch_options,
     _launch_quantize,
     _quantize_tile,
-    _quantize_two_pass_tile,
     _tile_shape,
     _tiles_for,
     blockwise_format,
 )
+from quant_core.blocks._triton_two_pass import TwoPassTiles, _quantize_two_pass_tile
 from quant_core.shared._triton_launch import cdiv, launch
 from quant_core.shared._triton_tables import int_table, program_table
 

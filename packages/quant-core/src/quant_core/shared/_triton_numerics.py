@@ -9,7 +9,7 @@ bit for bit; kernels that call them launch with `enable_fp_fusion=False` and div
 which is the references' clamp-then-round), with NaN remapped to 0x7F; FP8 -> fp32 uses the exact hardware
 upcast. Triton's CPU interpreter mis-rounds FP8 casts, so under TRITON_INTERPRET=1 the same
 functions compute the codes with integer arithmetic on the fp32 bits instead (the mirror of
-csrc/common.h's `encode_fp8`). `tests/testfp8/_triton.py` checks on the GPU that both paths give
+csrc/common.h's `encode_fp8`). `tests/test_triton_fp8.py` checks on the GPU that both paths give
 the same code for every one of the 2^32 fp32 bit patterns.
 
 Host helpers: the launch options, the seed tensor, the tile choices (`Tiles`).

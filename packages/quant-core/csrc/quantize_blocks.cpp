@@ -1,15 +1,15 @@
-// Block-scaled formats (MXFP8, blockwise FP8, NVFP4): one tile-based quantizer and one
-// dequantizer, specialised by a small policy per format; plus the lossless transposes and the
-// 16 x 16 Hadamard transform. The layouts are those of [Note: block layouts] (_blocks.py).
+// Block-scaled quantize (MXFP8, blockwise FP8, NVFP4): one tile-based quantizer, specialised by a
+// small policy per format. The layouts are those of [Note: block layouts] (blocks/_layout.py).
 //
 // Quantize reads x once, tile by tile (B rows x 128 columns for block size B): a b x b-tiled
 // format computes one scale per B x B block of the tile and writes the rowwise codes and their
 // transpose; a 1 x B format computes a scale per block of each tile row for rowwise and one per
 // tile column for columnwise (the quantization of x^T, for NVFP4 optionally of T(x^T), [Note:
-// NVFP4 random Hadamard transform] in _nvfp4.py).
+// NVFP4 random Hadamard transform] in nvfp4/_nvfp4.py).
 #include <memory>
 
 #include "common.h"
+#include "hadamard.h"
 #include "kernels.h"
 
 namespace quant_core {
@@ -23,53 +23,6 @@ struct BlockScale {
   uint8_t stored_byte;   // MXFP8 E8M0 byte, NVFP4 E4M3 byte
   bool zero;
 };
-
-// The 16 random signs of the Hadamard transform of `seed` ([Note: counter RNG]).
-struct HadamardSigns {
-  explicit HadamardSigns(uint64_t seed) {
-    for (int j = 0; j < 16; ++j) values[j] = (splitmix64(seed, uint64_t(j)) >> 63) ? -1.0f : 1.0f;
-  }
-  float values[16];
-};
-
-// v <- (1/4) H_16 D v in place, in fp32: signs, the 4-stage butterfly (stage h adds and subtracts
-// elements h apart), times 1/4; the mirror of _nvfp4.hadamard_transform_16_reference.
-inline void hadamard_16(float* v, const float* signs) {
-  for (int j = 0; j < 16; ++j) v[j] *= signs[j];
-  for (int h = 1; h < 16; h *= 2) {
-    for (int i = 0; i < 16; i += 2 * h) {
-      for (int j = i; j < i + h; ++j) {
-        const float a = v[j], b = v[j + h];
-        v[j] = a + b;
-        v[j + h] = a - b;
-      }
-    }
-  }
-  for (int j = 0; j < 16; ++j) v[j] *= 0.25f;
-}
-
-// hadamard_16 of every column j < w of a 16-row tile (row i at tile + i * row_stride), in place:
-// the same operations on each element in the same order, with the loops over columns innermost
-// so that they vectorize.
-inline void hadamard_16_columns(float* __restrict tile, int64_t row_stride, int64_t w, const float* signs) {
-  for (int i = 0; i < 16; ++i)
-    for (int64_t j = 0; j < w; ++j) tile[i * row_stride + j] *= signs[i];
-  for (int h = 1; h < 16; h *= 2) {
-    for (int i0 = 0; i0 < 16; i0 += 2 * h) {
-      for (int i = i0; i < i0 + h; ++i) {
-        float* __restrict upper = tile + i * row_stride;
-        float* __restrict lower = tile + (i + h) * row_stride;
-        for (int64_t j = 0; j < w; ++j) {
-          const float a = upper[j], b = lower[j];
-          upper[j] = a + b;
-          lower[j] = a - b;
-        }
-      }
-    }
-  }
-  for (int i = 0; i < 16; ++i)
-    for (int64_t j = 0; j < w; ++j) tile[i * row_stride + j] *= 0.25f;
-}
 
 // Policies: how a block's scale and codes are computed. kTransformsColumns: the policy may ask
 // (runtime `transform_columns()`) for the 1 x B columnwise runs of a tile (its columns) to go
@@ -160,10 +113,6 @@ QUANT_CORE_INLINE void write_codes(uint8_t* __restrict out, const uint8_t* __res
   }
 }
 
-// The magnitude key of an fp32 value ([Note: magnitude keys]): max over keys is the amax over
-// finite magnitudes (NaN and +-Inf count as 0), as an integer reduction that vectorizes.
-QUANT_CORE_INLINE int32_t magnitude_key(float v) { return MagnitudeKey<DType::kFloat32>::of(float_to_bits(v)); }
-
 // Tiles are B rows (a columnwise run) by kTileCols columns (whole rowwise blocks of every block
 // size), so that the loops along a row are long enough to vectorize.
 constexpr int64_t kMaxBlock = 128;
@@ -208,19 +157,6 @@ QUANT_CORE_INLINE void set_block_scale(TileScratch& t, int64_t j0, int64_t n, co
     t.multipliers[j] = s.multiplier;
     t.zero[j] = s.zero;
   }
-}
-
-// The largest magnitude key of rows x cols values, rows row_stride apart.
-QUANT_CORE_INLINE int32_t max_key_of_rows(const float* __restrict values, int64_t row_stride, int64_t rows,
-                                          int64_t cols) {
-  int32_t key = 0;
-  for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t j = 0; j < cols; ++j) {
-      const int32_t k = magnitude_key(values[i * row_stride + j]);
-      key = k > key ? k : key;
-    }
-  }
-  return key;
 }
 
 // codes_t[j * kMaxBlock + i] = codes[i * kTileCols + j] for i < h, j < w.
@@ -346,52 +282,6 @@ Outputs outputs(uintptr_t rowwise_data, uintptr_t rowwise_scale, uintptr_t colum
           reinterpret_cast<uint8_t*>(columnwise_data), reinterpret_cast<void*>(columnwise_scale)};
 }
 
-// Rows [row_begin, row_end) of out (R x C, dtype D) = decode(code) * factor(r, block) for blocks
-// of `block_cols` codes along each row; `codes` holds R x C codes, kCodesPerByte to a byte (4-bit
-// codes low nibble first; C even then, so each row starts on a byte). A row goes in chunks of
-// kChunk codes with a factor per code, so that the loops are long enough to vectorize.
-template <DType D, int kCodesPerByte, class Decode, class Factor>
-QUANT_CORE_CLONES void dequantize_row_range(const uint8_t* __restrict codes, int64_t C, int64_t block_cols,
-                                            void* __restrict out, int64_t row_begin, int64_t row_end,
-                                            const Decode& decode, const Factor& factor) {
-  using Out = std::conditional_t<D == DType::kFloat32, float, uint16_t>;
-  constexpr int64_t kChunk = 256;  // a multiple of every block size
-  float factors[kChunk];
-  for (int64_t r = row_begin; r < row_end; ++r) {
-    for (int64_t c0 = 0; c0 < C; c0 += kChunk) {
-      const int64_t n = std::min(kChunk, C - c0);
-      for (int64_t j0 = 0; j0 < n; j0 += block_cols) {
-        const float f = factor(r, (c0 + j0) / block_cols);
-        for (int64_t j = j0; j < std::min(n, j0 + block_cols); ++j) factors[j] = f;
-      }
-      const uint8_t* __restrict in = codes + (r * C + c0) / kCodesPerByte;
-      Out* __restrict dst = static_cast<Out*>(out) + r * C + c0;
-      if constexpr (kCodesPerByte == 1) {
-        for (int64_t c = 0; c < n; ++c) store<D>(dst, c, decode(in[c]) * factors[c]);
-      } else {
-        for (int64_t b = 0; b < n / 2; ++b) {
-          store<D>(dst, 2 * b, decode(uint8_t(in[b] & 0xF)) * factors[2 * b]);
-          store<D>(dst, 2 * b + 1, decode(uint8_t(in[b] >> 4)) * factors[2 * b + 1]);
-        }
-      }
-    }
-  }
-}
-
-// Dequantizes all R rows with dequantize_row_range, rows split across threads.
-template <int kCodesPerByte, class Decode, class Factor>
-void dequantize_rows(const uint8_t* codes, int64_t R, int64_t C, int64_t block_cols, int out_dtype, uintptr_t out_ptr,
-                     int num_threads, Decode decode, Factor factor) {
-  void* out = reinterpret_cast<void*>(out_ptr);
-  dispatch_dtype(out_dtype, [&](auto d) {
-    constexpr DType D = decltype(d)::value;
-    const int64_t row_grain = std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(C, 1));
-    parallel_for(R, row_grain, num_threads, [&](int64_t, int64_t row_begin, int64_t row_end) {
-      dequantize_row_range<D, kCodesPerByte>(codes, C, block_cols, out, row_begin, row_end, decode, factor);
-    });
-  });
-}
-
 }  // namespace
 
 void quantize_mxfp8(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
@@ -433,183 +323,6 @@ void quantize_nvfp4(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t str
     run(std::true_type{});
   } else {
     run(std::false_type{});
-  }
-}
-
-void dequantize_fp8(uintptr_t data, int fp8_format, int64_t R, int64_t C, uintptr_t scale_inv, uintptr_t out,
-                    int out_dtype, int num_threads) {
-  const auto* codes = reinterpret_cast<const uint8_t*>(data);
-  const float factor = *reinterpret_cast<const float*>(scale_inv);
-  dispatch_fp8_format(fp8_format, [&](auto f) {
-    constexpr Fp8Format F = decltype(f)::value;
-    dequantize_rows<1>(
-        codes, R, C, std::max<int64_t>(C, 1), out_dtype, out, num_threads,
-        [](uint8_t code) { return decode_fp8<F>(code); }, [factor](int64_t, int64_t) { return factor; });
-  });
-}
-
-void dequantize_mxfp8(uintptr_t data, int64_t R, int64_t C, uintptr_t scale_inv, uintptr_t out, int out_dtype,
-                      int num_threads) {
-  const auto* codes = reinterpret_cast<const uint8_t*>(data);
-  const auto* scales = reinterpret_cast<const uint8_t*>(scale_inv);
-  const int64_t Cb = (C + 31) / 32;
-  dequantize_rows<1>(
-      codes, R, C, 32, out_dtype, out, num_threads, [](uint8_t code) { return decode_fp8<Fp8Format::kE4M3>(code); },
-      [scales, Cb](int64_t r, int64_t block) { return power_of_two(int(scales[r * Cb + block]) - 127); });
-}
-
-void dequantize_fp8_blockwise(uintptr_t data, int fp8_format, int64_t R, int64_t C, int64_t block_rows,
-                              uintptr_t scale_inv, uintptr_t out, int out_dtype, int num_threads) {
-  const auto* codes = reinterpret_cast<const uint8_t*>(data);
-  const auto* scales = reinterpret_cast<const float*>(scale_inv);
-  const int64_t Cb = (C + 127) / 128;
-  dispatch_fp8_format(fp8_format, [&](auto f) {
-    constexpr Fp8Format F = decltype(f)::value;
-    dequantize_rows<1>(
-        codes, R, C, 128, out_dtype, out, num_threads, [](uint8_t code) { return decode_fp8<F>(code); },
-        [scales, Cb, block_rows](int64_t r, int64_t block) { return scales[(r / block_rows) * Cb + block]; });
-  });
-}
-
-void dequantize_nvfp4(uintptr_t data, int64_t R, int64_t C, int64_t block_rows, uintptr_t scale_inv,
-                      uintptr_t global_amax, uintptr_t out, int out_dtype, int num_threads) {
-  const auto* packed = reinterpret_cast<const uint8_t*>(data);
-  const auto* scales = reinterpret_cast<const uint8_t*>(scale_inv);
-  const float S = nvfp4_tensor_scale(*reinterpret_cast<const float*>(global_amax));
-  const int64_t Cb = (C + 15) / 16;
-  dequantize_rows<2>(
-      packed, R, C, 16, out_dtype, out, num_threads, [](uint8_t code) { return decode_e2m1(code); },
-      [scales, Cb, block_rows, S](int64_t r, int64_t block) {
-        return decode_fp8<Fp8Format::kE4M3>(scales[(r / block_rows) * Cb + block]) / S;
-      });
-}
-
-void transpose_bytes(uintptr_t src, int64_t R, int64_t C, int64_t stride_row, int64_t stride_col, uintptr_t dst,
-                     int num_threads) {
-  // 64 x 64 tiles: rows copied into L1 (contiguous when stride_col is 1), transposed there, and
-  // written out as contiguous rows of the output.
-  constexpr int64_t kTile = 64;
-  const auto* in = reinterpret_cast<const uint8_t*>(src);
-  auto* out = reinterpret_cast<uint8_t*>(dst);
-  parallel_for_tiles(R, C, kTile, kTile, num_threads, [&](int64_t r0, int64_t c0, int64_t h, int64_t w) {
-    uint8_t tile[kTile][kTile], tile_t[kTile][kTile];
-    for (int64_t i = 0; i < h; ++i) {
-      const uint8_t* row = in + (r0 + i) * stride_row + c0 * stride_col;
-      if (stride_col == 1) {
-        std::memcpy(tile[i], row, size_t(w));
-      } else {
-        for (int64_t j = 0; j < w; ++j) tile[i][j] = row[j * stride_col];
-      }
-    }
-    for (int64_t i = 0; i < kTile; ++i)
-      for (int64_t j = 0; j < kTile; ++j) tile_t[j][i] = tile[i][j];
-    for (int64_t j = 0; j < w; ++j) std::memcpy(out + (c0 + j) * R + r0, tile_t[j], size_t(h));
-  });
-}
-
-void transpose_nvfp4(uintptr_t src, int64_t R, int64_t C, uintptr_t dst, int num_threads) {
-  // src: R x C codes packed along C (R x C/2 bytes); dst: C x R codes packed along R (R even).
-  // 64 x 64-code tiles: unpack into L1, transpose, repack into contiguous output rows.
-  constexpr int64_t kTile = 64;
-  const auto* in = reinterpret_cast<const uint8_t*>(src);
-  auto* out = reinterpret_cast<uint8_t*>(dst);
-  parallel_for_tiles(R, C, kTile, kTile, num_threads, [&](int64_t r0, int64_t c0, int64_t h, int64_t w) {
-    uint8_t codes_t[kTile][kTile];
-    for (int64_t i = 0; i < h; ++i) {
-      const uint8_t* row = in + ((r0 + i) * C + c0) / 2;
-      for (int64_t j = 0; j < w; j += 2) {
-        codes_t[j][i] = row[j / 2] & 0xF;
-        codes_t[j + 1][i] = row[j / 2] >> 4;
-      }
-    }
-    for (int64_t j = 0; j < w; ++j) {
-      uint8_t* dst_row = out + ((c0 + j) * R + r0) / 2;
-      for (int64_t i = 0; i < h; i += 2) dst_row[i / 2] = uint8_t(codes_t[j][i] | (codes_t[j][i + 1] << 4));
-    }
-  });
-}
-
-void hadamard_transform_16(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
-                           uint64_t seed, uintptr_t out_MK, int num_threads) {
-  const HadamardSigns signs(seed);
-  const void* x = reinterpret_cast<const void*>(x_MK);
-  void* out = reinterpret_cast<void*>(out_MK);
-  dispatch_dtype(dtype, [&](auto d) {
-    constexpr DType D = decltype(d)::value;
-    const int64_t groups = M * (K / 16);
-    parallel_for(groups, kMinElementsPerThread / 16, num_threads, [&](int64_t, int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) {
-        const int64_t r = g / (K / 16), c0 = (g % (K / 16)) * 16;
-        float v[16];
-        for (int j = 0; j < 16; ++j) v[j] = load<D>(x, r * stride_row + (c0 + j) * stride_col);
-        hadamard_16(v, signs.values);
-        for (int j = 0; j < 16; ++j) store<D>(out, r * K + c0 + j, v[j]);
-      }
-    });
-  });
-}
-
-namespace {
-
-// Rows [r0, r0 + h) x cols [c0, c0 + w) of x into a 16 x kHadamardColumns fp32 tile, rows past h
-// zeros; returns the largest magnitude key of the values read.
-constexpr int64_t kHadamardColumns = 64;
-template <DType D>
-QUANT_CORE_CLONES int32_t load_tile_rows(const void* x, int64_t stride_row, int64_t stride_col, int64_t r0, int64_t c0,
-                                         int64_t h, int64_t w, float* __restrict tile) {
-  int32_t key = 0;
-  for (int64_t i = 0; i < 16; ++i) {
-    float* __restrict row = tile + i * kHadamardColumns;
-    for (int64_t j = 0; j < w; ++j) {
-      row[j] = i < h ? load<D>(x, (r0 + i) * stride_row + (c0 + j) * stride_col) : 0.0f;
-      const int32_t k = magnitude_key(row[j]);
-      key = k > key ? k : key;
-    }
-  }
-  return key;
-}
-
-// The largest magnitude key of the tile's first w columns after hadamard_16 of each (in place).
-QUANT_CORE_CLONES int32_t transformed_columns_key(float* __restrict tile, int64_t w, const float* signs) {
-  hadamard_16_columns(tile, kHadamardColumns, w, signs);
-  return max_key_of_rows(tile, kHadamardColumns, 16, w);
-}
-
-}  // namespace
-
-void hadamard_amaxes(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t stride_row, int64_t stride_col,
-                     uint64_t seed, uintptr_t amax_out, int num_threads) {
-  // Runs of 16 rows split across threads; each run is read 64 columns at a time into a 16 x 64
-  // tile (rows past M are zeros), whose magnitudes feed amax(x) and whose columns are transformed
-  // for amax(T(x^T)). Both maxima are over finite magnitudes (NaN and +-Inf count as 0).
-  constexpr int64_t kColumns = kHadamardColumns;
-  const HadamardSigns signs(seed);
-  const void* x = reinterpret_cast<const void*>(x_MK);
-  const int64_t runs = (M + 15) / 16;
-  std::vector<float> partial(size_t(2 * std::max(num_threads, 1)), 0.0f);
-  dispatch_dtype(dtype, [&](auto d) {
-    constexpr DType D = decltype(d)::value;
-    const int64_t grain = std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(16 * K, 1));
-    parallel_for(runs, grain, num_threads, [&](int64_t chunk, int64_t begin, int64_t end) {
-      float tile[16][kColumns];
-      int32_t largest = 0, largest_transformed = 0;  // magnitude keys
-      for (int64_t g = begin; g < end; ++g) {
-        const int64_t r0 = g * 16, h = std::min<int64_t>(16, M - r0);
-        for (int64_t c0 = 0; c0 < K; c0 += kColumns) {
-          const int64_t w = std::min(kColumns, K - c0);
-          largest = std::max(largest, load_tile_rows<D>(x, stride_row, stride_col, r0, c0, h, w, &tile[0][0]));
-          largest_transformed = std::max(largest_transformed, transformed_columns_key(&tile[0][0], w, signs.values));
-        }
-      }
-      partial[size_t(2 * chunk)] = bits_to_float(uint32_t(largest));
-      partial[size_t(2 * chunk + 1)] = bits_to_float(uint32_t(largest_transformed));
-    });
-  });
-  float* result = reinterpret_cast<float*>(amax_out);
-  result[0] = result[1] = 0.0f;
-  for (size_t c = 0; c < partial.size(); c += 2) {
-    result[0] = std::max(result[0], partial[c]);
-    result[1] = std::max(result[1], partial[c + 1]);
   }
 }
 
