@@ -34,14 +34,14 @@ from quant_core.shared._triton_numerics import EXACT, HARDWARE_FP8, Tiles, encod
 
 # Tuned on an H100 (docs/benchmarks.md, tile sweep at bf16 8192^2): 1 x b blocks with a columnwise
 # output (tile_m a multiple of the block; or the two-pass kernel's choice), rowwise only, 128 x 128
-# tiles. scripts/sweep_blocks.py times the candidates.
+# tiles. benchmarks/sweep_blocks.py times the candidates.
 BLOCKWISE_TILES: Tiles | TwoPassTiles = TwoPassTiles(tile_k=128, chunk_m=32, store_m=128, num_warps=8)
 BLOCKWISE_ROWWISE_TILES: Tiles | TwoPassTiles = Tiles(16, 128, 4)
 MXFP8_TILES: Tiles | TwoPassTiles = TwoPassTiles(tile_k=128, chunk_m=4, store_m=32, num_warps=2)
 MXFP8_ROWWISE_TILES: Tiles | TwoPassTiles = Tiles(32, 256, 8)
 TWO_D_TILES: Tiles = Tiles(128, 128, 8)
 # fp32 inputs (FusedAdam requantizes weights from their fp32 master weights; a tile holds twice
-# the bytes of a bf16 one), from `python3 scripts/sweep_blocks.py --dtype float32` on an H100
+# the bytes of a bf16 one), from `python3 benchmarks/sweep_blocks.py --dtype float32` on an H100
 # (docs/benchmarks.md, kernels): MXFP8 with both usages runs fastest as one 2-D tile
 # (163.5 vs 189.4 us two-pass at 8192^2), 1 x 128 with NaN handled early (186.8 vs 215.7). fp16
 # inputs take the bf16 choices; MXFP8 rowwise only has one for every dtype (the sweep has no case
@@ -57,7 +57,7 @@ TWO_D_FP32_TILES: Tiles = TWO_D_TILES
 def _tiles_for(format: str, columnwise: bool, dtype: torch.dtype) -> Tiles | TwoPassTiles:
     """Launch choice of a quantize: `format` 'mxfp8', '1x128' or '128x128' (blockwise), with or
     without a columnwise output, of an input of `dtype`. Reads the module constants at each call,
-    so that scripts/sweep_blocks.py and the tests can set them."""
+    so that benchmarks/sweep_blocks.py and the tests can set them."""
     fp32 = dtype == torch.float32
     if format == "128x128":
         return TWO_D_FP32_TILES if fp32 else TWO_D_TILES

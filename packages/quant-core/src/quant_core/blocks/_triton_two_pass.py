@@ -17,7 +17,7 @@ a chunk. Other savings, bit for bit the same results: power-of-two scales from a
 field (`_power_of_two_scale`), no masks when the tiles divide x (`MASKED`), and with
 `early_nan` one select per element turns every NaN into +NaN before both E4M3 casts, whose
 hardware code for +NaN is 0x7F, instead of a fix-up of each code after its cast (E5M2 and the
-interpreter keep `encode_fp8`; scripts/sweep_blocks.py and the cuda tests check the GPU's codes).
+interpreter keep `encode_fp8`; benchmarks/sweep_blocks.py and the cuda tests check the GPU's codes).
 SASS for sm_90 (Triton 3.9, bf16): 55 -> 26-32 instructions per element for MXFP8 both usages,
 43 -> 22-31 and 249 -> 80-130 registers for 1 x 128 both usages.
 """

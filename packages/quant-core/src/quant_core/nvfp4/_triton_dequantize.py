@@ -15,7 +15,7 @@ from quant_core.nvfp4._triton_numerics import _block_factor, _decode_e2m1, _deco
 from quant_core.shared._triton_launch import cdiv, launch
 from quant_core.shared._triton_numerics import EXACT, HARDWARE_FP8, Tiles, as_bytes, store_values
 
-# Kernel choices, tuned on an H100 (`python3 scripts/sweep_nvfp4.py`, bf16 8192^2,
+# Kernel choices, tuned on an H100 (`python3 benchmarks/sweep_nvfp4.py`, bf16 8192^2,
 # docs/benchmarks.md): "pairs" (DEQUANTIZE_PAIRS_TILES) or "elementwise"
 # (`_dequantize_nvfp4_kernel`, DEQUANTIZE_TILES).
 DEQUANTIZE_VARIANT = "pairs"

@@ -59,7 +59,7 @@ class BlockTiles:
     """T: the rows of each 16-row run that one thread holds (2, 4, 8 or 16)."""
 
 
-# Kernel choices, tuned on an H100: `python3 scripts/sweep_nvfp4.py` times every variant and tile
+# Kernel choices, tuned on an H100: `python3 benchmarks/sweep_nvfp4.py` times every variant and tile
 # at bf16 8192^2 (docs/benchmarks.md): "register_blocks" (the tiles below) or "original"
 # (`_quantize_nvfp4_kernel`, QUANTIZE_TILES).
 QUANTIZE_VARIANT = "register_blocks"
@@ -68,7 +68,7 @@ QUANTIZE_ROWWISE_TILES = BlockTiles(64, 128, 4, 8)  # 1 x 16 rowwise only
 QUANTIZE_16X16_TILES = BlockTiles(64, 64, 4, 4)
 QUANTIZE_STOCHASTIC_TILES = BlockTiles(32, 64, 2, 4)
 # With the Hadamard transform the columnwise runs hold more live values (179 registers at 64 x 64):
-# 291.9 vs 367.4 us at 8192^2 (`scripts/sweep_nvfp4.py 1x16-both-rht`). Stochastic rounding with
+# 291.9 vs 367.4 us at 8192^2 (`benchmarks/sweep_nvfp4.py 1x16-both-rht`). Stochastic rounding with
 # the transform keeps QUANTIZE_STOCHASTIC_TILES (not swept).
 QUANTIZE_HADAMARD_TILES = BlockTiles(32, 128, 4, 4)
 QUANTIZE_TILES = Tiles(32, 64, 4)
