@@ -1,11 +1,14 @@
-"""All-gather and reduce-scatter time per training step for 8 to 1024 GPUs, from measured bytes
-and bandwidth (docs/scaling.md explains the model and its inputs).
+"""All-gather and reduce-scatter time per training step for 8 to 1024 GPUs, from the bytes each
+step moves and measured bandwidth (docs/scaling.md explains the model and its inputs).
 
     python benchmarks/scaling_model.py [--intra-gb-s 265] [--inter-gb-s 40]
 
-Bytes per step come from benchmarks/multi_gpu.py (what FSDP2's collectives moved on each GPU
-in one step); bandwidths are bus bandwidths (benchmarks/collective_bandwidth.py), so a collective
-over N GPUs of a payload S (the unsharded bytes) takes S * (N - 1) / N / bandwidth. Layouts:
+Bytes per step are counted from the 2.2B Llama of benchmarks/multi_gpu.py (`step_bytes`): its
+parameters' shapes on the meta device, each quantized weight's all-gather inputs as quant-tensors'
+gather builds them. They are what multi_gpu.py's collective counter measures (benchmarks/tests
+check them against its CPU runs and against its 2-GPU measurements). Bandwidths are bus
+bandwidths (benchmarks/collective_bandwidth.py), so a collective over N GPUs of a payload S (the
+unsharded bytes) takes S * (N - 1) / N / bandwidth. Layouts:
 - FSDP over all N GPUs: a ring through every GPU runs at the slowest link's rate, NVLink inside
   one node (N <= 8), InfiniBand across nodes;
 - HSDP (8-GPU shard groups, replicated across N / 8 nodes): the gathers and the gradient
@@ -18,14 +21,44 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+from _e2e_model import DecoderConfig
+from _multi_gpu_runs import MODELS, _not_lm_head, build_model, decoder_layers
+
 GPUS_PER_NODE = 8
-# Per GPU and step on the 2.2B Llama (batch 2 x 2048 per GPU), benchmarks/multi_gpu.py on
-# 2 H200s, 2026-11-27: all-gather output bytes (the unsharded bytes gathered: decoder layers twice,
-# the root once) and reduce-scatter input bytes (fp32 gradients).
-MEASURED_BYTES = {
-    "bf16": {"all_gather": 8_309_186_560, "reduce_scatter": 8_833_482_752},
-    "fp8": {"all_gather": 4_416_872_448, "reduce_scatter": 8_833_482_752},
-}
+MODEL = "llama-2b"
+FORMATS = ("bf16", "fp8", "mxfp8", "nvfp4")
+
+
+def step_bytes(config: DecoderConfig, recipe: str, world_size: int) -> dict[str, int]:
+    """Bytes per GPU and step of benchmarks/multi_gpu.py's layout (each decoder layer and the root
+    sharded over `world_size` GPUs, bf16 params, fp32 gradient reduction), for "bf16" or a
+    recipe's quantized weights: all-gather output bytes (each decoder layer gathered in the
+    forward and again in the backward, the root once) and reduce-scatter input bytes.
+
+    A converted weight sends the all-gather inputs of its shard: rowwise data and block scales
+    (per-tensor values stay local), in the backward columnwise instead for formats whose
+    columnwise data is not derived from rowwise (MXFP8) ([Note: quantized all-gather] in
+    quant_tensors._fsdp); every other parameter travels in bf16, every gradient in fp32."""
+    import quant_tensors as qt
+
+    model = build_model(config, torch.device("meta"), "builtin")
+    if recipe != "bf16":
+        qt.convert(model, qt.recipe_from_name(recipe), quantized_weights=True, module_filter_fn=_not_lm_head)
+    in_layers = {id(param) for param in decoder_layers(model).parameters()}
+    gathered = scattered = 0
+    for param in model.parameters():
+        gathers = 2 if id(param) in in_layers else 1
+        scattered += param.numel() * torch.float32.itemsize
+        if not isinstance(param, qt.QuantizedTensor):
+            gathered += gathers * param.numel() * torch.bfloat16.itemsize
+            continue
+        shard = torch.chunk(param, world_size)[0]
+        backward = (True, False) if param.quantizer.can_derive_columnwise else (False, True)
+        for usages in ((True, False), backward)[:gathers]:
+            inputs, _ = qt.fsdp.all_gather_inputs(shard, world_size, usages=usages)
+            gathered += world_size * sum(t.nbytes for t in inputs)
+    return {"all_gather": gathered, "reduce_scatter": scattered}
 
 
 def collective_ms(payload_bytes: float, num_gpus: int, bus_gb_s: float) -> float:
@@ -54,19 +87,24 @@ def step_comm_ms(
     return gather, scatter + all_reduce
 
 
-def table(measured: dict[str, dict[str, float]], intra_gb_s: float, inter_gb_s: float) -> str:
+def table(nbytes: dict[str, dict[str, float]], intra_gb_s: float, inter_gb_s: float) -> str:
+    """Gather ms per step of each format in `nbytes` ("bf16" first; the others with their ratio to
+    bf16's) and gradient ms (the same in every format: fp32)."""
+    formats = list(nbytes)[1:]
     lines = [
-        "| GPUs | layout | bf16 gather ms | fp8 gather ms | fp8 / bf16 | gradient ms (both) |",
-        "| ---: | --- | ---: | ---: | ---: | ---: |",
+        "| GPUs | layout | bf16 gather ms | "
+        + " | ".join(f"{f} gather ms" for f in formats)
+        + " | gradient ms (all) |",
+        "| ---: | --- | ---: | " + "---: | " * len(formats) + "---: |",
     ]
     for num_gpus in (2, 8, 16, 64, 256, 1024):
         for layout in ("fsdp", "hsdp") if num_gpus > GPUS_PER_NODE else ("fsdp",):
-            bf16_gather, gradient = step_comm_ms(measured["bf16"], num_gpus, layout, intra_gb_s, inter_gb_s)
-            fp8_gather, _ = step_comm_ms(measured["fp8"], num_gpus, layout, intra_gb_s, inter_gb_s)
-            lines.append(
-                f"| {num_gpus} | {layout} | {bf16_gather:.1f} | {fp8_gather:.1f} | {fp8_gather / bf16_gather:.2f}x "
-                f"| {gradient:.1f} |"
-            )
+            bf16_gather, gradient = step_comm_ms(nbytes["bf16"], num_gpus, layout, intra_gb_s, inter_gb_s)
+            cells = []
+            for f in formats:
+                gather, _ = step_comm_ms(nbytes[f], num_gpus, layout, intra_gb_s, inter_gb_s)
+                cells.append(f"{gather:.1f} ({gather / bf16_gather:.2f}x)")
+            lines.append(f"| {num_gpus} | {layout} | {bf16_gather:.1f} | " + " | ".join(cells) + f" | {gradient:.1f} |")
     return "\n".join(lines)
 
 
@@ -75,7 +113,10 @@ def main() -> None:
     parser.add_argument("--intra-gb-s", type=float, default=265.0, help="NVLink bus bandwidth (GB/s)")
     parser.add_argument("--inter-gb-s", type=float, default=40.0, help="InfiniBand bus bandwidth per GPU (GB/s)")
     args = parser.parse_args()
-    print(table(MEASURED_BYTES, args.intra_gb_s, args.inter_gb_s))
+    # The bytes per GPU do not depend on the number of GPUs (each receives (N - 1) / N of every
+    # gathered layer); counted at the 2 GPUs they were measured on.
+    nbytes = {f: step_bytes(MODELS[MODEL], f, world_size=2) for f in FORMATS}
+    print(table(nbytes, args.intra_gb_s, args.inter_gb_s))
 
 
 if __name__ == "__main__":

@@ -3,11 +3,17 @@
 100 AdamW steps (4 sequences of 64 tokens each) on the synthetic Markov task, same seeds (initial
 weights and batches) for every run, TinyTransformer with 2 blocks (every kind of quantized Linear
 the 4-block default has, at half its cost; the bf16 loss reaches ~1.49). The final loss (mean of
-the last 10 steps) must be within 1% of the bf16 run for the FP8 recipes and within 2% for
-NVFP4, with high-precision weights and with quantized primary weights. Measured (torch 2.13,
-CPU, 2026-12-02): at most 0.17% (FP8 recipes) and 1.17% (NVFP4) after 100 steps (with 4 blocks:
-0.16% and 0.78%); NVFP4 is 1.5-2.4% above bf16 between steps 30 and 70, so fewer steps would not
-keep its margin.
+the last 10 steps) must be within 0.4% of the bf16 run's for the FP8 recipes and within 2% for
+NVFP4, either way, with high-precision weights and with quantized primary weights.
+
+The runs are deterministic on one CPU but not from one CPU to another: torch's CPU GEMMs and
+reductions round differently with the instruction set, and training carries the differences on.
+Measured on three CPUs and on one of them with torch's kernels limited to SSE4.2 (torch 2.13;
+docs/benchmarks.md, "Training parity, single process, CPU"): the FP8 recipes at most 0.21% from
+bf16, a run's distance moving by up to 0.09 points between machines; NVFP4 at most 1.39%, moving
+by up to 0.37 points. Each bound is the largest distance plus about twice the largest move (0.21
++ 0.19; 1.39 + 0.61). NVFP4 is 1.5-2.4% above bf16 between steps 30 and 70, so fewer steps would
+not keep its margin.
 
 The 11 runs are independent, so they share out over two worker processes of one thread each (the
 CI machine's 2 cores), and each test asserts on its run's losses.
@@ -32,7 +38,7 @@ from quant_lab.testing import run_on_warm_ranks
 STEPS = 100
 CONFIG = TransformerConfig(layers=2)
 BATCH = 4  # sequences of 64 tokens per step
-TOLERANCE = {"fp8": 0.01, "fp8-delayed": 0.01, "mxfp8": 0.01, "fp8-block": 0.01, "nvfp4": 0.02}
+TOLERANCE = {"fp8": 0.004, "fp8-delayed": 0.004, "mxfp8": 0.004, "fp8-block": 0.004, "nvfp4": 0.02}
 RUNS = [(None, False), *((recipe, weights) for recipe in TOLERANCE for weights in (False, True))]
 WORKERS = 2
 
@@ -98,7 +104,9 @@ def bf16_loss(results) -> float:
 @pytest.mark.parametrize("recipe", list(TOLERANCE))
 def test_final_loss_matches_bf16(recipe, quantized_weights, bf16_loss, results):
     loss, losses = outcome(results, recipe, quantized_weights)
-    relative = abs(loss - bf16_loss) / bf16_loss
-    print(f"{recipe} quantized_weights={quantized_weights}: {relative:.2%} from bf16")
-    assert relative <= TOLERANCE[recipe], f"{recipe}: final loss {loss:.4f} vs bf16 {bf16_loss:.4f} ({relative:.2%})"
+    relative = loss / bf16_loss - 1
+    print(f"{recipe} quantized_weights={quantized_weights}: {relative:+.2%} from bf16")
+    assert abs(relative) <= TOLERANCE[recipe], (
+        f"{recipe}: final loss {loss:.4f} vs bf16 {bf16_loss:.4f} ({relative:+.2%})"
+    )
     assert losses[-1] < losses[0] / 3  # it trained

@@ -48,6 +48,9 @@ class _Gather:
         return self.done or (self.event is not None and self.event.query())
 
 
+_clock: Any = time
+"""What the watch reads the time from (`monotonic()`) and waits with (`sleep(seconds)`): the time
+module, a fake one in tests."""
 _timeout: float | None = None
 # Gathers in the order they began; the watch drops completed ones from the front. A weight's
 # context holds its latest gather for its post hook (`open_gather`).
@@ -75,7 +78,7 @@ def watch_gathers(seconds: float | None) -> None:
 def gather_began(weight: Any) -> None:
     """Called by the pre-all-gather hooks of quantized weights, with the weight's context."""
     if _timeout is not None:
-        gather = _Gather(time.monotonic(), weight)
+        gather = _Gather(_clock.monotonic(), weight)
         _gathers.append(gather)
         weight.open_gather = gather
 
@@ -102,8 +105,8 @@ def _watch() -> None:
         timeout = _timeout
         if timeout is None:
             return
-        time.sleep(min(timeout / 4, 5.0))
-        now = time.monotonic()
+        _clock.sleep(min(timeout / 4, 5.0))
+        now = _clock.monotonic()
         with _lock:  # the hooks append without it; the watch alone removes, from the front
             while _gathers and _gathers[0].completed():
                 _gathers.popleft()
