@@ -171,6 +171,8 @@ def _gather_bytes(
     for layer in model.layers:
         shard(layer)
     shard(model)
+    if sharded_by == "torch":  # comm_stats() counts the weights quant_fsdp shards, and those opted in
+        assert quant_fsdp.count_gathers(model) > 0
     one_step(model, rank)  # the first step sizes FSDP2's buffers; count the second
     quant_fsdp.reset_comm_stats()
     with count_all_gather_bytes() as counted:
