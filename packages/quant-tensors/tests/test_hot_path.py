@@ -63,3 +63,45 @@ def test_fp8_linear_forward_makes_few_python_calls(dtype):
         f"{FORWARD_CALL_BOUND}; forward + backward: {sum(both.values())}). Most called:\n{_describe(forward)}\n"
         f"forward + backward:\n{_describe(both)}"
     )
+
+
+# The most Python calls into quant_core and quant_tensors FSDP2's two hooks may make for one
+# parameter's gather once its shard and unsharded tensor are refilled in place (every gather after
+# the first: [Note: gathers prepared once] in quant_tensors._fsdp). 12 for every format that sends
+# rowwise only, and 2 more here: FakeMesh has no process group, so the plain context binds none
+# and asks again at every gather. (MXFP8 also gathers its columnwise usage, joined by a copy at
+# every gather.)
+GATHER_CALL_BOUND = 14
+
+
+@pytest.mark.parametrize("recipe_name", ["fp8", "fp8-delayed", "fp8-block", "nvfp4"])
+def test_a_refilled_gather_makes_few_python_calls(recipe_name):
+    from quant_tensors.testing import FakeMesh
+
+    full = qt.recipe_from_name(recipe_name).quantizer("weight").quantize(torch.randn(256, 256))
+    shards = [s.clone() for s in full.chunk(2)]
+    mesh = FakeMesh(2)
+    pre = lambda shard: shard.fsdp_pre_all_gather(mesh, full.shape, None, None, None)  # noqa: E731
+    first = [pre(shard) for shard in shards]
+    # FSDP2's all-gather outputs: allocated once, refilled by every later gather's copy-out.
+    outputs = tuple(torch.cat(parts) for parts in zip(*(inputs for inputs, _ in first), strict=True))
+    unsharded, _ = shards[0].fsdp_post_all_gather(outputs, first[0][1], torch.bfloat16)
+
+    def gather() -> Counter[str]:
+        counted, (inputs, payload) = _count_calls(lambda: results.append(pre(shards[0]))), results.pop()
+        other, _ = pre(shards[1])
+        for output, *parts in zip(outputs, inputs, other, strict=True):
+            torch.cat(parts, out=output)
+        views = tuple(output.view(output.shape) for output in outputs)  # as FSDP2 hands them over
+        post = lambda: shards[0].fsdp_post_all_gather(views, payload, torch.bfloat16, out=unsharded)  # noqa: E731
+        return counted + _count_calls(post)
+
+    results: list = []
+    gather()  # the second gather finds the prepared inputs and the refilled buffers
+    both = gather()
+
+    assert sum(both.values()) > 0, "no call was counted: is the profiler hook looking at the right files?"
+    assert sum(both.values()) <= GATHER_CALL_BOUND, (
+        f"a refilled gather makes {sum(both.values())} Python calls into quant_core/quant_tensors (bound "
+        f"{GATHER_CALL_BOUND}). Most called:\n{_describe(both)}"
+    )

@@ -55,11 +55,12 @@ explicit fallback, comm_stats(), checkpoint loads across weight forms).
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -142,9 +143,12 @@ class GatherPayload:
 
 def pre_all_gather(shard: QuantizedTensor, mesh: Any, module: torch.nn.Module | None) -> tuple[Any, GatherPayload]:
     """`fsdp_pre_all_gather` of a QuantizedTensor: its context's preparation, then the shard's bytes."""
-    context = shard_context(shard.quantizer)
+    quantizer = shard.quantizer
+    context = quantizer._shard_context or shard_context(quantizer)
     context.before_gather(shard, mesh)
-    return all_gather_inputs(shard, mesh.size(), module=module, context=context)
+    prepared = shard.__dict__.get("_prepared_gather")  # its mesh's size, asked once ([Note: gathers prepared once])
+    world_size = prepared.world_size if prepared is not None and prepared.mesh is mesh else mesh.size()
+    return all_gather_inputs(shard, world_size, module=module, context=context, mesh=mesh)
 
 
 def post_all_gather(
@@ -156,7 +160,8 @@ def post_all_gather(
 ) -> tuple[QuantizedTensor, tuple[torch.Tensor, ...]] | None:
     """`fsdp_post_all_gather` of a QuantizedTensor: its context's `after_gather`, then the
     unsharded tensor (`unsharded_from_gather`)."""
-    shard_context(shard.quantizer).after_gather(shard)
+    quantizer = shard.quantizer
+    (quantizer._shard_context or shard_context(quantizer)).after_gather(shard)
     return unsharded_from_gather(shard, outputs, payload, param_dtype, out)
 
 
@@ -167,49 +172,74 @@ def all_gather_inputs(
     usages: tuple[bool, bool] | None = None,
     module: torch.nn.Module | None = None,
     context: ShardContext | None = None,
+    mesh: Any = None,
 ) -> tuple[tuple[torch.Tensor, ...], GatherPayload]:
     """The all-gather inputs of a quantized shard and the metadata that rebuilds the unsharded
     tensor from their gathered outputs (`unsharded_from_gather`).
 
     `usages`: (rowwise, columnwise) to send; default what FSDP2's gather of a parameter of `module`
     sends ([Note: quantized all-gather]). With one rank several inputs travel as one byte tensor.
-    `context`: the shard's (`shard_context`), told of the bytes sent.
+    `context`: the shard's (`shard_context`), told of the bytes sent. `mesh`: the device mesh of
+    `world_size` ranks, if known (kept with the inputs: [Note: gathers prepared once]).
     """
     if context is None:
         context = shard_context(shard.quantizer)
     if usages is None:
         usages = _gathered_usages(shard, module, context)
-    buffers = tuple(shard.buffers().values())
-    prepared = getattr(shard, "_prepared_gather", None)  # [Note: gathers prepared once]
-    if prepared is not None and prepared[0] == (usages, world_size) and all(map(operator.is_, prepared[1], buffers)):
-        _, _, inputs, names = prepared
-        context.count_gather(shard.quantizer.format_name, inputs, world_size)
-        return inputs, GatherPayload(shard, names, world_size)
+    buffers = _buffer_getter(type(shard))(shard)
+    prepared: _PreparedGather | None = shard.__dict__.get("_prepared_gather")  # [Note: gathers prepared once]
+    if (
+        prepared is not None
+        and prepared.usages == usages
+        and prepared.world_size == world_size
+        and all(map(operator.is_, prepared.buffers, buffers))
+    ):
+        context.count_gather(shard.quantizer.format_name, prepared.inputs, world_size)
+        return prepared.inputs, GatherPayload(shard, prepared.names, world_size)
     inputs, names = _payload_of(shard, usages)
     context.count_gather(shard.quantizer.format_name, inputs, world_size)
-    if world_size > 1:
+    if world_size > 1 or len(inputs) == 1:
         if all(b is None or b.is_contiguous() for b in buffers):  # the inputs are views of the buffers
-            shard._prepared_gather = ((usages, world_size), buffers, tuple(inputs), tuple(names))
+            shard._prepared_gather = _PreparedGather(usages, world_size, mesh, buffers, tuple(inputs), tuple(names))
         return tuple(inputs), GatherPayload(shard, tuple(names), world_size)
-    if len(inputs) > 1:
-        # FSDP2 (torch 2.11 to 2.13) copies only the first input when its shard group has one rank.
-        packed = tuple((t.dtype, t.shape) for t in inputs)
-        pieces = []
-        for t in inputs:  # each piece starts 16-byte aligned, so every dtype can view its bytes
-            pieces += [t.reshape(-1).view(torch.uint8), t.new_zeros(-_nbytes(t.dtype, t.shape) % 16, dtype=torch.uint8)]
-        return (torch.cat(pieces),), GatherPayload(shard, tuple(names), world_size, packed)
-    return tuple(inputs), GatherPayload(shard, tuple(names), world_size)
+    # FSDP2 (torch 2.11 to 2.13) copies only the first input when its shard group has one rank.
+    packed = tuple((t.dtype, t.shape) for t in inputs)
+    pieces = []
+    for t in inputs:  # each piece starts 16-byte aligned, so every dtype can view its bytes
+        pieces += [t.reshape(-1).view(torch.uint8), t.new_zeros(-_nbytes(t.dtype, t.shape) % 16, dtype=torch.uint8)]
+    return (torch.cat(pieces),), GatherPayload(shard, tuple(names), world_size, packed)
+
+
+class _PreparedGather(NamedTuple):
+    """What a shard sent at its last gather ([Note: gathers prepared once])."""
+
+    usages: tuple[bool, bool]
+    world_size: int
+    mesh: Any
+    """The device mesh FSDP2 gathered over (None where the caller gave only a world size)."""
+    buffers: tuple[torch.Tensor | None, ...]
+    """The shard's buffers then, in `_buffer_names` order."""
+    inputs: tuple[torch.Tensor, ...]
+    names: tuple[str, ...]
+
+
+@functools.cache
+def _buffer_getter(cls: type) -> Callable[[Any], tuple[torch.Tensor | None, ...]]:
+    """The tuple of a tensor's buffers in `_buffer_names` order, read without a Python call."""
+    getter = operator.attrgetter(*cls._buffer_names)
+    return getter if len(cls._buffer_names) > 1 else lambda t: (getter(t),)
 
 
 # [Note: gathers prepared once] A weight is gathered twice a step, each time by hooks of a few
 # dozen Python calls and tensor views per parameter, on the host's critical path between the
 # layers. A shard whose buffers are the same tensors as at its last gather (quantized primary
 # weights and quantize-on-gather shards are refilled in place) sends the same views: its
-# all-gather inputs and their buffer names are kept on the shard (for world sizes above 1, where
-# the inputs are views rather than a packed copy, and contiguous buffers; not the payload, which
-# refers to the shard and would make a reference cycle of it). After the gather, an unsharded
-# tensor that already holds views of the storage FSDP2 refilled, and its shard's per-tensor
-# values, needs nothing ([Note: refilled unsharded buffers]).
+# all-gather inputs, their buffer names and the size of the mesh FSDP2 gathers it over are kept
+# on the shard (where the inputs are views rather than a packed copy, and the buffers
+# contiguous; not the payload, which refers to the shard and would make a reference cycle of
+# it). After the gather, an unsharded tensor that already holds views of the storage FSDP2
+# refilled, and its shard's per-tensor values, needs nothing ([Note: refilled unsharded
+# buffers]). `benchmarks/step_host.py` counts what a training step calls.
 
 
 def _already_refilled(
@@ -220,16 +250,18 @@ def _already_refilled(
     themselves, nothing else."""
     if payload.packed is not None:
         return False
-    gathered = dict(zip(payload.names, outputs, strict=True))
-    for name, local in shard.buffers().items():
+    names = payload.names
+    for name, output in zip(names, outputs, strict=True):
         current = getattr(out, name)
-        output = gathered.get(name)
-        if output is not None:
-            if not name.startswith("rowwise") or current is None or current.data_ptr() != output.data_ptr():
-                return False
-            if current.nbytes != output.nbytes:
-                return False
-        elif local is not None and local.dim() == 0:
+        if not name.startswith("rowwise") or current is None or current.data_ptr() != output.data_ptr():
+            return False
+        if current.nbytes != output.nbytes:
+            return False
+    for name in type(shard)._buffer_names:
+        if name in names:
+            continue
+        local, current = getattr(shard, name), getattr(out, name)
+        if local is not None and local.dim() == 0:
             if current is not local:
                 return False
         elif current is not None:

@@ -20,6 +20,8 @@ import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from itertools import compress, repeat
+from operator import is_not
 from typing import Any, ClassVar
 
 import torch
@@ -79,12 +81,17 @@ class QuantizedTensor(torch.Tensor):
 
     # ---- construction helpers ----------------------------------------------------------------
 
+    # buffers(), metadata() and __tensor_flatten__ run in every FSDP2 gather and every guard check
+    # of a compiled graph taking the tensor: built by C iterators, without a Python call per field.
+
     def buffers(self) -> dict[str, torch.Tensor | None]:
         """The buffers by name (None for an absent usage)."""
-        return {name: getattr(self, name) for name in self._buffer_names}
+        names = self._buffer_names
+        return dict(zip(names, map(getattr, repeat(self), names), strict=True))
 
     def metadata(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self._metadata_names}
+        names = self._metadata_names
+        return dict(zip(names, map(getattr, repeat(self), names), strict=True))
 
     def data_ptr(self) -> int:
         """The address of the first buffer present (the codes): a wrapper has no storage of its own,
@@ -309,8 +316,10 @@ class QuantizedTensor(torch.Tensor):
     # ---- serialization (torch.save / torch.load(weights_only=True), deepcopy) ----------------
 
     def __tensor_flatten__(self) -> tuple[list[str], dict[str, Any]]:
-        present = [name for name, t in self.buffers().items() if t is not None]
-        return present, {"metadata": self.metadata(), "dtype": self.dtype}
+        names, metadata_names = self._buffer_names, self._metadata_names
+        present = list(compress(names, map(is_not, map(getattr, repeat(self), names), repeat(None))))
+        metadata = dict(zip(metadata_names, map(getattr, repeat(self), metadata_names), strict=True))
+        return present, {"metadata": metadata, "dtype": self.dtype}
 
     @classmethod
     def __tensor_unflatten__(cls, inner_tensors, context, outer_size, outer_stride):
