@@ -151,7 +151,7 @@ def _reduce_scatter_comm(option: Any) -> QuantizedReduceScatter | None:
     if isinstance(option, str) and option == "fp8":
         return QuantizedReduceScatter()
     raise ValueError(
-        f"reduce_scatter={option!r}: use None (FSDP2's own reduce-scatter), \"fp8\" or a "
+        f'reduce_scatter={option!r}: use None (FSDP2\'s own reduce-scatter), "fp8" or a '
         "quant_fsdp.QuantizedReduceScatter(...); another torch ReduceScatter goes to module.set_custom_reduce_scatter"
     )
 
