@@ -6,7 +6,8 @@ bytes under torch's own `fully_shard` with or without quant_fsdp: the hooks are 
 and importing quant_fsdp changes nothing about them. `quant_fsdp.fully_shard` is the drop-in that
 also plans each weight's gather (explicit high-precision fallback for shards that cannot be
 quantized on their own), counts it in comm_stats(), loads checkpoints across weight forms and
-offers quantize-on-gather for high-precision weights. `export_state_dict` gives a trained model's weights
+offers quantize-on-gather for high-precision weights and FP8 gradient reduce-scatters
+(`QuantizedReduceScatter`). `export_state_dict` gives a trained model's weights
 as plain tensors for the model class before qt.convert. See docs/fsdp.md.
 """
 
@@ -17,6 +18,7 @@ from quant_fsdp._export import export_state_dict
 from quant_fsdp._fully_shard import fully_shard
 from quant_fsdp._plan import GatherPlan, gather_plan
 from quant_fsdp._quantize_on_gather import QuantizeOnGatherTensor
+from quant_fsdp._reduce_scatter import QuantizedReduceScatter
 from quant_fsdp._sequence import (
     GatherHandle,
     gather_along_first_dim,
@@ -37,6 +39,8 @@ __all__ = [
     "reset_comm_stats",
     "count_gathers",
     "watch_gathers",
+    # gradient reduce-scatter in FP8
+    "QuantizedReduceScatter",
     # export: plain high-precision weights for the unconverted model
     "export_state_dict",
     # per-tensor amax agreement across ranks

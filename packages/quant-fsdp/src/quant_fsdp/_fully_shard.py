@@ -41,6 +41,7 @@ from quant_fsdp import _checkpoint, _plan
 from quant_fsdp._amax import HistorySyncHook, amax_histories
 from quant_fsdp._context import ShardedWeight
 from quant_fsdp._quantize_on_gather import QuantizeOnGatherTensor
+from quant_fsdp._reduce_scatter import QuantizedReduceScatter
 from quant_tensors import QuantizedTensor
 
 logger = logging.getLogger("quant_fsdp")
@@ -51,6 +52,7 @@ def fully_shard(
     *,
     quantize_on_gather: bool = False,
     print_plan: bool = False,
+    reduce_scatter: str | QuantizedReduceScatter | None = None,
     **kwargs: Any,
 ) -> torch.nn.Module:
     """torch.distributed.fsdp.fully_shard for models with quantized weights (a drop-in replacement).
@@ -60,9 +62,13 @@ def fully_shard(
     weights (qt.convert(..., quantized_weights=True)) gather their bytes either way. Weights whose
     shards cannot be quantized on their own take the explicit fallback; see `gather_plan(module)`,
     the "quant_fsdp" logger and `comm_stats()`. `print_plan=True` prints, on rank 0, the plan of
-    `module` and of the submodules sharded before it. Other keyword arguments go to torch's
-    fully_shard (mesh, reshard_after_forward, mp_policy, ...).
+    `module` and of the submodules sharded before it. `reduce_scatter="fp8"` (or a
+    `QuantizedReduceScatter`) reduce-scatters the gradients of the parameters this call manages in
+    FP8 (`module.set_custom_reduce_scatter`); give it to each fully_shard call whose gradients
+    should travel in FP8. Other keyword arguments go to torch's fully_shard (mesh,
+    reshard_after_forward, mp_policy, ...).
     """
+    reduce_scatter_comm = _reduce_scatter_comm(reduce_scatter)
     reshard = kwargs.get("reshard_after_forward", True)
     mesh = kwargs.get("mesh") or _default_mesh(module)
     shard_group = mesh.get_group(mesh.ndim - 1)
@@ -121,6 +127,8 @@ def fully_shard(
             wrapped = qt.shard_like(value, local)
             owner.register_parameter(attribute, torch.nn.Parameter(wrapped, requires_grad=param.requires_grad))
     torch_fully_shard(module, **{**kwargs, "mesh": mesh})
+    if reduce_scatter_comm is not None:
+        module.set_custom_reduce_scatter(reduce_scatter_comm)
     if amax_histories(module):  # [Note: shared amax histories]
         HistorySyncHook(tuple(mesh.get_group(d) for d in range(mesh.ndim))).register(module)
     _attach_init_value_shards(module, init_values, mesh)
@@ -135,6 +143,17 @@ def fully_shard(
     if print_plan:
         _plan.print_plan(module)
     return module
+
+
+def _reduce_scatter_comm(option: Any) -> QuantizedReduceScatter | None:
+    if option is None or isinstance(option, QuantizedReduceScatter):
+        return option
+    if isinstance(option, str) and option == "fp8":
+        return QuantizedReduceScatter()
+    raise ValueError(
+        f'reduce_scatter={option!r}: use None (FSDP2\'s own reduce-scatter), "fp8" or a '
+        "quant_fsdp.QuantizedReduceScatter(...); another torch ReduceScatter goes to module.set_custom_reduce_scatter"
+    )
 
 
 def _drop_derivable_columnwise(weight: QuantizedTensor) -> None:

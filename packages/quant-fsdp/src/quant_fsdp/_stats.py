@@ -1,4 +1,4 @@
-"""comm_stats(): bytes quant-fsdp's all-gathers hand to the collective, per format and path."""
+"""comm_stats(): bytes quant-fsdp's all-gathers and FP8 reduce-scatters hand to the collective, per format and path."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ def comm_stats() -> dict[str, dict[str, int]]:
     their own (see `fully_shard`'s plan). Bytes are what the collective delivers to each rank: the
     all-gather inputs of one rank times the shard world size. Parameters without quantization
     (norms, embeddings, biases) do not pass through the hooks and are not counted.
+
+    Gradient reduce-scatters in FP8 (`QuantizedReduceScatter`, `fully_shard(...,
+    reduce_scatter="fp8")`) count under "FP8 reduce-scatter" as "quantized": the bytes one rank
+    hands to the all-to-all (codes and scales of all its chunks), to compare with a reduce-scatter
+    input of the reduce dtype.
     """
     return {name: dict(counts) for name, counts in _BYTES.items()}
 
@@ -37,3 +42,7 @@ _NBYTES = operator.attrgetter("nbytes")
 def count_gather(format_name: str, inputs: Sequence[torch.Tensor], world_size: int, *, quantized: bool) -> None:
     nbytes = sum(map(_NBYTES, inputs)) * world_size  # no Python call per input: runs in every gather hook
     _BYTES[format_name]["quantized" if quantized else "fallback"] += nbytes
+
+
+def count_reduce_scatter(nbytes: int) -> None:
+    _BYTES["FP8 reduce-scatter"]["quantized"] += nbytes
