@@ -337,3 +337,26 @@ def test_quantizer_pickles_and_copies_without_its_process_group(monkeypatch):
     assert clone.amax_group is group
     assert clone.amax_history is not quantizer.amax_history
     assert torch.equal(clone.amax_history, quantizer.amax_history)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_from_buffers_builds_what_the_constructor_builds(name):
+    q = qt.recipe_from_name(name).quantizer("input").quantize(sample((4, 32, 64)))
+    cls = type(q)
+    fields = {**q.buffers(), **q.metadata()}
+    fast = cls.from_buffers(q.shape, q.dtype, q.device, **fields)
+    slow = cls(q.shape, q.dtype, **fields)
+    assert (type(fast), fast.shape, fast.dtype, fast.device, fast.requires_grad) == (
+        cls,
+        slow.shape,
+        slow.dtype,
+        slow.device,
+        slow.requires_grad,
+    )
+    assert all(getattr(fast, field) is getattr(slow, field) for field in fields)
+    # Fields left out are None, as the constructor leaves them
+    columnwise = {k: v for k, v in fields.items() if not k.startswith("rowwise_")}
+    fast = cls.from_buffers(q.shape, q.dtype, q.device, **columnwise)
+    assert fast.rowwise_data is None
+    assert fast.usages == (False, True)
+    assert torch.equal(fast.dequantize(), cls(q.shape, q.dtype, **columnwise).dequantize())
