@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 import quant_core
+from quant_tensors._gemm import GemmOperand, emulated_mm
 from quant_tensors._tensor import QuantizedTensor, matrix_shape
 from quant_tensors.quantizer import Quantizer
 
@@ -73,6 +74,43 @@ class Float8Tensor(QuantizedTensor):
 
     def _dequantize_buffers(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return quant_core.dequantize_fp8(data, scale_inv, dtype)
+
+    # ---- GEMM operands ([Note: GEMM operand protocol] in quant_tensors._gemm) ----------------
+
+    def gemm_operand(self, usage: str) -> GemmOperand:
+        data = self.rowwise_data if usage == "rowwise" else self.columnwise_data
+        return (data if data.dim() == 2 else data.reshape(-1, data.shape[-1])), self.scale_inv
+
+    def _scaled_mm_takes(self, b: Any, a_rows: int, b_rows: int, k: int, capability: tuple[int, int]) -> bool:
+        # torch._scaled_mm's conditions (compute capability 8.9 on): K and B's rows in multiples of
+        # 16, any number of A's rows (a decoding step's one token among them); not two E5M2 operands.
+        if not isinstance(b, Float8Tensor) or self.fp8_dtype == b.fp8_dtype == torch.float8_e5m2:
+            return False
+        return k % 16 == 0 and b_rows % 16 == 0
+
+    def _torch_scaled_mm(self, a_operand, b, b_operand, out_dtype, bias, fast_accumulation):
+        (a_data, a_scale), (b_data, b_scale) = a_operand, b_operand
+        # torch._scaled_mm refuses a bias with fp32 output: that bias is added afterwards, in fp32.
+        fused_bias = bias if out_dtype != torch.float32 else None
+        out = torch._scaled_mm(
+            a_data,
+            b_data.t(),
+            scale_a=a_scale.reshape(()),
+            scale_b=b_scale.reshape(()),
+            bias=fused_bias,
+            out_dtype=out_dtype,
+            use_fast_accum=fast_accumulation,  # [Note: fast accumulation] in quant_tensors.ops
+        )
+        return out if bias is None or fused_bias is not None else out + bias
+
+    _emulated_mm = emulated_mm
+
+    def _operand_values(self, operand: GemmOperand, usage: str, dtype: torch.dtype) -> torch.Tensor:
+        return quant_core.unchecked.dequantize_fp8(*operand, dtype)
+
+    def _bf16_operand(self, operand: GemmOperand, usage: str) -> tuple[torch.Tensor, torch.Tensor]:
+        data, scale_inv = operand
+        return data.to(torch.bfloat16), scale_inv  # the codes are exact in bf16; the scale a per-tensor factor
 
     def update_usage(self, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
         if columnwise and self.columnwise_data is None:
