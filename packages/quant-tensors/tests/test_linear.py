@@ -293,6 +293,15 @@ def test_scaled_mm_reports_its_path_and_checks_operands():
         qt.ops.scaled_mm(q.quantize(torch.randn(64, 32)), rowwise_only, torch.float32, b_usage="columnwise")
 
 
+@pytest.mark.parametrize("name", ["fp8", "nvfp4"])
+def test_a_gradient_for_the_bias_alone_needs_no_quantized_gradient(name):
+    layer = qt.nn.Linear(64, 32, recipe=qt.recipe_from_name(name))
+    layer.weight.requires_grad_(False)
+    dy = torch.randn(8, 32)
+    layer(torch.randn(8, 64)).backward(dy)
+    assert torch.equal(layer.bias.grad, dy.sum(dim=0))
+
+
 FORMAT_PAIRS = [("fp8", "mxfp8"), ("mxfp8", "nvfp4"), ("fp8-block", "fp8"), ("mxfp8", "mxfp8"), ("nvfp4", "nvfp4")]
 
 

@@ -190,6 +190,26 @@ class BlockQuantizer(Quantizer):
                     "columnwise buffers are views (quantize the whole tensor instead)"
                 )
 
+    def _new_tensor(
+        self, x: torch.Tensor, buffers: tuple[torch.Tensor | None, ...], block_shape: tuple[int, int], **extra: Any
+    ) -> QuantizedTensor:
+        """The tensor of x's shape and dtype holding `buffers` (rowwise data and scales, columnwise
+        data and scales, as quant-core's unchecked quantizes return them), `block_shape` (this
+        quantizer's) and `extra` fields."""
+        rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv = buffers
+        return self.tensor_class.from_buffers(
+            x.shape,
+            x.dtype,
+            x.device,
+            rowwise_data=rowwise_data,
+            rowwise_scale_inv=rowwise_scale_inv,
+            columnwise_data=columnwise_data,
+            columnwise_scale_inv=columnwise_scale_inv,
+            quantizer=self,
+            block_shape=block_shape,
+            **extra,
+        )
+
     def _quantize(self, x, *, out, amax, state, usages):
         core_out = None if out is None else out._block_quantized()
         result = self._quantize_core(x, *usages, core_out, amax, state)

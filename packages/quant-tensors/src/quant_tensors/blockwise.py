@@ -84,6 +84,21 @@ class Float8BlockQuantizer(BlockQuantizer):
     def _allocation(self):
         return {"block_shape": self.block_shape, "fp8_dtype": self.fp8_dtype}
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {self.fp8_dtype}")
+
+    def _quantize(self, x, *, out, amax, state, usages):
+        if out is not None:
+            return super()._quantize(x, out=out, amax=amax, state=state, usages=usages)
+        rowwise, columnwise = usages  # x checked by `quantize` (or qt.nn.Linear)
+        block_shape = self.block_shape
+        buffers = quant_core.unchecked.quantize_fp8_blockwise(
+            x, block_shape[0], self.fp8_dtype, self.power_2_scales, rowwise=rowwise, columnwise=columnwise
+        )
+        return self._new_tensor(x, buffers, block_shape)
+
     def _quantize_core(self, x, rowwise, columnwise, out, amax, state):
         return quant_core.quantize_fp8_blockwise(
             x,

@@ -55,6 +55,13 @@ class MXFP8Quantizer(BlockQuantizer):
     def block_shape(self) -> tuple[int, int]:
         return (1, quant_core.MXFP8_BLOCK)
 
+    def _quantize(self, x, *, out, amax, state, usages):
+        if out is not None:
+            return super()._quantize(x, out=out, amax=amax, state=state, usages=usages)
+        rowwise, columnwise = usages  # x checked by `quantize` (or qt.nn.Linear)
+        buffers = quant_core.unchecked.quantize_mxfp8(x, rowwise=rowwise, columnwise=columnwise)
+        return self._new_tensor(x, buffers, self.block_shape)
+
     def _quantize_core(self, x, rowwise, columnwise, out, amax, state):
         return quant_core.quantize_mxfp8(x, rowwise=rowwise, columnwise=columnwise, out=out)
 

@@ -184,10 +184,13 @@ class NVFP4Quantizer(BlockQuantizer):
     def new_state(self, device: torch.device | str | None = None) -> torch.Tensor | None:
         return torch.zeros((), dtype=torch.int64, device=device) if self.stochastic_rounding else None
 
-    def _recast_key(self, quantized: QuantizedTensor) -> tuple[torch.Tensor, ...]:
+    def _quantize_recastable(
+        self, x: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[QuantizedTensor, tuple[torch.Tensor, ...]]:
+        quantized = self._quantize(x, out=None, amax=None, state=state, usages=(True, False))
         if self.random_hadamard_transform:  # the columnwise usage has an amax of its own, unknown yet
-            return ()
-        return (quantized.amax,)
+            return quantized, ()
+        return quantized, (quantized.amax,)  # the recast scales with the forward's global amax
 
     def _metadata(self) -> dict[str, object]:
         return {**super()._metadata(), "hadamard_seed": self.hadamard_seed if self.random_hadamard_transform else None}
@@ -220,6 +223,40 @@ class NVFP4Quantizer(BlockQuantizer):
                 f"{amax.numel()} value(s)"
             )
         return amax[0], amax[1] if transform else None
+
+    def _quantize(self, x, *, out, amax, state, usages):
+        rowwise, columnwise = usages
+        if (
+            out is not None
+            or x.dim() != 2
+            or x.shape[1] % 2
+            or (columnwise and x.shape[0] % 2)  # odd dims: the checked path explains how to pack them
+            or self.amax_group_name is not None
+            or self.random_hadamard_transform
+            or (state is None and self.stochastic_rounding)
+            or (amax is not None and (amax.dtype != torch.float32 or amax.numel() != 1 or amax.device != x.device))
+        ):
+            return super()._quantize(x, out=out, amax=amax, state=state, usages=usages)
+        # The lean path: a 2-D x checked by `quantize` (or qt.nn.Linear), its own amax or a given one.
+        if state is None:
+            seed = torch.zeros((), dtype=torch.int64)  # read only with stochastic rounding
+        else:
+            seed = state + self.seed
+            state.add_(1)
+        global_amax = quant_core.unchecked.amax(x) if amax is None else amax.reshape(())
+        block_shape = self.block_shape
+        buffers = quant_core.unchecked.quantize_nvfp4(
+            x,
+            block_shape[0],
+            global_amax,
+            self.stochastic_rounding,
+            seed,
+            global_amax,
+            None,
+            rowwise=rowwise,
+            columnwise=columnwise,
+        )
+        return self._new_tensor(x, buffers, block_shape, amax=global_amax)
 
     def _quantize_core(self, x, rowwise, columnwise, out, amax, state):
         seed = self.seed
