@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -290,6 +291,39 @@ def test_scaled_mm_reports_its_path_and_checks_operands():
     )
     with pytest.raises(ValueError, match=r"no columnwise data; call update_usage\(columnwise=True\)"):
         qt.ops.scaled_mm(q.quantize(torch.randn(64, 32)), rowwise_only, torch.float32, b_usage="columnwise")
+
+
+@pytest.mark.parametrize("name", ["fp8", "nvfp4"])
+def test_a_gradient_for_the_bias_alone_needs_no_quantized_gradient(name):
+    layer = qt.nn.Linear(64, 32, recipe=qt.recipe_from_name(name))
+    layer.weight.requires_grad_(False)
+    dy = torch.randn(8, 32)
+    layer(torch.randn(8, 64)).backward(dy)
+    assert torch.equal(layer.bias.grad, dy.sum(dim=0))
+
+
+FORMAT_PAIRS = [("fp8", "mxfp8"), ("mxfp8", "nvfp4"), ("fp8-block", "fp8"), ("mxfp8", "mxfp8"), ("nvfp4", "nvfp4")]
+
+
+@pytest.mark.parametrize(("a_name", "b_name"), FORMAT_PAIRS)
+@pytest.mark.parametrize("usage", ["rowwise", "columnwise"])
+def test_scaled_mm_multiplies_operands_of_any_two_formats(a_name, b_name, usage):
+    """Each tensor class gives its GEMM operands ([Note: GEMM operand protocol] in quant_tensors._gemm):
+    operands of one format or two multiply as their dequantized values do."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = ((64, 128), (32, 128)) if usage == "rowwise" else ((128, 64), (128, 32))
+    a = qt.recipe_from_name(a_name).quantizer("input").quantize(torch.randn(shapes[0], generator=generator))
+    b = qt.recipe_from_name(b_name).quantizer("grad_output").quantize(torch.randn(shapes[1], generator=generator))
+    bias = torch.randn(32, generator=generator)
+    got = qt.ops.scaled_mm(a, b, torch.bfloat16, a_usage=usage, b_usage=usage, bias=bias)
+    values = [qt.ops.operand_values(t, usage) for t in (a, b)]
+    assert torch.equal(got, (torch.matmul(values[0], values[1].t()) + bias).to(torch.bfloat16))
+
+
+def test_the_gemm_names_no_format():
+    source = inspect.getsource(qt.ops)
+    for cls in (qt.Float8Tensor, qt.MXFP8Tensor, qt.Float8BlockwiseTensor, qt.NVFP4Tensor):
+        assert cls.__name__ not in source  # the tensor classes' methods choose their operands
 
 
 def test_unquantizable_weight_falls_back_to_high_precision_with_a_warning():

@@ -156,7 +156,7 @@ def test_inference_and_frozen_weights_skip_the_columnwise_quantization(monkeypat
     requested = []
     quantizer_class = type(layer.input_quantizer)
     # The entries below both the public methods and the layer's unchecked calls
-    original = quantizer_class._quantize, quantizer_class._quantize_recastable, quantizer_class.recast_columnwise
+    original = quantizer_class._quantize, quantizer_class._quantize_recastable, quantizer_class._recast_columnwise
 
     def quantize(self, x, **kwargs):
         requested.append(kwargs["usages"])  # (rowwise, columnwise)
@@ -172,7 +172,7 @@ def test_inference_and_frozen_weights_skip_the_columnwise_quantization(monkeypat
 
     monkeypatch.setattr(quantizer_class, "_quantize", quantize)
     monkeypatch.setattr(quantizer_class, "_quantize_recastable", quantize_recastable)
-    monkeypatch.setattr(quantizer_class, "recast_columnwise", recast_columnwise)
+    monkeypatch.setattr(quantizer_class, "_recast_columnwise", recast_columnwise)
     with torch.no_grad():
         layer(torch.randn(4, 64))
     assert requested == [(True, False), (True, False)]  # input, weight: rowwise only

@@ -290,6 +290,59 @@ def test_nvfp4_odd_dims_are_refused_with_the_packing_rule():
         qt.NVFP4BlockScaling().quantizer("input").quantize(torch.ones(4, 33))
 
 
+def test_nvfp4_odd_rows_with_columnwise_data_are_refused_with_the_packing_rule():
+    with pytest.raises(ValueError, match="must be even; got M=33"):
+        qt.NVFP4BlockScaling().quantizer("input").quantize(torch.ones(33, 32), columnwise=True)
+    assert qt.NVFP4BlockScaling().quantizer("input").quantize(torch.ones(33, 32), columnwise=False).usages == (
+        True,
+        False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("state", "match"),
+    [
+        (torch.zeros(2, 4), "amax_history must be a non-empty 1-D float32 tensor"),
+        (torch.zeros(4, dtype=torch.float64), "amax_history must be a non-empty 1-D float32 tensor"),
+        (torch.zeros(8)[::2], "amax_history must be contiguous"),
+        (torch.zeros(4, device="meta"), "amax_history is on meta but x is on cpu"),
+    ],
+)
+def test_delayed_scaling_refuses_a_bad_state_with_the_rule(state, match):
+    quantizer = qt.Float8DelayedScaling().quantizer("input")
+    with pytest.raises(ValueError, match=match):
+        quantizer.quantize(sample((64, 32)), state=state)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (
+            lambda: qt.Float8DelayedQuantizer(amax_compute_algo="mean"),
+            "amax_compute_algo must be 'max' or 'most_recent'",
+        ),
+        (lambda: qt.Float8DelayedQuantizer(margin=1.5), r"margin must be an int in \[0, 127\]"),
+        (lambda: qt.Float8BlockQuantizer(fp8_dtype=torch.bfloat16), "fp8_dtype must be torch.float8_e4m3fn or"),
+    ],
+)
+def test_quantizers_refuse_a_bad_configuration_when_made(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_nvfp4_takes_a_given_amax_in_each_form_quantize_accepts():
+    quantizer, x = qt.NVFP4BlockScaling().quantizer("input"), sample((64, 32))
+    want = quantizer.quantize(x, amax=torch.tensor(8.0))
+    for amax in (torch.tensor([8.0]), torch.tensor(8.0, dtype=torch.bfloat16)):
+        got = quantizer.quantize(x, amax=amax)
+        assert torch.equal(got.amax, want.amax)
+        for name, buffer in want.buffers().items():
+            if buffer is None:
+                assert getattr(got, name) is None
+            else:
+                assert torch.equal(bitwise(getattr(got, name)), bitwise(buffer))
+
+
 def test_serialized_bytes_hold_only_the_raw_buffers():
     t = qt.MXFP8BlockScaling().quantizer("input").quantize(sample())
     buffer = io.BytesIO()
@@ -337,3 +390,26 @@ def test_quantizer_pickles_and_copies_without_its_process_group(monkeypatch):
     assert clone.amax_group is group
     assert clone.amax_history is not quantizer.amax_history
     assert torch.equal(clone.amax_history, quantizer.amax_history)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_from_buffers_builds_what_the_constructor_builds(name):
+    q = qt.recipe_from_name(name).quantizer("input").quantize(sample((4, 32, 64)))
+    cls = type(q)
+    fields = {**q.buffers(), **q.metadata()}
+    fast = cls.from_buffers(q.shape, q.dtype, q.device, **fields)
+    slow = cls(q.shape, q.dtype, **fields)
+    assert (type(fast), fast.shape, fast.dtype, fast.device, fast.requires_grad) == (
+        cls,
+        slow.shape,
+        slow.dtype,
+        slow.device,
+        slow.requires_grad,
+    )
+    assert all(getattr(fast, field) is getattr(slow, field) for field in fields)
+    # Fields left out are None, as the constructor leaves them
+    columnwise = {k: v for k, v in fields.items() if not k.startswith("rowwise_")}
+    fast = cls.from_buffers(q.shape, q.dtype, q.device, **columnwise)
+    assert fast.rowwise_data is None
+    assert fast.usages == (False, True)
+    assert torch.equal(fast.dequantize(), cls(q.shape, q.dtype, **columnwise).dequantize())

@@ -46,11 +46,11 @@ def _train(model: torch.nn.Module, *, cached: bool) -> list[torch.Tensor]:
 
 def _count_weight_quantizations(monkeypatch, model: torch.nn.Module) -> list[int]:
     """Counts weight quantizations: the weight quantizers' outermost `_quantize` (below `quantize`
-    and the layer's unchecked calls), `_quantize_recastable` or `recast_columnwise` calls (the last
+    and the layer's unchecked calls), `_quantize_recastable` or `_recast_columnwise` calls (the last
     two may call `_quantize` themselves)."""
     calls, depth = [0], [0]
     weight_quantizers = {id(m.weight_quantizer) for m in model.modules() if isinstance(m, qt.nn.Linear)}
-    for method in ("_quantize", "_quantize_recastable", "recast_columnwise"):
+    for method in ("_quantize", "_quantize_recastable", "_recast_columnwise"):
         for cls in {type(m.weight_quantizer) for m in model.modules() if isinstance(m, qt.nn.Linear)}:
             original = getattr(cls, method)
 

@@ -79,9 +79,15 @@ class Operator:
     `body(kernel, *arguments)`, the arguments as the dispatcher passes them (`_bound`)."""
 
     def __init__(
-        self, name: str, body: Callable[..., Any], mutates_args: Sequence[str], recomputable: bool = False
+        self,
+        name: str,
+        body: Callable[..., Any],
+        mutates_args: Sequence[str],
+        recomputable: bool = False,
+        arguments: type[tuple] | None = None,
     ) -> None:
         self.name = name
+        self.arguments = arguments  # the op's arguments tuple ([Note: operator arguments])
         self.body = body
         self.mutates_args = tuple(mutates_args)
         self.recomputable = recomputable
@@ -163,7 +169,15 @@ def define_op(
 
     def decorate(body: Callable[..., Any]) -> Callable[..., Any]:
         prototype = _prototype(arguments, body)
-        _define(name, prototype, _bound(body, arguments), mutates_args, _bound_fake(fake, arguments), recomputable)
+        _define(
+            name,
+            arguments,
+            prototype,
+            _bound(body, arguments),
+            mutates_args,
+            _bound_fake(fake, arguments),
+            recomputable,
+        )
         return body
 
     return decorate
@@ -183,7 +197,15 @@ def define_kernel_op(
 
     def decorate(reference: Callable[..., Any]) -> Callable[..., Any]:
         prototype = _prototype(arguments, reference)
-        _define(name, prototype, _bound(None, arguments), mutates_args, _bound_fake(fake, arguments), recomputable)
+        _define(
+            name,
+            arguments,
+            prototype,
+            _bound(None, arguments),
+            mutates_args,
+            _bound_fake(fake, arguments),
+            recomputable,
+        )
         return register_kernel(name, "reference")(reference)
 
     return decorate
@@ -230,8 +252,13 @@ def _bound_fake(fake: Callable[..., Any] | None, arguments: type[tuple]) -> Call
 def with_contiguous(args: ArgsT, *fields: str) -> ArgsT:
     """`args` with the tensors in `fields` made contiguous: `args` itself when they are (a body's
     normalization before its kernel, free on the usual path)."""
-    copies = {field: getattr(args, field).contiguous() for field in fields if not getattr(args, field).is_contiguous()}
-    return args._replace(**copies) if copies else args  # type: ignore[attr-defined]
+    copies = None
+    for field in fields:  # a loop, not a comprehension: no call of its own on every operator call
+        tensor = getattr(args, field)
+        if not tensor.is_contiguous():
+            copies = copies or {}
+            copies[field] = tensor.contiguous()
+    return args if copies is None else args._replace(**copies)  # type: ignore[attr-defined]
 
 
 def _prototype(arguments: type[tuple], returning: Callable[..., Any]) -> Callable[..., Any]:
@@ -261,6 +288,7 @@ def _signature_only() -> None:
 
 def _define(
     name: str,
+    arguments: type[tuple],
     prototype: Callable[..., Any],
     body: Callable[..., Any],
     mutates_args: Sequence[str],
@@ -270,7 +298,7 @@ def _define(
     _library.define(name + _infer_schema(prototype, mutates_args))
     _library.impl(name, torch.library.fallthrough_kernel, "Autograd")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake or _no_outputs, lib=_library)
-    operator = Operator(name, body, mutates_args, recomputable)
+    operator = Operator(name, body, mutates_args, recomputable, arguments)
     operator.overload = getattr(torch.ops.quant_core, name).default
     torch.library.register_torch_dispatch(
         f"{NAMESPACE}::{name}", FunctionalTensorMode, _traced_where_traceable(operator), lib=_library

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 import quant_core
+from quant_tensors._gemm import GemmOperand, emulated_mm
 from quant_tensors._tensor import QuantizedTensor, matrix_shape
 from quant_tensors.quantizer import Quantizer
 
@@ -52,6 +53,22 @@ class BlockScaledTensor(QuantizedTensor):
     def tiled(self) -> bool:
         """True for b x b tiles (columnwise = exact transpose), False for 1 x b blocks."""
         return self.block_shape[0] > 1
+
+    # ---- GEMM operands ([Note: GEMM operand protocol] in quant_tensors._gemm) ----------------
+
+    def gemm_operand(self, usage: str) -> GemmOperand:
+        if usage == "rowwise":
+            data, scale_inv = self.rowwise_data, self.rowwise_scale_inv
+            return (data if data.dim() == 2 else data.reshape(-1, data.shape[-1])), scale_inv
+        return self.columnwise_data, self.columnwise_scale_inv  # 2-D already
+
+    def _scaled_mm_takes(self, b: Any, a_rows: int, b_rows: int, k: int, capability: tuple[int, int]) -> bool:
+        return False  # emulated (blockwise FP8 on Hopper overrides this)
+
+    _emulated_mm = emulated_mm
+
+    def _bf16_operand(self, operand: GemmOperand, usage: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return None, None  # formats whose values bf16 holds exactly override this
 
     def _block_quantized(self) -> quant_core.BlockQuantized:
         """The four buffers as quant-core's BlockQuantized (what its quantize functions refill)."""
@@ -172,6 +189,26 @@ class BlockQuantizer(Quantizer):
                     f"quantize_ needs contiguous destination buffers; this {type(out).__name__} is a slice whose "
                     "columnwise buffers are views (quantize the whole tensor instead)"
                 )
+
+    def _new_tensor(
+        self, x: torch.Tensor, buffers: tuple[torch.Tensor | None, ...], block_shape: tuple[int, int], **extra: Any
+    ) -> QuantizedTensor:
+        """The tensor of x's shape and dtype holding `buffers` (rowwise data and scales, columnwise
+        data and scales, as quant-core's unchecked quantizes return them), `block_shape` (this
+        quantizer's) and `extra` fields."""
+        rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv = buffers
+        return self.tensor_class.from_buffers(
+            x.shape,
+            x.dtype,
+            x.device,
+            rowwise_data=rowwise_data,
+            rowwise_scale_inv=rowwise_scale_inv,
+            columnwise_data=columnwise_data,
+            columnwise_scale_inv=columnwise_scale_inv,
+            quantizer=self,
+            block_shape=block_shape,
+            **extra,
+        )
 
     def _quantize(self, x, *, out, amax, state, usages):
         core_out = None if out is None else out._block_quantized()

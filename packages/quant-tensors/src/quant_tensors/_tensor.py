@@ -77,6 +77,24 @@ class QuantizedTensor(torch.Tensor):
         for name in self._buffer_names + self._metadata_names:
             setattr(self, name, fields.get(name))
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._absent_fields = dict.fromkeys(cls._buffer_names + cls._metadata_names)
+
+    _absent_fields: ClassVar[dict[str, None]] = {}  # every field None: what `from_buffers` starts from
+
+    @classmethod
+    def from_buffers(cls, shape: Sequence[int], dtype: torch.dtype, device: torch.device, **fields: Any) -> Any:
+        """A tensor of this class holding `fields` (buffers and metadata by name; those left out are
+        None), without the constructor's checks: for callers that made the buffers themselves, on
+        `device`, and name only fields of this class (quantizers, the Linear's hot path). One
+        wrapper and two dict updates, no per-field setattr."""
+        tensor = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+        attributes = tensor.__dict__
+        attributes.update(cls._absent_fields)
+        attributes.update(fields)
+        return tensor
+
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     # ---- construction helpers ----------------------------------------------------------------

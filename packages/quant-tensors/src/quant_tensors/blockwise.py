@@ -35,6 +35,33 @@ class Float8BlockwiseTensor(BlockScaledTensor):
     def _transpose_buffers(self, data, scale_inv):
         return quant_core.transpose_fp8_blockwise(data, scale_inv)
 
+    def _operand_values(self, operand, usage, dtype):
+        return quant_core.unchecked.dequantize_fp8_blockwise(*operand, self.block_shape[0], dtype)
+
+    def _bf16_operand(self, operand, usage):
+        if not self.quantizer.power_2_scales:  # fmax / amax scales: values not exact in bf16
+            return None, None
+        return self._operand_values(operand, usage, torch.bfloat16), None
+
+    def _scaled_mm_takes(self, b, a_rows, b_rows, k, capability):
+        # Hopper's kernels: A in 1 x 128 blocks, B in 128 x 128 tiles or 1 x 128 blocks, every dim in
+        # multiples of 128. With 128 x 128 tiles, torch 2.11's kernel returns wrong results (silently,
+        # ~50% error) unless the reduction dim holds a multiple of 4 blocks (measured on H100,
+        # docs/benchmarks.md).
+        if not isinstance(b, Float8BlockwiseTensor) or capability[0] != 9 or self.tiled:
+            return False
+        reduction_ok = not b.tiled or k % 512 == 0
+        return reduction_ok and k % 128 == 0 and b_rows % 128 == 0 and a_rows % 128 == 0
+
+    def _torch_scaled_mm(self, a_operand, b, b_operand, out_dtype, bias, fast_accumulation):
+        (a_data, a_scale), (b_data, b_scale) = a_operand, b_operand
+        # scale_a (M, K/128) stored K-block-major, i.e. strides (1, M); scale_b (K/128, N/128) for
+        # 128 x 128 tiles or (K/128, N) for 1 x 128 blocks, stored the same way.
+        scale_a = a_scale.t().contiguous().t()
+        scale_b = b_scale.t() if b.tiled else b_scale.t().contiguous()
+        out = torch._scaled_mm(a_data, b_data.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+        return out if bias is None else (out.float() + bias.float()).to(out_dtype)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Float8BlockQuantizer(BlockQuantizer):
@@ -56,6 +83,21 @@ class Float8BlockQuantizer(BlockQuantizer):
 
     def _allocation(self):
         return {"block_shape": self.block_shape, "fp8_dtype": self.fp8_dtype}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {self.fp8_dtype}")
+
+    def _quantize(self, x, *, out, amax, state, usages):
+        if out is not None:
+            return super()._quantize(x, out=out, amax=amax, state=state, usages=usages)
+        rowwise, columnwise = usages  # x checked by `quantize` (or qt.nn.Linear)
+        block_shape = self.block_shape
+        buffers = quant_core.unchecked.quantize_fp8_blockwise(
+            x, block_shape[0], self.fp8_dtype, self.power_2_scales, rowwise=rowwise, columnwise=columnwise
+        )
+        return self._new_tensor(x, buffers, block_shape)
 
     def _quantize_core(self, x, rowwise, columnwise, out, amax, state):
         return quant_core.quantize_fp8_blockwise(

@@ -6,13 +6,13 @@ one scale_inv (fp32 0-d) shared by both. Columnwise follows from rowwise lossles
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
 
 import quant_core
+from quant_tensors._gemm import GemmOperand, emulated_mm
 from quant_tensors._tensor import QuantizedTensor, matrix_shape
 from quant_tensors.quantizer import Quantizer
 
@@ -29,41 +29,6 @@ class Float8Tensor(QuantizedTensor):
     columnwise_data: torch.Tensor | None
     scale_inv: torch.Tensor
 
-    # The base class's constructor, with the fields spelled out: a hot path (two quantized tensors
-    # per Linear forward), so no loops over field names.
-    @staticmethod
-    def __new__(
-        cls,
-        shape: Sequence[int],
-        dtype: torch.dtype,
-        *,
-        requires_grad: bool = False,
-        rowwise_data: torch.Tensor | None = None,
-        columnwise_data: torch.Tensor | None = None,
-        scale_inv: torch.Tensor | None = None,
-        quantizer: Any = None,
-    ):
-        data = (
-            rowwise_data if rowwise_data is not None else columnwise_data if columnwise_data is not None else scale_inv
-        )
-        return torch.Tensor._make_wrapper_subclass(
-            cls, tuple(shape), dtype=dtype, device=data.device, requires_grad=requires_grad
-        )
-
-    def __init__(
-        self,
-        shape: Sequence[int],
-        dtype: torch.dtype,
-        *,
-        requires_grad: bool = False,
-        rowwise_data: torch.Tensor | None = None,
-        columnwise_data: torch.Tensor | None = None,
-        scale_inv: torch.Tensor | None = None,
-        quantizer: Any = None,
-    ) -> None:
-        self.rowwise_data, self.columnwise_data, self.scale_inv = rowwise_data, columnwise_data, scale_inv
-        self.quantizer = quantizer
-
     @property
     def fp8_dtype(self) -> torch.dtype:
         return (self.rowwise_data if self.rowwise_data is not None else self.columnwise_data).dtype
@@ -73,6 +38,43 @@ class Float8Tensor(QuantizedTensor):
 
     def _dequantize_buffers(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return quant_core.dequantize_fp8(data, scale_inv, dtype)
+
+    # ---- GEMM operands ([Note: GEMM operand protocol] in quant_tensors._gemm) ----------------
+
+    def gemm_operand(self, usage: str) -> GemmOperand:
+        data = self.rowwise_data if usage == "rowwise" else self.columnwise_data
+        return (data if data.dim() == 2 else data.reshape(-1, data.shape[-1])), self.scale_inv
+
+    def _scaled_mm_takes(self, b: Any, a_rows: int, b_rows: int, k: int, capability: tuple[int, int]) -> bool:
+        # torch._scaled_mm's conditions (compute capability 8.9 on): K and B's rows in multiples of
+        # 16, any number of A's rows (a decoding step's one token among them); not two E5M2 operands.
+        if not isinstance(b, Float8Tensor) or self.fp8_dtype == b.fp8_dtype == torch.float8_e5m2:
+            return False
+        return k % 16 == 0 and b_rows % 16 == 0
+
+    def _torch_scaled_mm(self, a_operand, b, b_operand, out_dtype, bias, fast_accumulation):
+        (a_data, a_scale), (b_data, b_scale) = a_operand, b_operand
+        # torch._scaled_mm refuses a bias with fp32 output: that bias is added afterwards, in fp32.
+        fused_bias = bias if out_dtype != torch.float32 else None
+        out = torch._scaled_mm(
+            a_data,
+            b_data.t(),
+            scale_a=a_scale.reshape(()),
+            scale_b=b_scale.reshape(()),
+            bias=fused_bias,
+            out_dtype=out_dtype,
+            use_fast_accum=fast_accumulation,  # [Note: fast accumulation] in quant_tensors.ops
+        )
+        return out if bias is None or fused_bias is not None else out + bias
+
+    _emulated_mm = emulated_mm
+
+    def _operand_values(self, operand: GemmOperand, usage: str, dtype: torch.dtype) -> torch.Tensor:
+        return quant_core.unchecked.dequantize_fp8(*operand, dtype)
+
+    def _bf16_operand(self, operand: GemmOperand, usage: str) -> tuple[torch.Tensor, torch.Tensor]:
+        data, scale_inv = operand
+        return data.to(torch.bfloat16), scale_inv  # the codes are exact in bf16; the scale a per-tensor factor
 
     def update_usage(self, rowwise: bool | None = None, columnwise: bool | None = None) -> None:
         if columnwise and self.columnwise_data is None:
@@ -140,14 +142,7 @@ class Float8Quantizer(Quantizer):
     def _quantize(self, x, *, out, amax, state, usages):
         if out is None and amax is None and self.amax_group_name is None:  # checked by `quantize`: the hot path
             rowwise_data, columnwise_data, scale_inv, _ = self._quantize_unchecked(x, state, usages, None)
-            return Float8Tensor(
-                x.shape,
-                x.dtype,
-                rowwise_data=rowwise_data,
-                columnwise_data=columnwise_data,
-                scale_inv=scale_inv,
-                quantizer=self,
-            )
+            return self._tensor(x, rowwise_data, columnwise_data, scale_inv)
         amax = self._amax_to_scale_with(x, amax)
         if out is None:
             quantized = self._quantize_fp8(x, amax, state, usages)
@@ -218,12 +213,11 @@ class Float8Quantizer(Quantizer):
             return rowwise, (quantized.scale, quantized.scale_inv)
         scale = torch.empty(1, dtype=torch.float32, device=x.device).view(())  # as quant-core's `new_scalar`
         rowwise_data, _, scale_inv, scale = self._quantize_unchecked(x, state, (True, False), scale)
-        rowwise = Float8Tensor(x.shape, x.dtype, rowwise_data=rowwise_data, scale_inv=scale_inv, quantizer=self)
-        return rowwise, (scale, scale_inv)
+        return self._tensor(x, rowwise_data, None, scale_inv), (scale, scale_inv)
 
-    def recast_columnwise(self, x: torch.Tensor, key: tuple[torch.Tensor, ...]) -> QuantizedTensor:
-        scale, scale_inv = key
-        _, columnwise = quant_core.cast_to_fp8(x, scale, self.fp8_dtype, rowwise=False, columnwise=True)
+    def _recast_columnwise(self, x: torch.Tensor, key: tuple[torch.Tensor, ...]) -> QuantizedTensor:
+        scale, scale_inv = key  # made by `_quantize_recastable` with x, on its device
+        _, columnwise = quant_core.unchecked.cast_to_fp8(x, scale, self.fp8_dtype, rowwise=False, columnwise=True)
         return self._tensor(x, None, columnwise, scale_inv)
 
     def _amax_to_scale_with(self, x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor | None:
@@ -232,9 +226,10 @@ class Float8Quantizer(Quantizer):
         return self._measured_amax(x, amax) if amax is not None or self.amax_group is not None else None
 
     def _tensor(self, x, rowwise_data, columnwise_data, scale_inv) -> Float8Tensor:
-        return Float8Tensor(
+        return Float8Tensor.from_buffers(
             x.shape,
             x.dtype,
+            x.device,
             rowwise_data=rowwise_data,
             columnwise_data=columnwise_data,
             scale_inv=scale_inv,
@@ -296,8 +291,11 @@ class Float8DelayedQuantizer(Float8Quantizer):
     def __post_init__(self) -> None:
         if self.amax_history_len < 1:
             raise ValueError(f"amax_history_len must be >= 1, got {self.amax_history_len}")
-        if not 0 <= self.margin <= 127:  # 2^margin must be an exact fp32 power of two
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or not 0 <= self.margin <= 127:
+            # 2^margin must be an exact fp32 power of two
             raise ValueError(f"margin must be an int in [0, 127], got {self.margin}")
+        if self.amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError(f"amax_compute_algo must be 'max' or 'most_recent', got {self.amax_compute_algo!r}")
         super().__post_init__()
 
     @property
@@ -318,9 +316,30 @@ class Float8DelayedQuantizer(Float8Quantizer):
         quant_core.quantize_fp8_delayed_into(x, state, self.fp8_dtype, amax=amax, **self._delayed_options(), **buffers)
 
     def _quantize_unchecked(self, x, state, usages, scale):
-        # The history may be any tensor a caller passed as `state=`: quant-core checks it.
-        quantized = self._quantize_fp8(x, None, state, usages)
-        return quantized.rowwise_data, quantized.columnwise_data, quantized.scale_inv, quantized.scale
+        # The history may be any tensor a caller passed as `state=` (or bound): quant-core's checked
+        # function takes one that is not quant-core's unchecked contract, and raises naming the problem.
+        if (
+            state.dtype != torch.float32
+            or state.device != x.device
+            or state.dim() != 1
+            or not state.is_contiguous()
+            or state.numel() == 0
+        ):
+            quantized = self._quantize_fp8(x, None, state, usages)
+            return quantized.rowwise_data, quantized.columnwise_data, quantized.scale_inv, quantized.scale
+        rowwise, columnwise = usages
+        return quant_core.unchecked.quantize_fp8_delayed(
+            x,
+            None,
+            state,
+            self.fp8_dtype,
+            self.margin,
+            self.power_2_scales,
+            self.amax_compute_algo,
+            rowwise,
+            columnwise,
+            scale=scale,
+        )
 
     def _delayed_options(self) -> dict[str, Any]:
         return {

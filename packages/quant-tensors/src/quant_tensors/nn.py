@@ -153,9 +153,9 @@ class _QuantizedLinearFunction(torch.autograd.Function):
         elif cached_weight is not None:
             qw = saved_w = cached_weight
         elif needs_dgrad and args.weight_recast:
-            qw, recast_key = weight_quantizer._quantize_recastable(
-                weight, _state(weight_quantizer, weight, weight_state)
-            )
+            if weight_state is None and weight_quantizer.state is not None:  # `_state_for`, inline
+                weight_state = weight_quantizer._state_for(weight, None)
+            qw, recast_key = weight_quantizer._quantize_recastable(weight, weight_state)
             saved_w, recast = weight, True
         else:
             qw = weight_quantizer.quantize(weight, state=weight_state, rowwise=True, columnwise=needs_dgrad)
@@ -184,13 +184,19 @@ class _QuantizedLinearFunction(torch.autograd.Function):
         qx, qw, *recast_key = ctx.saved_tensors
         needs_dgrad, needs_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if ctx.weight_recast:
-            qw = ctx.weight_quantizer.recast_columnwise(qw, tuple(recast_key))
+            qw = ctx.weight_quantizer._recast_columnwise(qw, tuple(recast_key))  # qw: the weight checked in forward
         if isinstance(dy, QuantizedTensor):  # e.g. gathered quantized by a row-parallel sequence-parallel layer
             qdy = _prequantized(dy, "gradient", rowwise=needs_dgrad, columnwise=needs_wgrad)
-        else:
-            qdy = ctx.grad_output_quantizer.quantize(
-                dy.reshape(-1, dy.shape[-1]), state=ctx.grad_output_state, rowwise=needs_dgrad, columnwise=needs_wgrad
-            )
+        elif needs_dgrad or needs_wgrad:
+            # `quantize(dy_MK, state=..., rowwise=needs_dgrad, columnwise=needs_wgrad)`: autograd gives dy
+            # the output's dtype and shape, so the forward's check of x holds for it.
+            quantizer, state, dy_MK = ctx.grad_output_quantizer, ctx.grad_output_state, dy.reshape(-1, dy.shape[-1])
+            if state is None and quantizer.state is not None:  # `_state_for`, inline
+                state = quantizer._state_for(dy_MK, None)
+            usages = (needs_dgrad, needs_wgrad and not (quantizer.columnwise_on_demand and needs_dgrad))
+            qdy = quantizer._quantize(dy_MK, out=None, amax=None, state=state, usages=usages)
+        else:  # only the bias needs a gradient
+            qdy = None
         dx = dw = db = None
         if needs_dgrad:
             derived = qw.columnwise_data is None
@@ -536,15 +542,12 @@ def _quantize_input(
     x_MK = x.reshape(-1, x.shape[-1])
     # `quantizer.quantize(x_MK, state=state, rowwise=True, columnwise=columnwise)` of an input `linear` checked
     usages = (True, columnwise and not quantizer.columnwise_on_demand)
-    qx = quantizer._quantize(x_MK, out=None, amax=None, state=_state(quantizer, x, state), usages=usages)
+    if state is None and quantizer.state is not None:  # `_state_for`, inline
+        state = quantizer._state_for(x, None)
+    qx = quantizer._quantize(x_MK, out=None, amax=None, state=state, usages=usages)
     if shareable:
         setattr(x, _QUANTIZED_INPUT, (x._version, quantizer, qx))
     return qx
-
-
-def _state(quantizer: Quantizer, x: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor | None:
-    """The state a quantize of x uses: `state`, else the quantizer's bound one (`_state_for`)."""
-    return state if state is not None or quantizer.state is None else quantizer._state_for(x, None)
 
 
 def _columnwise_only(t: QuantizedTensor) -> QuantizedTensor:
@@ -554,10 +557,11 @@ def _columnwise_only(t: QuantizedTensor) -> QuantizedTensor:
     # `t._rebuilt()` then `update_usage(rowwise=False)`, which drops the rowwise buffers, in one step
     fields = {}
     for name in t._buffer_names:
-        fields[name] = None if name.startswith("rowwise_") else getattr(t, name)
+        if not name.startswith("rowwise_"):
+            fields[name] = getattr(t, name)
     for name in t._metadata_names:
         fields[name] = getattr(t, name)
-    return type(t)(t.shape, t.dtype, **fields)
+    return type(t).from_buffers(t.shape, t.dtype, t.device, **fields)
 
 
 def _prequantized(t: QuantizedTensor, what: str, *, rowwise: bool, columnwise: bool) -> QuantizedTensor:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 import quant_core
 from quant_tensors._block_tensor import BlockQuantizer, BlockScaledTensor
+from quant_tensors._gemm import emulated_mm, fp32_product
 from quant_tensors._tensor import QuantizedTensor
 
 
@@ -98,6 +99,39 @@ class NVFP4Tensor(BlockScaledTensor):
     def _transpose_buffers(self, data, scale_inv):
         return quant_core.transpose_nvfp4(data, scale_inv)
 
+    def gemm_operand(self, usage):
+        """(2-D codes, block scales, the usage's amax): `amax_of(usage)` travels with the operand."""
+        if usage == "rowwise":
+            data = self.rowwise_data
+            return data if data.dim() == 2 else data.reshape(-1, data.shape[-1]), self.rowwise_scale_inv, self.amax
+        amax = self.columnwise_amax if self.hadamard_seed is not None else self.amax  # `amax_of`, inline
+        return self.columnwise_data, self.columnwise_scale_inv, amax
+
+    def _operand_values(self, operand, usage, dtype):
+        data, scale_inv, amax = operand
+        return quant_core.unchecked.dequantize_nvfp4(data, scale_inv, self.block_shape[0], amax, dtype)
+
+    def _emulated_mm(self, a_operand, a_usage, b, b_operand, b_usage, out_dtype, bias):
+        """Two NVFP4 operands dequantized in one quant-core call ([Note: dequantizing two operands] in
+        quant-core). On CUDA with a bf16/fp16 output: their block values without 1 / S (exact in
+        bf16, [Note: exact bf16 operands] in quant_tensors.ops) on bf16 tensor cores, then quant-core's
+        `nvfp4_gemm_output`, which takes 1 / S from the two global amaxes in its kernel: no scale ops
+        per GEMM on the host."""
+        if type(b) is not NVFP4Tensor:
+            return emulated_mm(self, a_operand, a_usage, b, b_operand, b_usage, out_dtype, bias)
+        (a_data, a_scale, a_amax), (b_data, b_scale, b_amax) = a_operand, b_operand
+        a_rows, b_rows = self.block_shape[0], b.block_shape[0]
+        if out_dtype != torch.float32 and self.device.type == "cuda":
+            a_values, b_values = quant_core.unchecked.dequantize_nvfp4_pair(
+                a_data, a_scale, b_data, b_scale, a_rows, None, b_rows, None, torch.bfloat16
+            )
+            product = torch.mm(a_values, b_values.t(), out_dtype=torch.float32)
+            return quant_core.unchecked.nvfp4_gemm_output(product, a_amax, b_amax, bias, out_dtype)
+        a_values, b_values = quant_core.unchecked.dequantize_nvfp4_pair(
+            a_data, a_scale, b_data, b_scale, a_rows, a_amax, b_rows, b_amax, torch.float32
+        )
+        return fp32_product(a_values, b_values, out_dtype, bias)
+
 
 @dataclass(frozen=True, kw_only=True)
 class NVFP4Quantizer(BlockQuantizer):
@@ -150,10 +184,13 @@ class NVFP4Quantizer(BlockQuantizer):
     def new_state(self, device: torch.device | str | None = None) -> torch.Tensor | None:
         return torch.zeros((), dtype=torch.int64, device=device) if self.stochastic_rounding else None
 
-    def _recast_key(self, quantized: QuantizedTensor) -> tuple[torch.Tensor, ...]:
+    def _quantize_recastable(
+        self, x: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[QuantizedTensor, tuple[torch.Tensor, ...]]:
+        quantized = self._quantize(x, out=None, amax=None, state=state, usages=(True, False))
         if self.random_hadamard_transform:  # the columnwise usage has an amax of its own, unknown yet
-            return ()
-        return (quantized.amax,)
+            return quantized, ()
+        return quantized, (quantized.amax,)  # the recast scales with the forward's global amax
 
     def _metadata(self) -> dict[str, object]:
         return {**super()._metadata(), "hadamard_seed": self.hadamard_seed if self.random_hadamard_transform else None}
@@ -186,6 +223,40 @@ class NVFP4Quantizer(BlockQuantizer):
                 f"{amax.numel()} value(s)"
             )
         return amax[0], amax[1] if transform else None
+
+    def _quantize(self, x, *, out, amax, state, usages):
+        rowwise, columnwise = usages
+        if (
+            out is not None
+            or x.dim() != 2
+            or x.shape[1] % 2
+            or (columnwise and x.shape[0] % 2)  # odd dims: the checked path explains how to pack them
+            or self.amax_group_name is not None
+            or self.random_hadamard_transform
+            or (state is None and self.stochastic_rounding)
+            or (amax is not None and (amax.dtype != torch.float32 or amax.numel() != 1 or amax.device != x.device))
+        ):
+            return super()._quantize(x, out=out, amax=amax, state=state, usages=usages)
+        # The lean path: a 2-D x checked by `quantize` (or qt.nn.Linear), its own amax or a given one.
+        if state is None:
+            seed = torch.zeros((), dtype=torch.int64)  # read only with stochastic rounding
+        else:
+            seed = state + self.seed
+            state.add_(1)
+        global_amax = quant_core.unchecked.amax(x) if amax is None else amax.reshape(())
+        block_shape = self.block_shape
+        buffers = quant_core.unchecked.quantize_nvfp4(
+            x,
+            block_shape[0],
+            global_amax,
+            self.stochastic_rounding,
+            seed,
+            global_amax,
+            None,
+            rowwise=rowwise,
+            columnwise=columnwise,
+        )
+        return self._new_tensor(x, buffers, block_shape, amax=global_amax)
 
     def _quantize_core(self, x, rowwise, columnwise, out, amax, state):
         seed = self.seed

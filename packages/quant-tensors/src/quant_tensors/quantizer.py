@@ -245,17 +245,18 @@ class Quantizer:
     def _quantize_recastable(
         self, x: torch.Tensor, state: torch.Tensor | None
     ) -> tuple[QuantizedTensor, tuple[torch.Tensor, ...]]:
-        """`quantize_recastable` of checked input x with the state to use (`_state_for`'s)."""
-        quantized = self._quantize(x, out=None, amax=None, state=state, usages=(True, False))
-        return quantized, self._recast_key(quantized)
+        """`quantize_recastable` of checked input x with the state to use (`_state_for`'s); the key
+        is empty here (formats whose recast needs the forward's amax or scale override this)."""
+        return self._quantize(x, out=None, amax=None, state=state, usages=(True, False)), ()
 
     def recast_columnwise(self, x: torch.Tensor, key: tuple[torch.Tensor, ...]) -> QuantizedTensor:
         """x quantized columnwise only, with `key` from `quantize_recastable(x)`; reads and advances no state."""
-        return self.quantize(x, amax=key[0] if key else None, rowwise=False, columnwise=True)
+        self._check_input(x)
+        return self._recast_columnwise(x, key)
 
-    def _recast_key(self, quantized: QuantizedTensor) -> tuple[torch.Tensor, ...]:
-        """What `recast_columnwise` needs of a rowwise quantization: the per-tensor amax where the format has one."""
-        return ()
+    def _recast_columnwise(self, x: torch.Tensor, key: tuple[torch.Tensor, ...]) -> QuantizedTensor:
+        """`recast_columnwise` of checked input x."""
+        return self._quantize(x, out=None, amax=key[0] if key else None, state=None, usages=(False, True))
 
     def new_state(self, device: torch.device | str | None = None) -> torch.Tensor | None:
         """A fresh state for this quantizer (None for stateless formats), on `device` (default cpu)."""

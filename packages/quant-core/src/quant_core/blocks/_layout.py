@@ -200,7 +200,8 @@ def dequantize_body(codes_per_byte: int) -> Callable[[Kernel, Any], torch.Tensor
             (data_2d.shape[0], data_2d.shape[1] * codes_per_byte), dtype=args.dtype, device=data_2d.device
         )
         if out_2d.numel() > 0:
-            kernel(with_contiguous(args, "data_2d", "scale_inv"), out_2d)
+            contiguous = data_2d.is_contiguous() and args.scale_inv.is_contiguous()  # the usual case: no call
+            kernel(args if contiguous else with_contiguous(args, "data_2d", "scale_inv"), out_2d)
         return out_2d
 
     return body
@@ -223,12 +224,17 @@ def dequantize_pair_body(codes_per_byte: int) -> Callable[[Kernel, Any], tuple[t
     kernel(args with the four operands contiguous, a_out_2d, b_out_2d)."""
 
     def body(kernel: Kernel, args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        a_out, b_out = (
-            torch.empty((d.shape[0], d.shape[1] * codes_per_byte), dtype=args.dtype, device=d.device)
-            for d in (args.a_data_2d, args.b_data_2d)
-        )
+        a_data, b_data = args.a_data_2d, args.b_data_2d  # the outputs spelled out: no generator on the host path
+        a_out = torch.empty((a_data.shape[0], a_data.shape[1] * codes_per_byte), dtype=args.dtype, device=a_data.device)
+        b_out = torch.empty((b_data.shape[0], b_data.shape[1] * codes_per_byte), dtype=args.dtype, device=b_data.device)
         if a_out.numel() > 0 or b_out.numel() > 0:
-            kernel(with_contiguous(args, *_PAIR_OPERANDS), a_out, b_out)
+            contiguous = (
+                a_data.is_contiguous()
+                and b_data.is_contiguous()
+                and args.a_scale_inv.is_contiguous()
+                and args.b_scale_inv.is_contiguous()
+            )
+            kernel(args if contiguous else with_contiguous(args, *_PAIR_OPERANDS), a_out, b_out)
         return a_out, b_out
 
     return body

@@ -195,11 +195,6 @@ def dequantize_fp8(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dty
     return with_shape(call("dequantize_fp8", as_2d(data), scale_inv, dtype), data.shape)
 
 
-def dequantize_fp8_unchecked(data_MK: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`dequantize_fp8` of 2-D data without its checks (the operator's contract, above): (M, K) values."""
-    return call("dequantize_fp8", data_MK, scale_inv, dtype)
-
-
 class DequantizeFp8Args(NamedTuple):
     """The arguments of `torch.ops.quant_core.dequantize_fp8` ([Note: operator arguments])."""
 

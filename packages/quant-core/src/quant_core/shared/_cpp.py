@@ -32,5 +32,10 @@ def x_args(x_MK: torch.Tensor) -> tuple[int, ...]:
     return (x_MK.data_ptr(), DTYPE_CODES[x_MK.dtype], *x_MK.shape, *x_MK.stride())
 
 
-def outputs(*buffers: torch.Tensor | None) -> tuple[int, ...]:
-    return tuple(pointer(b) for b in buffers)
+def outputs(*buffers: torch.Tensor | None) -> list[int]:
+    """The pointers of output buffers, 0 for an absent one (`pointer` of each, inline: a loop with no
+    call per buffer, on every kernel call's host path)."""
+    pointers = []
+    for b in buffers:
+        pointers.append(0 if b is None else b.data_ptr())
+    return pointers
