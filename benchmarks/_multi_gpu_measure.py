@@ -27,6 +27,7 @@ COLLECTIVES = {
     "all_gather_single": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter",
     "reduce_scatter_single": "reduce_scatter",
+    "all_to_all_single": "reduce_scatter",  # quant_fsdp.QuantizedReduceScatter's exchange (runs `+rs-fp8`)
 }
 
 

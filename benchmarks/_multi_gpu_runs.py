@@ -38,17 +38,19 @@ SEED = 0
 @dataclass(frozen=True)
 class RunSpec:
     """One configuration: what converts the Linears, which weights, eager or per-layer compiled,
-    and the optimizer's states (OPTIMIZER_STATES; "" for the default)."""
+    the optimizer's states (OPTIMIZER_STATES; "" for the default) and the gradient reduce-scatter
+    (REDUCE_SCATTERS; "" for FSDP2's own)."""
 
     base: str
     weights: str  # a recipe's: "hp", "qw" or "qw-bf16" (WEIGHTS); "" for bf16 and torchao
     mode: str
     states: str = ""
+    reduce_scatter: str = ""
 
     @property
     def name(self) -> str:
         name = ":".join((self.base, self.weights, self.mode) if self.weights else (self.base, self.mode))
-        return f"{name}+{self.states}" if self.states else name
+        return "+".join(part for part in (name, self.states, self.reduce_scatter) if part)
 
     @property
     def quantized_weights(self) -> bool:
@@ -74,19 +76,32 @@ def all_run_names() -> list[str]:
 # these runs keep fp32 ones, as torchtitan does.)
 TORCHAO_OPTIMIZERS = ("ao-adamw8bit", "ao-adamwfp8")
 OPTIMIZER_STATES = (*FUSED_ADAM_STATES, *TORCHAO_OPTIMIZERS)
+# Gradient reduce-scatters a recipe run may name after "+": `rs-fp8` is
+# `quant_fsdp.fully_shard(..., reduce_scatter="fp8")` (quant_fsdp.QuantizedReduceScatter).
+REDUCE_SCATTERS = ("rs-fp8",)
 
 
 def parse_run(name: str) -> RunSpec:
-    """The RunSpec called `name` (`<base>[:<weights>]:<mode>[+<states>]`); a ValueError listing the
-    valid names otherwise."""
-    run, _, states = name.strip().partition("+")
+    """The RunSpec called `name` (`<base>[:<weights>]:<mode>[+<states>][+rs-fp8]`); a ValueError
+    listing the valid names otherwise."""
+    run, *suffixes = name.strip().split("+")
     parts = run.split(":")
     if ":".join(parts) not in all_run_names():
         raise ValueError(
-            f"unknown run {name!r}; runs are <base>[:{'|'.join(WEIGHTS)}]:eager|compiled[+<states>]: "
+            f"unknown run {name!r}; runs are <base>[:{'|'.join(WEIGHTS)}]:eager|compiled[+<states>][+rs-fp8]: "
             f"{', '.join(all_run_names())}"
         )
-    spec = RunSpec(parts[0], parts[1] if len(parts) == 3 else "", parts[-1], states)
+    reduce_scatter = [s for s in suffixes if s in REDUCE_SCATTERS]
+    states = [s for s in suffixes if s not in REDUCE_SCATTERS]
+    if len(reduce_scatter) > 1 or len(states) > 1:
+        raise ValueError(f"run {name!r}: at most one optimizer-state option and one reduce-scatter option")
+    spec = RunSpec(parts[0], parts[1] if len(parts) == 3 else "", parts[-1], "".join(states), "".join(reduce_scatter))
+    if spec.reduce_scatter and not spec.weights:
+        raise ValueError(
+            f"run {name!r}: {spec.reduce_scatter} is quant_fsdp.fully_shard's reduce-scatter, for runs of our "
+            f"recipes ({', '.join(RECIPES)}); {spec.base} shards with torch's fully_shard"
+        )
+    states = spec.states
     allowed = FUSED_ADAM_STATES if spec.quantized_weights else TORCHAO_OPTIMIZERS
     if states and states not in allowed:
         optimizer = "quant_optim.FusedAdam" if spec.quantized_weights else "torch's AdamW"
@@ -187,7 +202,11 @@ def build_run(
 
         recipe = qt.recipe_from_name(spec.base)
         qt.convert(model, recipe, quantized_weights=spec.quantized_weights, module_filter_fn=_not_lm_head)
-        shard = functools.partial(quant_fsdp.fully_shard, quantize_on_gather=not spec.quantized_weights)
+        shard = functools.partial(
+            quant_fsdp.fully_shard,
+            quantize_on_gather=not spec.quantized_weights,
+            reduce_scatter="fp8" if spec.reduce_scatter == "rs-fp8" else None,
+        )
         if not spec.quantized_weights:  # one amax all-reduce for every weight (docs/fsdp.md), as torchao's precompute
             after_step = lambda: quant_fsdp.sync_amax_(model.parameters())  # noqa: E731
     layers = decoder_layers(model)

@@ -7,7 +7,7 @@ Usage:
     # the driver: each run its own torchrun, configurations alternated (a,b,c,a,b,c,...)
     python benchmarks/multi_gpu.py --drive --model llama-2b --runs bf16:compiled,fp8:qw:compiled --repeats 3 --out DIR
 
-Runs are named `<base>[:<weights>]:<mode>[+<states>]`:
+Runs are named `<base>[:<weights>]:<mode>[+<states>][+rs-fp8]`:
 - base `bf16` (torch's fully_shard), `torchao-tensorwise` (torchao.float8 with
   `enable_fsdp_float8_all_gather=True` and `precompute_float8_dynamic_scale_for_fsdp` after each
   step), `torchao-rowwise` (`Float8LinearConfig.from_recipe_name("rowwise")`), or a recipe of
@@ -22,7 +22,9 @@ Runs are named `<base>[:<weights>]:<mode>[+<states>]`:
 - states (optional): smaller optimizer states. Quantized-weight runs (FusedAdam): `m-bf16` (both
   moments bf16), `m-fp8` (first moment FP8 E4M3 with a per-tensor scale, second bf16),
   `master-bf16` (bf16 masters with stochastic rounding), `master-bf16-m-fp8` (both); the others
-  (torch's AdamW): `ao-adamw8bit`, `ao-adamwfp8` (torchao.optim's low-bit AdamW instead).
+  (torch's AdamW): `ao-adamw8bit`, `ao-adamwfp8` (torchao.optim's low-bit AdamW instead);
+- `rs-fp8` (recipes only): gradients reduce-scattered in FP8 (`quant_fsdp.fully_shard(...,
+  reduce_scatter="fp8")`: 1x128 blocks, one all-to-all, fp32 sums), counted as RS bytes.
 Layout (torchtitan's; docs/design.md, 'FSDP2'): the model is built in fp32 on each rank's device from
 one seed, converted, then `fully_shard(layer, mesh=..., mp_policy=MixedPrecisionPolicy(
 param_dtype=bf16, reduce_dtype=fp32))` on each decoder layer and on the root. The lm_head is never

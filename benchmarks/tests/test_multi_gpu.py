@@ -365,6 +365,18 @@ def test_run_names_take_optimizer_states():
         runs.parse_run("fp8:eager+m-fp8")
 
 
+def test_recipe_runs_take_the_fp8_reduce_scatter():
+    spec = runs.parse_run("fp8:qw-bf16:compiled+master-bf16-m-fp8+rs-fp8")
+    assert (spec.states, spec.reduce_scatter) == ("master-bf16-m-fp8", "rs-fp8")
+    assert spec.name == "fp8:qw-bf16:compiled+master-bf16-m-fp8+rs-fp8"
+    assert runs.parse_run("fp8-block:qw:compiled+rs-fp8").states == ""
+    assert runs.parse_run(runs.parse_run("fp8:hp:eager+rs-fp8").name).reduce_scatter == "rs-fp8"
+    with pytest.raises(ValueError, match="for runs of our recipes"):
+        runs.parse_run("bf16:compiled+rs-fp8")
+    with pytest.raises(ValueError, match="at most one"):
+        runs.parse_run("fp8:qw:eager+m-fp8+m-bf16")
+
+
 @pytest.mark.parametrize(
     ("states", "moments"), [("", (torch.float32,) * 2), ("m-fp8", (torch.float8_e4m3fn, torch.bfloat16))]
 )
