@@ -11,6 +11,8 @@ import hashlib
 import os
 import pathlib
 import re
+import shutil
+import zipfile
 
 import nox
 import tomllib
@@ -34,10 +36,12 @@ TORCH = "torch==2.13.0"
 # torchtitan (the extra quant-fsdp[torchtitan]; it imports triton) and torchao: test_torchtitan.py
 # trains torchtitan's llama3 with the converter and refuses torchao's float8 converter beside it.
 # accelerate: test_hf_accelerate.py runs Accelerate's own FSDP2 prepare on a converted Llama.
+# pybind11 and twine: `tests` builds the wheels and sdists it installs without isolation, then
+# checks them with `twine check` (`_build_dists`).
 TEST_DEPS = (
     "pytest>=8", "hypothesis>=6.100", "numpy", "triton>=3.6",
-    "build>=1.2", "hatchling>=1.24", "scikit-build-core>=0.10", "matplotlib>=3.8", "transformers>=4.45",
-    "torchtitan>=0.3", "torchao>=0.18", "accelerate>=1.16",
+    "build>=1.2", "hatchling>=1.24", "scikit-build-core>=0.10", "pybind11>=2.13", "twine>=6",
+    "matplotlib>=3.8", "transformers>=4.45", "torchtitan>=0.3", "torchao>=0.18", "accelerate>=1.16",
 )  # fmt: skip
 LINT_DEPS = ("ruff>=0.6", "import-linter>=2.1")
 DOCS_DEPS = ("mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26")
@@ -91,11 +95,48 @@ def _install_packages_once(session: nox.Session, *extra: str) -> None:
     stamp.write_text(digest)
 
 
+def _build_dists(session: nox.Session, outdir: pathlib.Path, *, isolation: bool) -> list[pathlib.Path]:
+    """Builds each package's sdist and wheel from its folder into `outdir` (emptied first) and
+    checks them: `twine check --strict` on every file, and quant-core's wheel must hold its
+    compiled extension under a platform tag this interpreter installs (not `any`). Returns the
+    wheels. `isolation=False` builds with the session's own backends (and reuses quant-core's CMake
+    build folder, packages/quant-core/build/)."""
+    shutil.rmtree(outdir, ignore_errors=True)
+    flags = () if isolation else ("--no-isolation",)
+    for package in PACKAGES:
+        session.run(
+            "python", "-m", "build", "--sdist", "--wheel", *flags, "--outdir", str(outdir), f"packages/{package}"
+        )
+    session.run("twine", "check", "--strict", *sorted(map(str, outdir.iterdir())))
+    wheels = sorted(outdir.glob("*.whl"))
+    _check_extension_wheel(session, next(w for w in wheels if w.name.startswith("quant_core-")))
+    return wheels
+
+
+def _check_extension_wheel(session: nox.Session, wheel: pathlib.Path) -> None:
+    from packaging.tags import sys_tags
+    from packaging.utils import parse_wheel_filename
+
+    tags = parse_wheel_filename(wheel.name)[3]
+    if not tags & set(sys_tags()) or any(tag.platform == "any" for tag in tags):
+        session.error(f"{wheel.name}: its tags {sorted(map(str, tags))} are not this platform's")
+    with zipfile.ZipFile(wheel) as archive:
+        extensions = [name for name in archive.namelist() if re.fullmatch(r"quant_core/_C\.[^/]+\.(so|pyd)", name)]
+    if not extensions:
+        session.error(f"{wheel.name} holds no compiled extension quant_core/_C.*")
+    session.log(f"{wheel.name}: extension {extensions[0]}")
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run every package's unit tests, the lab's, tests-integration and benchmarks/tests against the working tree."""
+    """Build and check the four packages' wheels and sdists, install the wheels, then run every
+    package's unit tests, the lab's, tests-integration and benchmarks/tests."""
     _pin(session)
-    _install_packages(session, *TEST_DEPS)
+    session.install(TORCH, *TEST_DEPS)
+    wheels = [str(w) for w in _build_dists(session, pathlib.Path(session.create_tmp()) / "dist", isolation=False)]
+    # The wheels just built replace whatever an earlier run installed under the same version.
+    session.install("--force-reinstall", "--no-deps", *wheels)
+    session.install(*wheels, f"./{LAB}")
     unpinned = set(_third_party_releases(session)) - set(CONSTRAINTS.read_text().splitlines())
     if unpinned:
         session.error(f"installed but not pinned in {CONSTRAINTS.name}: {sorted(unpinned)}; run `nox -s pins`")
@@ -142,12 +183,12 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """Build wheels and sdists of the four packages (not the lab) into dist/, then install quant-fsdp[optim] from dist/ alone."""
+    """Build wheels and sdists of the four packages (not the lab) into dist/ in isolated build
+    environments, check them (`_build_dists`), then install quant-fsdp[optim] from dist/ alone."""
     _pin(session)
-    session.install("build>=1.2")
+    session.install("build>=1.2", "twine>=6")
     dist = ROOT / "dist"
-    for package in PACKAGES:
-        session.run("python", "-m", "build", "--outdir", str(dist), f"packages/{package}")
+    _build_dists(session, dist, isolation=True)
     check = session.create_tmp()
     venv_python = pathlib.Path(check) / "fresh" / "bin" / "python"
     session.run("python", "-m", "venv", str(venv_python.parent.parent), external=True)
