@@ -14,7 +14,12 @@ unsharded bytes) takes S * (N - 1) / N / bandwidth. Layouts:
 - HSDP (8-GPU shard groups, replicated across N / 8 nodes): the gathers and the gradient
   reduce-scatter stay on NVLink, then each GPU all-reduces its gradient shard across the
   replicas over InfiniBand (2 * (R - 1) / R of the shard's bytes).
-Compute time does not enter: the model gives the communication a step must hide behind it.
+Gradients are reduced in fp32 (the layout's `reduce_dtype`), in bf16, or by quant_fsdp's FP8
+reduce-scatter (`reduce_scatter="fp8"`: one byte per element plus an fp32 scale per 128, exchanged
+in one all-to-all, which sends and receives (N - 1) / N of the payload per GPU as a ring does; under
+HSDP only the shard group's reduce-scatter is quantized, the all-reduce across replicas stays in the
+reduce dtype, bf16 here). Compute time does not enter, nor the FP8 reduce-scatter's quantize and
+dequantize-sum kernels: the model gives the communication a step must hide behind it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ from _multi_gpu_runs import MODELS, _not_lm_head, build_model, decoder_layers
 GPUS_PER_NODE = 8
 MODEL = "llama-2b"
 FORMATS = ("bf16", "fp8", "mxfp8", "nvfp4")
+# Bytes per gradient element on the wire, by how gradients are reduced: fp32, bf16, and the FP8
+# reduce-scatter's codes plus one fp32 scale per 1 x 128 block (chunk padding ignored: < 0.01%).
+GRADIENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0 + 4.0 / 128}
 
 
 def step_bytes(config: DecoderConfig, recipe: str, world_size: int) -> dict[str, int]:
@@ -69,42 +77,60 @@ def collective_ms(payload_bytes: float, num_gpus: int, bus_gb_s: float) -> float
 
 
 def step_comm_ms(
-    nbytes: dict[str, float], num_gpus: int, layout: str, intra_gb_s: float, inter_gb_s: float
+    nbytes: dict[str, float],
+    num_gpus: int,
+    layout: str,
+    intra_gb_s: float,
+    inter_gb_s: float,
+    gradients: str = "fp32",
 ) -> tuple[float, float]:
-    """(gather ms, gradient ms) per step: all-gathers, and reduce-scatter (+ HSDP's all-reduce)."""
+    """(gather ms, gradient ms) per step: all-gathers, and the reduce-scatter of gradients reduced
+    as `gradients` (a key of GRADIENT_BYTES), plus under HSDP the all-reduce of the shard in the
+    reduce dtype (fp32 for "fp32"; bf16 for "bf16" and for the FP8 reduce-scatter)."""
+    scattered = nbytes["reduce_scatter"] / GRADIENT_BYTES["fp32"] * GRADIENT_BYTES[gradients]
     if layout == "fsdp":
         bandwidth = intra_gb_s if num_gpus <= GPUS_PER_NODE else inter_gb_s
         return (
             collective_ms(nbytes["all_gather"], num_gpus, bandwidth),
-            collective_ms(nbytes["reduce_scatter"], num_gpus, bandwidth),
+            collective_ms(scattered, num_gpus, bandwidth),
         )
     shard_gpus = min(num_gpus, GPUS_PER_NODE)
     replicas = num_gpus // shard_gpus
     gather = collective_ms(nbytes["all_gather"], shard_gpus, intra_gb_s)
-    scatter = collective_ms(nbytes["reduce_scatter"], shard_gpus, intra_gb_s)
-    shard_bytes = nbytes["reduce_scatter"] / 2 / shard_gpus  # the fp32 gradient shard (input is fp32 too)
+    scatter = collective_ms(scattered, shard_gpus, intra_gb_s)
+    reduce_dtype = "fp32" if gradients == "fp32" else "bf16"
+    shard_bytes = nbytes["reduce_scatter"] / GRADIENT_BYTES["fp32"] * GRADIENT_BYTES[reduce_dtype] / shard_gpus
     all_reduce = 2 * collective_ms(shard_bytes, replicas, inter_gb_s)
     return gather, scatter + all_reduce
 
 
 def table(nbytes: dict[str, dict[str, float]], intra_gb_s: float, inter_gb_s: float) -> str:
     """Gather ms per step of each format in `nbytes` ("bf16" first; the others with their ratio to
-    bf16's) and gradient ms (the same in every format: fp32)."""
+    bf16's) and gradient ms (the same in every format) reduced in fp32, in bf16 and by the FP8
+    reduce-scatter (with its ratio to bf16's)."""
     formats = list(nbytes)[1:]
     lines = [
         "| GPUs | layout | bf16 gather ms | "
         + " | ".join(f"{f} gather ms" for f in formats)
-        + " | gradient ms (all) |",
-        "| ---: | --- | ---: | " + "---: | " * len(formats) + "---: |",
+        + " | fp32 gradient ms | bf16 gradient ms | fp8 reduce-scatter gradient ms |",
+        "| ---: | --- | ---: | " + "---: | " * len(formats) + "---: | ---: | ---: |",
     ]
     for num_gpus in (2, 8, 16, 64, 256, 1024):
         for layout in ("fsdp", "hsdp") if num_gpus > GPUS_PER_NODE else ("fsdp",):
-            bf16_gather, gradient = step_comm_ms(nbytes["bf16"], num_gpus, layout, intra_gb_s, inter_gb_s)
+            bf16_gather, _ = step_comm_ms(nbytes["bf16"], num_gpus, layout, intra_gb_s, inter_gb_s)
             cells = []
             for f in formats:
                 gather, _ = step_comm_ms(nbytes[f], num_gpus, layout, intra_gb_s, inter_gb_s)
                 cells.append(f"{gather:.1f} ({gather / bf16_gather:.2f}x)")
-            lines.append(f"| {num_gpus} | {layout} | {bf16_gather:.1f} | " + " | ".join(cells) + f" | {gradient:.1f} |")
+            fp32, bf16, fp8 = (
+                step_comm_ms(nbytes["bf16"], num_gpus, layout, intra_gb_s, inter_gb_s, gradients)[1]
+                for gradients in GRADIENT_BYTES
+            )
+            lines.append(
+                f"| {num_gpus} | {layout} | {bf16_gather:.1f} | "
+                + " | ".join(cells)
+                + f" | {fp32:.1f} | {bf16:.1f} | {fp8:.1f} ({fp8 / bf16:.2f}x) |"
+            )
     return "\n".join(lines)
 
 

@@ -4,6 +4,8 @@ over gloo on the tiny model (test_multi_gpu.py)."""
 
 from __future__ import annotations
 
+import pathlib
+
 import _multi_gpu_runs as runs
 import scaling_model
 
@@ -27,3 +29,12 @@ def test_the_counted_bytes_are_those_measured_on_two_gpus():
         else:
             assert round(counted["all_gather"] / 2**20) == MEASURED_ALL_GATHER_MIB[recipe], (recipe, counted)
             assert counted["reduce_scatter"] == MEASURED_BYTES["bf16"]["reduce_scatter"], recipe
+
+
+def test_docs_scaling_shows_the_table_the_model_prints():
+    """docs/scaling.md's prediction table is scaling_model.py's output at its default bandwidths."""
+    config = runs.MODELS[scaling_model.MODEL]
+    nbytes = {f: scaling_model.step_bytes(config, f, world_size=2) for f in scaling_model.FORMATS}
+    printed = scaling_model.table(nbytes, intra_gb_s=265.0, inter_gb_s=40.0)
+    docs = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "scaling.md").read_text()
+    assert printed in docs
