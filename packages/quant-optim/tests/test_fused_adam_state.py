@@ -234,3 +234,23 @@ def test_a_master_the_load_left_untouched_leaves_the_weight_as_loaded():
         before = [b.clone() for b in param_bits(p)]
         optimizer.load_state_dict(state_dict)
         assert all(torch.equal(a, b) for a, b in zip(param_bits(p), before, strict=True)), type(p)
+
+
+def test_group_dtypes_are_saved_by_name_and_loaded_as_dtypes_or_refused():
+    model = Weights("fp8")
+    optimizer = model.optimizer()
+    train(model, optimizer, range(2))
+    checkpoint = optimizer.state_dict()
+    # torch's state-dict utilities (cpu_offload=True in get_optimizer_state_dict) take no torch.dtype.
+    values = [value for group in checkpoint["param_groups"] for value in group.values()]
+    assert not any(isinstance(value, torch.dtype) for value in values)
+    assert [group["exp_avg_dtype"] for group in checkpoint["param_groups"]] == ["bfloat16", "float32"]
+    other = Weights("fp8")
+    other_optimizer = other.optimizer()
+    other.load_state_dict(model.state_dict())
+    other_optimizer.load_state_dict(saved(checkpoint))
+    assert [group["exp_avg_dtype"] for group in other_optimizer.param_groups] == [torch.bfloat16, torch.float32]
+    assert_same(model, optimizer, other, other_optimizer)
+    checkpoint["param_groups"][0]["exp_avg_sq_dtype"] = "bfloat17"
+    with pytest.raises(ValueError, match="exp_avg_sq_dtype='bfloat17', which is not a torch dtype"):
+        other_optimizer.load_state_dict(checkpoint)

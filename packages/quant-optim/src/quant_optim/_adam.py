@@ -208,9 +208,15 @@ class FusedAdam(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state_dict, with the master of every quantized weight that this layout holds in
-        high precision: a copy of its shard ([Note: checkpoints across weight forms])."""
+        high precision: a copy of its shard ([Note: checkpoints across weight forms]). The groups'
+        dtype options are saved by name ("bfloat16"): torch's state-dict utilities
+        (`get_optimizer_state_dict(..., options=StateDictOptions(cpu_offload=True))`, which
+        Accelerate's sharded checkpoints use) take no `torch.dtype` values."""
         self._sync_states_with_params()
         state_dict = super().state_dict()
+        for group in state_dict["param_groups"]:
+            for key in _GROUP_DTYPE_KEYS:
+                group[key] = str(group[key]).removeprefix("torch.")
         params = [(p, group) for group in self.param_groups for p in group["params"]]  # torch's numbering
         for index, (p, group) in enumerate(params):
             saved = state_dict["state"].get(index)
@@ -272,6 +278,7 @@ class FusedAdam(torch.optim.Optimizer):
         Raises ValueError, with nothing changed, when a quantized weight has no master in
         `state_dict` or a saved state is shaped otherwise than its parameter.
         """
+        state_dict = {**state_dict, "param_groups": [_group_dtypes(group) for group in state_dict["param_groups"]]}
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [(p, group) for group in self.param_groups for p in group["params"]]
         for p, _ in params:  # parameters put in the groups without add_param_group too (_sync_states_with_params)
@@ -461,6 +468,22 @@ def _needs_master(p: torch.Tensor, local: torch.Tensor, group: dict[str, Any]) -
 def _rounds_master(p: torch.Tensor, local: torch.Tensor, group: dict[str, Any]) -> bool:
     """Whether p's master is bf16, rounded stochastically with a counter in p's state."""
     return group["master_weight_dtype"] == torch.bfloat16 and _keeps_master(p, local, group)
+
+
+_GROUP_DTYPE_KEYS = ("master_weight_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+
+
+def _group_dtypes(saved_group: dict[str, Any]) -> dict[str, Any]:
+    """A saved param group with its dtype options as torch dtypes (`state_dict` saves their names;
+    a checkpoint may hold the dtypes themselves)."""
+    group = dict(saved_group)
+    for key in _GROUP_DTYPE_KEYS:
+        if isinstance(group.get(key), str):
+            dtype = getattr(torch, group[key], None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"the checkpoint's param group holds {key}={group[key]!r}, which is not a torch dtype")
+            group[key] = dtype
+    return group
 
 
 def _check_saved_master_dtype(group: dict[str, Any], saved_group: dict[str, Any]) -> None:
