@@ -53,9 +53,10 @@ def test_sums_known_by_hand_in_rank_order():
     for fn in (quant_core.dequantize_sum_fp8_chunks, quant_core.dequantize_sum_fp8_chunks_reference):
         assert fn(torch.tensor([ones, ones, big], dtype=torch.uint8), 1, 16).item() == 2.0**24 + 2
         assert fn(torch.tensor([big, ones, ones], dtype=torch.uint8), 1, 16).item() == 2.0**24
-        # AVG is one division of the sum: (2^24 + 2) / 3 rounded once.
-        third = torch.tensor(2.0**24 + 2) / torch.tensor(3.0)
-        assert fn(torch.tensor([ones, ones, big], dtype=torch.uint8), 1, 16, average=True).item() == third.item()
+        # AVG is one division of the sum: (1 + 1) + 3 = 5, 5 / 3 rounded once (5 * fp32(1 / 3) is an ulp above).
+        three = _row([0x44], 16, [1.0])
+        five_thirds = fn(torch.tensor([ones, ones, three], dtype=torch.uint8), 1, 16, average=True).item()
+        assert five_thirds == (torch.tensor(5.0) / torch.tensor(3.0)).item() != (torch.tensor(5.0) * (1 / 3)).item()
 
 
 # (v, random16, code): [Note: FP8 stochastic rounding] worked by hand.
