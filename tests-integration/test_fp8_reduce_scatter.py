@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -378,5 +379,14 @@ def _state_resumes_bit_for_bit(rank: int, world_size: int, directory: pathlib.Pa
     assert not torch.equal(local_bits(fresh)["blocks.0.qkv.weight"], want["blocks.0.qkv.weight"])
 
 
+def _another_world_size_is_refused(rank: int, world_size: int, directory: pathlib.Path) -> None:
+    # Saved on 2 ranks, loaded on 1: the residuals' global size differs, and DCP names the key.
+    model = build_stateful()
+    loaded = {"model": get_model_state_dict(model)}
+    with pytest.raises(CheckpointException, match="Size mismatch.*fp8_reduce_scatter_residual"):
+        dcp.load(loaded, checkpoint_id=directory)
+
+
 def test_error_feedback_and_stochastic_rounding_state_resume_bit_for_bit_from_dcp(tmp_path):
     run_on_warm_ranks(_state_resumes_bit_for_bit, 2, tmp_path / "checkpoint")
+    run_on_warm_ranks(_another_world_size_is_refused, 1, tmp_path / "checkpoint")

@@ -65,7 +65,9 @@ def fully_shard(
     `module` and of the submodules sharded before it. `reduce_scatter="fp8"` (or a
     `QuantizedReduceScatter`) reduce-scatters the gradients of the parameters this call manages in
     FP8 (`module.set_custom_reduce_scatter`); give it to each fully_shard call whose gradients
-    should travel in FP8. Other keyword arguments go to torch's fully_shard (mesh,
+    should travel in FP8. A comm with stochastic rounding or error feedback is bound to `module`:
+    its state becomes buffers of the module, saved with its state dict ([Note: reduce-scatter
+    state] in quant_fsdp._reduce_scatter). Other keyword arguments go to torch's fully_shard (mesh,
     reshard_after_forward, mp_policy, ...).
     """
     reduce_scatter_comm = _reduce_scatter_comm(reduce_scatter)
