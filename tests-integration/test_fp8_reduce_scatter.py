@@ -223,6 +223,8 @@ def _stateful_collective_equals_simulation(rank: int, world_size: int) -> None:
                 assert torch.equal(local, residuals[rank]), (rank, step)
         if stochastic:
             assert holder.get_buffer("fp8_reduce_scatter_step").item() == 3
+        with pytest.raises(ValueError, match="bound to another module already.*its own QuantizedReduceScatter"):
+            comm.bind(torch.nn.Module(), mesh, world_size * chunk, torch.device("cpu"))
     unbound = quant_fsdp.QuantizedReduceScatter(error_feedback=True)
     with pytest.raises(ValueError, match="install it with quant_fsdp.fully_shard"):
         unbound(torch.empty(chunk), torch.zeros(world_size * chunk), dist.group.WORLD, dist.ReduceOp.AVG)
@@ -356,6 +358,7 @@ def _state_resumes_bit_for_bit(rank: int, world_size: int, directory: pathlib.Pa
     dist.all_gather(gathered, residual.to_local())
     assert not torch.equal(gathered[0], gathered[1])
     assert state["blocks.1.fp8_reduce_scatter_step"].item() == 2
+    assert not [key for key in quant_fsdp.export_state_dict(model) if "fp8_reduce_scatter" in key]
     dcp.save({"model": state}, checkpoint_id=directory)
     want_losses = sgd_steps(model, rank, world_size, 2, 2)
     want = local_bits(model)
