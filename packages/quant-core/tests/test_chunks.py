@@ -218,7 +218,7 @@ def test_bad_arguments_are_refused_with_the_fix():
         quant_core.quantize_fp8_chunks(x, 3)
     with pytest.raises(ValueError, match="world_size must be a positive int"):
         quant_core.quantize_fp8_chunks(x, 0)
-    for block_size in (48, 256, 8, True):
+    for block_size in (48, 256, 8, True, 16.0):
         with pytest.raises(ValueError, match="block_size must divide 128 and be a multiple of 16"):
             quant_core.quantize_fp8_chunks(x, 2, block_size)
     with pytest.raises(ValueError, match="fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2"):

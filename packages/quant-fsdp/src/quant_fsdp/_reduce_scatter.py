@@ -100,16 +100,16 @@ class QuantizedReduceScatter(ReduceScatter):
             raise ValueError(
                 f"QuantizedReduceScatter dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}"
             )
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 or block_size % 16:
-            raise ValueError(
-                f"block_size must be a positive multiple of 16 dividing 128 (16, 32, 64 or 128), got {block_size!r}"
-            )
-        if block_size > _MAX_BLOCK:
+        if isinstance(block_size, int) and not isinstance(block_size, bool) and block_size > _MAX_BLOCK:
             raise ValueError(
                 f"block_size {block_size} is larger than quant-core's chunk blocks ({_MAX_BLOCK} elements): use a "
                 f"block_size of at most {_MAX_BLOCK}"
             )
-        if block_size not in quant_core.CHUNK_BLOCK_SIZES:
+        if (
+            isinstance(block_size, bool)
+            or not isinstance(block_size, int)
+            or block_size not in quant_core.CHUNK_BLOCK_SIZES
+        ):
             raise ValueError(
                 f"block_size must be a positive multiple of 16 dividing 128 (16, 32, 64 or 128), got {block_size!r}"
             )

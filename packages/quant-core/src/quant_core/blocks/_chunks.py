@@ -67,7 +67,7 @@ def chunk_row_bytes(chunk: int, block_size: int) -> int:
 
 
 def _check_block_size(block_size: object) -> int:
-    if isinstance(block_size, bool) or block_size not in CHUNK_BLOCK_SIZES:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size not in CHUNK_BLOCK_SIZES:
         raise ValueError(
             f"block_size must divide 128 and be a multiple of 16 (one of {CHUNK_BLOCK_SIZES}), got {block_size!r}"
         )
