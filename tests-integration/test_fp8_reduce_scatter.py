@@ -10,11 +10,17 @@ FSDP2's own fp32 reduce-scatter, train like it, and move the bytes comm_stats() 
 from __future__ import annotations
 
 import math
+import pathlib
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import quant_core
 import quant_fsdp
@@ -90,20 +96,78 @@ def test_simulation_equals_each_chunk_quantized_alone_and_summed_in_rank_order(w
             assert all(torch.equal(a, b.bfloat16()) for a, b in zip(low, expected, strict=True))
 
 
+def reference_with_state(
+    inputs: list[torch.Tensor],
+    comm: quant_fsdp.QuantizedReduceScatter,
+    step: int,
+    residuals: list[torch.Tensor] | None,
+    average: bool,
+) -> list[torch.Tensor]:
+    """Each rank's fp32 result with stochastic rounding and/or error feedback, from quant-core's
+    references: rank i's rows drawn from the stream seed + i * 2^32 + step, its residual added and
+    updated; then, for chunk j, the rows j of every rank summed in rank order."""
+    world_size = len(inputs)
+    chunk = inputs[0].numel() // world_size
+    sends = [
+        quant_core.quantize_fp8_chunks_reference(
+            x,
+            world_size,
+            comm.block_size,
+            comm.dtype,
+            stochastic_rounding=comm.stochastic_rounding,
+            seed=comm.seed + rank * 2**32,
+            counter=torch.tensor(step),
+            residual=None if residuals is None else residuals[rank],
+        )
+        for rank, x in enumerate(inputs)
+    ]
+    return [
+        quant_core.dequantize_sum_fp8_chunks_reference(
+            torch.stack([send[j] for send in sends]), chunk, comm.block_size, comm.dtype, average=average
+        )
+        for j in range(world_size)
+    ]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_stochastic_rounding_and_error_feedback_simulate_as_the_references_step_after_step(world_size):
+    chunk, block_size = 300, 32
+    inputs = gradients(world_size, chunk, world_size * chunk)
+    for stochastic, feedback in ((True, False), (False, True), (True, True)):
+        comm = quant_fsdp.QuantizedReduceScatter(
+            torch.float8_e5m2, block_size=block_size, stochastic_rounding=stochastic, error_feedback=feedback, seed=11
+        )
+        residuals = [torch.zeros(world_size * chunk) for _ in range(world_size)] if feedback else None
+        expected_residuals = [torch.zeros(world_size * chunk) for _ in range(world_size)] if feedback else None
+        results = []
+        for step in range(3):
+            got = comm.simulate(inputs, dist.ReduceOp.AVG, residuals=residuals)
+            want = reference_with_state(inputs, comm, step, expected_residuals, average=True)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (stochastic, feedback, step)
+            if feedback:
+                assert all(torch.equal(a, b) for a, b in zip(residuals, expected_residuals, strict=True))
+            results.append(got)
+        # Each step draws anew (stochastic rounding) or sends what the last one left (error feedback).
+        assert not torch.equal(results[0][0], results[1][0])
+
+
 def test_bad_arguments_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="float8_e4m3fn or torch.float8_e5m2, got torch.bfloat16"):
         quant_fsdp.QuantizedReduceScatter(torch.bfloat16)
-    for block_size in (0, -16, 24, 16.0, True):
+    for block_size in (0, -16, 24, 16.0, True, 48):
         with pytest.raises(ValueError, match="positive multiple of 16"):
             quant_fsdp.QuantizedReduceScatter(block_size=block_size)
     with pytest.raises(ValueError, match="at most 128"):
         quant_fsdp.QuantizedReduceScatter(block_size=256)
-    with pytest.raises(NotImplementedError, match="stochastic_rounding=True.*not built"):
-        quant_fsdp.QuantizedReduceScatter(stochastic_rounding=True)
-    with pytest.raises(NotImplementedError, match="error_feedback=True.*not built"):
-        quant_fsdp.QuantizedReduceScatter(error_feedback=True)
+    with pytest.raises(ValueError, match="seed must be an int"):
+        quant_fsdp.QuantizedReduceScatter(stochastic_rounding=True, seed=1.5)
     comm = quant_fsdp.QuantizedReduceScatter()
     inputs = gradients(2, 0, 256)
+    feedback = quant_fsdp.QuantizedReduceScatter(error_feedback=True)
+    with pytest.raises(ValueError, match="residuals=\\[one fp32 tensor per rank"):
+        feedback.simulate(inputs)
+    with pytest.raises(ValueError, match="residuals=\\[one fp32 tensor per rank"):
+        comm.simulate(inputs, residuals=[torch.zeros(256), torch.zeros(256)])
     for op in (dist.ReduceOp.MAX, dist.ReduceOp.PREMUL_SUM(0.5)):
         with pytest.raises(ValueError, match="SUM or AVG.*set_force_sum_reduction_for_comms"):
             comm.simulate(inputs, op)
@@ -136,9 +200,40 @@ def _collective_equals_simulation(rank: int, world_size: int) -> None:
                     assert quant_fsdp.comm_stats() == {"FP8 reduce-scatter": {"quantized": sent, "fallback": 0}}
 
 
+def _stateful_collective_equals_simulation(rank: int, world_size: int) -> None:
+    # Stochastic rounding and error feedback over three calls: the comm's state lives in a
+    # module's buffers (as fully_shard binds it), the simulation's in its own step and residuals.
+    mesh = init_device_mesh("cpu", (world_size,))
+    chunk = 300
+    for stochastic, feedback in ((True, False), (False, True), (True, True)):
+        options = dict(block_size=32, stochastic_rounding=stochastic, error_feedback=feedback, seed=5)
+        comm = quant_fsdp.QuantizedReduceScatter(torch.float8_e5m2, **options)
+        holder = torch.nn.Module()
+        comm.bind(holder, mesh, world_size * chunk, torch.device("cpu"))
+        simulated = quant_fsdp.QuantizedReduceScatter(torch.float8_e5m2, **options)
+        residuals = [torch.zeros(world_size * chunk) for _ in range(world_size)] if feedback else None
+        for step in range(3):
+            inputs = gradients(world_size, 10 * chunk + step, world_size * chunk, torch.bfloat16)
+            output = comm.allocate((chunk,), dtype=torch.bfloat16, device=inputs[rank].device)
+            comm(output, inputs[rank].clone(), dist.group.WORLD, dist.ReduceOp.AVG)
+            expected = simulated.simulate(inputs, dist.ReduceOp.AVG, residuals=residuals)[rank]
+            assert torch.equal(output, expected), (rank, stochastic, feedback, step)
+            if feedback:
+                local = holder.get_buffer("fp8_reduce_scatter_residual").to_local()
+                assert torch.equal(local, residuals[rank]), (rank, step)
+        if stochastic:
+            assert holder.get_buffer("fp8_reduce_scatter_step").item() == 3
+        with pytest.raises(ValueError, match="bound to another module already.*its own QuantizedReduceScatter"):
+            comm.bind(torch.nn.Module(), mesh, world_size * chunk, torch.device("cpu"))
+    unbound = quant_fsdp.QuantizedReduceScatter(error_feedback=True)
+    with pytest.raises(ValueError, match="install it with quant_fsdp.fully_shard"):
+        unbound(torch.empty(chunk), torch.zeros(world_size * chunk), dist.group.WORLD, dist.ReduceOp.AVG)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_collective_gives_every_rank_the_simulated_result_bit_for_bit(world_size):
     run_on_warm_ranks(_collective_equals_simulation, world_size)
+    run_on_warm_ranks(_stateful_collective_equals_simulation, world_size)
 
 
 def build(reduce_scatter: str | None, world_size: int) -> TinyTransformer:
@@ -206,3 +301,95 @@ def _trains_like_fsdp2s_reduce_scatter(rank: int, world_size: int) -> None:
 
 def test_fsdp2_with_fp8_reduce_scatter_trains_like_its_own_reduce_scatter():
     run_on_warm_ranks(_trains_like_fsdp2s_reduce_scatter, 2)
+
+
+# ---- error feedback and stochastic rounding resume from a checkpoint -------------------------------
+
+
+def build_stateful() -> TinyTransformer:
+    """The fp8-block TinyTransformer whose gradients travel in FP8 with stochastic rounding and
+    error feedback, each parameter group with a comm of its own seed."""
+    torch.manual_seed(0)
+    model = qt.convert(TinyTransformer(CONFIG), qt.recipe_from_name("fp8-block"), quantized_weights=False)
+
+    def comm(seed: int) -> quant_fsdp.QuantizedReduceScatter:
+        return quant_fsdp.QuantizedReduceScatter(stochastic_rounding=True, error_feedback=True, seed=seed)
+
+    for i, block in enumerate(model.blocks):
+        quant_fsdp.fully_shard(block, reduce_scatter=comm(i + 1))
+    return quant_fsdp.fully_shard(model, reduce_scatter=comm(0))
+
+
+def sgd_steps(model: TinyTransformer, rank: int, world_size: int, first: int, steps: int) -> list[torch.Tensor]:
+    """Steps first, first + 1, ... of plain SGD (no optimizer state) on this rank's batch slice; the losses."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(first, first + steps):
+        batch = MarkovTask(CONFIG.vocab).batch(step, BATCH, CONFIG.sequence)
+        inputs, targets = (t.chunk(world_size)[rank] for t in batch)
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return losses
+
+
+def local_bits(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's and buffer's local shard, as bytes."""
+    return {
+        name: (t.to_local() if isinstance(t, DTensor) else t).detach().reshape(-1).view(torch.uint8).clone()
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+    }
+
+
+def _state_resumes_bit_for_bit(rank: int, world_size: int, directory: pathlib.Path) -> None:
+    model = build_stateful()
+    sgd_steps(model, rank, world_size, 0, 2)
+    state = get_model_state_dict(model)
+    residual_keys = [key for key in state if key.endswith("fp8_reduce_scatter_residual")]
+    assert len(residual_keys) == CONFIG.layers + 1, list(state)
+    residual = state["blocks.0.fp8_reduce_scatter_residual"]
+    assert isinstance(residual, DTensor)
+    assert residual.to_local().abs().sum() > 0
+    # Every rank keeps a residual of its own: a replicated buffer would save one rank's only.
+    gathered = [torch.empty_like(residual.to_local()) for _ in range(world_size)]
+    dist.all_gather(gathered, residual.to_local())
+    assert not torch.equal(gathered[0], gathered[1])
+    assert state["blocks.1.fp8_reduce_scatter_step"].item() == 2
+    assert not [key for key in quant_fsdp.export_state_dict(model) if "fp8_reduce_scatter" in key]
+    dcp.save({"model": state}, checkpoint_id=directory)
+    want_losses = sgd_steps(model, rank, world_size, 2, 2)
+    want = local_bits(model)
+
+    resumed = build_stateful()
+    loaded = {"model": get_model_state_dict(resumed)}
+    dcp.load(loaded, checkpoint_id=directory)
+    set_model_state_dict(resumed, loaded["model"])
+    assert torch.equal(torch.stack(sgd_steps(resumed, rank, world_size, 2, 2)), torch.stack(want_losses))
+    got = local_bits(resumed)
+    assert all(torch.equal(got[name], want[name]) for name in want), [
+        n for n in want if not torch.equal(got[n], want[n])
+    ]
+
+    # Without the residuals (what a resume at another world size has to do), the same steps differ.
+    fresh = build_stateful()
+    loaded = {"model": {k: v for k, v in get_model_state_dict(fresh).items() if k not in residual_keys}}
+    dcp.load(loaded, checkpoint_id=directory)
+    set_model_state_dict(fresh, loaded["model"], options=StateDictOptions(strict=False))
+    sgd_steps(fresh, rank, world_size, 2, 2)
+    assert not torch.equal(local_bits(fresh)["blocks.0.qkv.weight"], want["blocks.0.qkv.weight"])
+
+
+def _another_world_size_is_refused(rank: int, world_size: int, directory: pathlib.Path) -> None:
+    # Saved on 2 ranks, loaded on 1: the residuals' global size differs, and DCP names the key.
+    model = build_stateful()
+    loaded = {"model": get_model_state_dict(model)}
+    with pytest.raises(CheckpointException, match="Size mismatch.*fp8_reduce_scatter_residual"):
+        dcp.load(loaded, checkpoint_id=directory)
+
+
+def test_error_feedback_and_stochastic_rounding_state_resume_bit_for_bit_from_dcp(tmp_path):
+    run_on_warm_ranks(_state_resumes_bit_for_bit, 2, tmp_path / "checkpoint")
+    run_on_warm_ranks(_another_world_size_is_refused, 1, tmp_path / "checkpoint")

@@ -278,6 +278,25 @@ QUANT_CORE_INLINE float decode_fp8(uint8_t code) {
   return bits_to_float(bits);
 }
 
+// [Note: FP8 stochastic rounding] in _numerics.py: fp8(v) rounded up or down to a neighbour, up
+// iff random16 < (|v| - lo) / step * 2^16; every quantity exact in fp32 (step a power of two).
+template <Fp8Format F>
+QUANT_CORE_INLINE uint8_t encode_fp8_stochastic(float v, uint32_t random16) {
+  constexpr bool kE4M3 = F == Fp8Format::kE4M3;
+  constexpr float kFmax = kE4M3 ? 448.0f : 57344.0f;
+  constexpr int32_t kMinNormalField = kE4M3 ? 121 : 113;  // 2^-6, 2^-14
+  constexpr int32_t kMantissaBits = kE4M3 ? 3 : 2;
+  const float a = std::fabs(v) < kFmax ? std::fabs(v) : kFmax;  // NaN too: it encodes as 0x7F below
+  const int32_t field = int32_t(float_to_bits(a) >> 23);
+  const int32_t step_field = (field > kMinNormalField ? field : kMinNormalField) - kMantissaBits;
+  const float q = a * bits_to_float(uint32_t(254 - step_field) << 23);  // a / step, exactly
+  const float lower = float(int32_t(q));
+  const float up = float(random16) < (q - lower) * 65536.0f ? 1.0f : 0.0f;
+  const uint32_t magnitude = float_to_bits((lower + up) * bits_to_float(uint32_t(step_field) << 23));
+  const uint8_t code = encode_fp8<F>(bits_to_float(magnitude | (float_to_bits(v) & 0x80000000u)));
+  return v != v ? uint8_t(0x7F) : code;
+}
+
 // E2M1 (NVFP4 elements): the mirror of _numerics.encode_e2m1. The magnitude code counts the
 // rounding thresholds below |v|; a tie goes to the even code. NaN -> 0; saturates at 6.
 QUANT_CORE_INLINE uint8_t encode_e2m1(float v) {

@@ -53,6 +53,16 @@ void quantize_nvfp4(uintptr_t x_MK, int dtype, int64_t M, int64_t K, int64_t str
                     uintptr_t columnwise_amax, bool hadamard, uint64_t hadamard_seed, uintptr_t rowwise_data,
                     uintptr_t rowwise_scale, uintptr_t columnwise_data, uintptr_t columnwise_scale, int num_threads);
 
+// Blockwise FP8 chunks ([Note: FP8 chunk rows] in blocks/_chunks.py; chunks.cpp): x holds world_size
+// chunks of `chunk` elements, out is (world_size, row bytes) uint8; with stochastic_rounding the
+// stream is seed + *counter (counter 0: seed alone); a nonzero `residual` (fp32, x's numel) is added
+// to x first and updated in place. The dequantize-and-sum writes `chunk` elements of out_dtype.
+void quantize_fp8_chunks(uintptr_t x, int dtype, int64_t world_size, int64_t chunk, int64_t block_size, int fp8_format,
+                         bool stochastic_rounding, uint64_t seed, uintptr_t counter, uintptr_t residual, uintptr_t out,
+                         int num_threads);
+void dequantize_sum_fp8_chunks(uintptr_t received, int64_t world_size, int64_t chunk, int64_t block_size,
+                               int fp8_format, bool average, uintptr_t out, int out_dtype, int num_threads);
+
 // Dequantize R x C codes (contiguous; NVFP4 packed two per byte) into an R x C output of out_dtype
 // (dequantize.cpp).
 void dequantize_fp8(uintptr_t data, int fp8_format, int64_t R, int64_t C, uintptr_t scale_inv, uintptr_t out,

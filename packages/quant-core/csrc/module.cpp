@@ -29,6 +29,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("quantize_mxfp8", &quant_core::quantize_mxfp8, release);
   m.def("quantize_fp8_blockwise", &quant_core::quantize_fp8_blockwise, release);
   m.def("quantize_nvfp4", &quant_core::quantize_nvfp4, release);
+  m.def("quantize_fp8_chunks", &quant_core::quantize_fp8_chunks, release);
+  m.def("dequantize_sum_fp8_chunks", &quant_core::dequantize_sum_fp8_chunks, release);
   m.def("dequantize_fp8", &quant_core::dequantize_fp8, release);
   m.def("dequantize_mxfp8", &quant_core::dequantize_mxfp8, release);
   m.def("dequantize_fp8_blockwise", &quant_core::dequantize_fp8_blockwise, release);

@@ -114,6 +114,14 @@ def _nvfp4_hadamard(x: torch.Tensor, seed: torch.Tensor) -> object:
     return q, quant_core.hadamard_inverse_16(values, 2**63 + 5)
 
 
+def _chunks(x: torch.Tensor, seed: torch.Tensor) -> object:
+    # [Note: FP8 chunk rows]: 4 chunks of 2560 elements in blocks of 32, stochastic rounding with
+    # the seed tensor as counter, error feedback on a residual made in the graph.
+    residual = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
+    rows = quant_core.quantize_fp8_chunks(x, 4, 32, stochastic_rounding=True, seed=7, counter=seed, residual=residual)
+    return rows, residual, quant_core.dequantize_sum_fp8_chunks(rows, x.numel() // 4, 32, average=True, dtype=x.dtype)
+
+
 def _others(x: torch.Tensor, seed: torch.Tensor) -> object:
     return quant_core.hadamard_transform_16(x, 2**64 - 3), quant_core.has_non_finite([x, x[:0]])
 
@@ -133,6 +141,7 @@ CASES: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
     "nvfp4_1x16": _nvfp4((1, 16), False),
     "nvfp4_16x16_stochastic": _nvfp4((16, 16), True),
     "nvfp4_hadamard": _nvfp4_hadamard,
+    "fp8_chunks": _chunks,
     "hadamard+has_non_finite": _others,
 }
 

@@ -312,6 +312,24 @@ def _cases() -> dict[str, tuple[torch._ops.OpOverload, tuple]]:
             ),
         ),
         "has_non_finite": (OPS.has_non_finite.default, ([x, torch.empty(0), x_strided.float()],)),
+        # x: 2 chunks of 144 elements in blocks of 32 (a partial last block).
+        "quantize_fp8_chunks": (
+            OPS.quantize_fp8_chunks.default,
+            (
+                x,
+                32,
+                E5M2,
+                True,
+                3,
+                seed,
+                torch.zeros(x.numel()),
+                _sentinel((2, quant_core.chunk_row_bytes(144, 32)), torch.uint8),
+            ),
+        ),
+        "dequantize_sum_fp8_chunks": (
+            OPS.dequantize_sum_fp8_chunks.default,
+            (quant_core.quantize_fp8_chunks(x, 2, 32, E5M2), 32, E5M2, True, _sentinel((144,), torch.bfloat16)),
+        ),
     }
 
 

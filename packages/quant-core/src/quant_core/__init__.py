@@ -43,6 +43,14 @@ from quant_core.blocks._blockwise import (
     quantize_fp8_blockwise_reference,
     transpose_fp8_blockwise,
 )
+from quant_core.blocks._chunks import (
+    CHUNK_BLOCK_SIZES,
+    chunk_row_bytes,
+    dequantize_sum_fp8_chunks,
+    dequantize_sum_fp8_chunks_reference,
+    quantize_fp8_chunks,
+    quantize_fp8_chunks_reference,
+)
 from quant_core.blocks._layout import BlockQuantized, BlockShape
 from quant_core.blocks._many import quantize_fp8_blockwise_many, quantize_mxfp8_many
 from quant_core.blocks._mxfp8 import (
@@ -172,6 +180,13 @@ __all__ = [
     "quantize_fp8_blockwise_many",
     "quantize_fp8_blockwise_reference",
     "transpose_fp8_blockwise",
+    # blockwise FP8 chunks of a reduce-scatter
+    "CHUNK_BLOCK_SIZES",
+    "chunk_row_bytes",
+    "dequantize_sum_fp8_chunks",
+    "dequantize_sum_fp8_chunks_reference",
+    "quantize_fp8_chunks",
+    "quantize_fp8_chunks_reference",
     # NVFP4
     "NVFP4_BLOCK",
     "dequantize_nvfp4",

@@ -15,8 +15,9 @@ entry a plain tensor on the CPU, keyed like that model's state dict:
   quant_optim.FusedAdam does) replace their weights: the values training converged to, before
   the last quantization. quant_fsdp does not import quant_optim (sibling packages), so the
   optimizer is read through torch's Optimizer interface (`param_groups`, `state`);
-- qt.nn.Linear's `<role>_quantizer_state` buffers, which the original model does not have, are
-  left out; every other entry is kept under the key the model's own state_dict gives it
+- qt.nn.Linear's `<role>_quantizer_state` buffers and the FP8 reduce-scatter's state buffers
+  ([Note: reduce-scatter state] in quant_fsdp._reduce_scatter), which the original model does
+  not have, are left out; every other entry is kept under the key the model's own state_dict gives it
   (FSDP2's state_dict pre-hooks register the sharded parameters first).
 """
 
@@ -30,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 import quant_tensors as qt
 from quant_fsdp._quantize_on_gather import QuantizeOnGatherTensor
+from quant_fsdp._reduce_scatter import STATE_BUFFERS
 
 MASTER_KEY = "master"
 
@@ -42,10 +44,10 @@ def export_state_dict(
     ([Note: export] in quant_fsdp._export).
 
     Quantized weights are dequantized, sharded (DTensor) entries gathered whole, and qt.nn.Linear's
-    quantizer states left out, so the result loads with `load_state_dict(strict=True)` into the
-    unconverted model. A collective for sharded models: every rank calls it; rank 0 gets the
-    dict and the other ranks an empty one (as with torch's `full_state_dict=True,
-    cpu_offload=True`). Without torch.distributed the one process gets it.
+    quantizer states and the FP8 reduce-scatter's state left out, so the result loads with
+    `load_state_dict(strict=True)` into the unconverted model. A collective for sharded models:
+    every rank calls it; rank 0 gets the dict and the other ranks an empty one (as with torch's
+    `full_state_dict=True, cpu_offload=True`). Without torch.distributed the one process gets it.
 
     Args:
         model: the converted model (qt.convert), sharded with FSDP2 (quant_fsdp.fully_shard or
@@ -69,7 +71,7 @@ def export_state_dict(
     receives = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     exported = {}
     for key, value in model.state_dict(keep_vars=True).items():
-        if id(value) in quantizer_states:
+        if id(value) in quantizer_states or key.rpartition(".")[2] in STATE_BUFFERS:
             continue
         full = _full_plain(masters.get(id(value), value))
         if receives:

@@ -65,7 +65,9 @@ def fully_shard(
     `module` and of the submodules sharded before it. `reduce_scatter="fp8"` (or a
     `QuantizedReduceScatter`) reduce-scatters the gradients of the parameters this call manages in
     FP8 (`module.set_custom_reduce_scatter`); give it to each fully_shard call whose gradients
-    should travel in FP8. Other keyword arguments go to torch's fully_shard (mesh,
+    should travel in FP8. A comm with stochastic rounding or error feedback is bound to `module`:
+    its state becomes buffers of the module, saved with its state dict ([Note: reduce-scatter
+    state] in quant_fsdp._reduce_scatter). Other keyword arguments go to torch's fully_shard (mesh,
     reshard_after_forward, mp_policy, ...).
     """
     reduce_scatter_comm = _reduce_scatter_comm(reduce_scatter)
@@ -75,7 +77,8 @@ def fully_shard(
     world_size = mesh.size(mesh.ndim - 1)
     # Plan every quantized weight first; change nothing until every check has passed.
     entries = []
-    for name, owner, attribute, param in list(_managed_parameters(module, kwargs.get("ignored_params"))):
+    managed = list(_managed_parameters(module, kwargs.get("ignored_params")))
+    for name, owner, attribute, param in managed:
         quantizer, mode = _quantizer_and_mode(owner, attribute, param, quantize_on_gather)
         if quantizer is not None:
             tensor_parallel = isinstance(param, DTensor)
@@ -129,6 +132,10 @@ def fully_shard(
     torch_fully_shard(module, **{**kwargs, "mesh": mesh})
     if reduce_scatter_comm is not None:
         module.set_custom_reduce_scatter(reduce_scatter_comm)
+        if reduce_scatter_comm.stochastic_rounding or reduce_scatter_comm.error_feedback:
+            trained = [param for *_, param in managed if param.requires_grad]
+            device = next((p.device for p in module.parameters()), torch.device(mesh.device_type))
+            reduce_scatter_comm.bind(module, mesh, _reduce_scatter_numel(trained, world_size), device)
     if amax_histories(module):  # [Note: shared amax histories]
         HistorySyncHook(tuple(mesh.get_group(d) for d in range(mesh.ndim))).register(module)
     _attach_init_value_shards(module, init_values, mesh)
@@ -154,6 +161,17 @@ def _reduce_scatter_comm(option: Any) -> QuantizedReduceScatter | None:
         f'reduce_scatter={option!r}: use None (FSDP2\'s own reduce-scatter), "fp8" or a '
         "quant_fsdp.QuantizedReduceScatter(...); another torch ReduceScatter goes to module.set_custom_reduce_scatter"
     )
+
+
+def _reduce_scatter_numel(params: list[torch.nn.Parameter], world_size: int) -> int:
+    """The numel of FSDP2's reduce-scatter input for gradients of these parameters: each (its local
+    tensor under tensor parallelism) padded along dim 0 to a multiple of the shard group size."""
+    total = 0
+    for param in params:
+        local = param.to_local() if isinstance(param, DTensor) else param
+        rows = local.shape[0] if local.dim() else 1
+        total += -(-rows // world_size) * world_size * (local.numel() // rows if rows else 0)
+    return total
 
 
 def _drop_derivable_columnwise(weight: QuantizedTensor) -> None:

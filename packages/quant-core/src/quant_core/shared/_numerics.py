@@ -44,6 +44,29 @@ def encode_fp8(v: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     return torch.where(torch.isnan(v), FP8_NAN_CODE, codes).view(fp8_dtype)
 
 
+# [Note: FP8 stochastic rounding] fp32 v is rounded to one of its FP8 neighbours lo <= |v| < hi
+# (the format's grid: steps 2^(e - mantissa bits) in v's binade e, 2^-9 (E4M3) or 2^-16 (E5M2)
+# among subnormals) with a uniform 16-bit integer r: the magnitude goes up iff r < (|v| - lo) /
+# (hi - lo) * 2^16, so up with the distance from lo to within 2^-16 of a step. |v|, lo and the
+# step make every quantity exact in fp32: q = |v| / step (a power of two) is below 2^(mantissa
+# bits + 1), lo / step = trunc(q), the fraction q - trunc(q). |v| at or above fmax (+-Inf
+# included) saturates to fmax, as rounding to nearest does; the sign is put back as the bit (-0
+# stays -0); NaN -> 0x7F ([Note: FP8 NaN]).
+def encode_fp8_stochastic(v: torch.Tensor, fp8_dtype: torch.dtype, random16: torch.Tensor) -> torch.Tensor:
+    """fp8(v) rounded stochastically ([Note: FP8 stochastic rounding]); `random16` int64 of v's shape, below 2^16."""
+    e4m3 = fp8_dtype == torch.float8_e4m3fn
+    min_normal_field, mantissa_bits = (121, 3) if e4m3 else (113, 2)  # 2^-6, 2^-14
+    a = v.abs().clamp(max=torch.finfo(fp8_dtype).max)
+    step_field = torch.clamp(a.view(torch.int32) >> 23, min=min_normal_field) - mantissa_bits
+    step = (step_field << 23).view(torch.float32)
+    q = a * ((254 - step_field) << 23).view(torch.float32)  # a / step, exactly
+    lower = torch.trunc(q)
+    up = (random16.float() < (q - lower) * 65536.0).float()
+    magnitude = ((lower + up) * step).view(torch.int32)
+    signed = (magnitude | (v.view(torch.int32) & torch.iinfo(torch.int32).min)).view(torch.float32)
+    return encode_fp8(torch.where(torch.isnan(v), v, signed), fp8_dtype)
+
+
 def power_of_two(exponent: torch.Tensor) -> torch.Tensor:
     """2^exponent as fp32, exactly, for int32 exponents in [-127, 127] (2^-127 is subnormal)."""
     exponent = exponent.to(torch.int32)

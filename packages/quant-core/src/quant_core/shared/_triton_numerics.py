@@ -106,6 +106,25 @@ def decode_fp8(codes, E4M3: tl.constexpr, HARDWARE: tl.constexpr):
     return values
 
 
+@triton.jit
+def encode_fp8_stochastic(v, random16, E4M3: tl.constexpr, HARDWARE: tl.constexpr):
+    """uint8 codes of fp32 v rounded stochastically ([Note: FP8 stochastic rounding]; random16:
+    int32 below 2^16); csrc's mirror. The rounded value is on the FP8 grid, so either encode path
+    gives its code exactly."""
+    fmax: tl.constexpr = 448.0 if E4M3 else 57344.0
+    min_normal_field: tl.constexpr = 121 if E4M3 else 113  # 2^-6, 2^-14
+    mantissa_bits: tl.constexpr = 3 if E4M3 else 2
+    a = tl.where(tl.abs(v) < fmax, tl.abs(v), fmax)  # NaN becomes fmax here and 0x7F at the end
+    step_field = tl.maximum(a.to(tl.int32, bitcast=True) >> 23, min_normal_field) - mantissa_bits
+    q = a * ((254 - step_field) << 23).to(tl.float32, bitcast=True)  # a / step, exactly
+    lower = q.to(tl.int32).to(tl.float32)
+    up = tl.where(random16.to(tl.float32) < (q - lower) * 65536.0, 1.0, 0.0)
+    magnitude = ((lower + up) * (step_field << 23).to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+    # The sign goes on as the bit (a float negation would turn -0 into +0, see encode_e2m1_stochastic).
+    signed = (magnitude | ((v.to(tl.int32, bitcast=True) >> 31) << 31)).to(tl.float32, bitcast=True)
+    return encode_fp8(tl.where(v != v, v, signed), E4M3, HARDWARE)
+
+
 # ---- shared arithmetic ------------------------------------------------------------------------------
 
 
