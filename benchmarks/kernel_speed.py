@@ -98,7 +98,8 @@ def _kernel_cases(shape: tuple[int, int], device: torch.device) -> list[_Case]:
 
     Bytes are the least traffic the op needs (read the input once, write each output once), the
     convention of the bandwidth targets in docs/benchmarks.md: 4 B/element for quantize with transpose.
-    Scales are left out of the count (at most 1/16 of the data).
+    Scales are left out of the count (at most 1/16 of the data), except in the reduce-scatter rows,
+    whose bytes they are part of.
     """
     x = torch.randn(*shape, device=device).to(torch.bfloat16)
     n = x.numel()
@@ -115,7 +116,27 @@ def _kernel_cases(shape: tuple[int, int], device: torch.device) -> list[_Case]:
     pieces = list(x.split(shape[0] // 8))
     piece_outs = [torch.empty(p.shape, dtype=e4m3, device=device) for p in pieces]
     piece_scales = torch.ones(len(pieces), device=device)
+    # The FP8 reduce-scatter's kernels on an fp32 gradient of x's elements (256 MiB at 8192^2) over
+    # 8 ranks: one rank's rows (codes + a 4-byte scale per 128), and the rows a rank receives.
+    ranks, gradient = 8, x.float()
+    rows = quant_core.quantize_fp8_chunks(gradient, ranks)
+    summed = torch.empty(n // ranks, device=device)
+    row_bytes = rows.numel()
     return [
+        _Case(
+            "fp8 reduce-scatter rows of fp32, 8 ranks",
+            ("quantize_fp8_chunks",),
+            4 * n + row_bytes,
+            lambda: quant_core.quantize_fp8_chunks(gradient, ranks, out=rows),
+            lambda: quant_core.quantize_fp8_chunks_reference(gradient, ranks),
+        ),
+        _Case(
+            "fp8 reduce-scatter dequantize-sum of 8 rows to fp32",
+            ("dequantize_sum_fp8_chunks",),
+            row_bytes + 4 * n // ranks,
+            lambda: quant_core.dequantize_sum_fp8_chunks(rows, n // ranks, out=summed),
+            lambda: quant_core.dequantize_sum_fp8_chunks_reference(rows, n // ranks),
+        ),
         _Case("amax", ("amax",), 2 * n, lambda: quant_core.amax(x), lambda: quant_core.amax_reference(x)),
         _Case(
             "fp8 quantize rowwise",
