@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -28,11 +29,22 @@ def set_backend_env(monkeypatch: pytest.MonkeyPatch, value: str | None) -> None:
     quant_core.reload_backend_env()
 
 
-def _resolved_kernel(op: str) -> object:
-    """The kernel inside the implementation an op resolves to on CPU (its body bound to it)."""
-    run = _library.OPERATORS[op].resolve("cpu")
-    run = getattr(run, "__wrapped__", run)  # inside the version bumps of an op that mutates buffers
-    return run.args[0]
+def _recording(monkeypatch: pytest.MonkeyPatch, op: str) -> list[str]:
+    """Has each backend's implementation of `op` append the backend's name to the list returned
+    before it runs: what a forced run and `call`'s direct path run. An unforced call through
+    torch.ops runs the implementation registered on the device's key, which records nothing."""
+    operator = _library.OPERATORS[op]
+    ran: list[str] = []
+    for backend, run in list(operator.implementations.items()):
+        monkeypatch.setitem(
+            operator.implementations, backend, lambda *args, b=backend, run=run: ran.append(b) or run(*args)
+        )
+    monkeypatch.setattr(operator, "eager", {})  # `call` resolves again, to the recording ones
+    return ran
+
+
+def _forcing_kernel_installed() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key("quant_core::amax", "BackendSelect")
 
 
 def test_cpp_backend_is_built_and_listed():
@@ -41,43 +53,115 @@ def test_cpp_backend_is_built_and_listed():
     assert quant_core._C.__version__ == quant_core.__version__
 
 
-def test_auto_picks_cpp_on_cpu(monkeypatch):
+def test_auto_picks_cpp_on_cpu_without_a_forcing_kernel(monkeypatch):
     set_backend_env(monkeypatch, None)
+    ran = _recording(monkeypatch, "amax")
     assert quant_core.selected_backend("amax", torch.device("cpu")) == "cpp"
+    torch.ops.quant_core.amax(torch.ones(1, 3))  # the CPU key's kernel, nothing in between
+    quant_core.amax(torch.ones(1, 3))
+    assert ran == ["cpp"]
+    assert not _forcing_kernel_installed()
 
 
 @pytest.mark.parametrize("name", ["reference", "cpp"])
 def test_environment_variable_forces_backend(monkeypatch, name):
     set_backend_env(monkeypatch, name)
-    assert quant_core.selected_backend("cast_to_fp8", torch.device("cpu")) == name
-    assert _resolved_kernel("cast_to_fp8") is _library.OPERATORS["cast_to_fp8"].kernels[name]
+    ran = _recording(monkeypatch, "amax")
+    assert quant_core.selected_backend("amax", torch.device("cpu")) == name
+    torch.ops.quant_core.amax(torch.ones(1, 3))
+    quant_core.amax(torch.ones(1, 3))
+    assert ran == [name, name]
 
 
 def test_environment_variable_is_read_once_until_reloaded(monkeypatch):
     set_backend_env(monkeypatch, "reference")
-    assert _resolved_kernel("amax") is _library.OPERATORS["amax"].kernels["reference"]
+    ran = _recording(monkeypatch, "amax")
     monkeypatch.setenv(quant_core.BACKEND_ENV_VAR, "cpp")  # not re-read: no per-call environment reads
     assert quant_core.selected_backend("amax", torch.device("cpu")) == "reference"
-    assert _resolved_kernel("amax") is _library.OPERATORS["amax"].kernels["reference"]
+    torch.ops.quant_core.amax(torch.ones(1, 3))
     quant_core.reload_backend_env()
     assert quant_core.selected_backend("amax", torch.device("cpu")) == "cpp"
-    assert _resolved_kernel("amax") is _library.OPERATORS["amax"].kernels["cpp"]
+    torch.ops.quant_core.amax(torch.ones(1, 3))
+    assert ran == ["reference", "cpp"]
 
 
 def test_use_backend_overrides_environment(monkeypatch):
     set_backend_env(monkeypatch, "cpp")
+    ran = _recording(monkeypatch, "amax")
     with quant_core.use_backend("reference"):
         assert quant_core.selected_backend("amax", torch.device("cpu")) == "reference"
-        assert _resolved_kernel("amax") is _library.OPERATORS["amax"].kernels["reference"]
+        torch.ops.quant_core.amax(torch.ones(1, 3))
     assert quant_core.selected_backend("amax", torch.device("cpu")) == "cpp"
-    assert _resolved_kernel("amax") is _library.OPERATORS["amax"].kernels["cpp"]
+    torch.ops.quant_core.amax(torch.ones(1, 3))
+    assert ran == ["reference", "cpp"]
+
+
+def _amax_then_fail(x: torch.Tensor) -> None:
+    quant_core.amax(x)
+    raise RuntimeError("inside the block")
+
+
+def test_nested_blocks_restore_the_outer_backend_on_exit_and_on_error(monkeypatch):
+    set_backend_env(monkeypatch, None)
+    ran = _recording(monkeypatch, "amax")
+    x = torch.ones(1, 3)
+    with quant_core.use_backend("cpp"):
+        with quant_core.use_backend("reference"):
+            torch.ops.quant_core.amax(x)
+        torch.ops.quant_core.amax(x)
+        with pytest.raises(RuntimeError, match="inside the block"), quant_core.use_backend("reference"):
+            _amax_then_fail(x)
+        quant_core.amax(x)
+    assert ran == ["reference", "cpp", "reference", "cpp"]
+    torch.ops.quant_core.amax(x)  # unforced again: the CPU key's kernel
+    assert ran == ["reference", "cpp", "reference", "cpp"]
+
+
+def test_leaving_the_last_block_removes_the_forcing_kernels(monkeypatch):
+    set_backend_env(monkeypatch, None)
+    assert not _forcing_kernel_installed()
+    with quant_core.use_backend("reference"):
+        assert _forcing_kernel_installed()
+        with quant_core.use_backend("cpp"):
+            assert _forcing_kernel_installed()
+    assert not _forcing_kernel_installed()
+
+
+def test_a_forced_backend_applies_to_compiled_code(monkeypatch):
+    set_backend_env(monkeypatch, None)
+    ran = _recording(monkeypatch, "amax")
+    compiled = torch.compile(lambda x: quant_core.amax(x) * 2, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, 8)
+    with quant_core.use_backend("reference"):
+        want = compiled(x)  # compiled while forced
+    assert ran == ["reference"]
+    assert torch.equal(compiled(x), want)
+    assert ran == ["reference"]  # the graph calls the operator: the CPU key's kernel once unforced
+    with quant_core.use_backend("cpp"):
+        compiled(x)
+    assert ran == ["reference", "cpp"]
+
+
+def test_a_forced_backend_applies_to_every_thread(monkeypatch):
+    set_backend_env(monkeypatch, None)
+    # Forcing is process-wide ([Note: backends]): a thread started inside the block runs it too.
+    ran = _recording(monkeypatch, "amax")
+    with quant_core.use_backend("reference"):
+        thread = threading.Thread(target=torch.ops.quant_core.amax, args=(torch.ones(1, 3),))
+        thread.start()
+        thread.join()
+    assert ran == ["reference"]
 
 
 def test_unknown_backend_in_environment_is_rejected(monkeypatch):
     set_backend_env(monkeypatch, "cuda")
     for _ in range(2):  # errors are raised on every call, never cached
         with pytest.raises(ValueError, match="QUANT_CORE_BACKEND='cuda' is not a backend"):
-            quant_core.amax(torch.ones(3))
+            quant_core.amax(torch.ones(1, 3))
+    with pytest.raises(ValueError, match="QUANT_CORE_BACKEND='cuda' is not a backend"):
+        torch.ops.quant_core.amax(torch.ones(1, 3))
+    with quant_core.use_backend("reference"):  # a block overrides it
+        assert quant_core.amax(torch.ones(1, 3)).item() == 1.0
 
 
 def test_unknown_backend_in_use_backend_is_rejected():
@@ -85,11 +169,17 @@ def test_unknown_backend_in_use_backend_is_rejected():
         pass
 
 
-def test_forcing_a_backend_on_the_wrong_device_raises():
+def test_forcing_a_backend_on_the_wrong_device_raises_naming_the_fix(monkeypatch):
     for _ in range(2):
-        with quant_core.use_backend("triton"), pytest.raises(ValueError, match="runs on cuda tensors only"):
-            quant_core.amax(torch.ones(3))
-    assert quant_core.amax(torch.ones(3)).item() == 1.0
+        with (
+            quant_core.use_backend("triton"),
+            pytest.raises(ValueError, match="runs on cuda tensors only.*outside the use_backend block"),
+        ):
+            quant_core.amax(torch.ones(1, 3))
+    assert quant_core.amax(torch.ones(1, 3)).item() == 1.0
+    set_backend_env(monkeypatch, "triton")
+    with pytest.raises(ValueError, match="runs on cuda tensors only.*unset QUANT_CORE_BACKEND"):
+        torch.ops.quant_core.amax(torch.ones(1, 3))
 
 
 def test_each_backend_is_registered_on_its_dispatch_key():
@@ -99,20 +189,6 @@ def test_each_backend_is_registered_on_its_dispatch_key():
         assert torch._C._dispatch_has_kernel_for_dispatch_key("quant_core::amax", key)
     x = torch.randn(8, 8)
     assert torch.equal(torch.ops.quant_core.amax(x), quant_core.amax_reference(x))
-
-
-def test_forcing_the_reference_reaches_calls_through_the_dispatcher(monkeypatch):
-    calls = []
-    reference = _library.OPERATORS["amax"].kernels["reference"]
-    monkeypatch.setitem(_library.OPERATORS["amax"].kernels, "reference", lambda x: calls.append(1) or reference(x))
-    _library.OPERATORS["amax"].resolved.clear()
-    x = torch.randn(4, 4)
-    torch.ops.quant_core.amax(x)
-    assert calls == []
-    with quant_core.use_backend("reference"):
-        torch.ops.quant_core.amax(x)
-    assert calls == [1]
-    _library.OPERATORS["amax"].resolved.clear()
 
 
 def test_every_module_with_triton_kernels_is_among_the_triton_modules():
@@ -143,15 +219,15 @@ def test_registering_a_kernel_twice_raises():
 
 
 def test_forced_backend_without_kernel_for_op_raises(monkeypatch):
-    operator = _library.Operator("only_reference_op", None, ())
-    operator.kernels["reference"] = lambda: None
-    monkeypatch.setitem(_library.OPERATORS, "only_reference_op", operator)
-    with (
-        quant_core.use_backend("cpp"),
-        pytest.raises(NotImplementedError, match="cpp backend has no kernel for 'only_reference_op'"),
-    ):
-        quant_core.selected_backend("only_reference_op", torch.device("cpu"))
-    assert quant_core.selected_backend("only_reference_op", torch.device("cpu")) == "reference"
+    monkeypatch.delitem(_library.OPERATORS["amax"].implementations, "cpp")
+    monkeypatch.setattr(_library.OPERATORS["amax"], "eager", {})
+    with quant_core.use_backend("cpp"):
+        for run in (quant_core.amax, torch.ops.quant_core.amax):
+            with pytest.raises(NotImplementedError, match="cpp backend has no kernel for 'amax'"):
+                run(torch.ones(1, 3))
+        with pytest.raises(NotImplementedError, match="cpp backend has no kernel for 'amax'"):
+            quant_core.selected_backend("amax", torch.device("cpu"))
+    assert quant_core.selected_backend("amax", torch.device("cpu")) == "reference"
 
 
 def test_available_backends_per_device():

@@ -10,6 +10,7 @@ here bytewise instead (`test_schema_declares_exactly_the_buffers_written`).
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
 import torch
@@ -366,6 +367,26 @@ def test_every_kernel_op_is_an_operator_and_every_operator_is_checked():
     assert {op._schema.name.removeprefix("quant_core::") for op, _ in _cases().values()} == operators
 
 
+@pytest.mark.parametrize("name", sorted(quant_core._library.OPERATORS))
+def test_schema_is_the_arguments_tuple(name):
+    # [Note: operator arguments]: the schema has the tuple's fields in order, its defaults, exactly
+    # `mutates_args` written, optional tensor lists as `Tensor[]?`, and parses back to itself.
+    operator = quant_core._library.OPERATORS[name]
+    schema = operator.overload._schema
+    assert torch._C.parse_schema(str(schema)) == schema
+    assert [a.name for a in schema.arguments] == list(operator.arguments._fields)
+    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    assert written == set(operator.mutates_args)
+    annotations = typing.get_type_hints(operator.arguments)
+    defaults = operator.arguments._field_defaults
+    for argument in schema.arguments:
+        assert argument.has_default_value() == (argument.name in defaults), argument.name
+        if argument.name in defaults:
+            assert argument.default_value == defaults[argument.name], argument.name
+        if annotations[argument.name] == list[torch.Tensor] | None:
+            assert str(argument.type) == "Optional[List[Tensor]]", argument.name
+
+
 @pytest.mark.parametrize("name", sorted(_cases()))
 def test_opcheck(name):
     op, args = _cases()[name]
@@ -416,9 +437,9 @@ class _Marked(torch.Tensor):
 def test_call_runs_the_implementation_directly_only_in_plain_eager_code(monkeypatch):
     x = _x((4, 32), torch.float32)
     operator = quant_core._library.OPERATORS["amax"]
-    run = operator.resolve("cpu")
+    run = operator.implementations[operator.select("cpu", None)]
     direct = []
-    monkeypatch.setitem(operator.resolved, ("cpu", None), lambda *a: direct.append(1) or run(*a))
+    monkeypatch.setitem(operator.eager, "cpu", lambda *a: direct.append(1) or run(*a))
 
     seen: list[str] = []
 

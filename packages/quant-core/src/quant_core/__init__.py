@@ -1,9 +1,9 @@
 """quant-core: quantization kernels with a plain-torch reference for each.
 
-Every op runs on a backend chosen once per (op, device type) (see `quant_core._library`, [Note:
+Every op runs on the backend registered for its tensors' device (see `quant_core._library`, [Note:
 backends]): C++ for CPU tensors, Triton for CUDA tensors, the reference otherwise or when forced
-with QUANT_CORE_BACKEND=reference|cpp|triton (read once; `reload_backend_env()` re-reads it) or
-`use_backend(...)`. Buffer layouts of every format: [Note: block layouts] in `quant_core.blocks._layout`
+with QUANT_CORE_BACKEND=reference|cpp|triton (read at import; `reload_backend_env()` re-reads it)
+or `use_backend(...)` (process-wide). Buffer layouts of every format: [Note: block layouts] in `quant_core.blocks._layout`
 and packages/quant-core/README.md.
 
 The public functions check their arguments and then call operators `torch.ops.quant_core.<op>`

@@ -15,11 +15,22 @@ traceable Triton kernels ([Note: traced Triton kernels]). Operators that fill ca
 declare exactly those as mutated and return nothing; the others return new tensors.
 
 [Note: backends] One switch forces a backend for debugging and tests: `use_backend("reference")`
-(a context) or QUANT_CORE_BACKEND=reference (read once; `reload_backend_env()` re-reads it).
+(a context) or QUANT_CORE_BACKEND=reference (read at import; `reload_backend_env()` re-reads it).
 "cpp" and "triton" may be forced too (they run on CPU and CUDA tensors only); forcing a backend
 that cannot run an op on that device raises instead of falling back, so a forced run never
-measures something else. A forced backend applies to compiled code too: the kernel registered on
-each dispatch key runs the forced one in its place.
+measures something else. Forcing installs a fragment, `torch.library.Library(NAMESPACE, "IMPL")`,
+holding for each operator a kernel on the BackendSelect dispatch key that runs the forced backend
+(`_forced_kernel`). BackendSelect comes after the Python key (tensor subclasses, fake tensors,
+functionalization and torch.compile's tracing still see the operator) and before the device keys,
+and nothing else of quant_core is registered on it: the fragment overrides no registration (torch
+warns when one does) and destroying it (`Library._destroy`) removes its kernels, leaving
+BackendSelect's fallthrough. Only one fragment is installed at a time, for the innermost open
+`use_backend` block, else for QUANT_CORE_BACKEND; entering or leaving a block replaces it (nested
+blocks: the inner one wins, the outer one is forced again on exit, an exception included). While
+nothing is forced there is no fragment and the dispatcher runs the kernels registered on the
+device keys, with no check per call. Compiled code calls the operators through the dispatcher, so
+a forced backend applies to it too. Forcing is process-wide: while a `use_backend` block is open,
+every thread runs the forced backend, not only the thread or context that opened it.
 
 The public functions (`quant_core.quantize_fp8`, ...) check their arguments once and call these
 operators through `call` ([Note: eager operator calls]); `quant_core.unchecked` and the operators
@@ -39,14 +50,12 @@ mutates after its kernel ran (autograd's saved-tensor checks then see the write)
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import importlib
 import importlib.util
 import inspect
 import os
 import pkgutil
-import types
 import typing
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, TypeVar
@@ -69,14 +78,14 @@ _DISPATCH_KEY: dict[Backend, str] = {"reference": "CompositeExplicitAutograd", "
 _BACKEND_DEVICE: dict[Backend, str | None] = {"reference": None, "cpp": "cpu", "triton": "cuda"}
 
 _library = torch.library.Library(NAMESPACE, "DEF")
-_forced: contextvars.ContextVar[Backend | None] = contextvars.ContextVar("quant_core_backend", default=None)
-_environment = "auto"  # QUANT_CORE_BACKEND as read by `reload_backend_env`, lowercased
 
 
 class Operator:
-    """One operator: its body, its kernel per backend and, per (device type, forced backend), the
-    implementation that runs (what the dispatcher would run, cached for `call`). The body is
-    `body(kernel, *arguments)`, the arguments as the dispatcher passes them (`_bound`)."""
+    """One operator: its body and, per backend, its kernel and its implementation (the body with
+    that kernel, as registered on the backend's dispatch key). The body is `body(kernel, *arguments)`,
+    the arguments as the dispatcher passes them (`_bound`). `eager` holds, per device type, the
+    implementation the dispatcher runs there while nothing is forced (filled by `call`, emptied
+    while a backend is forced)."""
 
     def __init__(
         self,
@@ -92,8 +101,9 @@ class Operator:
         self.mutates_args = tuple(mutates_args)
         self.recomputable = recomputable
         self.kernels: dict[Backend, Callable[..., Any]] = {}
+        self.implementations: dict[Backend, Callable[..., Any]] = {}
         self.traceable: set[Backend] = set()
-        self.resolved: dict[tuple[str, Backend | None], Callable[..., Any]] = {}
+        self.eager: dict[str, Callable[..., Any]] = {}
         self.overload: Any = None
 
     def implementation(self, backend: Backend, *, version_bumps: bool = True) -> Callable[..., Any]:
@@ -107,37 +117,30 @@ class Operator:
         names = [argument.name for argument in self.overload._schema.arguments]
         return tuple(names.index(name) for name in self.mutates_args)
 
-    def select(self, device_type: str) -> Backend:
-        """The backend this op runs on for tensors of `device_type`; raises if a forced one cannot."""
-        requested = requested_backend()
-        if requested == "auto":
+    def select(self, device_type: str, forced: _Forced | None) -> Backend:
+        """The backend this op runs on for tensors of `device_type` while `forced` is forced (None:
+        nothing is); raises if the forced backend cannot run it there."""
+        if forced is None:
             for backend in _AUTO_ORDER.get(device_type, ("reference",)):
-                if backend in self.kernels and _unavailable_reason(backend) is None:
+                if backend in self.implementations and _unavailable_reason(backend) is None:
                     return backend
             raise NotImplementedError(f"no quant_core backend runs {self.name!r} on {device_type} tensors")
-        backend_device = _BACKEND_DEVICE[requested]
+        backend = forced.checked_backend()
+        backend_device = _BACKEND_DEVICE[backend]
         if backend_device is not None and backend_device != device_type:
             raise ValueError(
-                f"{BACKEND_ENV_VAR}={requested} runs on {backend_device} tensors only, but {self.name!r} got a "
-                f"{device_type} tensor; unset {BACKEND_ENV_VAR} to choose automatically"
+                f"{forced.by} runs on {backend_device} tensors only, but {self.name!r} got a {device_type} tensor; "
+                f"{forced.undo} to choose the backend automatically, or force 'reference' (any device)"
             )
-        if requested not in available_backends():
-            raise RuntimeError(f"the {requested} backend is unavailable: {_unavailable_reason(requested)}")
-        if requested not in self.kernels:
+        reason = _unavailable_reason(backend)
+        if reason is not None:
+            raise RuntimeError(f"the {backend} backend is unavailable: {reason}")
+        if backend not in self.implementations:
             raise NotImplementedError(
-                f"the {requested} backend has no kernel for {self.name!r} yet; unset {BACKEND_ENV_VAR} to use the "
-                "fastest backend that has one"
+                f"the {backend} backend has no kernel for {self.name!r} yet; {forced.undo} to use the fastest "
+                "backend that has one"
             )
-        return requested
-
-    def resolve(self, device_type: str) -> Callable[..., Any]:
-        """The implementation that runs for tensors of `device_type`, cached per forced backend;
-        errors are raised again on every call."""
-        key = (device_type, _forced.get())
-        run = self.resolved.get(key)
-        if run is None:
-            run = self.resolved[key] = self.implementation(self.select(device_type))
-        return run
+        return backend
 
 
 # Automatic choice, fastest first, per device type.
@@ -168,11 +171,10 @@ def define_op(
     """
 
     def decorate(body: Callable[..., Any]) -> Callable[..., Any]:
-        prototype = _prototype(arguments, body)
         _define(
             name,
             arguments,
-            prototype,
+            _schema(arguments, body, mutates_args),
             _bound(body, arguments),
             mutates_args,
             _bound_fake(fake, arguments),
@@ -196,11 +198,10 @@ def define_kernel_op(
     gives the schema's returns, is registered as the reference kernel."""
 
     def decorate(reference: Callable[..., Any]) -> Callable[..., Any]:
-        prototype = _prototype(arguments, reference)
         _define(
             name,
             arguments,
-            prototype,
+            _schema(arguments, reference, mutates_args),
             _bound(None, arguments),
             mutates_args,
             _bound_fake(fake, arguments),
@@ -261,41 +262,16 @@ def with_contiguous(args: ArgsT, *fields: str) -> ArgsT:
     return args if copies is None else args._replace(**copies)  # type: ignore[attr-defined]
 
 
-def _prototype(arguments: type[tuple], returning: Callable[..., Any]) -> Callable[..., Any]:
-    """A function with the schema's signature for `torch.library.infer_schema`: the fields of
-    `arguments` (annotations resolved in its module, defaults kept), returning what `returning`
-    is annotated to return (resolved in its module)."""
-    annotations = typing.get_type_hints(arguments)
-    defaults = arguments._field_defaults  # type: ignore[attr-defined]
-    parameters = [
-        inspect.Parameter(
-            field,
-            inspect.Parameter.POSITIONAL_OR_KEYWORD,
-            annotation=annotations[field],
-            default=defaults.get(field, inspect.Parameter.empty),
-        )
-        for field in arguments._fields  # type: ignore[attr-defined]
-    ]
-    prototype = types.FunctionType(_signature_only.__code__, returning.__globals__, returning.__name__)
-    returns = inspect.signature(returning).return_annotation  # a string is resolved in `returning`'s module
-    prototype.__signature__ = inspect.Signature(parameters, return_annotation=returns)  # type: ignore[attr-defined]
-    return prototype
-
-
-def _signature_only() -> None:
-    """The code of `_prototype`'s functions, which only carry a signature."""
-
-
 def _define(
     name: str,
     arguments: type[tuple],
-    prototype: Callable[..., Any],
+    schema: str,
     body: Callable[..., Any],
     mutates_args: Sequence[str],
     fake: Callable[..., Any] | None,
     recomputable: bool,
 ) -> None:
-    _library.define(name + _infer_schema(prototype, mutates_args))
+    _library.define(name + schema)
     _library.impl(name, torch.library.fallthrough_kernel, "Autograd")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake or _no_outputs, lib=_library)
     operator = Operator(name, body, mutates_args, recomputable, arguments)
@@ -304,25 +280,35 @@ def _define(
         f"{NAMESPACE}::{name}", FunctionalTensorMode, _traced_where_traceable(operator), lib=_library
     )
     OPERATORS[name] = operator
+    if _fragment is not None:  # QUANT_CORE_BACKEND forces a backend from import on
+        _fragment.impl(name, _forced_kernel(operator, _forced), "BackendSelect")
 
 
-# Annotations of an optional list of tensors (`Tensor[]?` in a schema), with and without
-# `from __future__ import annotations`.
-_OPTIONAL_TENSOR_LIST = ("list[torch.Tensor] | None", list[torch.Tensor] | None)
+def _schema(arguments: type[tuple], returning: Callable[..., Any], mutates_args: Sequence[str]) -> str:
+    """The schema `(arguments) -> returns` of an operator: `torch.library.infer_schema` of the
+    fields of `arguments` (annotations resolved in its module, defaults kept), returning what
+    `returning` is annotated to return (resolved in its module). Optional tensor lists
+    (`list[torch.Tensor] | None = None`), which infer_schema does not take (torch 2.13), are
+    inferred as tensor lists defaulting to None, then marked optional, `Tensor[]? name=None` (the
+    only default a tensor list can have in a schema)."""
+    annotations = typing.get_type_hints(arguments)
+    defaults = arguments._field_defaults  # type: ignore[attr-defined]
+    optional = [field for field, annotation in annotations.items() if annotation == list[torch.Tensor] | None]
+    parameters = [
+        inspect.Parameter(
+            field,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            annotation=list[torch.Tensor] if field in optional else annotations[field],
+            default=defaults.get(field, inspect.Parameter.empty),
+        )
+        for field in arguments._fields  # type: ignore[attr-defined]
+    ]
+    returns = inspect.get_annotations(returning, eval_str=True).get("return", inspect.Signature.empty)
 
+    def prototype() -> None:
+        """What infer_schema reads: the signature below, every annotation resolved."""
 
-def _infer_schema(prototype: Callable[..., Any], mutates_args: Sequence[str]) -> str:
-    """torch.library.infer_schema, plus optional tensor lists (`list[torch.Tensor] | None = None`),
-    which it does not take (torch 2.13): inferred as tensor lists defaulting to None, then marked
-    optional, `Tensor[]? name=None` (the only default a tensor list can have in a schema)."""
-    signature = inspect.signature(prototype)
-    optional = [p.name for p in signature.parameters.values() if p.annotation in _OPTIONAL_TENSOR_LIST]
-    if optional:
-        parameters = [
-            p.replace(annotation=list[torch.Tensor]) if p.name in optional else p for p in signature.parameters.values()
-        ]
-        prototype = types.FunctionType(prototype.__code__, prototype.__globals__, prototype.__name__)
-        prototype.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    prototype.__signature__ = inspect.Signature(parameters, return_annotation=returns)  # type: ignore[attr-defined]
     schema = torch.library.infer_schema(prototype, mutates_args=tuple(mutates_args))
     for name in optional:
         assert f"[] {name}=None" in schema, (schema, name)
@@ -350,24 +336,12 @@ def register_kernel(
         operator.kernels[backend] = torch.no_grad()(fn) if backend == "reference" else fn
         if traceable:
             operator.traceable.add(backend)
-        operator.resolved.clear()
-        _library.impl(op, _on_dispatch_key(operator, backend), _DISPATCH_KEY[backend])
+        operator.implementations[backend] = operator.implementation(backend)
+        operator.eager.clear()
+        _library.impl(op, operator.implementations[backend], _DISPATCH_KEY[backend])
         return fn
 
     return decorate
-
-
-def _on_dispatch_key(operator: Operator, backend: Backend) -> Callable[..., Any]:
-    """What `backend`'s dispatch key runs: its kernel's implementation, or, while a backend is
-    forced, the forced one's."""
-    run = operator.implementation(backend)
-
-    def dispatched(*args: Any) -> Any:
-        if _forced.get() is None and _environment == "auto":
-            return run(*args)
-        return operator.resolve(_device_type(args))(*args)
-
-    return dispatched
 
 
 def _device_type(args: Sequence[Any]) -> str:
@@ -385,43 +359,93 @@ def backend_kernel(op: str, backend: Backend) -> Callable[..., Any]:
     return OPERATORS[op].kernels[backend]
 
 
-# ---- the switch -------------------------------------------------------------------------------
+# ---- the switch ([Note: backends]) --------------------------------------------------------------
+
+
+class _Forced:
+    """A backend forced by a `use_backend` block or by QUANT_CORE_BACKEND (whose value may name no
+    backend: the forced kernels then raise). `by` and `undo` word the errors."""
+
+    def __init__(self, backend: str, by: str, undo: str) -> None:
+        self.backend, self.by, self.undo = backend, by, undo
+
+    def checked_backend(self) -> Backend:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"{self.by} is not a backend; use one of auto, {', '.join(BACKENDS)}")
+        return self.backend  # type: ignore[return-value]
+
+
+_environment: _Forced | None = None  # QUANT_CORE_BACKEND as read by `reload_backend_env`
+_blocks: list[_Forced] = []  # the open `use_backend` blocks, innermost last
+_forced: _Forced | None = None  # what the installed fragment forces
+_fragment: torch.library.Library | None = None  # the fragment forcing it: a kernel per op on BackendSelect
+
+
+def _install() -> None:
+    """Installs the fragment of the innermost open `use_backend` block, else of QUANT_CORE_BACKEND,
+    else none, replacing the one installed (destroying a Library removes its kernels)."""
+    global _forced, _fragment
+    forced = _blocks[-1] if _blocks else _environment
+    if forced is _forced:
+        return
+    if _fragment is not None:
+        _fragment._destroy()
+    _forced, _fragment = forced, None
+    for operator in OPERATORS.values():
+        operator.eager.clear()
+    if forced is not None:
+        _fragment = torch.library.Library(NAMESPACE, "IMPL")
+        for operator in OPERATORS.values():
+            _fragment.impl(operator.name, _forced_kernel(operator, forced), "BackendSelect")
+
+
+def _forced_kernel(operator: Operator, forced: _Forced) -> Callable[..., Any]:
+    """The fragment's kernel of `operator`: the forced backend's implementation, where it can run
+    on the arguments' device (`Operator.select` raises otherwise)."""
+
+    def forced_kernel(*args: Any) -> Any:
+        return operator.implementations[operator.select(_device_type(args), forced)](*args)
+
+    return forced_kernel
 
 
 def reload_backend_env() -> None:
-    """Re-reads QUANT_CORE_BACKEND (otherwise read once, at import) and forgets cached choices."""
+    """Re-reads QUANT_CORE_BACKEND (otherwise read once, at import) and forces what it names
+    (process-wide, below any open `use_backend` block)."""
     global _environment
-    _environment = os.environ.get(BACKEND_ENV_VAR, "auto").strip().lower() or "auto"
-    for operator in OPERATORS.values():
-        operator.resolved.clear()
+    value = os.environ.get(BACKEND_ENV_VAR, "auto").strip().lower() or "auto"
+    _environment = (
+        None if value == "auto" else _Forced(value, f"{BACKEND_ENV_VAR}={value!r}", f"unset {BACKEND_ENV_VAR}")
+    )
+    _install()
 
 
 def requested_backend() -> Backend | Literal["auto"]:
     """The backend forced by `use_backend` or QUANT_CORE_BACKEND, else 'auto'."""
-    forced = _forced.get()
-    if forced is not None:
-        return forced
-    if _environment != "auto" and _environment not in BACKENDS:
-        raise ValueError(f"{BACKEND_ENV_VAR}={_environment!r} is not a backend; use one of auto, {', '.join(BACKENDS)}")
-    return _environment  # type: ignore[return-value]
+    return "auto" if _forced is None else _forced.checked_backend()
 
 
 @contextlib.contextmanager
 def use_backend(backend: Backend) -> Iterator[None]:
-    """Forces `backend` for every op called inside the block (overrides QUANT_CORE_BACKEND);
-    `use_backend("reference")` runs the plain-torch reference of every op."""
+    """Forces `backend` for every op called inside the block (overrides QUANT_CORE_BACKEND; an
+    inner block overrides an outer one); `use_backend("reference")` runs the plain-torch reference
+    of every op. Process-wide: every thread runs the forced backend while the block is open
+    ([Note: backends])."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
-    token = _forced.set(backend)
+    forced = _Forced(backend, f"use_backend({backend!r})", "call it outside the use_backend block")
+    _blocks.append(forced)
     try:
+        _install()
         yield
     finally:
-        _forced.reset(token)
+        _blocks.remove(forced)
+        _install()
 
 
 def selected_backend(op: str, device: torch.device) -> Backend:
     """The backend that `op` runs on for tensors on `device`; raises if a forced one cannot."""
-    return OPERATORS[op].select(torch.device(device).type)
+    return OPERATORS[op].select(torch.device(device).type, _forced)
 
 
 def available_backends(device: torch.device | str | None = None) -> tuple[Backend, ...]:
@@ -499,8 +523,9 @@ def triton_usable() -> bool:
 # this project's CI machine, 13-28 us per call on an H100 VM's host (docs/benchmarks.md), where a
 # training step's Linear runs 3-15 quant_core operators and each of their kernels takes tens of us
 # of GPU time. So `call` runs the implementation the dispatcher would run (version-counter bumps
-# included; resolved once per op, device type and forced backend) directly, but only when nothing
-# could tell the two apart: no torch.compile tracing, no dispatch or torch-function mode (fake
+# included; `Operator.eager`, resolved once per op and device type) directly, but only when nothing
+# could tell the two apart: no backend forced (the forcing fragment's kernels run in the
+# dispatcher, [Note: backends]), no torch.compile tracing, no dispatch or torch-function mode (fake
 # tensors, functionalization, op counters), no functorch transform, no profiler (its traces name
 # the operator), and only plain tensors among the arguments (a subclass's __torch_dispatch__ would
 # handle the operator). The operators record no autograd history either way (the Autograd key
@@ -527,9 +552,11 @@ def call(name: str, *args: Any) -> Any:
         if not first:
             return operator.overload(*args)
         first = first[0]
-    run = operator.resolved.get((first.device.type, _forced.get()))
+    run = operator.eager.get(first.device.type)
     if run is None:
-        run = operator.resolve(first.device.type)
+        if _forced is not None:  # the fragment's kernel runs the forced backend ([Note: backends])
+            return operator.overload(*args)
+        run = operator.eager[first.device.type] = operator.implementations[operator.select(first.device.type, None)]
     return run(*args)
 
 
@@ -579,7 +606,7 @@ def _no_outputs(*args: object) -> None:
 # own). Other kernels (C++, the references, Triton kernels not marked) stay opaque operators.
 def _traced_where_traceable(operator: Operator) -> Callable[..., Any]:
     def rule(mode: FunctionalTensorMode, op: Any, types: Any, args: Any, kwargs: Any) -> Any:
-        backend = operator.select(_device_type(args))
+        backend = operator.select(_device_type(args), _forced)
         tagging = (
             prefer_recompute(args, operator.mutated_positions) if operator.recomputable else contextlib.nullcontext()
         )
