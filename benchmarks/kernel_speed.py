@@ -122,7 +122,7 @@ def _kernel_cases(shape: tuple[int, int], device: torch.device) -> list[_Case]:
     rows = quant_core.quantize_fp8_chunks(gradient, ranks)
     summed = torch.empty(n // ranks, device=device)
     row_bytes = rows.numel()
-    return [
+    cases = [
         _Case(
             "fp8 reduce-scatter rows of fp32, 8 ranks",
             ("quantize_fp8_chunks",),
@@ -309,6 +309,7 @@ def _kernel_cases(shape: tuple[int, int], device: torch.device) -> list[_Case]:
             lambda: quant_core.hadamard_transform_16_reference(x, seed=1),
         ),
     ]
+    return [case for case in cases if not CASES or any(part in case.name for part in CASES)]
 
 
 def _nibble_transpose_reference(packed: torch.Tensor) -> torch.Tensor:
@@ -367,6 +368,8 @@ _CUDA_SHAPES = ((8192, 8192), (4096, 4096), (2048, 8192))
 # it may spend on that (compiling takes most of the run's time); cases past the budget show "-".
 COMPILE_REFERENCES = True
 COMPILE_BUDGET_S = 300.0
+# Substrings of the case names to run (`--cases`); empty: every case.
+CASES: tuple[str, ...] = ()
 
 
 def _time_cuda_case(
@@ -571,7 +574,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device", choices=("all", "cpu", "cuda"), default="all", help="all (default): the CPU, and CUDA if present"
     )
+    parser.add_argument(
+        "--cases", default="", help="comma-separated parts of case names: only the cases whose name holds one"
+    )
     args = parser.parse_args(argv)
+    global CASES
+    CASES = tuple(part for part in args.cases.split(",") if part)
     return run_bench(args.out, size=args.size, min_run_time=args.min_run_time, device=args.device)
 
 
