@@ -9,6 +9,7 @@ import signal
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -56,6 +57,13 @@ def _die_on_rank_0(rank: int, world_size: int) -> None:
     if rank == 0:
         os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()
+
+
+def _use_threads(rank: int, world_size: int, threads: int, folder: str) -> None:
+    """Records the intra-op threads the call starts with, then sets `threads` (as Accelerate's
+    state does for MULTI_CPU ranks)."""
+    pathlib.Path(folder, f"threads-{rank}").write_text(str(torch.get_num_threads()))
+    torch.set_num_threads(threads)
 
 
 def _pids_and_counts(folder: pathlib.Path, world_size: int) -> list[tuple[int, int, str]]:
@@ -110,3 +118,9 @@ def test_worlds_beyond_the_limit_close_the_least_recently_used(tmp_path, monkeyp
     run_on_warm_ranks(_record, 2, str(tmp_path))
     assert list(testing._worlds) == [2]
     assert all(process.exitcode == 0 for process in one.processes)  # closed, not killed
+
+
+def test_every_call_starts_with_one_intra_op_thread(tmp_path):
+    run_on_warm_ranks(_use_threads, 2, 2, str(tmp_path))
+    run_on_warm_ranks(_use_threads, 2, 1, str(tmp_path))
+    assert [tmp_path.joinpath(f"threads-{rank}").read_text() for rank in range(2)] == ["1", "1"]

@@ -320,8 +320,8 @@ def _run_scenarios(rank: int, world_size: int, source: str, plan: list, log: str
 # tests' gloo worlds run on ranks that stay up: the first call of a world size starts its ranks
 # and process group, later calls send them (fn's file, fn's name, args) and wait for every rank's
 # answer. Each call loads fn's file afresh (its module globals start new, as in a new process)
-# and ends with a barrier, then drops that module, resets torch.compile's caches and collects
-# garbage. What torch keeps process-wide (compiled artifacts, fake tensors in their graphs) may
+# and ends with a barrier, then drops that module, sets one intra-op thread again, resets
+# torch.compile's caches and collects garbage. What torch keeps process-wide (compiled artifacts, fake tensors in their graphs) may
 # outlive a call: a check over every live object skips what it does not own. A rank that
 # raises or dies ends its world: the other ranks are killed and the error is raised as
 # torch.multiprocessing's spawn raises it (ProcessRaisedException with the rank's traceback,
@@ -472,6 +472,10 @@ def _serve_calls(rank: int, world_size: int, store: str, connection: multiproces
         for module_name in sys.modules.keys() - before:  # the call's file and its globals go with it
             if _imported_from_outside_the_environment(sys.modules[module_name]):
                 del sys.modules[module_name]
+        # A call may change the process's intra-op threads (Accelerate's MULTI_CPU state sets them
+        # to the physical cores per local rank it sees): with more threads than the world's share
+        # of the cores, every later call's kernels spin in OpenMP waits, several times slower.
+        torch.set_num_threads(1)
         torch._dynamo.reset()
         gc.collect()
         connection.send(None)
