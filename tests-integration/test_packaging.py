@@ -2,7 +2,8 @@
 wheel holds the library and its command line, not the repository's lab (lab/: the demo and the
 multi-process test worlds).
 
-Each package is copied (sources only) into a tmp monorepo beside the root .gitignore, the kinds of
+Each package is copied (sources only) into a tmp monorepo, with the root .gitignore above it or
+without (a package's own build configuration must keep build outputs out either way), the kinds of
 junk a developer's checkout holds are planted there (a CMake build tree, an in-place extension,
 bytecode, egg-info, an old dist/), and the sdist is built from it without build isolation: the
 backends (hatchling, scikit-build-core) come from the test environment, and no C++ is compiled.
@@ -77,14 +78,16 @@ def _is_source(member: str) -> bool:
     return parts[0] in SOURCE_FOLDERS and pathlib.PurePosixPath(member).suffix in SOURCE_SUFFIXES
 
 
+@pytest.mark.parametrize("gitignore", [True, False], ids=["monorepo-gitignore", "no-gitignore"])
 @pytest.mark.parametrize("package", PACKAGES)
-def test_sdist_holds_sources_only(package: str, tmp_path: pathlib.Path) -> None:
+def test_sdist_holds_sources_only(package: str, gitignore: bool, tmp_path: pathlib.Path) -> None:
     source = ROOT / "packages" / package
     module = _module(package)
     repo = tmp_path / "repo"
     copy = repo / "packages" / package
     shutil.copytree(source, copy, ignore=shutil.ignore_patterns(*JUNK_NAMES))
-    shutil.copy(ROOT / ".gitignore", repo / ".gitignore")
+    if gitignore:
+        shutil.copy(ROOT / ".gitignore", repo / ".gitignore")
     _plant_junk(copy, module)
 
     sdist = pathlib.Path(ProjectBuilder(copy).build("sdist", tmp_path / "dist"))
