@@ -279,7 +279,8 @@ def dequantize_sum_fp8_chunks(
     Args:
         received: uint8 (world_size, row bytes): row i as `quantize_fp8_chunks` wrote it on rank i.
         chunk: elements per chunk.
-        block_size, fp8_dtype: as the rows were quantized with.
+        block_size: the block size the rows were quantized with.
+        fp8_dtype: the FP8 dtype the rows were quantized with.
         average: divide the sum by world_size (AVG); otherwise SUM.
         dtype: fp32, bf16 or fp16 output (ignored when `out` is given: out's dtype counts).
         out: a buffer of `chunk` elements (contiguous, fp32/bf16/fp16, received's device) to fill.
