@@ -80,8 +80,8 @@ class QuantizedReduceScatter(ReduceScatter):
     with `quant_fsdp.fully_shard(..., reduce_scatter="fp8")` or `module.set_custom_reduce_scatter`.
     The bytes it moves are counted in `quant_fsdp.comm_stats()` under "FP8 reduce-scatter".
 
-    `stochastic_rounding=True` rounds the codes stochastically (rank r, call k: the counter-RNG
-    stream `seed + r * 2^32 + k`); `error_feedback=True` adds to each rank's input the residual
+    `stochastic_rounding=True` rounds the codes stochastically (on rank r, the k-th
+    call draws the counter-RNG stream `seed + r * 2^32 + k`); `error_feedback=True` adds to each rank's input the residual
     its previous call did not send (fp32, one unsharded gradient of the group per rank). Both
     keep state that `quant_fsdp.fully_shard` registers as buffers of the module, saved with its
     state dict ([Note: reduce-scatter state]).
