@@ -221,8 +221,9 @@ def _adam_capturable_kernel(
         if STOCHASTIC:
             counter_ptr = tl.load(pointers + (5 + OUT) * num_tensors + t).to(tl.pointer_type(tl.int64))
             counter = tl.load(counter_ptr)
-            # seed is typed int32 or int64 by its value: widened first; the sum wraps modulo 2^64.
-            stream = seed.to(tl.int64).to(tl.uint64, bitcast=True) + counter.to(tl.uint64, bitcast=True)
+            # seed is typed int32 or int64 by its value (a Python int where Inductor holds it constant):
+            # widened first; the sum wraps modulo 2^64.
+            stream = tl.cast(tl.cast(seed, tl.int64), tl.uint64, bitcast=True) + counter.to(tl.uint64, bitcast=True)
         # fp8 moments: every program reads the stored scale_invs here, the last one sets the new ones.
         m_scale_inv, m_scale, v_scale_inv, v_scale = 1.0, 1.0, 1.0, 1.0
         if M_FP8 > 0:

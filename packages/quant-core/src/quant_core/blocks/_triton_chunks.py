@@ -58,7 +58,8 @@ def _quantize_chunks_kernel(
     multiplier, scale_inv = _power_of_two_scale(tl.max(finite_abs(y), axis=1), 1, E4M3)
     v = y * multiplier[:, None]
     if STOCHASTIC:
-        stream = seed.to(tl.int64).to(tl.uint64, bitcast=True)  # the sum wraps modulo 2^64
+        # tl.cast, not .to: Inductor passes a seed that is constant in the graph as a Python int.
+        stream = tl.cast(tl.cast(seed, tl.int64), tl.uint64, bitcast=True)  # the sum wraps modulo 2^64
         if COUNTER:
             stream = stream + tl.load(counter_ptr).to(tl.uint64, bitcast=True)
         random16 = (splitmix64(stream, index.to(tl.uint64, bitcast=True)) >> 48).to(tl.int32)

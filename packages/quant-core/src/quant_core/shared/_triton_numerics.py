@@ -29,7 +29,8 @@ HARDWARE_FP8 = os.environ.get("TRITON_INTERPRET", "0") != "1"
 # Launch options of every bit-exact kernel ([Note: exact Triton arithmetic]).
 EXACT = {"enable_fp_fusion": False}
 
-FLOAT32_MAX = 3.4028234663852886e38
+# A constexpr, so that Inductor's copy of a kernel's source carries it along.
+FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 def seed_tensor(seed: int | torch.Tensor, device: torch.device) -> torch.Tensor:
