@@ -39,7 +39,8 @@ OutOfMemoryError (lower `--collective-timeout` then: a rank that fails first lea
 waiting in a collective).
 
 Per launch: `--warmup` untimed steps, one counted step, `--steps` timed steps (and with
-`--profile`, 2 profiled steps after them, so the profiler never slows a timed step). Peak memory statistics are reset after the model and optimizer
+`--profile`, 2 steps under torch.profiler after them, then 2 under cProfile, so no profiler
+slows a timed step). Peak memory statistics are reset after the model and optimizer
 are built, before the first warm-up step, so the optimizer states allocated by the first step count.
 The counted step also records the peak of each of its phases (forward, backward, optimizer step)
 and, with `--memory-snapshot`, the CUDA allocator's history: the bytes alive at the step's highest
@@ -71,6 +72,9 @@ Columns of DIR/multi_gpu.md (DIR/multi_gpu.json holds the same and every launch)
   kernel does (_multi_gpu_measure.exposed_time); the chrome trace of every rank is in DIR/traces.
 - GPU compute ms (--profile): per step, the time some non-NCCL kernel runs on rank 0's GPU; a step
   longer than it by more than the exposed communication waited for its host.
+- DIR/traces/RUN.rank0.python.txt (--profile): rank 0's Python functions by own time and by
+  cumulative time over its cProfile steps (cProfile slows Python, not the GPU: compare functions
+  within a run and calls per step across runs).
 - host ms hooks/graphs/optim (--profile): per step, rank 0's host time in FSDP2's hooks, in the
   Python of compiled graphs and in the optimizer step (_multi_gpu_measure.host_time_by_kind).
 - error: the first line of what a run raised; a launch that exits non-zero without a result
@@ -81,12 +85,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import datetime
 import importlib.metadata
+import io
 import itertools
 import json
 import os
 import pathlib
+import pstats
 import shlex
 import signal
 import statistics
@@ -143,7 +150,7 @@ def measure_rank(
     """Builds and trains one run on this rank; what this rank measured."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model, optimizer, after_step = build_run(spec, options, device, mesh)
-    num_batches = options.num_warmup + 1 + options.num_steps + PROFILED_STEPS * options.profile
+    num_batches = options.num_warmup + 1 + options.num_steps + 2 * PROFILED_STEPS * options.profile
     batches = rank_batches(options.config, num_batches, rank, world_size).to(device)
     grads: list[int] = []
 
@@ -226,7 +233,8 @@ def _profile(
     rank: int,
     trace_dir: pathlib.Path,
 ) -> dict:
-    """Profiles PROFILED_STEPS steps into a chrome trace per rank; rank 0 adds its exposed communication."""
+    """Profiles PROFILED_STEPS steps into a chrome trace per rank, then PROFILED_STEPS more under cProfile on
+    rank 0 (its Python by function); rank 0 adds its exposed communication."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -237,8 +245,19 @@ def _profile(
     trace_dir.mkdir(parents=True, exist_ok=True)
     trace = trace_dir / f"{spec.name.replace(':', '_')}.rank{rank}.json"
     profiler.export_chrome_trace(str(trace))
+    python = cProfile.Profile()
+    with python if rank == 0 else contextlib.nullcontext():
+        for i in range(first + PROFILED_STEPS, first + 2 * PROFILED_STEPS):
+            step(i)
+        _synchronize(device)
     if rank != 0:
         return {}
+    text = io.StringIO()
+    stats = pstats.Stats(python, stream=text)
+    for order in ("tottime", "cumulative"):
+        text.write(f"== {spec.name}: {PROFILED_STEPS} steps, rank 0, by {order}\n")
+        stats.sort_stats(order).print_stats(60)
+    (trace_dir / f"{spec.name.replace(':', '_')}.rank0.python.txt").write_text(text.getvalue())
     events = json.loads(trace.read_text())["traceEvents"]
     communication, compute = kernel_intervals(events)
     per_step_ms = 1e-3 / PROFILED_STEPS

@@ -47,6 +47,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     result = json.loads((out / "multi_gpu.json").read_text())
     result["markdown"] = (out / "multi_gpu.md").read_text()
     result["stdout"] = completed.stdout
+    result["out"] = out
     return result
 
 
@@ -202,6 +203,9 @@ def test_profiles_split_host_time_by_kind(report):
         assert row["gpu_compute_ms"] is None, row["run"]
         assert row["host_ms"]["fsdp_hooks"] > 0, row["run"]
         assert row["host_ms"]["optimizer"] > 0, row["run"]
+        python = (report["out"] / "traces" / f"{row['run'].replace(':', '_')}.rank0.python.txt").read_text()
+        for text in ("by tottime", "by cumulative", "_fsdp_param_group.py"):  # FSDP2 ran in its steps
+            assert text in python, (row["run"], text)
 
 
 def test_a_run_that_raises_becomes_a_row_with_its_error(tmp_path):
