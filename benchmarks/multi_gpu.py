@@ -87,6 +87,7 @@ import argparse
 import contextlib
 import cProfile
 import datetime
+import importlib
 import importlib.metadata
 import io
 import itertools
@@ -441,10 +442,14 @@ def worker_arguments(args: argparse.Namespace) -> list[str]:
 
 
 def _version(distribution: str) -> str | None:
+    """The installed distribution's version, else the module's `__version__` (sources on PYTHONPATH), else None."""
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
-        return None
+        try:
+            return importlib.import_module(distribution.replace("-", "_")).__version__
+        except ImportError:
+            return None
 
 
 def environment(args: argparse.Namespace, nproc: int, runs: list[str]) -> dict:
