@@ -28,6 +28,7 @@ import signal
 import sys
 import sysconfig
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from types import ModuleType
@@ -373,8 +374,11 @@ class _WarmWorld:
                         # A peer that died makes the others fail ("connection closed by peer"):
                         # report the death, the cause, when it shows within a moment. (A rank
                         # that sent an error leaves with exit code 0: not a death.)
-                        others = [p.sentinel for r, p in enumerate(self.processes) if r != rank]
-                        multiprocessing.connection.wait(others, timeout=_DEATH_GRACE_S)
+                        others = {p.sentinel: p for r, p in enumerate(self.processes) if r != rank}
+                        deadline = time.monotonic() + _DEATH_GRACE_S
+                        for sentinel in multiprocessing.connection.wait(list(others), timeout=_DEATH_GRACE_S):
+                            # A process's sentinel closes before its exit code can be read: reap it.
+                            others[sentinel].join(max(0.0, deadline - time.monotonic()))
                         self._raise_if_one_died({r: c for r, c in waiting.items() if r != rank}, deaths_only=True)
                         raise mp.ProcessRaisedException(
                             f"\n\n-- Process {rank} terminated with the following error:\n{outcome}",
