@@ -48,6 +48,8 @@ from _e2e_model import DecoderConfig, resolve_model_source
 from rich.console import Console
 from rich.table import Table
 
+from quant_lab.demo import MarkovTask
+
 # Token ids the fidelity task's chain visits (see above).
 FIDELITY_STATES = 2048
 # Largest |final loss / bf16's - 1| allowed; runs without a bound (bf16, torchao) are reported only.
@@ -105,8 +107,9 @@ def _check_baseline(report: dict, baseline: dict, path: pathlib.Path) -> None:
         )
 
 
-def _states(config: DecoderConfig) -> int | None:
-    return FIDELITY_STATES if config.vocab_size > FIDELITY_STATES else None
+def fidelity_task(config: DecoderConfig) -> MarkovTask:
+    """The Markov task over the configuration's vocabulary, visiting at most FIDELITY_STATES ids of it."""
+    return markov_task(config, FIDELITY_STATES if config.vocab_size > FIDELITY_STATES else None)
 
 
 def final_window(num_steps: int) -> int:
@@ -267,7 +270,7 @@ def run_fidelity(
     device = options.torch_device()
     source = resolve_model_source(options.model_source)
     config = options.decoder
-    task = markov_task(config, _states(config))
+    task = fidelity_task(config)
     report = {
         **environment(options, device, source),
         "num_warmup": 0,
@@ -320,7 +323,7 @@ def _train_runs(runs: Sequence[RunSpec], options: E2EOptions, num_steps: int, co
     source = resolve_model_source(options.model_source)
     config = options.decoder
     console.print(f"generating {num_steps} batches of the Markov task ({config.vocab_size} tokens)", highlight=False)
-    data = markov_task(config, _states(config)).batches(range(num_steps), config.batch_size, config.sequence_length)
+    data = fidelity_task(config).batches(range(num_steps), config.batch_size, config.sequence_length)
     if device.type == "cuda":
         data = data.pin_memory()
     rows = []

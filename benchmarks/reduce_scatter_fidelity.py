@@ -52,10 +52,9 @@ from _e2e import (
     format_value,
     header_lines,
     loss_of,
-    markov_task,
     select_runs,
 )
-from _e2e_fidelity import FIDELITY_STATES, final_window, lr_warmup_steps, plot_losses, set_learning_rate
+from _e2e_fidelity import fidelity_task, final_window, lr_warmup_steps, plot_losses, set_learning_rate
 from _e2e_model import resolve_model_source
 from rich.console import Console
 from rich.table import Table
@@ -258,7 +257,7 @@ def run_reduce_scatter_fidelity(
     device = options.torch_device()
     source = resolve_model_source(options.model_source)
     config = options.decoder
-    task = markov_task(config, FIDELITY_STATES if config.vocab_size > FIDELITY_STATES else None)
+    task = fidelity_task(config)
     report = environment(options, device, source)
     report.update(
         config={**report["config"], "batch_size": ranks * rank_batch},

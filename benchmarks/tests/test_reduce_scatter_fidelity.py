@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _e2e import E2EOptions, build_run, markov_task, select_runs
+from _e2e import E2EOptions, build_run, select_runs
+from _e2e_fidelity import fidelity_task
 from reduce_scatter_fidelity import main, padded_numel, rank_gradients, reduce_bf16, reduce_fp8
 
 import quant_core
@@ -51,7 +52,7 @@ def test_one_steps_reduced_gradients_equal_each_ranks_gradient_reduced_by_hand()
     ranks = 2
     options = E2EOptions(config="tiny", device="cpu", model_source="builtin")
     model, _, _ = build_run(select_runs("fp8-block:hp:eager")[0], options, torch.device("cpu"), "builtin")
-    tokens = markov_task(options.decoder).batches(range(1), ranks, options.decoder.sequence_length)[0]
+    tokens = fidelity_task(options.decoder).batches(range(1), ranks, options.decoder.sequence_length)[0]
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     parameters = list(model.parameters())
     buffers = [torch.empty(ranks, padded_numel(p.numel(), ranks), dtype=torch.bfloat16) for p in parameters]
