@@ -271,6 +271,13 @@ def _optimizer(
     )
 
 
+def loss_of(model: Callable[[torch.Tensor], object], inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy of the model's fp32 logits for `inputs` against `targets` (token ids)."""
+    output = model(inputs)
+    logits = getattr(output, "logits", output)  # transformers returns an output object
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
 def build_run(
     spec: RunSpec, options: E2EOptions, device: torch.device, source: str
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
@@ -296,9 +303,7 @@ def build_run(
         losses = []
         with qt.nn.weight_cache(model) if cached else contextlib.nullcontext():
             for part_inputs, part_targets in zip(inputs.chunk(parts), targets.chunk(parts), strict=True):
-                output = forward(part_inputs)
-                logits = getattr(output, "logits", output)  # transformers returns an output object
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), part_targets.flatten())
+                loss = loss_of(forward, part_inputs, part_targets)
                 (loss / parts if parts > 1 else loss).backward()
                 losses.append(loss.detach())
         optimizer.step()

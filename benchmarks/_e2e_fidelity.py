@@ -48,6 +48,8 @@ from _e2e_model import DecoderConfig, resolve_model_source
 from rich.console import Console
 from rich.table import Table
 
+from quant_lab.demo import MarkovTask
+
 # Token ids the fidelity task's chain visits (see above).
 FIDELITY_STATES = 2048
 # Largest |final loss / bf16's - 1| allowed; runs without a bound (bf16, torchao) are reported only.
@@ -105,38 +107,51 @@ def _check_baseline(report: dict, baseline: dict, path: pathlib.Path) -> None:
         )
 
 
-def _states(config: DecoderConfig) -> int | None:
-    return FIDELITY_STATES if config.vocab_size > FIDELITY_STATES else None
+def fidelity_task(config: DecoderConfig) -> MarkovTask:
+    """The Markov task over the configuration's vocabulary, visiting at most FIDELITY_STATES ids of it."""
+    return markov_task(config, FIDELITY_STATES if config.vocab_size > FIDELITY_STATES else None)
 
 
-def _window(num_steps: int) -> int:
+def final_window(num_steps: int) -> int:
+    """How many last steps the final loss averages: a tenth of them."""
     return max(1, num_steps // 10)
+
+
+def lr_warmup_steps(num_steps: int) -> int:
+    """The linear learning-rate warm-up: a tenth of the steps, at most 100."""
+    return max(1, min(100, num_steps // 10))
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, learning_rate: float, step: int, num_steps: int) -> None:
+    """Step `step`'s learning rate: `learning_rate` after the linear warm-up (`lr_warmup_steps`)."""
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate * min(1.0, (step + 1) / lr_warmup_steps(num_steps))
 
 
 def _train(
     spec: RunSpec, data: torch.Tensor, options: E2EOptions, device: torch.device, source: str, console: Console
 ) -> FidelityRow:
     num_steps = data.shape[0]
-    warmup = max(1, min(100, num_steps // 10))
     try:
         model, optimizer, step = build_run(spec, options, device, source)
         losses = []
         start = time.perf_counter()
         for s in range(num_steps):
-            for group in optimizer.param_groups:
-                group["lr"] = options.learning_rate * min(1.0, (s + 1) / warmup)
+            set_learning_rate(optimizer, options.learning_rate, s, num_steps)
             batch = data[s].to(device, non_blocking=True)
             losses.append(step(batch[:, :-1], batch[:, 1:]))
-            if (s + 1) % _window(num_steps) == 0:
+            if (s + 1) % final_window(num_steps) == 0:
                 console.print(f"    step {s + 1}/{num_steps}: loss {losses[-1].item():.4f}", highlight=False)
         curve = torch.stack(losses).float().cpu().tolist()
         seconds = time.perf_counter() - start
     except Exception as error:  # a benchmark row, not a test: report it and go on
         return FidelityRow(spec.name, error=f"{type(error).__name__}: {first_line(error)}")
     del model, optimizer, step
-    final_loss = statistics.fmean(curve[-_window(num_steps) :])
+    final_loss = statistics.fmean(curve[-final_window(num_steps) :])
     # in the log as soon as known: a call cut short by its time limit keeps the runs that finished
-    console.print(f"    final loss {final_loss:.4f} (mean of the last {_window(num_steps)} steps)", highlight=False)
+    console.print(
+        f"    final loss {final_loss:.4f} (mean of the last {final_window(num_steps)} steps)", highlight=False
+    )
     return FidelityRow(
         spec.name,
         final_loss=final_loss,
@@ -197,7 +212,17 @@ def markdown(report: dict, rows: list[FidelityRow]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plot(console: Console, rows: list[FidelityRow], report: dict, path: pathlib.Path) -> None:
+def plot_losses(
+    console: Console,
+    curves: dict[str, list[float]],
+    baselines: dict[str, str],
+    report: dict,
+    path: pathlib.Path,
+    versus: str,
+) -> None:
+    """A PNG of two panels: every loss curve (and the task's loss floor); and, for each curve
+    `baselines` maps to another, its moving mean over the final-loss window relative to that
+    curve's, in % ("% vs `versus`"), so each gap curve ends at the table's value."""
     try:
         import matplotlib
 
@@ -206,22 +231,21 @@ def _plot(console: Console, rows: list[FidelityRow], report: dict, path: pathlib
     except ImportError:
         console.print("no loss plot: matplotlib is not installed (pip install matplotlib)")
         return
-    curves = {r.run: torch.tensor(r.losses) for r in rows if r.losses}
+    tensors = {run: torch.tensor(curve) for run, curve in curves.items() if curve}
     figure, (losses, gaps) = plt.subplots(1, 2, figsize=(13, 5))
-    window = _window(report["num_steps"])
-    bf16 = curves.get(BF16_BASELINE)
-    for index, (run, curve) in enumerate(curves.items()):
+    window = final_window(report["num_steps"])
+    for index, (run, curve) in enumerate(tensors.items()):
         losses.plot(curve, label=run, linewidth=1.0, color=f"C{index}")
-        if bf16 is not None and run != BF16_BASELINE:
-            # moving means over the final-loss window, so the gap curve ends at the table's value
-            ratio = curve.unfold(0, window, 1).mean(-1) / bf16.unfold(0, window, 1).mean(-1) - 1
+        baseline = tensors.get(baselines.get(run, ""))
+        if baseline is not None:
+            ratio = curve.unfold(0, window, 1).mean(-1) / baseline.unfold(0, window, 1).mean(-1) - 1
             gaps.plot(range(window - 1, len(curve)), 100 * ratio, label=run, linewidth=1.0, color=f"C{index}")
     losses.axhline(report["loss_floor"], color="gray", linestyle=":", label="loss floor")
     losses.set(xlabel="step", ylabel="training loss", yscale="log", title=f"{report['model']}, Markov task")
     gaps.axhline(0, color="gray", linewidth=0.8)
-    gaps.set(xlabel="step", ylabel="% vs bf16 eager", title=f"loss vs bf16 eager (moving mean of {window} steps)")
+    gaps.set(xlabel="step", ylabel=f"% vs {versus}", title=f"loss vs {versus} (moving mean of {window} steps)")
     for axis in (losses, gaps):
-        if axis.get_legend_handles_labels()[0]:  # no gap curves when bf16 trained alone
+        if axis.get_legend_handles_labels()[0]:  # no gap curves when a baseline trained alone
             axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -246,13 +270,13 @@ def run_fidelity(
     device = options.torch_device()
     source = resolve_model_source(options.model_source)
     config = options.decoder
-    task = markov_task(config, _states(config))
+    task = fidelity_task(config)
     report = {
         **environment(options, device, source),
         "num_warmup": 0,
         "num_steps": num_steps,
-        "lr_warmup_steps": max(1, min(100, num_steps // 10)),
-        "final_window": _window(num_steps),
+        "lr_warmup_steps": lr_warmup_steps(num_steps),
+        "final_window": final_window(num_steps),
         "markov_states": len(task.state_ids),
         "loss_floor": task.entropy(),
     }
@@ -284,7 +308,9 @@ def run_fidelity(
     out.mkdir(parents=True, exist_ok=True)
     (out / "e2e_fidelity.json").write_text(json.dumps({**report, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
     (out / "e2e_fidelity.md").write_text(markdown(report, rows))
-    _plot(console, rows, report, out / "e2e_fidelity.png")
+    curves = {r.run: r.losses for r in rows}
+    baselines = dict.fromkeys((run for run in curves if run != BF16_BASELINE), BF16_BASELINE)
+    plot_losses(console, curves, baselines, report, out / "e2e_fidelity.png", "bf16 eager")
     failed = [r.run for r in rows if r.error and not r.error.startswith("skipped")]
     if failed:
         console.print(f"runs that failed: {', '.join(failed)}")
@@ -297,7 +323,7 @@ def _train_runs(runs: Sequence[RunSpec], options: E2EOptions, num_steps: int, co
     source = resolve_model_source(options.model_source)
     config = options.decoder
     console.print(f"generating {num_steps} batches of the Markov task ({config.vocab_size} tokens)", highlight=False)
-    data = markov_task(config, _states(config)).batches(range(num_steps), config.batch_size, config.sequence_length)
+    data = fidelity_task(config).batches(range(num_steps), config.batch_size, config.sequence_length)
     if device.type == "cuda":
         data = data.pin_memory()
     rows = []

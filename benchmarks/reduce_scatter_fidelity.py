@@ -1,0 +1,366 @@
+"""Does FSDP2 with the FP8 gradient reduce-scatter train like FSDP2's bf16 reduce-scatter? N ranks simulated on one device.
+
+    python benchmarks/reduce_scatter_fidelity.py --device cuda --out results [--ranks 8] [--steps 1000]
+        [--runs bf16:eager,*:hp:eager] [--config default|large|tiny] [--rank-batch B]
+
+Each run of e2e.py's fidelity comparison (bf16 compute and each recipe with high-precision
+weights, eager) trains twice from the same initial weights on the same batches of the fidelity
+task (_e2e_fidelity: the Markov task over FIDELITY_STATES ids, AdamW with its warm-up), each
+step's gradient reduced over N simulated ranks: rank i's micro-batch is slice i of the step's
+batch (N x B sequences), its gradient computed on its own (forward, backward) and kept in bf16,
+the reduce dtype of `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`. The two
+reductions of the N gradients, each parameter flattened and zero-padded to a multiple of N x 128
+elements (rank j's shard is chunk j of that, whole 128-element blocks):
+- bf16: FSDP2's reduce-scatter in bf16 (AVG): the ranks' gradients summed in bf16 in rank order
+  ((g0 + g1) + g2 ...), each sum rounded to bf16, then divided by N in bf16. NCCL sums in its
+  ring's (or tree's) order instead, and may divide before summing;
+- fp8: `quant_fsdp.QuantizedReduceScatter().simulate(...)` (E4M3, 1 x 128 blocks, AVG), bit for bit
+  what the collective gives each rank. FSDP2 hands the collective one flat input per parameter
+  group, in which a parameter's shard need not start on a block: a block may hold the end of
+  one parameter's shard and the start of the next; here blocks never span two parameters.
+Each rank's shard of the reduced gradient is the parameter's gradient; every simulated rank would
+take the same optimizer step, so one model stands for all of them. The final loss is the mean of
+the last tenth of the steps; the fp8 reduction's relative to the bf16 reduction's is compared
+with BOUNDS. Writes reduce_scatter_fidelity.json/.md/.png into --out; a bad argument exits with
+code 2 and one line naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+from _arguments import Parser, positive
+from _e2e import (
+    DEFAULT_FIDELITY_RUNS,
+    E2EOptions,
+    RunSpec,
+    build_run,
+    console_for_logs,
+    each_run,
+    environment,
+    first_line,
+    format_value,
+    header_lines,
+    loss_of,
+    select_runs,
+)
+from _e2e_fidelity import fidelity_task, final_window, lr_warmup_steps, plot_losses, set_learning_rate
+from _e2e_model import resolve_model_source
+from rich.console import Console
+from rich.table import Table
+
+import quant_fsdp
+
+REDUCE_DTYPE = torch.bfloat16
+BLOCK = 128  # QuantizedReduceScatter's default block: every rank's shard is whole blocks
+REDUCTIONS = ("bf16", "fp8")
+# Largest |final loss with the FP8 reduce-scatter / with the bf16 one - 1|.
+BOUNDS = {"nvfp4": 0.01, "nvfp4-rht": 0.01}
+DEFAULT_BOUND = 0.003  # bf16 compute and every FP8 recipe
+
+
+@dataclass(frozen=True)
+class ReductionRow:
+    """One run trained with each reduction, and how the fp8 reduction's final loss compares."""
+
+    run: str
+    bf16_final_loss: float | None = None
+    """Mean loss of the last tenth of the steps, bf16 reduce-scatter."""
+    fp8_final_loss: float | None = None
+    """The same with the FP8 reduce-scatter."""
+    fp8_vs_bf16: float | None = None
+    """fp8_final_loss / bf16_final_loss - 1."""
+    bound: float | None = None
+    seconds: float | None = None
+    """Both trainings, wall time."""
+    error: str = ""
+    bf16_losses: list[float] = field(default_factory=list)
+    fp8_losses: list[float] = field(default_factory=list)
+
+    @property
+    def within(self) -> bool | None:
+        if self.fp8_vs_bf16 is None or self.bound is None:
+            return None
+        return abs(self.fp8_vs_bf16) <= self.bound
+
+
+def padded_numel(numel: int, ranks: int) -> int:
+    """A parameter's flat length in the simulated reduce-scatter input: a multiple of ranks x BLOCK."""
+    return -(-numel // (ranks * BLOCK)) * ranks * BLOCK
+
+
+def rank_gradients(
+    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, ranks: int, out: list[torch.Tensor]
+) -> torch.Tensor:
+    """Fills out[k][i] (a (ranks, padded_numel) bf16 buffer per parameter, in `model.parameters()`
+    order) with parameter k's flat, zero-padded gradient on rank i's micro-batch, slice i of
+    `inputs`/`targets`; leaves no gradient on the model; returns the mean of the ranks' losses."""
+    parameters = list(model.parameters())
+    losses = []
+    for rank, (x, y) in enumerate(zip(inputs.chunk(ranks), targets.chunk(ranks), strict=True)):
+        loss = loss_of(model, x, y)
+        loss.backward()
+        for p, buffer in zip(parameters, out, strict=True):
+            row = buffer[rank]
+            if p.grad is None:  # FSDP2 would leave the parameter out of the reduce-scatter
+                row.zero_()
+            else:
+                row[: p.numel()].copy_(p.grad.reshape(-1))
+                row[p.numel() :].zero_()
+        model.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return torch.stack(losses).mean()
+
+
+def reduce_bf16(gradients: torch.Tensor) -> torch.Tensor:
+    """FSDP2's bf16 reduce-scatter (AVG) of the (ranks, n) bf16 gradients, every rank's shard
+    together: summed in bf16 in rank order, then divided by the number of ranks in bf16."""
+    total = gradients[0].clone()
+    for gradient in gradients[1:]:
+        total += gradient
+    return total.div_(gradients.shape[0])
+
+
+def reduce_fp8(gradients: torch.Tensor, comm: quant_fsdp.QuantizedReduceScatter) -> torch.Tensor:
+    """The FP8 reduce-scatter (AVG) of the (ranks, n) gradients, every rank's shard together
+    (`comm.simulate`: rank j's output is chunk j)."""
+    return torch.cat(comm.simulate(list(gradients.unbind()), dist.ReduceOp.AVG))
+
+
+def train(
+    spec: RunSpec,
+    reduce: Callable[[torch.Tensor], torch.Tensor],
+    data: torch.Tensor,
+    ranks: int,
+    options: E2EOptions,
+    device: torch.device,
+    source: str,
+    console: Console,
+) -> list[float]:
+    """One run trained on `data` (steps, ranks x B, sequence + 1) with each step's gradient `reduce`d
+    over the ranks; the loss curve."""
+    model, optimizer, _ = build_run(spec, options, device, source)
+    parameters = list(model.parameters())
+    gradients = [
+        torch.empty(ranks, padded_numel(p.numel(), ranks), dtype=REDUCE_DTYPE, device=device) for p in parameters
+    ]
+    num_steps = data.shape[0]
+    losses = []
+    for s in range(num_steps):
+        set_learning_rate(optimizer, options.learning_rate, s, num_steps)
+        batch = data[s].to(device, non_blocking=True)
+        losses.append(rank_gradients(model, batch[:, :-1], batch[:, 1:], ranks, gradients))
+        for p, g in zip(parameters, gradients, strict=True):
+            p.grad = reduce(g)[: p.numel()].view_as(p).to(p.dtype)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if (s + 1) % final_window(num_steps) == 0:
+            console.print(f"    step {s + 1}/{num_steps}: loss {losses[-1].item():.4f}", highlight=False)
+    return torch.stack(losses).float().cpu().tolist()
+
+
+def _measure(
+    spec: RunSpec,
+    data: torch.Tensor,
+    ranks: int,
+    options: E2EOptions,
+    device: torch.device,
+    source: str,
+    console: Console,
+) -> ReductionRow:
+    comm = quant_fsdp.QuantizedReduceScatter()
+    reducers = {"bf16": reduce_bf16, "fp8": lambda g: reduce_fp8(g, comm)}
+    curves = {}
+    start = time.perf_counter()
+    try:
+        for name in REDUCTIONS:
+            console.print(f"  {name} reduce-scatter", highlight=False)
+            curves[name] = train(spec, reducers[name], data, ranks, options, device, source, console)
+    except Exception as error:  # a benchmark row, not a test: report it and go on
+        return ReductionRow(spec.name, error=f"{type(error).__name__}: {first_line(error)}")
+    window = final_window(data.shape[0])
+    bf16, fp8 = (statistics.fmean(curves[name][-window:]) for name in REDUCTIONS)
+    row = ReductionRow(
+        spec.name,
+        bf16_final_loss=bf16,
+        fp8_final_loss=fp8,
+        fp8_vs_bf16=fp8 / bf16 - 1,
+        bound=BOUNDS.get(spec.base, DEFAULT_BOUND),
+        seconds=time.perf_counter() - start,
+        bf16_losses=curves["bf16"],
+        fp8_losses=curves["fp8"],
+    )
+    console.print(f"    final loss {bf16:.4f} (bf16), {fp8:.4f} (fp8): {100 * row.fp8_vs_bf16:+.3f}%", highlight=False)
+    return row
+
+
+COLUMNS = ("run", "final loss, bf16 RS", "final loss, FP8 RS", "FP8 vs bf16", "bound", "within", "seconds", "error")
+
+
+def _cells(r: ReductionRow) -> list[str]:
+    return [
+        r.run,
+        format_value(r.bf16_final_loss, ".4f"),
+        format_value(r.fp8_final_loss, ".4f"),
+        format_value(None if r.fp8_vs_bf16 is None else 100 * r.fp8_vs_bf16, "+.3f", "%"),
+        format_value(None if r.bound is None else 100 * r.bound, ".1f", "%"),
+        {None: "-", True: "yes", False: "NO"}[r.within],
+        format_value(r.seconds, ".0f"),
+        r.error,
+    ]
+
+
+def markdown(report: dict, rows: list[ReductionRow]) -> str:
+    """reduce_scatter_fidelity.md: the header and the final-loss table, ready for docs/benchmarks.md."""
+    lines = [
+        f"## FP8 gradient reduce-scatter fidelity, {report['config_name']} configuration",
+        "",
+        *header_lines(report),
+    ]
+    lines.append(
+        f"- Per step, {report['ranks']} simulated ranks with a micro-batch of {report['rank_batch']} x "
+        f"{report['config']['sequence_length']} tokens each; "
+        f"{report['num_steps']} steps on the Markov task over {report['markov_states']} token ids (loss floor "
+        f"{report['loss_floor']:.3f} nats), learning rate {report['learning_rate']} after "
+        f"{report['lr_warmup_steps']} warm-up steps; final loss = mean of the last {report['final_window']} steps; "
+        "plot: reduce_scatter_fidelity.png."
+    )
+    lines.append(f"- Reductions: {report['reductions']['bf16']}; {report['reductions']['fp8']}. {report['layout']}")
+    lines += ["", "| " + " | ".join(COLUMNS) + " |", "| --- |" + " ---: |" * (len(COLUMNS) - 2) + " --- |"]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in _cells(r)) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def run_reduce_scatter_fidelity(
+    out: pathlib.Path,
+    runs: Sequence[RunSpec],
+    options: E2EOptions,
+    *,
+    ranks: int,
+    num_steps: int,
+    rank_batch: int,
+    console: Console | None = None,
+) -> int:
+    """Trains each of `runs` with both reductions; prints the table, writes
+    reduce_scatter_fidelity.json/.md/.png; 1 if a run failed."""
+    console = console or console_for_logs()
+    device = options.torch_device()
+    source = resolve_model_source(options.model_source)
+    config = options.decoder
+    task = fidelity_task(config)
+    report = environment(options, device, source)
+    report.update(
+        config={**report["config"], "batch_size": ranks * rank_batch},
+        num_warmup=0,
+        num_steps=num_steps,
+        ranks=ranks,
+        rank_batch=rank_batch,
+        lr_warmup_steps=lr_warmup_steps(num_steps),
+        final_window=final_window(num_steps),
+        markov_states=len(task.state_ids),
+        loss_floor=task.entropy(),
+        reductions={
+            "bf16": "bf16, the ranks' bf16 gradients summed in bf16 in rank order, then divided by the ranks in bf16",
+            "fp8": f"fp8, {quant_fsdp.QuantizedReduceScatter()!r}.simulate (AVG, bf16 output)",
+        },
+        layout=f"Each parameter's gradient flattened and zero-padded to a multiple of {ranks} x {BLOCK} elements.",
+    )
+    console.print(f"generating {num_steps} batches of {ranks} x {rank_batch} sequences", highlight=False)
+    data = task.batches(range(num_steps), ranks * rank_batch, config.sequence_length)
+    if device.type == "cuda":
+        data = data.pin_memory()
+    rows = []
+    for row in each_run(
+        runs, device, console, lambda spec: _measure(spec, data, ranks, options, device, source, console), ReductionRow
+    ):
+        if row.error:
+            console.print(f"    {row.error}", highlight=False)
+        rows.append(row)
+    table = Table(title=f"FP8 vs bf16 reduce-scatter: {report['model']}, {ranks} simulated ranks, {num_steps} steps")
+    for column in COLUMNS:
+        table.add_column(column, justify="left" if column in ("run", "error") else "right")
+    for r in rows:
+        table.add_row(*_cells(r), style="red" if r.within is False or r.error else None)
+    console.print(table)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / "reduce_scatter_fidelity"
+    stem.with_suffix(".json").write_text(json.dumps({**report, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(markdown(report, rows))
+    curves = {f"{r.run} {name} RS": getattr(r, f"{name}_losses") for r in rows for name in REDUCTIONS}
+    baselines = {f"{r.run} fp8 RS": f"{r.run} bf16 RS" for r in rows}
+    plot_losses(console, curves, baselines, report, stem.with_suffix(".png"), "the bf16 reduce-scatter")
+    failed = [r.run for r in rows if r.error]
+    if failed:
+        console.print(f"runs that failed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    parser = Parser(prog="reduce_scatter_fidelity.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results"), help="folder for the results")
+    parser.add_argument(
+        "--device", choices=("all", "cpu", "cuda"), default="all", help="cuda; cpu; all (default): CUDA if present"
+    )
+    parser.add_argument(
+        "--runs",
+        default=DEFAULT_FIDELITY_RUNS,
+        help=f"comma-separated globs on e2e.py's eager runs with high-precision weights (default {DEFAULT_FIDELITY_RUNS})",
+    )
+    parser.add_argument("--config", choices=("default", "large", "tiny"), default="default", help="model size")
+    parser.add_argument("--ranks", type=positive, default=8, metavar="N", help="simulated ranks (default 8)")
+    parser.add_argument(
+        "--steps", type=positive, default=1000, help="training steps per run and reduction (default 1000)"
+    )
+    parser.add_argument(
+        "--rank-batch",
+        type=positive,
+        metavar="B",
+        help="sequences per rank and step (default: the configuration's batch divided by the ranks, at least 1)",
+    )
+    parser.add_argument(
+        "--model",
+        choices=("auto", "transformers", "builtin"),
+        default="auto",
+        help="transformers' LlamaForCausalLM or the built-in equivalent (default auto: transformers when it imports)",
+    )
+    parser.add_argument("--lr", type=float, help="AdamW learning rate, in (0, 1) (default 3e-4)")
+    return parser, parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, args = parse_args(argv)
+    try:
+        runs = select_runs(args.runs)
+        command = shlex.join(
+            ["python", "benchmarks/reduce_scatter_fidelity.py", *(sys.argv[1:] if argv is None else argv)]
+        )
+        settings = {"learning_rate": args.lr} if args.lr is not None else {}
+        options = E2EOptions(
+            config=args.config, device=args.device, model_source=args.model, command=command, **settings
+        )
+    except ValueError as error:
+        parser.error(str(error))
+    others = [spec.name for spec in runs if spec.mode != "eager" or spec.quantized_weights]
+    if others:
+        parser.error(
+            f"--runs: {', '.join(others)}: the simulation trains eager runs with high-precision weights "
+            f"(bf16:eager, <recipe>:hp:eager); pass patterns such as {DEFAULT_FIDELITY_RUNS!r}"
+        )
+    rank_batch = args.rank_batch or max(1, options.decoder.batch_size // args.ranks)
+    return run_reduce_scatter_fidelity(
+        args.out, runs, options, ranks=args.ranks, num_steps=args.steps, rank_batch=rank_batch
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""benchmarks/reduce_scatter_fidelity.py on the tiny configuration, on the CPU, 2 simulated ranks:
+the report it writes, and one step's reduced gradients against an independent computation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _e2e import E2EOptions, build_run, select_runs
+from _e2e_fidelity import fidelity_task
+from reduce_scatter_fidelity import main, padded_numel, rank_gradients, reduce_bf16, reduce_fp8
+
+import quant_core
+import quant_fsdp
+
+TINY = ["--config", "tiny", "--device", "cpu", "--model", "builtin", "--ranks", "2"]
+
+
+def test_a_tiny_run_writes_the_table_the_curves_and_the_plot(tmp_path):
+    assert main([*TINY, "--steps", "3", "--runs", "bf16:eager,fp8-block:hp:eager", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "reduce_scatter_fidelity.json").read_text())
+    assert (report["ranks"], report["rank_batch"], report["config"]["batch_size"], report["num_steps"]) == (2, 1, 2, 3)
+    rows = {row["run"]: row for row in report["rows"]}
+    assert list(rows) == ["bf16:eager", "fp8-block:hp:eager"]
+    for row in rows.values():
+        assert not row["error"]
+        assert len(row["bf16_losses"]) == len(row["fp8_losses"]) == 3
+        assert all(math.isfinite(loss) for loss in row["bf16_losses"] + row["fp8_losses"])
+        assert row["bf16_final_loss"] == row["bf16_losses"][-1]  # the last tenth of 3 steps: one step
+        assert row["fp8_vs_bf16"] == row["fp8_final_loss"] / row["bf16_final_loss"] - 1
+        assert row["bound"] == 0.003
+    # Both reductions start from the same weights and batch: their first losses agree.
+    assert rows["fp8-block:hp:eager"]["bf16_losses"][0] == rows["fp8-block:hp:eager"]["fp8_losses"][0]
+    table = (tmp_path / "reduce_scatter_fidelity.md").read_text()
+    assert "| fp8-block:hp:eager |" in table
+    assert "2 simulated ranks with a micro-batch of 1 x 64 tokens each" in table
+    assert (tmp_path / "reduce_scatter_fidelity.png").read_bytes().startswith(b"\x89PNG")
+
+
+def _dequantized_chunk(x: torch.Tensor) -> torch.Tensor:
+    """One rank's chunk (whole 128-element blocks) through quant-core's reference blockwise FP8 (E4M3, 1 x 128)."""
+    quantized = quant_core.quantize_fp8_blockwise_reference(x.float().reshape(-1, 128), (1, 128), torch.float8_e4m3fn)
+    return quant_core.dequantize_fp8_blockwise_reference(quantized.rowwise_data, quantized.rowwise_scale_inv).reshape(
+        -1
+    )
+
+
+def test_one_steps_reduced_gradients_equal_each_ranks_gradient_reduced_by_hand():
+    ranks = 2
+    options = E2EOptions(config="tiny", device="cpu", model_source="builtin")
+    model, _, _ = build_run(select_runs("fp8-block:hp:eager")[0], options, torch.device("cpu"), "builtin")
+    tokens = fidelity_task(options.decoder).batches(range(1), ranks, options.decoder.sequence_length)[0]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    parameters = list(model.parameters())
+    buffers = [torch.empty(ranks, padded_numel(p.numel(), ranks), dtype=torch.bfloat16) for p in parameters]
+    loss = rank_gradients(model, inputs, targets, ranks, buffers)
+    assert all(p.grad is None for p in parameters)
+
+    # Rank r's gradient, computed on its own sequence (one per rank).
+    losses, grads = [], []
+    for rank in range(ranks):
+        logits = model(inputs[rank : rank + 1])
+        rank_loss = F.cross_entropy(logits.flatten(0, 1).float(), targets[rank : rank + 1].flatten())
+        losses.append(rank_loss.detach())
+        grads.append(torch.autograd.grad(rank_loss, parameters))
+    assert torch.equal(loss, torch.stack(losses).mean())
+    comm = quant_fsdp.QuantizedReduceScatter()
+    for k, p in enumerate(parameters):
+        flats = [F.pad(g[k].reshape(-1), (0, buffers[k].shape[1] - p.numel())) for g in grads]
+        chunks = [flat.chunk(ranks) for flat in flats]
+        # FP8: rank j's shard is the sum over ranks, in order, of their chunk j quantized alone, / ranks.
+        shards = []
+        for j in range(ranks):
+            total = _dequantized_chunk(chunks[0][j])
+            for rank in range(1, ranks):
+                total = total + _dequantized_chunk(chunks[rank][j])
+            shards.append((total / ranks).bfloat16())
+        want = torch.cat(shards)[: p.numel()]
+        assert torch.equal(reduce_fp8(buffers[k], comm)[: p.numel()], want), k
+        # bf16: the ranks' gradients summed in bf16, then halved in bf16.
+        assert torch.equal(reduce_bf16(buffers[k])[: p.numel()], (flats[0] + flats[1])[: p.numel()] / ranks), k
+        assert not torch.equal(want, (flats[0] + flats[1])[: p.numel()] / ranks), k  # FP8 rounds
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--runs", "fp8:qw:eager"], "fp8:qw:eager: the simulation trains eager runs with high-precision weights"),
+        (["--runs", "bf16:compiled"], "bf16:compiled: the simulation trains eager runs"),
+        (["--runs", "fp9"], "'fp9' matches no run"),
+        (["--ranks", "0"], "--ranks: must be >= 1"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line_naming_them(arguments, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*TINY, *arguments])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
