@@ -146,8 +146,8 @@ def fp32_cases(
     """ms per step of each optimizer over fp32 parameters in each round ([Note: interleaved rounds])."""
     steps = {}
     no_inf = torch.zeros((), device=device)
-    # FusedAdam steps CUDA tensors with adam_step_capturable, CPU tensors with adam_step.
-    fastest = quant_core.selected_backend("adam_step_capturable" if device.type == "cuda" else "adam_step", device)
+    # FusedAdam steps every tensor with adam_step (Triton on CUDA, C++ on CPU).
+    fastest = quant_core.selected_backend("adam_step", device)
     for backend in dict.fromkeys((fastest, "reference")):
         optimizer = FusedAdam(_fp32_params(tensors, numel, device), lr=1e-3, weight_decay=0.01)
         # The fastest backend per op (what users get), or every op on the reference; with a

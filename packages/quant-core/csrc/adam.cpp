@@ -73,15 +73,17 @@ inline void store_moment(void* base, int64_t index, float value, float scale) {
 
 // Elements [begin, end) of one tensor; returns the largest magnitude key of the updated params
 // ([Note: magnitude keys]), or 0 when kAmax is off. Out of line so the loop vectorizes alone.
-// kStochastic: p holds bf16 masters, stored rounded stochastically with the counter RNG's stream
-// `stream` ([Note: Adam stochastic rounding]); else fp32 masters.
+// The parameter of element i is p[i - p_offset]: fp32 (a master, or the fp32 copy of a block of a
+// bf16/fp16 parameter that adam_step rounds to nearest after), or with kStochastic a bf16 master
+// stored rounded stochastically with the counter RNG's stream `stream` ([Note: Adam stochastic
+// rounding]), drawing at its element index i.
 template <Decay kDecay, DType G, Moment M, Moment V, bool kAmax, bool kStochastic>
 QUANT_CORE_CLONES int32_t adam_range(
-    void* __restrict p_base, const void* __restrict g, void* __restrict m, void* __restrict v, int64_t begin,
-    int64_t end, const AdamScalars& s, const MomentScales& scales, uint64_t stream) {
+    void* __restrict p_base, int64_t p_offset, const void* __restrict g, void* __restrict m, void* __restrict v,
+    int64_t begin, int64_t end, const AdamScalars& s, const MomentScales& scales, uint64_t stream) {
   using Key = MagnitudeKey<DType::kFloat32>;
   using Param = std::conditional_t<kStochastic, uint16_t, float>;
-  Param* __restrict p = static_cast<Param*>(p_base);
+  Param* __restrict p = static_cast<Param*>(p_base) - p_offset;
   int32_t key = 0;
   for (int64_t i = begin; i < end; ++i) {
     float param;
@@ -112,6 +114,83 @@ QUANT_CORE_CLONES int32_t adam_range(
     }
   }
   return key;
+}
+
+// fp32 -> D as torch's copy_ rounds it: fp32 as is, bf16 and fp16 to nearest even (bf16's NaN
+// canonical, fp16's the sign with the canonical 0x7E00).
+template <DType D>
+QUANT_CORE_INLINE void store_rounded(void* base, int64_t index, float value) {
+  if constexpr (D == DType::kFloat32) {
+    static_cast<float*>(base)[index] = value;
+  } else if constexpr (D == DType::kBFloat16) {
+    static_cast<uint16_t*>(base)[index] = float_to_bfloat16(value);
+  } else {
+    const uint16_t sign = uint16_t((float_to_bits(value) >> 16) & 0x8000u);
+    static_cast<uint16_t*>(base)[index] = std::isnan(value) ? uint16_t(sign | 0x7E00u) : float_to_float16(value);
+  }
+}
+
+// dst[i - dst_offset] = src[i - src_offset] rounded to D (store_rounded) for i in [begin, end).
+template <DType S, DType D>
+QUANT_CORE_CLONES void convert_range(const void* __restrict src, int64_t src_offset, void* __restrict dst,
+                                     int64_t dst_offset, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) store_rounded<D>(dst, i - dst_offset, load<S>(src, i - src_offset));
+}
+
+inline void convert(int src_dtype, const void* src, int64_t src_offset, int dst_dtype, void* dst, int64_t dst_offset,
+                    int64_t begin, int64_t end) {
+  dispatch_dtype(src_dtype, [&](auto s_c) {
+    dispatch_dtype(dst_dtype, [&](auto d_c) {
+      convert_range<decltype(s_c)::value, decltype(d_c)::value>(src, src_offset, dst, dst_offset, begin, end);
+    });
+  });
+}
+
+// The largest magnitude key of elements [begin, end) of a P tensor ([Note: magnitude keys]).
+template <DType P>
+QUANT_CORE_CLONES int32_t max_key_range(const void* __restrict p, int64_t begin, int64_t end) {
+  int32_t key = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    const int32_t k = MagnitudeKey<DType::kFloat32>::of(float_to_bits(load<P>(p, i)));
+    key = k > key ? k : key;
+  }
+  return key;
+}
+
+// base ** exponent in float64 by squaring, the multiplications of quant_core.adam._adam.power.
+double power(double base, int64_t exponent) {
+  double result = 1.0;
+  while (exponent > 0) {
+    if (exponent & 1) result *= base;
+    base *= base;
+    exponent >>= 1;
+  }
+  return result;
+}
+
+// AdamScalars.of (quant_core.adam._adam): each scalar in float64, rounded once to fp32.
+AdamScalars scalars_of(double lr, double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
+                       int64_t step) {
+  const double decoupled = adam_w_mode ? weight_decay : 0.0;
+  AdamScalars s;
+  s.decay = float(1.0 - lr * decoupled);
+  s.weight_decay = float(adam_w_mode ? 0.0 : weight_decay);
+  s.beta1 = float(beta1);
+  s.one_minus_beta1 = float(1.0 - beta1);
+  s.beta2 = float(beta2);
+  s.one_minus_beta2 = float(1.0 - beta2);
+  s.inv_bias_correction2_sqrt = float(1.0 / std::sqrt(1.0 - power(beta2, step)));
+  s.eps = float(eps);
+  s.step_size = float(lr / (1.0 - power(beta1, step)));
+  return s;
+}
+
+// A scalar tensor's first element as float64 (codes: DType's, 3 for float64).
+double read_scalar(uintptr_t pointer, int dtype) {
+  if (dtype == 3) return *reinterpret_cast<const double*>(pointer);
+  double value = 0.0;
+  dispatch_dtype(dtype, [&](auto d_c) { value = load<decltype(d_c)::value>(reinterpret_cast<const void*>(pointer), 0); });
+  return value;
 }
 
 template <class Fn>
@@ -210,10 +289,48 @@ inline void for_each_overlap(const std::vector<int64_t>& offsets, int64_t begin,
 
 void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t>& grads,
                const std::vector<uintptr_t>& exp_avgs, const std::vector<uintptr_t>& exp_avg_sqs,
-               const std::vector<int64_t>& numels, int grad_dtype, int exp_avg_dtype, int exp_avg_sq_dtype,
-               const AdamScalars& scalars, uintptr_t amax_out, const std::vector<uintptr_t>& counters,
-               int64_t seed, const std::vector<uintptr_t>& scale_invs, uintptr_t moment_amaxes, int num_threads) {
+               const std::vector<uintptr_t>& steps, const std::vector<uintptr_t>& outs,
+               const std::vector<int64_t>& numels, int param_dtype, int grad_dtype, int exp_avg_dtype,
+               int exp_avg_sq_dtype, int out_dtype, uintptr_t found_inf, uintptr_t lr, int lr_dtype,
+               const std::vector<double>& hyperparameters, bool adam_w_mode, uintptr_t amax_out,
+               const std::vector<uintptr_t>& counters, int64_t seed, const std::vector<uintptr_t>& scale_invs,
+               uintptr_t moment_amaxes, int num_threads) {
   const size_t count = numels.size();
+  const std::vector<int64_t> offsets = offsets_of(numels);
+  const int chunks = std::max(num_threads, 1);
+  // keys[chunk * count + t]: the chunk's largest magnitude key within tensor t.
+  std::vector<int32_t> keys(amax_out ? size_t(chunks) * count : 0, 0);
+  auto write_amaxes = [&] {
+    if (!amax_out) return;
+    float* out = reinterpret_cast<float*>(amax_out);
+    for (size_t t = 0; t < count; ++t) {
+      int32_t key = 0;
+      for (int chunk = 0; chunk < chunks; ++chunk) key = std::max(key, keys[size_t(chunk) * count + t]);
+      out[t] = MagnitudeKey<DType::kFloat32>::to_float(key);
+    }
+  };
+  if (found_inf && *reinterpret_cast<const float*>(found_inf) != 0.0f) {  // skipped: nothing is written
+    if (amax_out) {  // the amaxes of the parameters as they are
+      dispatch_dtype(param_dtype, [&](auto p_c) {
+        parallel_for(offsets[count], kMinElementsPerThread, chunks, [&](int64_t chunk, int64_t begin, int64_t end) {
+          for_each_overlap(offsets, begin, end, [&](size_t t, int64_t lo, int64_t hi) {
+            keys[size_t(chunk) * count + t] =
+                max_key_range<decltype(p_c)::value>(reinterpret_cast<const void*>(params[t]), lo, hi);
+          });
+        });
+      });
+    }
+    write_amaxes();
+    return;
+  }
+  // The scalars of each tensor, from its step count and lr ([Note: Adam numerics]).
+  const double lr_value = lr ? read_scalar(lr, lr_dtype) : hyperparameters[0];
+  std::vector<AdamScalars> scalars(count);
+  for (size_t t = 0; t < count; ++t) {
+    const int64_t step = int64_t(*reinterpret_cast<const float*>(steps[t])) + 1;
+    scalars[t] = scalars_of(lr_value, hyperparameters[1], hyperparameters[2], hyperparameters[3], hyperparameters[4],
+                            adam_w_mode, step);
+  }
   const std::vector<MomentScales> scales =
       moment_scales(exp_avg_dtype, exp_avg_sq_dtype, count, scale_invs, moment_amaxes);
   // Tensor t's stream: seed + its counter, modulo 2^64 ([Note: Adam stochastic rounding]).
@@ -221,11 +338,15 @@ void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t
   for (size_t t = 0; t < counters.size(); ++t) {
     streams[t] = uint64_t(seed) + *reinterpret_cast<const uint64_t*>(counters[t]);
   }
-  const std::vector<int64_t> offsets = offsets_of(numels);
-  const int chunks = std::max(num_threads, 1);
-  // keys[chunk * count + t]: the chunk's largest magnitude key within tensor t.
-  std::vector<int32_t> keys(amax_out ? size_t(chunks) * count : 0, 0);
-  const Decay decay = scalars.decay != 1.0f ? Decay::kDecoupled : scalars.weight_decay != 0.0f ? Decay::kL2 : Decay::kNone;
+  // decay and weight_decay do not depend on the step count: one variant for every tensor.
+  const AdamScalars& first = scalars[0];
+  const Decay decay = first.decay != 1.0f ? Decay::kDecoupled : first.weight_decay != 0.0f ? Decay::kL2 : Decay::kNone;
+  const bool stochastic = !counters.empty();
+  // bf16/fp16 params rounded to nearest step an fp32 copy of a block at a time; with outs every
+  // block is written to them while in cache. fp32 params without outs go in one range.
+  const bool rounded = !stochastic && param_dtype != int(DType::kFloat32);
+  const bool blocks = rounded || !outs.empty();
+  constexpr int64_t kBlock = 2048;
 
   auto run = [&](auto decay_c, auto g_c, auto m_c, auto v_c, auto amax_c, auto stochastic_c) {
     constexpr Decay kDecay = decltype(decay_c)::value;
@@ -233,17 +354,37 @@ void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t
     constexpr Moment M = decltype(m_c)::value, V = decltype(v_c)::value;
     constexpr bool kAmax = decltype(amax_c)::value, kStochastic = decltype(stochastic_c)::value;
     parallel_for(offsets[count], kMinElementsPerThread, chunks, [&](int64_t chunk, int64_t begin, int64_t end) {
+      std::array<float, kBlock> scratch;
       for_each_overlap(offsets, begin, end, [&](size_t t, int64_t lo, int64_t hi) {
-        const int32_t key = adam_range<kDecay, G, M, V, kAmax, kStochastic>(
-            reinterpret_cast<void*>(params[t]), reinterpret_cast<const void*>(grads[t]),
-            reinterpret_cast<void*>(exp_avgs[t]), reinterpret_cast<void*>(exp_avg_sqs[t]), lo, hi, scalars, scales[t],
-            kStochastic ? streams[t] : 0);
+        void* p = reinterpret_cast<void*>(params[t]);
+        const void* g = reinterpret_cast<const void*>(grads[t]);
+        void* m = reinterpret_cast<void*>(exp_avgs[t]);
+        void* v = reinterpret_cast<void*>(exp_avg_sqs[t]);
+        const uint64_t stream = kStochastic ? streams[t] : 0;
+        int32_t key = 0;
+        if (!blocks) {
+          key = adam_range<kDecay, G, M, V, kAmax, kStochastic>(p, 0, g, m, v, lo, hi, scalars[t], scales[t], stream);
+        }
+        for (int64_t b = lo; blocks && b < hi; b += kBlock) {
+          const int64_t e = std::min(hi, b + kBlock);
+          int32_t k;
+          if (rounded) {  // the fp32 value is the update's; param and out take its rounding
+            convert(param_dtype, p, 0, int(DType::kFloat32), scratch.data(), b, b, e);
+            k = adam_range<kDecay, G, M, V, kAmax, false>(scratch.data(), b, g, m, v, b, e, scalars[t], scales[t], 0);
+            convert(int(DType::kFloat32), scratch.data(), b, param_dtype, p, 0, b, e);
+            if (!outs.empty()) convert(int(DType::kFloat32), scratch.data(), b, out_dtype, reinterpret_cast<void*>(outs[t]), 0, b, e);
+          } else {  // the param holds the value: fp32, or bf16 rounded stochastically
+            k = adam_range<kDecay, G, M, V, kAmax, kStochastic>(p, 0, g, m, v, b, e, scalars[t], scales[t], stream);
+            convert(param_dtype, p, 0, out_dtype, reinterpret_cast<void*>(outs[t]), 0, b, e);
+          }
+          key = std::max(key, k);
+        }
         if constexpr (kAmax) keys[size_t(chunk) * count + t] = key;
       });
     });
   };
   auto with_stochastic = [&](auto... c) {
-    if (!counters.empty()) {
+    if (stochastic) {
       run(c..., std::true_type{});
     } else {
       run(c..., std::false_type{});
@@ -269,6 +410,10 @@ void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t
     }
   });
 
+  for (size_t t = 0; t < count; ++t) {
+    float* step = reinterpret_cast<float*>(steps[t]);
+    *step = *step + 1.0f;
+  }
   for (size_t t = 0; t < counters.size(); ++t) *reinterpret_cast<uint64_t*>(counters[t]) += 1;
   // Every element was decoded with the stored scale_inv: now the new one (1 / the new scale).
   int row = 0;
@@ -282,14 +427,7 @@ void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t
     }
     ++row;
   }
-  if (amax_out) {
-    float* out = reinterpret_cast<float*>(amax_out);
-    for (size_t t = 0; t < count; ++t) {
-      int32_t key = 0;
-      for (int chunk = 0; chunk < chunks; ++chunk) key = std::max(key, keys[size_t(chunk) * count + t]);
-      out[t] = MagnitudeKey<DType::kFloat32>::to_float(key);
-    }
-  }
+  write_amaxes();
 }
 
 void adam_moment_amaxes(const std::vector<uintptr_t>& params, const std::vector<uintptr_t>& grads,

@@ -100,20 +100,31 @@ struct AdamScalars {
       step_size;
 };
 
-// One Adam step over many tensors (adam.cpp): params[t] (fp32, or bf16 when counters are given),
-// grads[t] (grad_dtype) and the moments (moment codes: 0 fp32, 1 bf16, 3 E4M3, 4 E5M2) each hold
-// numels[t] contiguous elements; params and moments are updated in place. A nonzero amax_out
-// receives max |p| of each updated parameter (fp32, one per tensor). Non-empty `counters` (one
-// int64 per tensor) round the bf16 params stochastically with the stream seed + *counters[t],
-// then increment each counter ([Note: Adam stochastic rounding]). FP8 moments ([Note: fp8
-// moments in the Adam pass]): row r of `scale_invs` (count pointers per fp8 moment list, exp_avgs'
-// first) holds 0-d fp32 scale_invs to decode with, then set to 1 / the scale of the amax at
-// row r of the (rows, count) fp32 `moment_amaxes`, which the codes are encoded with.
+// One Adam step over many tensors (adam.cpp, [Note: Adam numerics]): params[t] (param_dtype: fp32,
+// bf16 or fp16; bf16/fp16 updated in fp32 and stored rounded to nearest even, or, with `counters`,
+// bf16 rounded stochastically), grads[t] (grad_dtype) and the moments (moment codes: 0 fp32, 1
+// bf16, 3 E4M3, 4 E5M2) each hold numels[t] contiguous elements; params and moments are updated
+// in place. A nonzero `found_inf` (fp32) that holds a nonzero value skips the step: nothing is
+// written but amax_out, which then holds max |p| of the params as they are. Otherwise each
+// tensor's scalars are AdamScalars.of (float64, rounded once to fp32) of its step count (the fp32
+// at steps[t], incremented by one) and lr: the scalar at `lr` (lr_dtype: a DType code, or 3 for
+// float64) when nonzero, else hyperparameters[0]; hyperparameters are (lr, beta1, beta2, eps,
+// weight_decay). Non-empty `outs` (out_dtype, contiguous) receive each updated parameter rounded
+// to nearest. A nonzero amax_out receives max |p| of each updated parameter (fp32, one per tensor).
+// Non-empty `counters` (one int64 per tensor) round the bf16 params stochastically with the
+// stream seed + *counters[t], then increment each counter ([Note: Adam stochastic rounding]). FP8
+// moments ([Note: fp8 moments in the Adam pass]): row r of `scale_invs` (count pointers per fp8
+// moment list, exp_avgs' first) holds 0-d fp32 scale_invs to decode with, then set to 1 / the
+// scale of the amax at row r of the (rows, count) fp32 `moment_amaxes`, which the codes are
+// encoded with.
 void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t>& grads,
                const std::vector<uintptr_t>& exp_avgs, const std::vector<uintptr_t>& exp_avg_sqs,
-               const std::vector<int64_t>& numels, int grad_dtype, int exp_avg_dtype, int exp_avg_sq_dtype,
-               const AdamScalars& scalars, uintptr_t amax_out, const std::vector<uintptr_t>& counters,
-               int64_t seed, const std::vector<uintptr_t>& scale_invs, uintptr_t moment_amaxes, int num_threads);
+               const std::vector<uintptr_t>& steps, const std::vector<uintptr_t>& outs,
+               const std::vector<int64_t>& numels, int param_dtype, int grad_dtype, int exp_avg_dtype,
+               int exp_avg_sq_dtype, int out_dtype, uintptr_t found_inf, uintptr_t lr, int lr_dtype,
+               const std::vector<double>& hyperparameters, bool adam_w_mode, uintptr_t amax_out,
+               const std::vector<uintptr_t>& counters, int64_t seed, const std::vector<uintptr_t>& scale_invs,
+               uintptr_t moment_amaxes, int num_threads);
 
 // The amaxes of the fp8 moments adam_step would write (adam.cpp), writing nothing: amax_out
 // (rows, count) fp32, a row per fp8 moment list (exp_avgs' first). Arguments as for adam_step;

@@ -5,15 +5,31 @@ import pytest
 import torch
 
 import quant_core
-from quant_core import AdamScalars, adam_step_, adam_step_reference
+from quant_core import AdamScalars, adam_step_
 from quant_core.shared._numerics import random16, round_to_bfloat16_stochastic, signed64
 from quant_core.testing import BF16_STOCHASTIC_CASES, float32_from_bits, kernel_backends, no_host_syncs, raw_bits
 
-SCALARS = {
-    "adamw": AdamScalars.of(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=3, adam_w_mode=True),
-    "adam-l2": AdamScalars.of(lr=2e-2, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1, step=1, adam_w_mode=False),
-    "no-decay": AdamScalars.of(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1000, adam_w_mode=True),
+# Hyperparameters and the step count each step is taken at.
+CONFIGS = {
+    "adamw": ({"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "adam_w_mode": True}, 3),
+    "adam-l2": ({"lr": 2e-2, "beta1": 0.8, "beta2": 0.99, "eps": 1e-6, "weight_decay": 0.1, "adam_w_mode": False}, 1),
+    "no-decay": (
+        {"lr": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.0, "adam_w_mode": True},
+        1000,
+    ),
 }
+SCALARS = {mode: AdamScalars.of(**hyper, step=step) for mode, (hyper, step) in CONFIGS.items()}
+
+
+def steps_at(step, count):
+    """Step counts from which the next step is `step`."""
+    return [torch.tensor(float(step - 1)) for _ in range(count)]
+
+
+def adam(params, grads, exp_avgs, exp_avg_sqs, mode, **kwargs):
+    """adam_step_ with the hyperparameters of CONFIGS[mode] at its step count."""
+    hyper, step = CONFIGS[mode]
+    return adam_step_(params, grads, exp_avgs, exp_avg_sqs, steps_at(step, len(params)), **hyper, **kwargs)
 
 
 def make_states(numels, grad_dtype=torch.float32, moment_dtypes=(torch.float32, torch.float32), seed=0):
@@ -21,7 +37,10 @@ def make_states(numels, grad_dtype=torch.float32, moment_dtypes=(torch.float32, 
     generator = torch.Generator().manual_seed(seed)
 
     def values(n, scale):
-        x = torch.randn(n, generator=generator) * torch.logspace(-6, 6, max(n, 1))[torch.randperm(max(n, 1))][:n]
+        x = (
+            torch.randn(n, generator=generator)
+            * torch.logspace(-6, 6, max(n, 1))[torch.randperm(max(n, 1), generator=generator)][:n]
+        )
         x[: min(n, 3)] = torch.tensor([0.0, 1e-40, -3e-39])[: min(n, 3)]
         return x * scale
 
@@ -36,10 +55,23 @@ def clone(states):
     return tuple([t.clone() for t in tensors] for tensors in states)
 
 
-def assert_bitwise_equal(a, b):
+def assert_bitwise_equal(a, b, nan_bits=True):
+    """Lists of tensors equal bit for bit; without nan_bits, NaNs equal by position only (their
+    bits differ between the backends: quant-core's NOTES, 'Known disagreement')."""
     for tensors_a, tensors_b in zip(a, b, strict=True):
         for x, y in zip(tensors_a, tensors_b, strict=True):
-            assert torch.equal(raw_bits(x.reshape(-1)), raw_bits(y.reshape(-1)))
+            x, y = x.reshape(-1), y.reshape(-1)
+            if not nan_bits:
+                nan = x.isnan()
+                assert torch.equal(nan, y.isnan())
+                x, y = x[~nan], y[~nan]
+            assert torch.equal(raw_bits(x), raw_bits(y))
+
+
+def test_states_are_drawn_from_their_seed_only():
+    # The same data in every run and in any test order: comparisons that hold for some data only
+    # (NaN bits, overflow) would otherwise pass or fail from run to run.
+    assert_bitwise_equal(make_states([300, 7], seed=5), make_states([300, 7], seed=5))
 
 
 def test_reference_is_the_ieee_fp32_spec():
@@ -52,7 +84,8 @@ def test_reference_is_the_ieee_fp32_spec():
     m = m * f(s.beta1) + g * f(s.one_minus_beta1)
     v = v * f(s.beta2) + (g * g) * f(s.one_minus_beta2)
     p = p - (m / (np.sqrt(v) * f(s.inv_bias_correction2_sqrt) + f(s.eps))) * f(s.step_size)
-    amax = adam_step_reference(*states, s, compute_amax=True)
+    with quant_core.use_backend("reference"):
+        amax = adam(*states, "adamw", compute_amax=True)
     for got, expected in zip((states[0][0], states[2][0], states[3][0]), (p, m, v), strict=True):
         assert np.array_equal(got.numpy(), expected)
     assert amax.tolist() == [float(np.abs(p).max())]
@@ -80,11 +113,45 @@ def test_kernel_equals_reference(backend, mode, grad_dtype, moment_dtypes):
     states = make_states([1, 7, 200_003, 0, 65_536, 131_071], grad_dtype, moment_dtypes, seed=len(mode))
     expected_states = clone(states)
     with quant_core.use_backend("reference"):
-        expected_amax = adam_step_(*expected_states, SCALARS[mode], compute_amax=True)
-    amax = adam_step_(*states, SCALARS[mode], compute_amax=True)
+        expected_amax = adam(*expected_states, mode, compute_amax=True)
+    amax = adam(*states, mode, compute_amax=True)
     assert_bitwise_equal(states, expected_states)
     assert torch.equal(amax, expected_amax)
-    assert adam_step_(*states, SCALARS[mode]) is None
+    assert adam(*states, mode) is None
+
+
+@pytest.mark.parametrize(("param_dtype", "out_dtype"), [(torch.float32, None), (torch.float32, torch.bfloat16),
+                                                      (torch.float32, torch.float16), (torch.bfloat16, None),
+                                                      (torch.float16, torch.float32), (torch.bfloat16, torch.float16)])  # fmt: skip
+@pytest.mark.parametrize("mode", sorted(SCALARS))
+@pytest.mark.parametrize("lr", ["float", torch.float32, torch.float64, torch.bfloat16])
+def test_kernel_with_step_counts_params_and_outs_equals_reference(backend, param_dtype, out_dtype, mode, lr):
+    # Step counts that differ per tensor, lr as a float or a tensor, low-precision params rounded to
+    # nearest, outs, steps and skips in turn; sizes cross the kernel's blocks and thread splits.
+    numels = [1, 7, 200_003, 0, 65_536, 2049]
+    hyper, _ = CONFIGS[mode]
+    hyper = {**hyper, "lr": hyper["lr"] if lr == "float" else torch.tensor(hyper["lr"], dtype=lr)}
+    states = stepped_states(numels, param_dtype, seed=len(mode))
+    # Non-finite and huge parameters (+-Inf only where Adam-L2 cannot carry them into NaN). Updates of
+    # up to ~1e8 still overflow fp16 parameters to +-Inf, which Adam-L2 turns into NaN the step after:
+    # those NaNs compare by position only (torch's fp16 -> fp32 in the reference gives -NaN as
+    # 0x7FFFFFFF in its scalar loop, as 0xFFC00000 in its vector loop; C++ keeps 0xFFC00000).
+    states[0][:] = [p.float().clamp(-6e4, 6e4).to(param_dtype) for p in states[0]]
+    specials = (float("inf"), -float("inf"), -3e38) if mode != "adam-l2" else (6e4, -6e-8, 0.0)
+    nan_bits = not (param_dtype == torch.float16 and mode == "adam-l2")
+    states[0][1][:3] = torch.tensor(specials).to(param_dtype)
+    outs = [torch.zeros(n, dtype=out_dtype) for n in numels] if out_dtype else None
+    expected, expected_outs = clone(states), clone([outs])[0] if outs else None
+    for found in (None, 0.0, 1.0, None):
+        found_inf = None if found is None else torch.tensor([found])
+        with quant_core.use_backend("reference"):
+            expected_amax = adam_step_(*expected, **hyper, found_inf=found_inf, outs=expected_outs, compute_amax=True)
+        amax = adam_step_(*states, **hyper, found_inf=found_inf, outs=outs, compute_amax=True)
+        assert_bitwise_equal(states, expected, nan_bits)
+        if outs:
+            assert_bitwise_equal([outs], [expected_outs], nan_bits)
+        assert torch.equal(amax, expected_amax)
+    assert [float(s) for s in states[4]] == [3.0 * i + 3 for i in range(len(numels))]
 
 
 def test_kernel_reads_non_contiguous_grads(backend):
@@ -92,8 +159,8 @@ def test_kernel_reads_non_contiguous_grads(backend):
     grads = [torch.randn(160, 96).t()]
     expected_states = clone((states[0], grads, states[2], states[3]))
     with quant_core.use_backend("reference"):
-        adam_step_(*expected_states, SCALARS["adamw"])
-    adam_step_(states[0], grads, states[2], states[3], SCALARS["adamw"])
+        adam(*expected_states, "adamw")
+    adam(states[0], grads, states[2], states[3], "adamw")
     assert_bitwise_equal((states[0], states[2], states[3]), (expected_states[0], *expected_states[2:]))
 
 
@@ -101,31 +168,31 @@ def test_amax_ignores_non_finite_params(backend):
     params = [torch.tensor([1.0, float("inf"), -2.0]), torch.tensor([float("nan")])]
     grads = [torch.zeros(3), torch.zeros(1)]
     moments = [torch.zeros(3), torch.zeros(1)]
-    amax = adam_step_(params, grads, moments, [m.clone() for m in moments], SCALARS["no-decay"], compute_amax=True)
+    amax = adam(params, grads, moments, [m.clone() for m in moments], "no-decay", compute_amax=True)
     assert amax.tolist() == [2.0, 0.0]
 
 
 def test_empty_lists():
-    assert adam_step_([], [], [], [], SCALARS["adamw"]) is None
-    assert adam_step_([], [], [], [], SCALARS["adamw"], compute_amax=True).shape == (0,)
+    assert adam([], [], [], [], "adamw") is None
+    assert adam([], [], [], [], "adamw", compute_amax=True).shape == (0,)
 
 
 def test_bad_inputs_name_the_problem():
     p, g, m, v = make_states([8, 8])
-    with pytest.raises(ValueError, match="one grad and two moments per parameter"):
-        adam_step_(p, g[:1], m, v, SCALARS["adamw"])
-    with pytest.raises(TypeError, match=r"params\[0\] has dtype torch.bfloat16"):
-        adam_step_([p[0].bfloat16(), p[1]], g, m, v, SCALARS["adamw"])
+    with pytest.raises(ValueError, match="one grad, two moments, a step count .* per parameter"):
+        adam(p, g[:1], m, v, "adamw")
+    with pytest.raises(TypeError, match=r"params\[1\] has dtype torch.float32"):
+        adam([p[0].bfloat16(), p[1]], g, m, v, "adamw")
     with pytest.raises(TypeError, match=r"grads\[1\] has dtype torch.bfloat16; every tensor of grads"):
-        adam_step_(p, [g[0], g[1].bfloat16()], m, v, SCALARS["adamw"])
+        adam(p, [g[0], g[1].bfloat16()], m, v, "adamw")
     with pytest.raises(TypeError, match=r"exp_avgs\[0\] has dtype torch.float16"):
-        adam_step_(p, g, [t.half() for t in m], v, SCALARS["adamw"])
+        adam(p, g, [t.half() for t in m], v, "adamw")
     with pytest.raises(ValueError, match=r"grads\[1\] has 4 elements but params\[1\] has 8"):
-        adam_step_(p, [g[0], g[1][:4]], m, v, SCALARS["adamw"])
+        adam(p, [g[0], g[1][:4]], m, v, "adamw")
     with pytest.raises(ValueError, match=r"exp_avg_sqs\[0\] must be contiguous"):
-        adam_step_(p, g, m, [torch.zeros(16)[::2], v[1]], SCALARS["adamw"])
+        adam(p, g, m, [torch.zeros(16)[::2], v[1]], "adamw")
     with pytest.raises(ValueError, match=r"grads\[0\] is on meta"):
-        adam_step_(p, [torch.empty(8, device="meta"), g[1]], m, v, SCALARS["adamw"])
+        adam(p, [torch.empty(8, device="meta"), g[1]], m, v, "adamw")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -154,7 +221,7 @@ def test_kernel_bumps_the_version_of_what_it_writes(backend):
     # Caches keyed on a tensor's version (quant_fsdp's quantized shards) must see the update.
     states = make_states([64])
     before = [t._version for tensors in (states[0], states[2], states[3]) for t in tensors]
-    adam_step_(*states, SCALARS["adamw"])
+    adam(*states, "adamw")
     after = [t._version for tensors in (states[0], states[2], states[3]) for t in tensors]
     assert all(a > b for a, b in zip(after, before, strict=True))
 
@@ -204,12 +271,12 @@ def test_cuda_tensors_first_made_in_a_cuda_graph_are_checked_at_every_replay():
     assert verdicts == [0.0, 1.0, 1.0, 0.0, 1.0]
 
 
-# ---- adam_step_capturable_ ([Note: capturable Adam step]) --------------------------------------
+# ---- step counts, lr and the verdict as tensors ([Note: Adam step in tensors]) -------------------
 
 HYPER = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
 
 
-def capturable_states(numels, param_dtype=torch.float32, moment_dtypes=(torch.float32, torch.float32), seed=0):
+def stepped_states(numels, param_dtype=torch.float32, moment_dtypes=(torch.float32, torch.float32), seed=0):
     params, grads, exp_avgs, exp_avg_sqs = make_states(numels, torch.float32, moment_dtypes, seed)
     steps = [torch.tensor(float(3 * i), dtype=torch.float32) for i in range(len(numels))]  # counts differ
     return [p.to(param_dtype) for p in params], grads, exp_avgs, exp_avg_sqs, steps
@@ -217,30 +284,37 @@ def capturable_states(numels, param_dtype=torch.float32, moment_dtypes=(torch.fl
 
 @pytest.mark.parametrize(("adam_w_mode", "weight_decay"), [(True, 0.01), (False, 0.1), (True, 0.0)])
 @pytest.mark.parametrize("lr", [1e-3, torch.tensor(3e-3, dtype=torch.float64)])
-def test_capturable_step_equals_adam_step_with_the_counted_scalars(adam_w_mode, weight_decay, lr):
-    states = capturable_states([1, 7, 20_003, 0])
-    expected = clone(states[:4])
+def test_each_step_count_gives_its_tensor_the_scalars_of_adam_scalars_of(backend, adam_w_mode, weight_decay, lr):
+    states = stepped_states([1, 7, 20_003, 0])
+    expected = [[t.numpy().copy() for t in tensors] for tensors in states[:4]]
+    f = np.float32
     for step in range(2):
-        amax = quant_core.adam_step_capturable_(
+        amax = adam_step_(
             *states, lr=lr, weight_decay=weight_decay, adam_w_mode=adam_w_mode, compute_amax=True, **HYPER
         )
-        amaxes = []
-        for i in range(4):
-            scalars = AdamScalars.of(
+        for i in range(4):  # numpy float32 arithmetic: each operation rounded once
+            s = AdamScalars.of(
                 lr=float(lr), step=3 * i + step + 1, weight_decay=weight_decay, adam_w_mode=adam_w_mode, **HYPER
             )
-            one = tuple([tensors[i]] for tensors in expected)
-            amaxes.append(adam_step_(*one, scalars, compute_amax=True))
-        assert_bitwise_equal(states[:4], expected)
-        assert torch.equal(amax, torch.cat(amaxes))
+            p, g, m, v = (tensors[i] for tensors in expected)
+            p = p * f(s.decay) if s.decay != 1.0 else p
+            g = g + p * f(s.weight_decay) if s.weight_decay != 0.0 else g
+            m = m * f(s.beta1) + g * f(s.one_minus_beta1)
+            v = v * f(s.beta2) + (g * g) * f(s.one_minus_beta2)
+            p = p - (m / (np.sqrt(v) * f(s.inv_bias_correction2_sqrt) + f(s.eps))) * f(s.step_size)
+            expected[0][i], expected[2][i], expected[3][i] = p, m, v
+            assert amax[i].item() == (float(np.abs(p).max()) if p.size else 0.0)
+        for tensors, wanted in zip(states[:4], expected, strict=True):
+            assert all(np.array_equal(t.numpy(), w) for t, w in zip(tensors, wanted, strict=True))
         assert [float(s) for s in states[4]] == [3.0 * i + step + 1 for i in range(4)]
 
 
-def test_capturable_step_writes_nothing_when_found_inf_is_set():
-    states = capturable_states([5, 300], param_dtype=torch.bfloat16, moment_dtypes=(torch.bfloat16, torch.float32))
+@pytest.mark.parametrize("moment_dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
+def test_step_writes_nothing_when_found_inf_is_set(backend, moment_dtypes):
+    states = stepped_states([5, 300], param_dtype=torch.bfloat16, moment_dtypes=moment_dtypes)
     outs = [torch.full((5,), 7.0), torch.full((300,), 7.0)]
     before = clone((*states, outs))
-    amax = quant_core.adam_step_capturable_(
+    amax = adam_step_(
         *states, lr=1e-2, weight_decay=0.1, adam_w_mode=True, found_inf=torch.ones(1), outs=outs, compute_amax=True,
         **HYPER,
     )  # fmt: skip
@@ -249,33 +323,37 @@ def test_capturable_step_writes_nothing_when_found_inf_is_set():
     assert torch.equal(amax, torch.stack([p.float().abs().max() for p in states[0]]))
 
 
-def test_capturable_step_of_low_precision_params_and_outs_rounds_the_fp32_update():
-    numels = [9, 1000]
-    fp32 = capturable_states(numels)
+def test_step_of_low_precision_params_and_outs_rounds_the_fp32_update(backend):
+    numels = [9, 1000, 5000]
+    fp32 = stepped_states(numels)
     fp32[0][:] = [p.bfloat16().float() for p in fp32[0]]  # an fp32 master of bf16 values
     bf16 = ([p.bfloat16() for p in fp32[0]], *clone(fp32[1:]))
     outs = [torch.empty(n, dtype=torch.bfloat16) for n in numels]
-    quant_core.adam_step_capturable_(*bf16, lr=1e-2, weight_decay=0.0, adam_w_mode=True, **HYPER)
-    quant_core.adam_step_capturable_(*fp32, lr=1e-2, weight_decay=0.0, adam_w_mode=True, outs=outs, **HYPER)
+    adam_step_(*bf16, lr=1e-2, weight_decay=0.0, adam_w_mode=True, **HYPER)
+    adam_step_(*fp32, lr=1e-2, weight_decay=0.0, adam_w_mode=True, outs=outs, **HYPER)
     for p, master, out in zip(bf16[0], fp32[0], outs, strict=True):
         assert torch.equal(raw_bits(p), raw_bits(master.bfloat16()))
         assert torch.equal(raw_bits(out), raw_bits(p))
 
 
-def test_capturable_step_refuses_what_it_cannot_take():
-    states = capturable_states([8, 8])
+def test_step_refuses_what_it_cannot_take():
+    states = stepped_states([8, 8])
     with pytest.raises(ValueError, match="a step count .* per parameter"):
-        quant_core.adam_step_capturable_(
-            *states[:4], states[4][:1], lr=1e-3, weight_decay=0.0, adam_w_mode=True, **HYPER
-        )
+        adam_step_(*states[:4], states[4][:1], lr=1e-3, weight_decay=0.0, adam_w_mode=True, **HYPER)
     with pytest.raises(ValueError, match=r"steps\[0\] must be a 0-d tensor"):
-        quant_core.adam_step_capturable_(
-            *states[:4], [torch.zeros(1), torch.zeros(())], lr=1e-3, weight_decay=0.0, adam_w_mode=True, **HYPER
-        )
+        adam_step_(*states[:4], [torch.zeros(1), torch.zeros(())], lr=1e-3, weight_decay=0.0, adam_w_mode=True, **HYPER)
+    with pytest.raises(TypeError, match=r"steps\[0\] has dtype torch.int64"):
+        adam_step_(*states[:4], [torch.zeros((), dtype=torch.long)] * 2, lr=1e-3, weight_decay=0.0, adam_w_mode=True,
+                   **HYPER)  # fmt: skip
     with pytest.raises(ValueError, match="found_inf must be a float32 tensor .* pass found_inf.float()"):
-        quant_core.adam_step_capturable_(
+        adam_step_(
             *states, lr=1e-3, weight_decay=0.0, adam_w_mode=True, found_inf=torch.zeros(1, dtype=torch.bool), **HYPER
         )
+    with pytest.raises(ValueError, match="lr must be a float or a one-element tensor .* pass lr.float()"):
+        adam_step_(*states, lr=torch.tensor([1e-3, 1e-3]), weight_decay=0.0, adam_w_mode=True, **HYPER)
+    outs = [torch.zeros(8), torch.zeros(8, dtype=torch.int32)]
+    with pytest.raises(TypeError, match=r"outs\[1\] has dtype torch.int32"):
+        adam_step_(*states, lr=1e-3, weight_decay=0.0, adam_w_mode=True, outs=outs, **HYPER)
 
 
 def test_power_squares_in_float64():
@@ -296,21 +374,21 @@ def test_power_squares_in_float64():
                                                       (torch.bfloat16, None), (torch.float16, None)])  # fmt: skip
 @pytest.mark.parametrize("moment_dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("lr", [1e-3, "tensor"])
-def test_cuda_capturable_kernel_equals_reference(param_dtype, out_dtype, moment_dtypes, lr):
-    assert quant_core.selected_backend("adam_step_capturable", torch.device("cuda")) == "triton"
+def test_cuda_kernel_equals_reference(param_dtype, out_dtype, moment_dtypes, lr):
+    assert quant_core.selected_backend("adam_step", torch.device("cuda")) == "triton"
     numels = [1, 7, 200_003, 0, 65_536, 131_071]
-    expected = capturable_states(numels, param_dtype, moment_dtypes)
+    expected = stepped_states(numels, param_dtype, moment_dtypes)
     outs = [torch.zeros(n, dtype=out_dtype) for n in numels] if out_dtype else None
     on_cuda = tuple([t.cuda() for t in tensors] for tensors in expected)
     outs_cuda = [t.cuda() for t in outs] if outs else None
     for found in (0.0, 1.0, 0.0):  # steps, a skip, and a step after it (the tickets were reset)
         kwargs = {"weight_decay": 0.01, "adam_w_mode": True, "compute_amax": True, **HYPER}
         with quant_core.use_backend("reference"):
-            expected_amax = quant_core.adam_step_capturable_(
+            expected_amax = adam_step_(
                 *expected, lr=torch.tensor(2e-3) if lr == "tensor" else lr, found_inf=torch.tensor([found]), outs=outs,
                 **kwargs,
             )  # fmt: skip
-        amax = quant_core.adam_step_capturable_(
+        amax = adam_step_(
             *on_cuda, lr=torch.tensor(2e-3, device="cuda") if lr == "tensor" else lr,
             found_inf=torch.tensor([found], device="cuda"), outs=outs_cuda, **kwargs,
         )  # fmt: skip
@@ -322,15 +400,15 @@ def test_cuda_capturable_kernel_equals_reference(param_dtype, out_dtype, moment_
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu-suite.sh)")
-def test_cuda_capturable_step_replays_in_a_cuda_graph_without_host_syncs():
+def test_cuda_step_replays_in_a_cuda_graph_without_host_syncs():
     numels = [5, 70_000, 16_384]
-    states = tuple([t.cuda() for t in tensors] for tensors in capturable_states(numels))
+    states = tuple([t.cuda() for t in tensors] for tensors in stepped_states(numels))
     expected = clone(states)
     lr, found = torch.tensor(1e-3, device="cuda"), torch.zeros(1, device="cuda")
     kwargs = {"weight_decay": 0.01, "adam_w_mode": True, **HYPER}
 
     def step(tensors):
-        quant_core.adam_step_capturable_(*tensors, lr=lr, found_inf=found, **kwargs)
+        adam_step_(*tensors, lr=lr, found_inf=found, **kwargs)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -354,20 +432,20 @@ def test_cuda_capturable_step_replays_in_a_cuda_graph_without_host_syncs():
 # ---- bf16 masters rounded stochastically ([Note: Adam stochastic rounding]) --------------------
 
 BACKENDS = ("reference", *kernel_backends())
-# A step whose fp32 result from p = -0.0 is -exp_avg exactly (g = 0, v = 1, eps = 0; zeros come out
-# -0.0): it stores the rounding of any fp32 value chosen as -exp_avg, so rounding edges can be
-# aimed at through the whole step.
-PASS_THROUGH = AdamScalars(
-    decay=1.0,
-    weight_decay=0.0,
-    beta1=1.0,
-    one_minus_beta1=0.0,
-    beta2=1.0,
-    one_minus_beta2=0.0,
-    inv_bias_correction2_sqrt=1.0,
-    eps=0.0,
-    step_size=1.0,
-)
+# A step whose fp32 result from p = -0.0 is -exp_avg exactly (g = 0, v = 2^-52, eps = 0; zeros come
+# out -0.0): beta1 = beta2 = 1 - 2^-53 round to 1 in fp32, their complements to 2^-53, and at step 2
+# 1 - beta^2 is 2^-52 in float64, so step_size = lr / 2^-52 = 1 and inv_bias_correction2_sqrt =
+# 2^26 = 1 / sqrt(v). It stores the rounding of any fp32 value chosen as -exp_avg, so rounding
+# edges can be aimed at through the whole step.
+PASS_THROUGH = {"lr": 2**-52, "beta1": 1 - 2**-53, "beta2": 1 - 2**-53, "eps": 0.0, "weight_decay": 0.0,
+                "adam_w_mode": True}  # fmt: skip
+
+
+def pass_through(params, exp_avgs, **kwargs):
+    """The PASS_THROUGH step of params (from -0.0) with exp_avgs."""
+    numels = [p.numel() for p in params]
+    grads, exp_avg_sqs = [torch.zeros(n) for n in numels], [torch.full((n,), 2**-52) for n in numels]
+    return adam_step_(params, grads, exp_avgs, exp_avg_sqs, steps_at(2, len(params)), **PASS_THROUGH, **kwargs)
 
 
 def counters_for(numels, start=0):
@@ -398,9 +476,10 @@ def test_stochastic_rounding_stores_the_rule_applied_to_the_fp32_update(name):
     numels = [len(t) for t in targets]
     params = [torch.full((n,), -0.0, dtype=torch.bfloat16) for n in numels]
     counters = counters_for(numels, start=2**64 - 2)  # the first one wraps past 2^64 during the run
-    grads, moments = [torch.zeros(n) for n in numels], ([-t for t in targets], [torch.ones(n) for n in numels])
+    exp_avgs = [-t for t in targets]
     updates = [torch.full((n,), -0.0) for n in numels]  # the fp32 update, by the fp32 spec
-    adam_step_reference(updates, grads, *clone(moments), PASS_THROUGH)
+    with quant_core.use_backend("reference"):
+        pass_through(updates, clone([exp_avgs])[0])
     for u, t in zip(updates, targets, strict=True):  # the edges reached: -0.0 - (-t) is t but for zeros and NaNs
         assert torch.equal(u[(t != 0) & ~t.isnan()], t[(t != 0) & ~t.isnan()])
         assert torch.equal(u.isnan(), t.isnan())
@@ -408,7 +487,7 @@ def test_stochastic_rounding_stores_the_rule_applied_to_the_fp32_update(name):
         for p in params:
             p.fill_(-0.0)
         with quant_core.use_backend(name):
-            adam_step_(params, grads, *clone(moments), PASS_THROUGH, stochastic_rounding_counters=counters, seed=-99)
+            pass_through(params, clone([exp_avgs])[0], stochastic_rounding_counters=counters, seed=-99)
         for i, (p, u) in enumerate(zip(params, updates, strict=True)):
             stream = torch.tensor(signed64(2**64 - 2 + 5 * i + step - 99))
             expected = round_to_bfloat16_stochastic(u, random16(stream, torch.arange(len(u))))
@@ -430,10 +509,9 @@ def test_stochastic_rounding_kernel_equals_reference(backend, mode, grad_dtype, 
     expected_states = clone(states)
     for _ in range(3):  # state across steps: the counters advance, the masters carry the rounding on
         with quant_core.use_backend("reference"):
-            expected_amax = adam_step_(*expected_states[:4], SCALARS[mode], compute_amax=True,
-                                       stochastic_rounding_counters=expected_states[4], seed=2**63 + 11)  # fmt: skip
-        amax = adam_step_(*states[:4], SCALARS[mode], compute_amax=True, stochastic_rounding_counters=states[4],
-                          seed=2**63 + 11)  # fmt: skip
+            expected_amax = adam(*expected_states[:4], mode, compute_amax=True,
+                                 stochastic_rounding_counters=expected_states[4], seed=2**63 + 11)  # fmt: skip
+        amax = adam(*states[:4], mode, compute_amax=True, stochastic_rounding_counters=states[4], seed=2**63 + 11)
         assert_bitwise_equal(states, expected_states)
         assert torch.equal(amax, expected_amax)
     assert [int(c) for c in states[4]] == [5 * i + 3 for i in range(6)]
@@ -443,7 +521,7 @@ def test_stochastic_rounding_kernel_equals_reference(backend, mode, grad_dtype, 
 def test_stochastic_rounding_streams_follow_seed_and_counter(name):
     def step(states, seed=5):
         with quant_core.use_backend(name):
-            adam_step_(*states[:4], SCALARS["adamw"], stochastic_rounding_counters=states[4], seed=seed)
+            adam(*states[:4], "adamw", stochastic_rounding_counters=states[4], seed=seed)
         return states
 
     start = bf16_states([70_000, 300])
@@ -470,8 +548,7 @@ def test_stochastic_rounding_is_unbiased_through_the_step(name):
     n, v = 100_000, torch.tensor(1.0 + 0.3 * 2**-7)
     params, counters = [torch.full((n,), -0.0, dtype=torch.bfloat16)], [torch.tensor(41)]
     with quant_core.use_backend(name):
-        adam_step_(params, [torch.zeros(n)], [-v.expand(n).clone()], [torch.ones(n)], PASS_THROUGH,
-                   stochastic_rounding_counters=counters, seed=3)  # fmt: skip
+        pass_through(params, [-v.expand(n).clone()], stochastic_rounding_counters=counters, seed=3)
     assert set(params[0].unique().tolist()) == {1.0, 1.0 + 2**-7}
     sigma = 2**-7 * (0.3 * 0.7 / n) ** 0.5
     assert abs(params[0].double().mean().item() - v.item()) < 5 * sigma
@@ -479,48 +556,39 @@ def test_stochastic_rounding_is_unbiased_through_the_step(name):
 
 def test_stochastic_rounding_refuses_what_it_cannot_take():
     p, g, m, v, counters = bf16_states([8, 8])
-    with pytest.raises(TypeError, match=r"params\[0\] has dtype torch.bfloat16.*bf16 params with them"):
-        adam_step_(p, g, m, v, SCALARS["adamw"])
     with pytest.raises(TypeError, match=r"params\[0\] has dtype torch.float32"):
-        adam_step_([t.float() for t in p], g, m, v, SCALARS["adamw"], stochastic_rounding_counters=counters)
+        adam([t.float() for t in p], g, m, v, "adamw", stochastic_rounding_counters=counters)
     with pytest.raises(ValueError, match="one counter per parameter, got 1 counters for 2 params"):
-        adam_step_(p, g, m, v, SCALARS["adamw"], stochastic_rounding_counters=counters[:1])
+        adam(p, g, m, v, "adamw", stochastic_rounding_counters=counters[:1])
     with pytest.raises(ValueError, match=r"stochastic_rounding_counters\[1\] must be a 0-d int64 tensor"):
-        adam_step_(p, g, m, v, SCALARS["adamw"], stochastic_rounding_counters=[counters[0], torch.zeros(())])
+        adam(p, g, m, v, "adamw", stochastic_rounding_counters=[counters[0], torch.zeros(())])
     with pytest.raises(ValueError, match=r"stochastic_rounding_counters\[0\] must be a 0-d int64 tensor"):
-        adam_step_(p, g, m, v, SCALARS["adamw"], stochastic_rounding_counters=[torch.zeros(1, dtype=torch.int64)] * 2)
-    with pytest.raises(TypeError, match="stochastic rounding rounds bf16 params, got torch.float32"):
-        quant_core.adam_step_capturable_(
-            *capturable_states([8, 8]), lr=1e-3, weight_decay=0.0, adam_w_mode=True,
-            stochastic_rounding_counters=counters, **HYPER,
-        )  # fmt: skip
+        adam(p, g, m, v, "adamw", stochastic_rounding_counters=[torch.zeros(1, dtype=torch.int64)] * 2)
 
 
-def test_capturable_stochastic_rounding_equals_adam_step_and_skips_with_the_verdict():
-    numels = [1, 7, 20_003, 0]
-    states = capturable_states(numels, param_dtype=torch.bfloat16, moment_dtypes=(torch.bfloat16, torch.float32))
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_stochastic_rounding_with_outs_and_skips_equals_reference(backend, out_dtype):
+    numels = [1, 7, 20_003, 0, 2049]
+    states = stepped_states(numels, param_dtype=torch.bfloat16, moment_dtypes=(torch.bfloat16, torch.float32))
     counters = counters_for(numels, start=100)
-    outs = [torch.empty(n, dtype=torch.float32) for n in numels]
-    expected, expected_counters = clone(states[:4]), clone([counters])[0]
-    kwargs = {"lr": 2e-3, "weight_decay": 0.01, "adam_w_mode": True, "compute_amax": True, **HYPER}
-    for found, step in ((0.0, 1), (1.0, None), (0.0, 2)):  # a skip between two steps
-        amax = quant_core.adam_step_capturable_(
-            *states, found_inf=torch.tensor([found]), outs=outs, stochastic_rounding_counters=counters, seed=77,
-            **kwargs,
-        )  # fmt: skip
-        if step is None:  # nothing written; the amaxes of the parameters as they are
-            assert_bitwise_equal((*states[:4], counters), (*expected, expected_counters))
+    outs = [torch.empty(n, dtype=out_dtype) for n in numels]
+    expected, expected_counters, expected_outs = clone(states), clone([counters])[0], clone([outs])[0]
+    kwargs = {"lr": 2e-3, "weight_decay": 0.01, "adam_w_mode": True, "compute_amax": True, "seed": 77, **HYPER}
+    for found in (0.0, 1.0, 0.0):  # a skip between two steps
+        before = clone((*states, counters, outs))
+        with quant_core.use_backend("reference"):
+            expected_amax = adam_step_(*expected, found_inf=torch.tensor([found]), outs=expected_outs,
+                                       stochastic_rounding_counters=expected_counters, **kwargs)  # fmt: skip
+        amax = adam_step_(
+            *states, found_inf=torch.tensor([found]), outs=outs, stochastic_rounding_counters=counters, **kwargs
+        )
+        assert_bitwise_equal((*states, counters, outs), (*expected, expected_counters, expected_outs))
+        assert torch.equal(amax, expected_amax)
+        if found:  # nothing written; the amaxes of the parameters as they are
+            assert_bitwise_equal((*states, counters, outs), before)
             assert torch.equal(amax, torch.stack([amax_of(p) for p in states[0]]))
-            continue
-        expected_amaxes = []
-        for i in range(len(numels)):
-            scalars = AdamScalars.of(lr=2e-3, step=3 * i + step, weight_decay=0.01, adam_w_mode=True, **HYPER)
-            one = tuple([tensors[i]] for tensors in expected)
-            expected_amaxes.append(adam_step_(*one, scalars, compute_amax=True,
-                                              stochastic_rounding_counters=[expected_counters[i]], seed=77))  # fmt: skip
-        assert_bitwise_equal((*states[:4], counters), (*expected, expected_counters))
-        assert torch.equal(amax, torch.cat(expected_amaxes))
-        assert_bitwise_equal([outs], [[p.float() for p in states[0]]])  # the rounded masters
+        else:
+            assert_bitwise_equal([outs], [[p.to(out_dtype) for p in states[0]]])  # the rounded masters
     assert [int(c) for c in counters] == [100 + 5 * i + 2 for i in range(len(numels))]
     assert [float(s) for s in states[4]] == [3.0 * i + 2 for i in range(len(numels))]
 
@@ -533,21 +601,21 @@ def amax_of(p: torch.Tensor) -> torch.Tensor:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu-suite.sh)")
 @pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("moment_dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
-def test_cuda_capturable_stochastic_rounding_equals_reference(out_dtype, moment_dtypes):
-    assert quant_core.selected_backend("adam_step_capturable", torch.device("cuda")) == "triton"
+def test_cuda_stochastic_rounding_equals_reference(out_dtype, moment_dtypes):
+    assert quant_core.selected_backend("adam_step", torch.device("cuda")) == "triton"
     numels = [1, 7, 200_003, 0, 65_536, 131_071]
-    expected = (*capturable_states(numels, torch.bfloat16, moment_dtypes), counters_for(numels, start=2**63 - 2))
+    expected = (*stepped_states(numels, torch.bfloat16, moment_dtypes), counters_for(numels, start=2**63 - 2))
     outs = [torch.zeros(n, dtype=out_dtype) for n in numels] if out_dtype else None
     on_cuda = tuple([t.cuda() for t in tensors] for tensors in expected)
     outs_cuda = [t.cuda() for t in outs] if outs else None
     for found in (0.0, 1.0, 0.0, 0.0):  # steps, a skip, and steps after it (the tickets were reset)
         kwargs = {"lr": 2e-3, "weight_decay": 0.01, "adam_w_mode": True, "compute_amax": True, "seed": -3, **HYPER}
         with quant_core.use_backend("reference"):
-            expected_amax = quant_core.adam_step_capturable_(
+            expected_amax = adam_step_(
                 *expected[:5], found_inf=torch.tensor([found]), outs=outs, stochastic_rounding_counters=expected[5],
                 **kwargs,
             )  # fmt: skip
-        amax = quant_core.adam_step_capturable_(
+        amax = adam_step_(
             *on_cuda[:5], found_inf=torch.tensor([found], device="cuda"), outs=outs_cuda,
             stochastic_rounding_counters=on_cuda[5], **kwargs,
         )  # fmt: skip

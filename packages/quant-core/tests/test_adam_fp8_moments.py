@@ -9,14 +9,16 @@ import pytest
 import torch
 
 import quant_core
-from quant_core import AdamScalars, adam_moment_amaxes, adam_step_, adam_step_capturable_
+from quant_core import AdamScalars, adam_moment_amaxes, adam_step_
 from quant_core.testing import kernel_backends, raw_bits
 
 E4M3, E5M2, BF16, FP32 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float32
-SCALARS = {
-    "adamw": AdamScalars.of(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=3, adam_w_mode=True),
-    "adam-l2": AdamScalars.of(lr=2e-2, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1, step=1, adam_w_mode=False),
+# Hyperparameters and the step count each step is taken at.
+CONFIGS = {
+    "adamw": ({"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "adam_w_mode": True}, 3),
+    "adam-l2": ({"lr": 2e-2, "beta1": 0.8, "beta2": 0.99, "eps": 1e-6, "weight_decay": 0.1, "adam_w_mode": False}, 1),
 }
+SCALARS = {mode: AdamScalars.of(**hyper, step=step) for mode, (hyper, step) in CONFIGS.items()}
 MOMENTS = [(E4M3, E5M2), (E4M3, BF16), (FP32, E4M3), (E5M2, FP32), (E5M2, E5M2)]
 NUMELS = [1, 7, 200_003, 0, 65_536]
 BACKENDS = ["reference", *kernel_backends()]
@@ -55,7 +57,14 @@ def clone(tensors):
     return [t.clone() for t in tensors]
 
 
-def decoded_step(params, grads, exp_avgs, exp_avg_sqs, scale_invs, scalars):
+def adam(params, grads, exp_avgs, exp_avg_sqs, mode, **kwargs):
+    """adam_step_ with the hyperparameters of CONFIGS[mode] at its step count."""
+    hyper, step = CONFIGS[mode]
+    steps = [torch.tensor(step - 1.0) for _ in params]
+    return adam_step_(params, grads, exp_avgs, exp_avg_sqs, steps, **hyper, **kwargs)
+
+
+def decoded_step(params, grads, exp_avgs, exp_avg_sqs, scale_invs, mode):
     """The composition the fp8 moments' operators replace, in references: returns the master
     amaxes and the moments' amaxes; updates params, codes and scale_invs in place."""
     rows = [m for m in (exp_avgs, exp_avg_sqs) if m[0].dtype in (E4M3, E5M2)]
@@ -66,7 +75,8 @@ def decoded_step(params, grads, exp_avgs, exp_avg_sqs, scale_invs, scalars):
             quant_core.dequantize_fp8_reference(codes, scale_invs[row * count + i]) for i, codes in enumerate(moments)
         ]
     fp32 = [values.get(id(m), m) for m in (exp_avgs, exp_avg_sqs)]
-    master_amaxes = quant_core.adam_step_reference(params, grads, *fp32, scalars, compute_amax=True)
+    with quant_core.use_backend("reference"):
+        master_amaxes = adam(params, grads, *fp32, mode, compute_amax=True)
     moment_amaxes = []
     for row, moments in enumerate(rows):
         updated = values[id(moments)]
@@ -97,18 +107,18 @@ def test_two_passes_equal_the_decoded_fp32_step(backend, mode, grad_dtype, momen
     scalars = SCALARS[mode]
     params, grads, exp_avgs, exp_avg_sqs, scale_invs = make_states(moments, grad_dtype, seed=len(mode))
     expected = [clone(params), grads, clone(exp_avgs), clone(exp_avg_sqs), clone(scale_invs)]
-    expected_master_amaxes, expected_moment_amaxes = decoded_step(*expected, scalars)
+    expected_master_amaxes, expected_moment_amaxes = decoded_step(*expected, mode)
     before = [clone(exp_avgs), clone(exp_avg_sqs), clone(scale_invs)]
     with quant_core.use_backend(backend):
         moment_amaxes = adam_moment_amaxes(params, grads, exp_avgs, exp_avg_sqs, scale_invs, scalars)
         assert_bitwise_equal(before, [exp_avgs, exp_avg_sqs, scale_invs])  # the pre-pass writes nothing
         assert torch.equal(raw_bits(moment_amaxes), raw_bits(expected_moment_amaxes))
-        master_amaxes = adam_step_(
+        master_amaxes = adam(
             params,
             grads,
             exp_avgs,
             exp_avg_sqs,
-            scalars,
+            mode,
             compute_amax=True,
             moment_scale_invs=scale_invs,
             moment_amaxes=moment_amaxes,
@@ -132,39 +142,42 @@ def test_the_pre_pass_reads_params_for_l2_weight_decay_only(backend):
             assert (not torch.equal(a, b)) == moves, mode
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("adam_w_mode", [True, False])
-def test_capturable_step_takes_fp8_moments_and_a_skip_writes_none_of_them(adam_w_mode):
-    # The capturable reference (CPU) equals adam_step_ with the counted scalars; with found_inf set
-    # nothing changes, scale_invs included.
+def test_step_with_fp8_moments_equals_reference_and_a_skip_writes_none_of_them(backend, adam_w_mode):
+    # Each backend equals the reference with a verdict to read; with found_inf set nothing changes,
+    # scale_invs included.
     moments = (E4M3, E5M2)
     params, grads, exp_avgs, exp_avg_sqs, scale_invs = make_states(moments, FP32, seed=3)
     hyper = {"beta1": 0.9, "beta2": 0.999, "weight_decay": 0.1, "adam_w_mode": adam_w_mode}
     scalars = AdamScalars.of(lr=1e-3, eps=1e-8, step=5, **hyper)
     amaxes = adam_moment_amaxes(params, grads, exp_avgs, exp_avg_sqs, scale_invs, AdamScalars.for_moments(**hyper))
     assert torch.equal(amaxes, adam_moment_amaxes(params, grads, exp_avgs, exp_avg_sqs, scale_invs, scalars))
-    expected = [clone(params), grads, clone(exp_avgs), clone(exp_avg_sqs)]
+    expected = [clone(params), grads, clone(exp_avgs), clone(exp_avg_sqs), [torch.tensor(4.0) for _ in params]]
     expected_scale_invs = clone(scale_invs)
-    adam_step_(*expected, scalars, moment_scale_invs=expected_scale_invs, moment_amaxes=amaxes)
+    with quant_core.use_backend("reference"):
+        adam_step_(*expected, lr=1e-3, eps=1e-8, moment_scale_invs=expected_scale_invs, moment_amaxes=amaxes, **hyper)
     steps = [torch.tensor(4.0) for _ in params]
     for found, want in ((1.0, (clone(params), clone(exp_avgs), clone(exp_avg_sqs), clone(scale_invs))), (0.0, None)):
-        adam_step_capturable_(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            steps,
-            lr=1e-3,
-            eps=1e-8,
-            found_inf=torch.tensor([found]),
-            moment_scale_invs=scale_invs,
-            moment_amaxes=amaxes,
-            **hyper,
-        )
+        with quant_core.use_backend(backend):
+            adam_step_(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                steps,
+                lr=1e-3,
+                eps=1e-8,
+                found_inf=torch.tensor([found]),
+                moment_scale_invs=scale_invs,
+                moment_amaxes=amaxes,
+                **hyper,
+            )
         if want is not None:
             for got, kept in zip((params, exp_avgs, exp_avg_sqs, scale_invs), want, strict=True):
                 assert_bitwise_equal(got, kept)
     for got, want in zip(
-        (params, exp_avgs, exp_avg_sqs, scale_invs), (expected[0], *expected[2:], expected_scale_invs), strict=True
+        (params, exp_avgs, exp_avg_sqs, scale_invs), (expected[0], *expected[2:4], expected_scale_invs), strict=True
     ):
         assert_bitwise_equal(got, want)
 
@@ -173,9 +186,9 @@ def test_fp8_moments_refuse_missing_scales():
     params, grads, exp_avgs, exp_avg_sqs, scale_invs = make_states((E4M3, FP32), FP32)
     scalars = SCALARS["adamw"]
     with pytest.raises(ValueError, match="moment_scale_invs"):
-        adam_step_(params, grads, exp_avgs, exp_avg_sqs, scalars)
+        adam(params, grads, exp_avgs, exp_avg_sqs, "adamw")
     with pytest.raises(ValueError, match=r"moment_amaxes: a contiguous float32 \(1, 5\)"):
-        adam_step_(params, grads, exp_avgs, exp_avg_sqs, scalars, moment_scale_invs=scale_invs)
+        adam(params, grads, exp_avgs, exp_avg_sqs, "adamw", moment_scale_invs=scale_invs)
     with pytest.raises(ValueError, match="neither exp_avgs nor exp_avg_sqs is fp8"):
         adam_moment_amaxes(params, grads, exp_avg_sqs, exp_avg_sqs, [], scalars)
     with pytest.raises(ValueError, match="adam_moment_amaxes needs one grad and two moments per parameter"):
@@ -186,7 +199,7 @@ def test_fp8_moments_refuse_missing_scales():
     with pytest.raises(ValueError, match=r"exp_avg_sqs\[2\] must be contiguous"):
         adam_moment_amaxes(params, grads, exp_avgs, strided, scale_invs, scalars)
     with pytest.raises(ValueError, match="these moments are not fp8"):
-        adam_step_(params, grads, exp_avg_sqs, exp_avg_sqs, scalars, moment_scale_invs=scale_invs)
+        adam(params, grads, exp_avg_sqs, exp_avg_sqs, "adamw", moment_scale_invs=scale_invs)
 
 
 @pytest.mark.cuda
@@ -195,7 +208,7 @@ def test_fp8_moments_refuse_missing_scales():
 @pytest.mark.parametrize("moments", MOMENTS, ids=str)
 @pytest.mark.parametrize("found", [0.0, 1.0])
 def test_cuda_fp8_moment_kernels_equal_reference(mode, moments, found):
-    # The Triton pre-pass and capturable step on the GPU against the references on the CPU.
+    # The Triton pre-pass and step on the GPU against the references on the CPU.
     scalars = SCALARS[mode]
     hyper = {"beta1": 0.9 if mode == "adamw" else 0.8, "beta2": 0.999 if mode == "adamw" else 0.99}
     hyper |= {"weight_decay": 0.01 if mode == "adamw" else 0.1, "adam_w_mode": mode == "adamw"}
@@ -210,13 +223,13 @@ def test_cuda_fp8_moment_kernels_equal_reference(mode, moments, found):
     steps = [torch.tensor(2.0) for _ in NUMELS]
     args = {"lr": lr, "eps": eps, "compute_amax": True, **hyper}
     params, grads, exp_avgs, exp_avg_sqs, scale_invs = cuda
-    got = adam_step_capturable_(
+    got = adam_step_(
         params, grads, exp_avgs, exp_avg_sqs, [s.cuda() for s in steps], found_inf=found_inf.cuda(),
         moment_scale_invs=scale_invs, moment_amaxes=amaxes, **args,
     )  # fmt: skip
     params_c, grads_c, exp_avgs_c, exp_avg_sqs_c, scale_invs_c = cpu
     with quant_core.use_backend("reference"):
-        want = adam_step_capturable_(
+        want = adam_step_(
             params_c, grads_c, exp_avgs_c, exp_avg_sqs_c, steps, found_inf=found_inf,
             moment_scale_invs=scale_invs_c, moment_amaxes=expected_amaxes, **args,
         )  # fmt: skip

@@ -1,7 +1,7 @@
-"""The Triton Adam kernel ([Note: Adam numerics], [Note: capturable Adam step]) in Triton's CPU interpreter.
+"""The Triton Adam kernel ([Note: Adam numerics], [Note: Adam step in tensors]) in Triton's CPU interpreter.
 
 Checks on every machine what the interpreter can: the per-tensor step counts and their ticket
-counters (across two calls), the skip, lr as a tensor, the float64 scalars, fp16 parameters and
+counters (across two calls), the skip and its absence (no found_inf), lr as a tensor, the float64 scalars, fp16 parameters and
 outs, sizes across chunk edges and an empty tensor, against the reference bit for bit. The
 interpreter truncates fp32 -> bf16 (Triton 3.9's `_convert_float` without a rounding mode) and
 has no libdevice, so bf16 outputs rounded to nearest and the GPU's float64 division and sqrt are
@@ -24,7 +24,7 @@ import torch
 
 import quant_core
 from quant_core.adam import _triton
-from quant_core.adam._capturable import AdamStepCapturableArgs
+from quant_core.adam._adam import AdamStepArgs
 from quant_core.shared import _triton_tables
 from quant_core.testing import raw_bits
 
@@ -55,6 +55,7 @@ cases = [
     (torch.float32, None, 1.0, 1e-3, 0.01, True),
     (torch.float32, torch.float16, 0.0, torch.tensor(2e-3), 0.0, True),
     (torch.float16, None, 0.0, 1e-2, 0.01, True),
+    (torch.float16, torch.float32, None, 1e-2, 0.1, False),
 ]
 for param_dtype, out_dtype, found, lr, weight_decay, adam_w_mode in cases:
     ours = states(param_dtype)
@@ -64,14 +65,14 @@ for param_dtype, out_dtype, found, lr, weight_decay, adam_w_mode in cases:
     lr_tensor = lr if isinstance(lr, torch.Tensor) else None
     hyperparameters = [0.0 if lr_tensor is not None else lr, 0.9, 0.999, 1e-8, weight_decay]
     for _ in range(2):  # the second call needs the tickets reset by the first
-        args = (torch.tensor([found]), lr_tensor, hyperparameters, adam_w_mode)
-        amax = _triton._adam_step_capturable(AdamStepCapturableArgs(*ours, outs, *args, True))
-        expected_amax = quant_core.adam_step_capturable_reference(*expected, expected_outs, *args)
+        args = (None if found is None else torch.tensor([found]), lr_tensor, hyperparameters, adam_w_mode, True)
+        amax = _triton._adam_step(AdamStepArgs(*ours, outs, *args))
+        expected_amax = quant_core.adam_step_reference(*expected, expected_outs, *args)
         for got, want in zip((*ours, outs), (*expected, expected_outs), strict=True):
             for a, b in zip(got, want, strict=True):
                 assert torch.equal(raw_bits(a.reshape(-1)), raw_bits(b.reshape(-1))), (param_dtype, out_dtype, found, lr)
         assert torch.equal(amax, expected_amax), (amax, expected_amax)
-    assert [float(s) for s in ours[4]] == [7.0 * i + (found == 0.0) * 2 for i in range(len(numels))]
+    assert [float(s) for s in ours[4]] == [7.0 * i + (not found) * 2 for i in range(len(numels))]
 
 # Stochastic rounding: bf16 masters (fp32 moments: bf16 ones would be truncated), outs of the
 # rounded values, non-finite updates, seeds of either int width, counters read and advanced by the
@@ -85,9 +86,8 @@ for seed, found, out_dtype in [(0, 0.0, None), (2**63 - 5, 0.0, torch.float32), 
     expected_outs = [t.clone() for t in outs]
     args = (torch.tensor([found]), None, [1e-2, 0.9, 0.999, 1e-8, 0.01], True)
     for _ in range(2):
-        amax = _triton._adam_step_capturable(AdamStepCapturableArgs(*ours, outs, *args, True, seed, counters))
-        expected_amax = quant_core.adam_step_capturable_reference(*expected, expected_outs, *args, True, seed,
-                                                                  expected_counters)  # fmt: skip
+        amax = _triton._adam_step(AdamStepArgs(*ours, outs, *args, True, seed, counters))
+        expected_amax = quant_core.adam_step_reference(*expected, expected_outs, *args, True, seed, expected_counters)
         for got, want in zip((*ours, outs, counters), (*expected, expected_outs, expected_counters), strict=True):
             for a, b in zip(got, want, strict=True):
                 assert torch.equal(raw_bits(a.reshape(-1)), raw_bits(b.reshape(-1))), (seed, found, out_dtype)
@@ -126,7 +126,7 @@ def test_adam_kernels_equal_reference_in_the_interpreter():
     run_in_triton_interpreter(_SCRIPT)
 
 
-# fp8 moments ([Note: fp8 moments in the Adam pass]): the amaxes pass and the capturable step with
+# fp8 moments ([Note: fp8 moments in the Adam pass]): the amaxes pass and the step with
 # codes and scale_invs, against the references bit for bit (the interpreter encodes and decodes FP8
 # on the bits, [Note: Triton FP8 casts]); bf16 moments stay out (the interpreter truncates them).
 _FP8_SCRIPT = """
@@ -135,7 +135,7 @@ import torch
 import quant_core
 from quant_core import AdamScalars
 from quant_core.adam import _triton
-from quant_core.adam._capturable import AdamStepCapturableArgs
+from quant_core.adam._adam import AdamStepArgs
 from quant_core.adam._moment_amaxes import AdamMomentAmaxesArgs
 from quant_core.shared import _triton_tables
 from quant_core.testing import raw_bits
@@ -186,8 +186,8 @@ for moments, found, adam_w_mode in [((E4M3, E5M2), 0.0, True), ((FP32, E4M3), 0.
     expected = [[t.clone() for t in tensors] for tensors in ours]
     args = (torch.tensor([found]), None, [1e-3, 0.9, 0.999, 1e-8, 0.1], adam_w_mode, True, 0, None)
     for _ in range(2):  # the second call needs the tickets reset by the first
-        amax = _triton._adam_step_capturable(AdamStepCapturableArgs(*ours[:5], [], *args, ours[5], amaxes))
-        expected_amax = quant_core.adam_step_capturable_reference(*expected[:5], [], *args, expected[5], amaxes)
+        amax = _triton._adam_step(AdamStepArgs(*ours[:5], [], *args, ours[5], amaxes))
+        expected_amax = quant_core.adam_step_reference(*expected[:5], [], *args, expected[5], amaxes)
         assert torch.equal(amax, expected_amax), (moments, found)
         assert all(same(a, b) for a, b in zip(ours, expected, strict=True)), (moments, found)
     assert same(ours[5], scale_invs) == (found != 0.0), (moments, found)  # a skip keeps the scale_invs

@@ -220,10 +220,11 @@ def test_fp8_moments_store_each_step_with_a_per_tensor_scale(fp8_dtype):
             quant_core.dequantize_fp8(state[k], state[f"{k}_scale_inv"], torch.float32)
             for k in ("exp_avg", "exp_avg_sq")
         ]
-        scalars = quant_core.AdamScalars.of(
-            lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=step, adam_w_mode=True
-        )
-        quant_core.adam_step_reference([master], [g], [moments[0]], [moments[1]], scalars)
+        with quant_core.use_backend("reference"):
+            quant_core.adam_step_(
+                [master], [g], [moments[0]], [moments[1]], [torch.tensor(step - 1.0)], lr=1e-2, beta1=0.9,
+                beta2=0.999, eps=1e-8, weight_decay=0.0, adam_w_mode=True,
+            )  # fmt: skip
         optimizer.step()
         assert torch.equal(p.detach(), master)
         for key, values in zip(("exp_avg", "exp_avg_sq"), moments, strict=True):

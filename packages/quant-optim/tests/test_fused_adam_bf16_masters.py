@@ -74,15 +74,14 @@ def test_steps_equal_the_reference_kernel_bitwise(capturable):
     for step in range(1, 5):
         set_grads(params, step)
         optimizer.step()
-        scalars = quant_core.AdamScalars.of(
-            lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY, step=step, adam_w_mode=True
-        )
+        hyper = {"lr": LR, "beta1": BETAS[0], "beta2": BETAS[1], "eps": EPS, "weight_decay": WEIGHT_DECAY}
         with quant_core.use_backend("reference"):
             for index, (p, master, (exp_avg, exp_avg_sq)) in enumerate(zip(params, masters, moments, strict=True)):
                 rounding = {} if index == 0 else {"stochastic_rounding_counters": [counters[index - 1]]}
                 quant_core.adam_step_(
-                    [master], [p.grad], [exp_avg], [exp_avg_sq], scalars, seed=MASTER_ROUNDING_SEED, **rounding
-                )
+                    [master], [p.grad], [exp_avg], [exp_avg_sq], [torch.tensor(step - 1.0)], **hyper,
+                    adam_w_mode=True, seed=MASTER_ROUNDING_SEED, **rounding,
+                )  # fmt: skip
             expected_bytes = [p.quantizer.quantize(m) for p, m in zip(params[2:], masters[2:], strict=True)]
         assert torch.equal(raw_bits(params[0].detach()), raw_bits(masters[0])), step
         assert torch.equal(raw_bits(params[1].detach()), raw_bits(masters[1])), step

@@ -1,6 +1,6 @@
 """FusedAdam's step executor ([Note: FusedAdam step]) on its two verdict routes, both run on the
-CPU: the verdict left on the device ([Note: FusedAdam tensor-driven step]; capturable=True, the
-reference kernel of adam_step_capturable) against the verdict read on the host (the C++ adam_step)
+CPU through the C++ kernel of adam_step: the verdict left on the device ([Note: FusedAdam
+tensor-driven step]; capturable=True, the kernel reads it) against the verdict read on the host
 bit for bit: the same parameters, masters, moments, step counts and quantized bytes after steps,
 skipped steps and steps with a caller's found_inf. On CUDA the device route runs the Triton kernel
 (test_fused_adam_cuda.py). Also: the plan is built once and rebuilt when the parameters change."""
@@ -139,7 +139,7 @@ def test_a_loaded_optimizer_continues_bitwise():
 
 def test_parameters_at_different_step_counts_step_alike_on_both_routes():
     # Two parameters of each bucket miss a gradient once: their buckets then hold two step counts
-    # (the host route makes one adam_step call per count, the device kernel reads each count).
+    # (the kernel reads each count on both routes).
     runs = {}
     for capturable in (False, True):
         params = model()

@@ -32,7 +32,6 @@ from quant_core.adam._adam import (
     has_non_finite_reference,
     power,
 )
-from quant_core.adam._capturable import adam_step_capturable_, adam_step_capturable_reference
 from quant_core.adam._fp8_moments import FP8_MOMENT_DTYPES
 from quant_core.adam._moment_amaxes import adam_moment_amaxes, adam_moment_amaxes_reference
 from quant_core.blocks._blockwise import (
@@ -128,8 +127,6 @@ __all__ = [
     "AdamScalars",
     "adam_step_",
     "adam_step_reference",
-    "adam_step_capturable_",
-    "adam_step_capturable_reference",
     "FP8_MOMENT_DTYPES",
     "adam_moment_amaxes",
     "adam_moment_amaxes_reference",

@@ -64,8 +64,6 @@ class Bucket:
     """Low-precision parameters written from their fp32 masters (empty, or one per parameter)."""
     compute_amax: bool = False
     """Whether a parameter of it is requantized with a per-tensor amax (the Adam pass returns it)."""
-    plain: bool = True
-    """Whether every state tensor owns its memory (else the reference kernels run: `is_plain`)."""
     moment_scale_invs: list[torch.Tensor] = field(default_factory=list)
     """The 0-d scale_invs of its fp8 moments (the state's `*_scale_inv`), a row of one per parameter
     for each fp8 moment list, exp_avgs' first ([Note: fp8 moments in the Adam pass] in quant-core);
@@ -156,7 +154,6 @@ def build_plan(
         for name, moment, row in zip(("exp_avg", "exp_avg_sq"), moments, scale_invs, strict=True):
             if moment.dtype in FP8_MOMENT_DTYPES:
                 row.append(state[f"{name}_scale_inv"])
-        bucket.plain = bucket.plain and all(map(is_plain, (master, *moments, *(() if out is None else (out,)))))
         if isinstance(local, qt.QuantizedTensor):
             quantizer = local.quantizer
             groups = () if quantizer.amax_group is None or not quantizer.per_tensor_amax else (quantizer.amax_group,)
@@ -210,10 +207,3 @@ def shard_groups(p: torch.Tensor) -> tuple[dist.ProcessGroup, ...]:
     if not isinstance(p, DTensor):
         return ()
     return tuple(p.device_mesh.get_group(dim) for dim, placement in enumerate(p.placements) if placement.is_shard())
-
-
-def is_plain(t: torch.Tensor) -> bool:
-    """Whether t's memory is its own, so quant-core's compiled kernels may read and write it; a
-    wrapper subclass (quant_fsdp's QuantizeOnGatherTensor) takes the reference kernels, whose
-    torch ops reach its `__torch_dispatch__`."""
-    return type(t) in (torch.Tensor, torch.nn.Parameter)

@@ -35,24 +35,26 @@ the agreed amaxes, setting the scale_invs. No fp32 copy of a moment exists (1 by
 read twice, written once), and the step makes one small all-reduce for all fp8 moments together.
 The pre-pass reads the gradients (and, for Adam's L2 weight decay, the masters) once more.
 
-The verdict is read in one of two places, and that choice, with the Adam operator it implies,
-is the only difference between CPU and CUDA steps:
+The verdict is read in one of two places, and that is the only difference between CPU and CUDA
+steps; every bucket steps through one operator, `torch.ops.quant_core.adam_step` (the C++ kernel
+on CPU, Triton on CUDA), which computes the bias corrections from the step counts (tensors it
+increments) and lr, and writes bf16/fp16 parameters and outs in its pass:
 - on the host (CPU tensors, `capturable=False`: reading a CPU tensor costs no sync): a skipped
-  step returns after step 1; otherwise `torch.ops.quant_core.adam_step` runs (the C++ kernel on
-  CPU) with the scalars of `quant_core.AdamScalars.of`, one call per distinct step count of the
-  bucket (the counts are read on the host and incremented after);
+  step returns after step 1; otherwise the operator runs without a verdict to read;
 - on the device (CUDA tensors, or `capturable=True` on any device): [Note: FusedAdam
   tensor-driven step].
 Both give the same bits (tests/test_step.py runs both on the CPU; test_fused_adam_cuda.py
-compares CUDA with the CPU).
+compares CUDA with the CPU). Parameters that are tensor subclasses wrapping a plain tensor
+(quant_fsdp's QuantizeOnGatherTensor) step through the same operators: the dispatcher hands them
+to the subclass's `__torch_dispatch__`, which runs the kernels on the wrapped tensors and records
+the write in the subclass's version counters.
 
 [Note: FusedAdam tensor-driven step] The step without reading the device from the host, so a
 training loop never waits for the optimizer and a CUDA graph can capture it:
-- the verdict stays a device tensor; `torch.ops.quant_core.adam_step_capturable` (the Triton
-  kernel on CUDA, the reference elsewhere) reads it and writes nothing when it is set, step counts
-  included (device tensors, incremented by the kernel), and computes the bias corrections from
-  them and lr (a tensor lr is read by the kernel). `last_step_skipped` and `skipped_steps` read the
-  verdict when asked (a host sync then, not in the step);
+- the verdict stays a device tensor; `torch.ops.quant_core.adam_step` reads it and writes
+  nothing when it is set, step counts included ([Note: Adam step in tensors] in quant-core; a
+  tensor lr is read by the kernel too). `last_step_skipped` and `skipped_steps` read the verdict
+  when asked (a host sync then, not in the step);
 - a quantized weight is requantized from its master every step, skipped or not. When the step was
   skipped, the master is unchanged and the kernel still returns its amax, so the requantize writes
   the bytes it wrote last time: a stateless quantizer's bytes are a function of the master and
@@ -94,7 +96,7 @@ import torch
 import torch.distributed as dist
 
 import quant_core
-from quant_optim._plan import MASTER_ROUNDING_SEED, Bucket, Plan, buffer_versions, is_plain
+from quant_optim._plan import MASTER_ROUNDING_SEED, Bucket, Plan, buffer_versions
 from quant_optim._write_back import agree_moment_amaxes, write_back
 
 
@@ -111,18 +113,16 @@ def run(
         verdict_on_host: read the verdict before updating (CPU tensors), or leave it on the
             device ([Note: FusedAdam tensor-driven step]).
     """
-    grads_plain = all(map(is_plain, grads))
-    found = _verdict(plan, grads, found_inf, grads_plain)
+    found = _verdict(plan, grads, found_inf)
     skipped = bool(found) if verdict_on_host else None  # None: known on the device only
     if skipped:
         return found
-    adam_step = _adam_step if verdict_on_host else _adam_step_capturable
     bucket_grads = [[grads[i] for i in bucket.indices] for bucket in plan.buckets]
-    plain = [grads_plain and bucket.plain for bucket in plan.buckets]
-    moment_amaxes = _moment_amaxes(plan, bucket_grads, plain)  # [Note: FusedAdam fp8 moments]
+    moment_amaxes = _moment_amaxes(plan, bucket_grads)  # [Note: FusedAdam fp8 moments]
+    verdict = None if verdict_on_host else found  # known not skipped: nothing for the kernel to read
     amaxes = [
-        adam_step(bucket, g, found, p, a)
-        for bucket, g, p, a in zip(plan.buckets, bucket_grads, plain, moment_amaxes, strict=True)
+        _adam_step(bucket, g, verdict, a)
+        for bucket, g, a in zip(plan.buckets, bucket_grads, moment_amaxes, strict=True)
     ]
     if skipped is None and not _bytes_are_the_masters(plan):
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -137,7 +137,7 @@ def run(
     return found
 
 
-def _moment_amaxes(plan: Plan, grads: list[list[torch.Tensor]], plain: list[bool]) -> list[torch.Tensor | None]:
+def _moment_amaxes(plan: Plan, grads: list[list[torch.Tensor]]) -> list[torch.Tensor | None]:
     """Per bucket, the agreed amaxes of its updated fp8 moments ((rows, len(params)): [Note:
     FusedAdam fp8 moments]), or None where it has none."""
     fp8 = [b for b, bucket in enumerate(plan.buckets) if bucket.moment_scale_invs]
@@ -149,10 +149,8 @@ def _moment_amaxes(plan: Plan, grads: list[list[torch.Tensor]], plain: list[bool
             beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], adam_w_mode=group["adam_w_mode"]
         )
         args = (bucket.params, grads[b], bucket.exp_avgs, bucket.exp_avg_sqs, bucket.moment_scale_invs)
-        if plain[b]:  # the operator without the public function's checks: FusedAdam made these states
-            local.append(torch.ops.quant_core.adam_moment_amaxes(*args, list(dataclasses.astuple(scalars))))
-        else:  # wrapper subclasses: torch ops reach their __torch_dispatch__
-            local.append(quant_core.adam_moment_amaxes_reference(*args, scalars))
+        # The operator without the public function's checks: FusedAdam made these states.
+        local.append(torch.ops.quant_core.adam_moment_amaxes(*args, list(dataclasses.astuple(scalars))))
     agreed = agree_moment_amaxes([plan.buckets[b] for b in fp8], local) if fp8 else []
     moment_amaxes: list[torch.Tensor | None] = [None] * len(plan.buckets)
     for b, amaxes in zip(fp8, agreed, strict=True):
@@ -160,12 +158,12 @@ def _moment_amaxes(plan: Plan, grads: list[list[torch.Tensor]], plain: list[bool
     return moment_amaxes
 
 
-def _verdict(plan: Plan, grads: list[torch.Tensor], found_inf: torch.Tensor | None, grads_plain: bool) -> torch.Tensor:
+def _verdict(plan: Plan, grads: list[torch.Tensor], found_inf: torch.Tensor | None) -> torch.Tensor:
     """fp32 0-d on the plan's device: 1.0 when some rank found a non-finite gradient (one all-reduce)."""
     if found_inf is not None:
         # any() of a float tensor is (found_inf != 0).any(): NaN counts as nonzero, -0.0 as zero.
         bad = found_inf.any().to(device=plan.device, dtype=torch.float32)
-    elif plan.one_device and grads_plain:
+    elif plan.one_device:
         # The operator without the public function's checks: FusedAdam checked the gradients' dtypes
         # and shapes, and a gradient lives on its parameter's device.
         bad = torch.ops.quant_core.has_non_finite(grads)
@@ -183,77 +181,11 @@ def _bytes_are_the_masters(plan: Plan) -> bool:
 
 
 def _adam_step(
-    bucket: Bucket, grads: list[torch.Tensor], found: torch.Tensor, plain: bool, moment_amaxes: torch.Tensor | None
-) -> torch.Tensor | None:
-    """The bucket's update when the step is known not skipped: `adam_step` (C++ on CPU) with the
-    host's scalars, one call per distinct step count; fp8 moments encoded with the scales of
-    `moment_amaxes`. Returns the amaxes with `compute_amax`."""
-    group = bucket.group
-    lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
-    beta1, beta2 = group["betas"]
-    # The operator updates fp32, or bf16 rounded stochastically: a bf16/fp16 parameter without a
-    # master steps an fp32 copy.
-    in_place = bucket.params[0].dtype == torch.float32 or bool(bucket.counters)
-    params = bucket.params if in_place else [p.float() for p in bucket.params]
-    counts = [int(step) for step in bucket.steps]  # CPU tensors: no sync
-    distinct = dict.fromkeys(counts)
-    amaxes = None
-    for count in distinct:
-        chosen = list(range(len(params))) if len(distinct) == 1 else [i for i, c in enumerate(counts) if c == count]
-        scalars = quant_core.AdamScalars.of(
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            step=count + 1,
-            adam_w_mode=group["adam_w_mode"],
-        )
-        lists = [[tensors[i] for i in chosen] for tensors in (params, grads, bucket.exp_avgs, bucket.exp_avg_sqs)]
-        counters = [bucket.counters[i] for i in chosen] if bucket.counters else None
-        fp8 = _fp8_moments_of(bucket, moment_amaxes, None if len(distinct) == 1 else chosen)
-        seed = MASTER_ROUNDING_SEED
-        if plain:  # the operator without the public function's checks: FusedAdam made these states
-            result = torch.ops.quant_core.adam_step(
-                *lists, list(dataclasses.astuple(scalars)), bucket.compute_amax, seed, counters, *fp8
-            )
-        else:  # wrapper subclasses: torch ops reach their __torch_dispatch__
-            result = quant_core.adam_step_reference(*lists, scalars, bucket.compute_amax, seed, counters, *fp8)
-        if bucket.compute_amax and len(distinct) == 1:
-            amaxes = result
-        elif bucket.compute_amax:
-            amaxes = torch.empty(len(params), dtype=torch.float32) if amaxes is None else amaxes
-            amaxes[chosen] = result
-    torch._foreach_add_(bucket.steps, 1.0)
-    if params is not bucket.params:
-        for param, value in zip(bucket.params, params, strict=True):
-            param.copy_(value)  # round to nearest even
-    for out, master in zip(bucket.outs, params if bucket.outs else (), strict=True):
-        out.copy_(master)
-    return amaxes
-
-
-def _fp8_moments_of(
-    bucket: Bucket, moment_amaxes: torch.Tensor | None, chosen: list[int] | None
-) -> tuple[list[torch.Tensor] | None, torch.Tensor | None]:
-    """(moment_scale_invs, moment_amaxes) of the bucket's parameters `chosen` (None: all) as the
-    Adam operators take them; (None, None) without fp8 moments."""
-    if moment_amaxes is None:
-        return None, None
-    if chosen is None:
-        return bucket.moment_scale_invs, moment_amaxes
-    count = len(bucket.params)
-    rows = range(moment_amaxes.shape[0])
-    scale_invs = [bucket.moment_scale_invs[row * count + i] for row in rows for i in chosen]
-    return scale_invs, moment_amaxes[:, chosen].contiguous()
-
-
-def _adam_step_capturable(
-    bucket: Bucket, grads: list[torch.Tensor], found: torch.Tensor, plain: bool, moment_amaxes: torch.Tensor | None
-) -> torch.Tensor | None:
-    """The bucket's update gated by the verdict on the device: `adam_step_capturable` (Triton on
-    CUDA); fp8 moments encoded with the scales of `moment_amaxes`. Returns the amaxes with
-    `compute_amax`."""
+    bucket: Bucket, grads: list[torch.Tensor], found: torch.Tensor | None, moment_amaxes: torch.Tensor | None
+) -> torch.Tensor:
+    """The bucket's update by `torch.ops.quant_core.adam_step`, gated by the verdict `found` on the
+    device (None: known not skipped); fp8 moments encoded with the scales of `moment_amaxes`.
+    Returns the amaxes with `compute_amax` (else an empty tensor)."""
     group = bucket.group
     lr = group["lr"]
     if isinstance(lr, torch.Tensor) and lr.device != bucket.device:
@@ -261,23 +193,21 @@ def _adam_step_capturable(
     lr_tensor = lr if isinstance(lr, torch.Tensor) else None
     beta1, beta2 = group["betas"]
     hyperparameters = [0.0 if lr_tensor is not None else float(lr), beta1, beta2, group["eps"], group["weight_decay"]]
-    args = (
+    fp8 = (bucket.moment_scale_invs, moment_amaxes) if moment_amaxes is not None else (None, None)
+    # The operator without the public function's checks: FusedAdam made these states itself.
+    return torch.ops.quant_core.adam_step(
         bucket.params,
         grads,
         bucket.exp_avgs,
         bucket.exp_avg_sqs,
         bucket.steps,
         bucket.outs,
-        found if found.device == bucket.device else found.to(bucket.device),
+        found if found is None or found.device == bucket.device else found.to(bucket.device),
         lr_tensor,
         hyperparameters,
         group["adam_w_mode"],
         bucket.compute_amax,
         MASTER_ROUNDING_SEED,
         bucket.counters or None,
-        *_fp8_moments_of(bucket, moment_amaxes, None),
+        *fp8,
     )
-    if not plain:  # wrapper subclasses: torch ops reach their __torch_dispatch__
-        return quant_core.adam_step_capturable_reference(*args)
-    # The operator without the public function's checks: FusedAdam made these states itself.
-    return torch.ops.quant_core.adam_step_capturable(*args)

@@ -11,10 +11,10 @@ updated element, so a step takes two passes over the moments, and no fp32 copy o
 1. `adam_moment_amaxes` computes the amax of each updated fp8 moment with the fp32 operations of
    the Adam kernels, in their order (so bit for bit `amax_many` of the values they compute), and
    writes nothing;
-2. the caller agrees the amaxes over the shards (an all-reduce with MAX), then `adam_step` or
-   `adam_step_capturable` updates the parameters and moments in one pass, decoding with the
-   stored scale_invs and encoding with the scales of the agreed amaxes, and sets the scale_invs.
-   A capturable step skipped by its verdict writes neither codes nor scale_invs.
+2. the caller agrees the amaxes over the shards (an all-reduce with MAX), then `adam_step`
+   updates the parameters and moments in one pass, decoding with the stored scale_invs and
+   encoding with the scales of the agreed amaxes, and sets the scale_invs. A step skipped by its
+   verdict writes neither codes nor scale_invs.
 Layout, shared by every operator that takes fp8 moments: a row per list of fp8 moments, exp_avgs'
 first when they are fp8, then exp_avg_sqs'. `moment_scale_invs` is a list of 0-d fp32 tensors,
 row after row (len(params) per row: row r's scale_inv of tensor i at r * len(params) + i), and

@@ -1,5 +1,5 @@
-"""Triton kernels of the Adam step (CUDA tensors): the capturable step, the amaxes of updated fp8
-moments and the non-finite check.
+"""Triton kernels of the Adam step (CUDA tensors): the step, the amaxes of updated fp8 moments and
+the non-finite check.
 
 [Note: exact Triton arithmetic] By default Triton contracts `a * b + c` into a fused
 multiply-add and lowers `/` and `sqrt` to approximate instructions; libdevice's explicitly
@@ -21,8 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from triton.language.extra import libdevice
 
 from quant_core._library import register_kernel
-from quant_core.adam._adam import AdamScalars, HasNonFiniteArgs
-from quant_core.adam._capturable import AdamStepCapturableArgs
+from quant_core.adam._adam import AdamScalars, AdamStepArgs, HasNonFiniteArgs
 from quant_core.adam._fp8_moments import fp8_rows
 from quant_core.adam._moment_amaxes import AdamMomentAmaxesArgs
 from quant_core.fp8._triton_scale import scale_of
@@ -143,7 +142,7 @@ def _power64(base, exponent):
 
 
 @triton.jit(do_not_specialize=["lr_bits", "beta1_bits", "beta2_bits", "eps_bits", "weight_decay_bits", "seed"])
-def _adam_capturable_kernel(
+def _adam_kernel(
     pointers,
     num_tensors,
     chunks,
@@ -164,6 +163,7 @@ def _adam_capturable_kernel(
     weight_decay_bits,
     seed,
     DECAY: tl.constexpr,
+    FOUND: tl.constexpr,
     LR_TENSOR: tl.constexpr,
     OUT: tl.constexpr,
     STOCHASTIC: tl.constexpr,
@@ -175,13 +175,14 @@ def _adam_capturable_kernel(
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One chunk of one tensor of [Note: capturable Adam step]. `pointers` ([Note: pointer
+    """One chunk of one tensor of [Note: Adam step in tensors]. `pointers` ([Note: pointer
     tables]): rows of parameters, gradients, moments, step counts, outs (when OUT), counters (when
     STOCHASTIC: bf16 params rounded stochastically, [Note: Adam stochastic rounding]), the fp8
     moments' scale_invs (a row per fp8 moment list: M_FP8, V_FP8 1 for E4M3, 2 for E5M2; their
     amaxes in the rows of moment_amax_ptr, [Note: fp8 moments in the Adam pass]) and numels;
     `tickets` int32 (num_tensors,) zeros, restored to zero by the last program of each tensor.
-    Scalars as AdamScalars.of computes them, in float64 from the hyperparameters' bits."""
+    Scalars as AdamScalars.of computes them, in float64 from the hyperparameters' bits. FOUND:
+    found_ptr holds the verdict (nonzero: skip), else it is not read."""
     t = tl.load(chunks + 2 * tl.program_id(0))
     chunk = tl.load(chunks + 2 * tl.program_id(0) + 1).to(tl.int64)
     scale_row: tl.constexpr = 5 + OUT + STOCHASTIC  # the first fp8 moment list's scale_invs
@@ -190,7 +191,10 @@ def _adam_capturable_kernel(
     n = tl.load(pointers + (scale_row + m_rows + v_rows) * num_tensors + t)
     p_ptr = tl.load(pointers + t).to(tl.pointer_type(p_like.dtype.element_ty))
     largest = tl.zeros((BLOCK,), dtype=tl.float32)
-    if tl.load(found_ptr) != 0.0:  # skipped: nothing is written; the amaxes of the parameters as they are
+    skipped = False
+    if FOUND:
+        skipped = tl.load(found_ptr) != 0.0
+    if skipped:  # skipped: nothing is written; the amaxes of the parameters as they are
         if AMAX:
             for start in range(0, CHUNK, BLOCK):
                 offsets = chunk * CHUNK + start + tl.arange(0, BLOCK)
@@ -201,7 +205,8 @@ def _adam_capturable_kernel(
         m_ptr = tl.load(pointers + 2 * num_tensors + t).to(tl.pointer_type(m_like.dtype.element_ty))
         v_ptr = tl.load(pointers + 3 * num_tensors + t).to(tl.pointer_type(v_like.dtype.element_ty))
         step_ptr = tl.load(pointers + 4 * num_tensors + t).to(tl.pointer_type(tl.float32))
-        step = tl.load(step_ptr).to(tl.int32) + 1
+        count = tl.load(step_ptr)
+        step = count.to(tl.int32) + 1
         if LR_TENSOR:  # noqa: SIM108  (a constexpr branch: only one side compiles)
             lr = tl.load(lr_ptr).to(tl.float64)
         else:
@@ -261,7 +266,7 @@ def _adam_capturable_kernel(
         # Every program of tensor t read its step count (and counter) above; the last one to get
         # here writes them (acq_rel atomics order those reads before these writes) and resets the ticket.
         if tl.atomic_add(tickets + t, 1) == tl.cdiv(tl.maximum(n, 1), CHUNK) - 1:
-            tl.store(step_ptr, step.to(tl.float32))
+            tl.store(step_ptr, count + 1.0)
             if STOCHASTIC:
                 tl.store(counter_ptr, counter + 1)
             if M_FP8 > 0:
@@ -273,8 +278,8 @@ def _adam_capturable_kernel(
         tl.atomic_max(amax_ptr + t, tl.max(largest, axis=0))
 
 
-@register_kernel("adam_step_capturable", "triton")
-def _adam_step_capturable(args: AdamStepCapturableArgs) -> torch.Tensor:
+@register_kernel("adam_step", "triton")
+def _adam_step(args: AdamStepArgs) -> torch.Tensor:
     params, outs, found_inf, lr, compute_amax = args.params, args.outs, args.found_inf, args.lr, args.compute_amax
     device = params[0].device
     amax = torch.zeros(len(params) if compute_amax else 0, dtype=torch.float32, device=device)
@@ -300,16 +305,16 @@ def _adam_step_capturable(args: AdamStepCapturableArgs) -> torch.Tensor:
     else:
         decay = _DECOUPLED if args.adam_w_mode else _L2
     launch(
-        _adam_capturable_kernel,
+        _adam_kernel,
         (len(chunks),),
         pointers,
         len(params),
         chunks,
         tickets,
-        found_inf,
-        lr if lr is not None else found_inf,  # never read without LR_TENSOR
-        amax if compute_amax else found_inf,  # never touched without AMAX
-        args.moment_amaxes if args.moment_amaxes is not None else found_inf,  # read only with fp8 moments
+        found_inf if found_inf is not None else args.steps[0],  # never read without FOUND
+        lr if lr is not None else args.steps[0],  # never read without LR_TENSOR
+        amax if compute_amax else args.steps[0],  # never touched without AMAX
+        args.moment_amaxes if args.moment_amaxes is not None else args.steps[0],  # read only with fp8 moments
         params[0],
         args.grads[0],
         args.exp_avgs[0],
@@ -318,6 +323,7 @@ def _adam_step_capturable(args: AdamStepCapturableArgs) -> torch.Tensor:
         *(_bits(value) for value in (lr_value, beta1, beta2, eps, weight_decay)),
         args.seed,
         DECAY=decay,
+        FOUND=found_inf is not None,
         LR_TENSOR=lr is not None,
         OUT=bool(outs),
         STOCHASTIC=bool(counters),
@@ -344,7 +350,7 @@ def _moment_amaxes_kernel(
 ):  # fmt: skip
     """The amaxes of one chunk of one tensor's updated fp8 moments ([Note: fp8 moments in the Adam
     pass]), atomically maxed into row r of amax_ptr for the r-th fp8 moment list; the moments'
-    arithmetic of `_adam_capturable_kernel` (`_updated_moments`), nothing written. `pointers`:
+    arithmetic of `_adam_kernel` (`_updated_moments`), nothing written. `pointers`:
     rows of parameters (read with DECAY 2, L2), gradients, moments, the fp8 moments' scale_invs
     and numels."""
     t = tl.load(chunks + 2 * tl.program_id(0))
