@@ -32,8 +32,8 @@ struct MomentScales {
 };
 
 // decode_fp8 through a table of its 256 values. The lookup keeps GCC's vectorizer off the fp8-moment
-// variants of adam_range (hundreds of them, three ISAs each), which would otherwise more than
-// double this file's compile time (~2.5 to ~6 min on 2 cores); their loops stay scalar.
+// variants of the Adam loop (hundreds of them), which would otherwise multiply this file's compile
+// time; their loops stay scalar, compiled once each (adam_range_scalar).
 template <Fp8Format F>
 float decode_fp8_by_table(uint8_t code) {
   static const std::array<float, 256> table = [] {
@@ -72,13 +72,13 @@ inline void store_moment(void* base, int64_t index, float value, float scale) {
 }
 
 // Elements [begin, end) of one tensor; returns the largest magnitude key of the updated params
-// ([Note: magnitude keys]), or 0 when kAmax is off. Out of line so the loop vectorizes alone.
+// ([Note: magnitude keys]), or 0 when kAmax is off. Inlined into adam_range's out-of-line entries.
 // The parameter of element i is p[i - p_offset]: fp32 (a master, or the fp32 copy of a block of a
 // bf16/fp16 parameter that adam_step rounds to nearest after), or with kStochastic a bf16 master
 // stored rounded stochastically with the counter RNG's stream `stream` ([Note: Adam stochastic
 // rounding]), drawing at its element index i.
 template <Decay kDecay, DType G, Moment M, Moment V, bool kAmax, bool kStochastic>
-QUANT_CORE_CLONES int32_t adam_range(
+QUANT_CORE_INLINE int32_t adam_loop(
     void* __restrict p_base, int64_t p_offset, const void* __restrict g, void* __restrict m, void* __restrict v,
     int64_t begin, int64_t end, const AdamScalars& s, const MomentScales& scales, uint64_t stream) {
   using Key = MagnitudeKey<DType::kFloat32>;
@@ -114,6 +114,32 @@ QUANT_CORE_CLONES int32_t adam_range(
     }
   }
   return key;
+}
+
+// adam_loop out of line: multiversioned where both moments are fp32 or bf16 (the loop vectorizes);
+// one copy where a moment is fp8, whose table decode keeps the loop scalar in every ISA, so that
+// its hundreds of variants are compiled once rather than three times.
+template <Decay kDecay, DType G, Moment M, Moment V, bool kAmax, bool kStochastic>
+QUANT_CORE_CLONES int32_t adam_range_vectorized(
+    void* __restrict p, int64_t p_offset, const void* __restrict g, void* __restrict m, void* __restrict v,
+    int64_t begin, int64_t end, const AdamScalars& s, const MomentScales& scales, uint64_t stream) {
+  return adam_loop<kDecay, G, M, V, kAmax, kStochastic>(p, p_offset, g, m, v, begin, end, s, scales, stream);
+}
+template <Decay kDecay, DType G, Moment M, Moment V, bool kAmax, bool kStochastic>
+QUANT_CORE_SCALAR_LOOP int32_t adam_range_scalar(
+    void* __restrict p, int64_t p_offset, const void* __restrict g, void* __restrict m, void* __restrict v,
+    int64_t begin, int64_t end, const AdamScalars& s, const MomentScales& scales, uint64_t stream) {
+  return adam_loop<kDecay, G, M, V, kAmax, kStochastic>(p, p_offset, g, m, v, begin, end, s, scales, stream);
+}
+template <Decay kDecay, DType G, Moment M, Moment V, bool kAmax, bool kStochastic>
+inline int32_t adam_range(void* p, int64_t p_offset, const void* g, void* m, void* v, int64_t begin, int64_t end,
+                          const AdamScalars& s, const MomentScales& scales, uint64_t stream) {
+  if constexpr (kIsFp8<M> || kIsFp8<V>) {
+    return adam_range_scalar<kDecay, G, M, V, kAmax, kStochastic>(p, p_offset, g, m, v, begin, end, s, scales, stream);
+  } else {
+    return adam_range_vectorized<kDecay, G, M, V, kAmax, kStochastic>(p, p_offset, g, m, v, begin, end, s, scales,
+                                                                      stream);
+  }
 }
 
 // fp32 -> D as torch's copy_ rounds it: fp32 as is, bf16 and fp16 to nearest even (bf16's NaN
@@ -230,7 +256,7 @@ std::vector<MomentScales> moment_scales(int exp_avg_moment, int exp_avg_sq_momen
 // its updated fp8 moments (a moment that is not fp8 is not computed; its key stays 0), exactly
 // as adam_range updates them. kL2: the gradient takes Adam's L2 weight decay from the param (P).
 template <bool kL2, DType P, DType G, Moment M, Moment V>
-QUANT_CORE_CLONES void moment_amax_range(
+QUANT_CORE_SCALAR_LOOP void moment_amax_range(
     const void* __restrict p, const void* __restrict g, const void* __restrict m, const void* __restrict v,
     int64_t begin, int64_t end, const AdamScalars& s, const MomentScales& scales, int32_t* exp_avg_key,
     int32_t* exp_avg_sq_key) {

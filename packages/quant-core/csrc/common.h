@@ -29,6 +29,8 @@
 #else
 #define QUANT_CORE_CLONES __attribute__((noinline))
 #endif
+// A hot loop that does not vectorize (e.g. table lookups): one copy, out of line.
+#define QUANT_CORE_SCALAR_LOOP __attribute__((noinline))
 
 namespace quant_core {
 
