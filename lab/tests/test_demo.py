@@ -205,6 +205,7 @@ def test_ctrl_c_ends_every_rank_says_one_line_and_writes_nothing(tmp_path):
         if demo.poll() is None:
             os.killpg(demo.pid, signal.SIGKILL)
             demo.wait()
+        demo.stderr.close()
     assert demo.returncode == 130
     assert error == f"quant-fsdp demo: interrupted; nothing written to {out}\n"
     assert [p.name for p in out.iterdir()] == ["demo.json"]

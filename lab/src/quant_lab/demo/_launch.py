@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+_TERMINATE_GRACE_S = 10.0
+
 
 def run_ranks(fn: Callable[..., None], world_size: int, *args: Any, backend: str = "gloo") -> None:
     """Runs fn(rank, world_size, *args) in `world_size` processes joined in a process group.
@@ -51,7 +53,10 @@ def run_ranks(fn: Callable[..., None], world_size: int, *args: Any, backend: str
             for process in context.processes:
                 process.terminate()
             for process in context.processes:
-                process.join()
+                process.join(_TERMINATE_GRACE_S)
+                if process.is_alive():  # SIGTERM did not end it: SIGKILL does
+                    process.kill()
+                    process.join()
             raise
 
 
