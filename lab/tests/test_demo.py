@@ -186,14 +186,21 @@ def test_ctrl_c_ends_every_rank_says_one_line_and_writes_nothing(tmp_path):
     temporary = tmp_path / "tmp"
     temporary.mkdir()
     argv = ["demo", "--recipes", "fp8", "--steps", "100000", "--out", str(out)]
-    demo = subprocess.Popen(
-        [sys.executable, "-m", "quant_fsdp_cli", *argv],
-        env={**os.environ, "TMPDIR": str(temporary)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group and session, as a shell gives a command
-    )
+    # A terminal's foreground command starts with Ctrl-C at its default; a shell's background job
+    # (pytest run with `&`) starts with SIGINT ignored, which a child would inherit. A handled
+    # signal is reset to its default in the child.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        demo = subprocess.Popen(
+            [sys.executable, "-m", "quant_fsdp_cli", *argv],
+            env={**os.environ, "TMPDIR": str(temporary)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # its own process group and session, as a shell gives a command
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         # The ranks' process-group store appears once they have joined the group and begin training.
         while not list(temporary.glob("*/store")):
