@@ -77,3 +77,28 @@ def test_meta_input_raises():
 def test_non_tensor_input_raises():
     with pytest.raises(TypeError, match=r"must be a torch\.Tensor, got list"):
         quant_core.amax([1.0, 2.0])  # type: ignore[arg-type]
+
+
+# The bits of fp32 values that `amax_torch_ops` must reproduce: NaN and +-Inf skipped, -0.0 giving
+# +0.0, denormals of every dtype kept (6e-8 is an fp16 denormal, 1e-40 an fp32 and bf16 one).
+_TORCH_OPS_CASES = [
+    [-0.0],
+    [-0.0, float("nan"), -float("inf")],
+    [float("nan"), -float("nan")],
+    [float("inf"), -float("inf"), float("nan")],
+    [1e-40, -3e-42, 0.0],
+    [6e-8, -6e-8, float("nan")],
+    [-5.0, 2.0, float("inf"), -0.0],
+    [],
+]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_torch_ops_equal_reference_bitwise(dtype):
+    inputs = [torch.tensor(values).to(dtype) for values in _TORCH_OPS_CASES]
+    inputs += [adversarial(shape, dtype, seed=sum(shape)) for shape in [(7,), (33, 65), (3, 5, 129), (0, 4), (4, 0)]]
+    for x in inputs:
+        got, want = quant_core.amax_torch_ops(x), quant_core.amax_reference(x)
+        assert got.dtype == torch.float32, x
+        assert got.shape == (), x
+        assert got.view(torch.int32) == want.view(torch.int32), (x, got, want)

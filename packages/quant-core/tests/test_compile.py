@@ -2,7 +2,8 @@
 torch.ops.quant_core operators, and the compiled results equal eager bit for bit.
 
 The cases compile with the aot_eager backend (Dynamo, fake kernels, functionalization: what
-tracing needs, in well under a second each); the Inductor test runs in the GPU suite.
+tracing needs, in well under a second each); the Inductor tests run in the GPU suite, except the
+CPU case of the traced amax's (one compile, ~5 s of CPU).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -188,8 +190,9 @@ def test_public_functions_compile_to_one_graph_and_equal_eager(name):
 
 
 def test_quantize_compiles_to_one_operator_and_updates_the_history_as_eager():
-    # [Note: fused FP8 quantize]: amax, scale (current or delayed: history read, then pushed) and
-    # cast are one node each; the history is a graph input mutated in place, step after step.
+    # [Note: fused FP8 quantize]: scale (current or delayed: history read, then pushed) and cast
+    # are one node each, given x's amax as torch ops; the history is a graph input mutated in
+    # place, step after step.
     def quantize(x: torch.Tensor, history: torch.Tensor) -> object:
         current = quant_core.quantize_fp8(x, E4M3, columnwise=True)
         delayed = quant_core.quantize_fp8_delayed(x, history, E5M2, margin=1, columnwise=True)
@@ -209,6 +212,67 @@ def test_quantize_compiles_to_one_operator_and_updates_the_history_as_eager():
         if node.op == "call_function" and str(node.target).startswith("quant_core.")
     ]
     assert targets == ["quant_core.quantize_fp8", "quant_core.quantize_fp8_delayed"]
+
+
+def _every_per_tensor_quantize(x: torch.Tensor, history: torch.Tensor) -> object:
+    """Each per-tensor quantize entry point, none given an amax, of a tensor made in the graph."""
+    y = x * 4
+    current = quant_core.quantize_fp8(y, E4M3, columnwise=True)
+    delayed = quant_core.quantize_fp8_delayed(y, history, E5M2, margin=1, columnwise=True)
+    rowwise, scale_inv = torch.empty(y.shape, dtype=E4M3), torch.empty(())
+    quant_core.quantize_fp8_into(y, E4M3, rowwise_out=rowwise, scale_inv_out=scale_inv)
+    columnwise, delayed_scale_inv = torch.empty(y.shape[::-1], dtype=E5M2), torch.empty(())
+    quant_core.quantize_fp8_delayed_into(y, history, E5M2, columnwise_out=columnwise, scale_inv_out=delayed_scale_inv)
+    amax_out, delayed_amax_out = torch.empty(()), torch.empty(())
+    unchecked = quant_core.unchecked.quantize_fp8(y, None, E5M2, True, False, True, amax_out=amax_out)
+    unchecked_delayed = quant_core.unchecked.quantize_fp8_delayed(
+        y, None, history, E4M3, 0, False, "most_recent", True, True, amax_out=delayed_amax_out
+    )
+    nvfp4 = quant_core.quantize_nvfp4(y, columnwise=True)
+    nvfp4_rowwise_hadamard = quant_core.quantize_nvfp4(y, hadamard_seed=3)  # only the plain amax: rowwise
+    into = (rowwise, scale_inv, columnwise, delayed_scale_inv)
+    return (
+        current,
+        delayed,
+        into,
+        unchecked,
+        amax_out,
+        unchecked_delayed,
+        delayed_amax_out,
+        nvfp4,
+        nvfp4_rowwise_hadamard,
+    )
+
+
+def test_quantizes_scale_with_an_amax_traced_as_torch_ops_and_equal_eager():
+    # [Note: fused FP8 quantize]: under torch.compile every per-tensor quantize hands its operator
+    # x's amax, measured by torch ops in the graph (which Inductor fuses into x's producer), not
+    # by the `amax` operator or inside the quantize operator; amax_out and the history get it.
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_every_per_tensor_quantize, backend=counter, fullgraph=True)
+    history, eager_history = torch.zeros(3), torch.zeros(3)
+    for step in range(3):
+        x = adversarial((48, 80), torch.bfloat16, seed=step) * 4.0**step
+        assert_bitwise_equal(compiled(x, history), _every_per_tensor_quantize(x, eager_history))
+        assert_bitwise_equal(history, eager_history)
+    assert counter.frame_count == 1
+    calls = [
+        node
+        for node in counter.graphs[0].graph.nodes
+        if node.op == "call_function" and str(node.target).startswith("quant_core.")
+    ]
+    targets = [str(node.target).removesuffix(".default") for node in calls]
+    assert targets == [
+        *(["quant_core.quantize_fp8", "quant_core.quantize_fp8_delayed"] * 3),
+        "quant_core.quantize_nvfp4",
+        "quant_core.quantize_nvfp4",
+    ]
+    for node, target in zip(calls, targets, strict=True):
+        amax = node.args[2] if target == "quant_core.quantize_nvfp4" else node.args[1]
+        assert isinstance(amax, torch.fx.Node), (target, amax)
+        while amax.target in ("float", "reshape"):
+            amax = amax.args[0]
+        assert (amax.op, amax.target) == ("call_method", "amax"), (target, amax.format_node())
 
 
 # Inductor generates code for whatever arithmetic is traced around the operators (on CUDA as
@@ -253,6 +317,33 @@ def test_inductor_on_cuda_equals_eager(name):
     torch._dynamo.reset()
     got = torch.compile(CASES[name], fullgraph=True)(x, seed)
     assert_bitwise_equal(got, CASES[name](x, seed))
+
+
+# Under Inductor, the amax of a per-tensor quantize not given one is computed by the kernel that
+# produces x (the traced amax, [Note: fused FP8 quantize]), and the results are eager's bit for bit.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_inductor_fuses_the_amax_into_the_producer_and_equals_eager(device):
+    from torch._inductor.utils import run_and_get_code
+
+    def quantize(x: torch.Tensor, history: torch.Tensor) -> object:
+        y = torch.where(x > 0, x * 4, x * -0.5)  # one rounding per element, as in eager
+        current = quant_core.quantize_fp8(y, E4M3, rowwise=True, columnwise=True)
+        delayed = quant_core.quantize_fp8_delayed(y, history, E5M2, margin=1, columnwise=True)
+        return current, delayed
+
+    torch._dynamo.reset()
+    compiled = torch.compile(quantize, fullgraph=True)
+    history, eager_history = torch.zeros(4, device=device), torch.zeros(4, device=device)
+    for step in range(3):
+        x = adversarial((200, 328), torch.bfloat16, seed=step).to(device) * 4.0**step
+        got, code = run_and_get_code(compiled, x, history)
+        assert_bitwise_equal(got, quantize(x, eager_history))
+        assert_bitwise_equal(history, eager_history)
+        if step == 0:
+            kernels = set(re.findall(r"\b(?:cpp|triton)_\w*fused_\w+", "\n".join(code)))
+            assert any("amax" in k and "where" in k for k in kernels), kernels
+            assert "quant_core.amax" not in "\n".join(code)
 
 
 # On CUDA, Inductor launches the per-tensor FP8 Triton kernels

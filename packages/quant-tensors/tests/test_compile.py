@@ -116,3 +116,42 @@ def test_compiled_layers_recompute_input_codes_rather_than_save_them(name, quant
     codes = [tuple(t.shape) for t in saved if t.element_size() == 1 and {384, 192} & set(t.shape)]
     assert saved
     assert not codes, f"the compiled layers save the codes or scales of their inputs: {codes}"
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8-delayed", "nvfp4"])
+def test_compiled_layers_measure_per_tensor_amaxes_as_torch_ops(name):
+    # [Note: fused FP8 quantize] in quant_core: under torch.compile a per-tensor quantize not given
+    # an amax gets x's from torch ops, which Inductor fuses into the kernel producing x, rather
+    # than from the amax operator or a measuring step inside the quantize operator.
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: list[torch.fx.Graph] = []
+
+    def record(module: torch.fx.GraphModule, inputs: list[torch.Tensor]):  # type: ignore[no-untyped-def]
+        graphs.append(module.graph)
+        return make_boxed_func(module.forward)
+
+    torch._dynamo.reset()
+    layer = qt.nn.Linear(128, 128, recipe=qt.recipe_from_name(name))
+    backend = aot_autograd(fw_compiler=record, bw_compiler=record)
+    torch.compile(layer, backend=backend, fullgraph=True)(torch.randn(16, 128, requires_grad=True)).sum().backward()
+    assert len(graphs) == 2  # forward and backward
+    nodes = [node for graph in graphs for node in graph.nodes if node.op == "call_function"]
+    operators = {}
+    for node in nodes:  # quant_core's operators, those that fill buffers through auto_functionalized
+        target = node.args[0] if "auto_functionalized" in str(node.target) else node.target
+        operators.setdefault(str(target).removesuffix(".default"), []).append(node)
+    assert "quant_core.amax" not in operators
+    quantizes = [
+        node
+        for op in ("quantize_fp8", "quantize_fp8_delayed", "quantize_nvfp4")
+        for node in operators.get(f"quant_core.{op}", [])
+    ]
+    # x and the weight in the forward, the output gradient in the backward (NVFP4 also recasts
+    # the weight there, with the forward's amax)
+    assert len(quantizes) >= 3
+    for node in quantizes:
+        amax = node.kwargs.get("amax", node.kwargs.get("global_amax"))
+        assert isinstance(amax, torch.fx.Node), node.format_node()
+    assert any(node.target == torch.ops.aten.amax.default for node in nodes)

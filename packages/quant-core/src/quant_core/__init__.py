@@ -65,6 +65,7 @@ from quant_core.fp8._cast_many import cast_to_fp8_many
 from quant_core.fp8._fp8 import (
     amax,
     amax_reference,
+    amax_torch_ops,
     cast_to_fp8,
     cast_to_fp8_reference,
     dequantize_fp8,
@@ -142,6 +143,7 @@ __all__ = [
     "amax_many_reference",
     "cast_to_fp8_many",
     "amax_reference",
+    "amax_torch_ops",
     "cast_to_fp8",
     "cast_to_fp8_reference",
     "delayed_fp8_scale_",

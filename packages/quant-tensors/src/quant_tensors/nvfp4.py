@@ -243,7 +243,12 @@ class NVFP4Quantizer(BlockQuantizer):
         else:
             seed = state + self.seed
             state.add_(1)
-        global_amax = quant_core.unchecked.amax(x) if amax is None else amax.reshape(())
+        if amax is not None:
+            global_amax = amax.reshape(())
+        elif torch.compiler.is_compiling():  # torch ops, which Inductor fuses into the kernel producing x
+            global_amax = quant_core.amax_torch_ops(x)
+        else:
+            global_amax = quant_core.unchecked.amax(x)
         block_shape = self.block_shape
         buffers = quant_core.unchecked.quantize_nvfp4(
             x,

@@ -78,6 +78,15 @@ def amax_reference(x: torch.Tensor) -> torch.Tensor:
     return finite.max()
 
 
+def amax_torch_ops(x: torch.Tensor) -> torch.Tensor:
+    """`amax_reference`'s value, bit for bit, as plain torch ops that torch.compile traces (no
+    operator, no boolean indexing): Inductor fuses them into the kernel that produces x. Max is
+    exact in any dtype, so x's own dtype is reduced and the 0-d result converted to fp32."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return torch.where(torch.isfinite(x), x.abs(), 0).amax().float()
+
+
 # ---- cast ------------------------------------------------------------------------------------
 
 

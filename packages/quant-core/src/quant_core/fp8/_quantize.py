@@ -8,6 +8,9 @@ the Triton one fuses them into two launches ([Note: fused FP8 quantize on the GP
 CPU, ~20 us per aten op on an H100 VM), and torch.compile sees one opaque node (no scale
 arithmetic is left for Inductor to generate), so compiled equals eager bit for bit. Given an amax (one all-reduced over the ranks that
 hold shards of x: callers measure it with `amax` first), the operators skip the measuring step.
+Under torch.compile the public and unchecked functions always give one: x's, as torch ops
+(`amax_torch_ops`, `amax_reference`'s value bit for bit) that Inductor fuses into the kernel
+producing x, so the cast is the only other read of x; amax_out and the history get that amax.
 The `*_into` variants fill caller-given buffers (a quantized tensor's own, to requantize in place)
 and allocate nothing but x's amax and the scale.
 
@@ -38,6 +41,7 @@ from quant_core.fp8._fp8 import (
     AmaxArgs,
     CastToFp8Args,
     amax_reference,
+    amax_torch_ops,
     cast_to_fp8_reference,
     check_fp8_input,
     checked_layout,
@@ -145,6 +149,8 @@ def quantize_fp8_unchecked(
     scale_inv = torch.empty(1, dtype=torch.float32, device=x.device).view(())  # as `new_scalar`
     x_MK = x if x.dim() == 2 else x.reshape(M, K)
     rowwise_MK = rowwise_data if rowwise_data is None or x.dim() == 2 else rowwise_data.view(M, K)
+    if torch.compiler.is_compiling():
+        amax, amax_out = _amax_in_graph(x_MK, amax, amax_out)
     call("quantize_fp8", x_MK, amax, fp8_dtype, power_2_scales, rowwise_MK, columnwise_KM, scale_inv, scale, amax_out)
     return rowwise_data, columnwise_KM, scale_inv, scale
 
@@ -173,6 +179,8 @@ def quantize_fp8_into(
     """
     x_MK, rowwise_MK, columnwise_KM = _checked_into(x, fp8_dtype, rowwise_out, columnwise_out, scale_inv_out)
     amax = _checked_amax(amax, x.device)
+    if torch.compiler.is_compiling():
+        amax, _ = _amax_in_graph(x_MK, amax, None)
     call("quantize_fp8", x_MK, amax, fp8_dtype, power_2_scales, rowwise_MK, columnwise_KM, scale_inv_out, None, None)
 
 
@@ -306,6 +314,8 @@ def quantize_fp8_delayed_unchecked(
     scale_inv = torch.empty(1, dtype=torch.float32, device=x.device).view(())  # as `new_scalar`
     x_MK = x if x.dim() == 2 else x.reshape(M, K)
     rowwise_MK = rowwise_data if rowwise_data is None or x.dim() == 2 else rowwise_data.view(M, K)
+    if torch.compiler.is_compiling():
+        amax, amax_out = _amax_in_graph(x_MK, amax, amax_out)
     call(
         "quantize_fp8_delayed",
         x_MK,
@@ -342,6 +352,8 @@ def quantize_fp8_delayed_into(
     x_MK, rowwise_MK, columnwise_KM = _checked_into(x, fp8_dtype, rowwise_out, columnwise_out, scale_inv_out)
     _check_delayed(x, amax_history, margin, amax_compute_algo)
     amax = _checked_amax(amax, x.device)
+    if torch.compiler.is_compiling():
+        amax, _ = _amax_in_graph(x_MK, amax, None)
     call(
         "quantize_fp8_delayed",
         x_MK,
@@ -438,6 +450,21 @@ def _checked_amax(amax: torch.Tensor | None, device: torch.device) -> torch.Tens
         return None
     check_scalar(amax, "amax", device)
     return amax if amax.dim() == 0 else amax.reshape(())
+
+
+def _amax_in_graph(
+    x_MK: torch.Tensor, amax: torch.Tensor | None, amax_out: torch.Tensor | None
+) -> tuple[torch.Tensor, None]:
+    """(amax, amax_out) for a quantize operator traced by torch.compile (callers test
+    `torch.compiler.is_compiling()` first, so eager code never calls this): an amax not given is
+    x's as torch ops (`amax_torch_ops`), which Inductor fuses into the kernel that produces x, and
+    is written into amax_out if given; the operator, given an amax, measures none and leaves
+    amax_out alone."""
+    if amax is None:
+        amax = amax_torch_ops(x_MK)
+        if amax_out is not None:
+            amax_out.copy_(amax)
+    return amax, None
 
 
 def new_scalar(device: torch.device) -> torch.Tensor:
