@@ -551,10 +551,14 @@ def main(argv: list[str] | None = None) -> int:
         "HF_DATASETS_OFFLINE": "1",
         "HF_HUB_OFFLINE": "1",
         "PYTHONUNBUFFERED": "1",
+        # As torchtitan's own launcher (run_train.sh) starts every run: the allocator grows segments
+        # instead of caching blocks of every size, which keeps its reserved memory near what is allocated.
+        "PYTORCH_ALLOC_CONF": os.environ.get("PYTORCH_ALLOC_CONF", "expandable_segments:True"),
     }
     start, longest, results = time.monotonic(), 0.0, []
     config = {k: str(v) for k, v in vars(args).items()} | {
-        "model": f"Llama 3 8B shapes, {args.layers} layers, vocab {VOCAB_SIZE}"
+        "model": f"Llama 3 8B shapes, {args.layers} layers, vocab {VOCAB_SIZE}",
+        "PYTORCH_ALLOC_CONF": env["PYTORCH_ALLOC_CONF"],
     }
     for repeat in range(args.repeats):
         for name in runs:

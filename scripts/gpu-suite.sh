@@ -15,9 +15,10 @@
 # `--multi` is GPU_SUITE_STEPS=nccl,leak,multi.
 #
 # The GPU image has torch, Triton, pytest, hypothesis, rich, scikit-build-core and pybind11 but no
-# network and no hatchling, so quant-core is built in place without build isolation and the three
-# pure-Python packages and the lab (lab/: the demo and the test worlds) are put on PYTHONPATH rather
-# than installed. torchao (for the e2e and host-time comparisons) and torchtitan 0.2.2 with its
+# network and no hatchling, so quant-core is built in place without build isolation (for the bench
+# step, which times its C++ kernels; GPU_SUITE_CPP=1 for any other step) and the three pure-Python
+# packages and the lab (lab/: the demo and the test worlds) are put on PYTHONPATH rather than
+# installed. torchao (for the e2e and host-time comparisons) and torchtitan 0.2.2 with its
 # dependencies (the titan step) come as wheels in the git-ignored .whl/ folder, which
 # scripts/gpu-wheels.sh fills.
 set -euo pipefail
@@ -32,7 +33,14 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 want() { [[ "$steps" == *",$1,"* ]]; }
 
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name())'
-python3 -m pip install -q --no-build-isolation --no-deps ./packages/quant-core 2>&1 | tail -3
+if want bench || [[ "${GPU_SUITE_CPP:-0}" == 1 ]]; then
+  # The kernel benchmark times the C++ kernels too (a build of a few minutes).
+  python3 -m pip install -q --no-build-isolation --no-deps ./packages/quant-core 2>&1 | tail -3
+else
+  # Every other step runs the Triton and reference kernels only: quant-core from its sources,
+  # without the C++ extension (`quant_core.available_backends()` then leaves out cpp).
+  export PYTHONPATH="$PWD/packages/quant-core/src${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONPATH="$PWD/packages/quant-tensors/src:$PWD/packages/quant-fsdp/src:$PWD/packages/quant-optim/src:$PWD/lab/src${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c 'import quant_core; print("quant_core", quant_core.__version__, "backends", quant_core.available_backends())'
 if (want tests || want e2e || want linear || want multi || want titan) && compgen -G ".whl/*.whl" > /dev/null; then
