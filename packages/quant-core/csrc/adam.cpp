@@ -32,8 +32,8 @@ struct MomentScales {
 };
 
 // decode_fp8 through a table of its 256 values. The lookup keeps GCC's vectorizer off the fp8-moment
-// variants of the Adam loop (hundreds of them), which would otherwise multiply this file's compile
-// time; their loops stay scalar, compiled once each (adam_range_scalar).
+// variants of the Adam loop, which would otherwise multiply this file's compile time; their loops
+// stay scalar, compiled once each (adam_range_scalar).
 template <Fp8Format F>
 float decode_fp8_by_table(uint8_t code) {
   static const std::array<float, 256> table = [] {
@@ -71,19 +71,31 @@ inline void store_moment(void* base, int64_t index, float value, float scale) {
   }
 }
 
+// How the loop learns the decay and whether to record the amax: a compile-time constant
+// (std::integral_constant, whose call the compiler folds) for the vectorized variants, or a value
+// read at run time (Runtime) for the fp8-moment ones, so that those are not multiplied by them.
+template <class T>
+struct Runtime {
+  T value;
+  T operator()() const { return value; }
+};
+
 // Elements [begin, end) of one tensor; returns the largest magnitude key of the updated params
-// ([Note: magnitude keys]), or 0 when kAmax is off. Inlined into adam_range's out-of-line entries.
+// ([Note: magnitude keys]), or 0 when the amax is off. Inlined into adam_range's out-of-line entries.
 // The parameter of element i is p[i - p_offset]: fp32 (a master, or the fp32 copy of a block of a
 // bf16/fp16 parameter that adam_step rounds to nearest after), or with kStochastic a bf16 master
 // stored rounded stochastically with the counter RNG's stream `stream` ([Note: Adam stochastic
 // rounding]), drawing at its element index i.
-template <Decay kDecay, DType G, Moment M, Moment V, bool kAmax, bool kStochastic>
+template <DType G, Moment M, Moment V, bool kStochastic, class DecayOf, class AmaxOf>
 QUANT_CORE_INLINE int32_t adam_loop(
     void* __restrict p_base, int64_t p_offset, const void* __restrict g, void* __restrict m, void* __restrict v,
-    int64_t begin, int64_t end, const AdamScalars& s, const MomentScales& scales, uint64_t stream) {
+    int64_t begin, int64_t end, const AdamScalars& s, const MomentScales& scales, uint64_t stream, DecayOf decay_of,
+    AmaxOf amax_of) {
   using Key = MagnitudeKey<DType::kFloat32>;
   using Param = std::conditional_t<kStochastic, uint16_t, float>;
   Param* __restrict p = static_cast<Param*>(p_base) - p_offset;
+  const Decay decay = decay_of();
+  const bool record_amax = amax_of();
   int32_t key = 0;
   for (int64_t i = begin; i < end; ++i) {
     float param;
@@ -93,8 +105,8 @@ QUANT_CORE_INLINE int32_t adam_loop(
       param = p[i];
     }
     float grad = load<G>(g, i);
-    if constexpr (kDecay == Decay::kDecoupled) param = param * s.decay;
-    if constexpr (kDecay == Decay::kL2) grad = grad + param * s.weight_decay;
+    if (decay == Decay::kDecoupled) param = param * s.decay;
+    if (decay == Decay::kL2) grad = grad + param * s.weight_decay;
     const float exp_avg = load_moment<M>(m, i, scales.exp_avg_scale_inv) * s.beta1 + grad * s.one_minus_beta1;
     const float exp_avg_sq =
         load_moment<V>(v, i, scales.exp_avg_sq_scale_inv) * s.beta2 + (grad * grad) * s.one_minus_beta2;
@@ -108,7 +120,7 @@ QUANT_CORE_INLINE int32_t adam_loop(
     }
     store_moment<M>(m, i, exp_avg, scales.exp_avg_scale);
     store_moment<V>(v, i, exp_avg_sq, scales.exp_avg_sq_scale);
-    if constexpr (kAmax) {
+    if (record_amax) {
       const int32_t k = Key::of(float_to_bits(param));
       key = k > key ? k : key;
     }
@@ -116,29 +128,37 @@ QUANT_CORE_INLINE int32_t adam_loop(
   return key;
 }
 
-// adam_loop out of line: multiversioned where both moments are fp32 or bf16 (the loop vectorizes);
-// one copy where a moment is fp8, whose table decode keeps the loop scalar in every ISA, so that
-// its hundreds of variants are compiled once rather than three times.
+// adam_loop out of line: multiversioned where both moments are fp32 or bf16 (the loop vectorizes),
+// every decay and amax choice a variant of its own; one copy per moment pair, gradient dtype and
+// rounding where a moment is fp8 (its table decode keeps the loop scalar in every ISA), the decay
+// and amax read at run time, so that this file compiles in a fraction of the time.
 template <Decay kDecay, DType G, Moment M, Moment V, bool kAmax, bool kStochastic>
 QUANT_CORE_CLONES int32_t adam_range_vectorized(
     void* __restrict p, int64_t p_offset, const void* __restrict g, void* __restrict m, void* __restrict v,
     int64_t begin, int64_t end, const AdamScalars& s, const MomentScales& scales, uint64_t stream) {
-  return adam_loop<kDecay, G, M, V, kAmax, kStochastic>(p, p_offset, g, m, v, begin, end, s, scales, stream);
+  return adam_loop<G, M, V, kStochastic>(p, p_offset, g, m, v, begin, end, s, scales, stream,
+                                         std::integral_constant<Decay, kDecay>{}, std::bool_constant<kAmax>{});
 }
-template <Decay kDecay, DType G, Moment M, Moment V, bool kAmax, bool kStochastic>
+template <DType G, Moment M, Moment V, bool kStochastic>
 QUANT_CORE_SCALAR_LOOP int32_t adam_range_scalar(
     void* __restrict p, int64_t p_offset, const void* __restrict g, void* __restrict m, void* __restrict v,
-    int64_t begin, int64_t end, const AdamScalars& s, const MomentScales& scales, uint64_t stream) {
-  return adam_loop<kDecay, G, M, V, kAmax, kStochastic>(p, p_offset, g, m, v, begin, end, s, scales, stream);
+    int64_t begin, int64_t end, const AdamScalars& s, const MomentScales& scales, uint64_t stream, Decay decay,
+    bool amax) {
+  return adam_loop<G, M, V, kStochastic>(p, p_offset, g, m, v, begin, end, s, scales, stream, Runtime<Decay>{decay},
+                                         Runtime<bool>{amax});
 }
-template <Decay kDecay, DType G, Moment M, Moment V, bool kAmax, bool kStochastic>
+// adam_loop's variant for these moments: decay_of and amax_of are compile-time constants where
+// both moments are fp32 or bf16, values read at run time where one is fp8.
+template <DType G, Moment M, Moment V, bool kStochastic, class DecayOf, class AmaxOf>
 inline int32_t adam_range(void* p, int64_t p_offset, const void* g, void* m, void* v, int64_t begin, int64_t end,
-                          const AdamScalars& s, const MomentScales& scales, uint64_t stream) {
+                          const AdamScalars& s, const MomentScales& scales, uint64_t stream, DecayOf decay_of,
+                          AmaxOf amax_of) {
   if constexpr (kIsFp8<M> || kIsFp8<V>) {
-    return adam_range_scalar<kDecay, G, M, V, kAmax, kStochastic>(p, p_offset, g, m, v, begin, end, s, scales, stream);
+    return adam_range_scalar<G, M, V, kStochastic>(p, p_offset, g, m, v, begin, end, s, scales, stream, decay_of(),
+                                                   amax_of());
   } else {
-    return adam_range_vectorized<kDecay, G, M, V, kAmax, kStochastic>(p, p_offset, g, m, v, begin, end, s, scales,
-                                                                      stream);
+    return adam_range_vectorized<DecayOf::value, G, M, V, AmaxOf::value, kStochastic>(p, p_offset, g, m, v, begin,
+                                                                                      end, s, scales, stream);
   }
 }
 
@@ -374,11 +394,12 @@ void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t
   const bool blocks = rounded || !outs.empty();
   constexpr int64_t kBlock = 2048;
 
-  auto run = [&](auto decay_c, auto g_c, auto m_c, auto v_c, auto amax_c, auto stochastic_c) {
-    constexpr Decay kDecay = decltype(decay_c)::value;
+  // decay_of and amax_of: compile-time constants, or Runtime values for fp8 moments (adam_range).
+  auto run = [&](auto decay_of, auto g_c, auto m_c, auto v_c, auto amax_of, auto stochastic_c) {
     constexpr DType G = decltype(g_c)::value;
     constexpr Moment M = decltype(m_c)::value, V = decltype(v_c)::value;
-    constexpr bool kAmax = decltype(amax_c)::value, kStochastic = decltype(stochastic_c)::value;
+    constexpr bool kStochastic = decltype(stochastic_c)::value;
+    const bool record_amax = amax_of();
     parallel_for(offsets[count], kMinElementsPerThread, chunks, [&](int64_t chunk, int64_t begin, int64_t end) {
       std::array<float, kBlock> scratch;
       for_each_overlap(offsets, begin, end, [&](size_t t, int64_t lo, int64_t hi) {
@@ -389,23 +410,26 @@ void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t
         const uint64_t stream = kStochastic ? streams[t] : 0;
         int32_t key = 0;
         if (!blocks) {
-          key = adam_range<kDecay, G, M, V, kAmax, kStochastic>(p, 0, g, m, v, lo, hi, scalars[t], scales[t], stream);
+          key = adam_range<G, M, V, kStochastic>(p, 0, g, m, v, lo, hi, scalars[t], scales[t], stream, decay_of,
+                                                 amax_of);
         }
         for (int64_t b = lo; blocks && b < hi; b += kBlock) {
           const int64_t e = std::min(hi, b + kBlock);
           int32_t k;
           if (rounded) {  // the fp32 value is the update's; param and out take its rounding
             convert(param_dtype, p, 0, int(DType::kFloat32), scratch.data(), b, b, e);
-            k = adam_range<kDecay, G, M, V, kAmax, false>(scratch.data(), b, g, m, v, b, e, scalars[t], scales[t], 0);
+            k = adam_range<G, M, V, false>(scratch.data(), b, g, m, v, b, e, scalars[t], scales[t], 0, decay_of,
+                                           amax_of);
             convert(int(DType::kFloat32), scratch.data(), b, param_dtype, p, 0, b, e);
             if (!outs.empty()) convert(int(DType::kFloat32), scratch.data(), b, out_dtype, reinterpret_cast<void*>(outs[t]), 0, b, e);
           } else {  // the param holds the value: fp32, or bf16 rounded stochastically
-            k = adam_range<kDecay, G, M, V, kAmax, kStochastic>(p, 0, g, m, v, b, e, scalars[t], scales[t], stream);
+            k = adam_range<G, M, V, kStochastic>(p, 0, g, m, v, b, e, scalars[t], scales[t], stream, decay_of,
+                                                 amax_of);
             convert(param_dtype, p, 0, out_dtype, reinterpret_cast<void*>(outs[t]), 0, b, e);
           }
           key = std::max(key, k);
         }
-        if constexpr (kAmax) keys[size_t(chunk) * count + t] = key;
+        if (record_amax) keys[size_t(chunk) * count + t] = key;
       });
     });
   };
@@ -423,17 +447,21 @@ void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t
       with_stochastic(c..., std::false_type{});
     }
   };
-  auto with_moments = [&](auto decay_c, auto g_c) {
-    dispatch_moment(exp_avg_dtype, [&](auto m_c) {
-      dispatch_moment(exp_avg_sq_dtype, [&](auto v_c) { with_amax(decay_c, g_c, m_c, v_c); });
-    });
-  };
   dispatch_dtype(grad_dtype, [&](auto g_c) {
-    switch (decay) {
-      case Decay::kNone: with_moments(std::integral_constant<Decay, Decay::kNone>{}, g_c); break;
-      case Decay::kDecoupled: with_moments(std::integral_constant<Decay, Decay::kDecoupled>{}, g_c); break;
-      case Decay::kL2: with_moments(std::integral_constant<Decay, Decay::kL2>{}, g_c); break;
-    }
+    dispatch_moment(exp_avg_dtype, [&](auto m_c) {
+      dispatch_moment(exp_avg_sq_dtype, [&](auto v_c) {
+        if constexpr (kIsFp8<std::decay_t<decltype(m_c)>::value> || kIsFp8<decltype(v_c)::value>) {
+          // One variant for every decay and amax choice: the fp8-moment loops are scalar anyway.
+          with_stochastic(Runtime<Decay>{decay}, g_c, m_c, v_c, Runtime<bool>{amax_out != 0});
+        } else {
+          switch (decay) {
+            case Decay::kNone: with_amax(std::integral_constant<Decay, Decay::kNone>{}, g_c, m_c, v_c); break;
+            case Decay::kDecoupled: with_amax(std::integral_constant<Decay, Decay::kDecoupled>{}, g_c, m_c, v_c); break;
+            case Decay::kL2: with_amax(std::integral_constant<Decay, Decay::kL2>{}, g_c, m_c, v_c); break;
+          }
+        }
+      });
+    });
   });
 
   for (size_t t = 0; t < count; ++t) {
