@@ -154,9 +154,9 @@ def test_demo_training_passes_on_demand_columnwise_on_the_recipes_not_the_enviro
     ("steps", "label"), [(3, "loss (mean of the last 3 steps) "), (12, "loss (mean of the last 10 steps) ")]
 )
 def test_progress_bars_name_the_steps_they_average(steps, label, tmp_path, capsys, monkeypatch):
-    # Rank 0's work, run here as the one rank of a gloo group; bf16 only, on a one-block model (the
+    # Rank 0's work, run here as the one rank of a gloo group; bf16 only, on a narrow one-block model (the
     # label is the point here; the demo's own model trains in the tests above).
-    monkeypatch.setattr(_training, "TinyTransformer", lambda: TinyTransformer(TransformerConfig(layers=1)))
+    monkeypatch.setattr(_training, "TinyTransformer", lambda: TinyTransformer(TransformerConfig(hidden=128, layers=1)))
     options = DemoOptions(recipes=(), num_ranks=1, num_steps=steps, device="cpu", seed=0)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
