@@ -132,13 +132,11 @@ def tests(session: nox.Session) -> None:
     """Build and check the four packages' wheels and sdists, install the wheels, then run every
     package's unit tests, the lab's, tests-integration and benchmarks/tests."""
     _pin(session)
-    # --no-compile: no bytecode for the ~3 GB installed (~45 s of one core); the test processes
-    # compile and cache the modules they import.
-    session.install("--no-compile", TORCH, *TEST_DEPS)
+    session.install(TORCH, *TEST_DEPS)
     wheels = [str(w) for w in _build_dists(session, pathlib.Path(session.create_tmp()) / "dist", isolation=False)]
     # The wheels just built replace whatever an earlier run installed under the same version.
-    session.install("--no-compile", "--force-reinstall", "--no-deps", *wheels)
-    session.install("--no-compile", *wheels, f"./{LAB}")
+    session.install("--force-reinstall", "--no-deps", *wheels)
+    session.install(*wheels, f"./{LAB}")
     unpinned = set(_third_party_releases(session)) - set(CONSTRAINTS.read_text().splitlines())
     if unpinned:
         session.error(f"installed but not pinned in {CONSTRAINTS.name}: {sorted(unpinned)}; run `nox -s pins`")
