@@ -31,8 +31,7 @@ import pytest
 import torch
 
 import quant_tensors as qt
-from quant_core.testing import bf16_gemms_in_fp32
-from quant_lab.demo import MarkovTask, TinyTransformer, TransformerConfig, train
+from quant_lab.demo import MarkovTask, TinyTransformer, TransformerConfig, bf16_gemms_in_fp32, train
 from quant_lab.testing import run_on_warm_ranks
 
 STEPS = 100
@@ -49,7 +48,7 @@ def final_loss(recipe: str | None, quantized_weights: bool) -> tuple[float, list
     if recipe is not None:
         qt.convert(model, qt.recipe_from_name(recipe), quantized_weights=quantized_weights)
     # The quantized layers' GEMMs emulate in fp32 on the CPU; bf16's run its GEMMs so too ([Note:
-    # bf16 GEMMs on CPUs without bf16 instructions] in quant_core.testing).
+    # bf16 GEMMs on CPUs without bf16 instructions] in quant_lab.demo._cpu_gemms).
     with bf16_gemms_in_fp32() if recipe is None else contextlib.nullcontext():
         losses = train(model, MarkovTask(seed=0), steps=STEPS, batch_size=BATCH)
     return sum(losses[-10:]) / 10, losses

@@ -6,6 +6,7 @@ same model on the same task with the same loop (`train`), and tests and benchmar
 process groups with `run_ranks`.
 """
 
+from quant_lab.demo._cpu_gemms import bf16_gemms_in_fp32
 from quant_lab.demo._launch import run_ranks
 from quant_lab.demo._model import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig, train
 
@@ -17,6 +18,7 @@ __all__ = [
     # training
     "MasterWeights",
     "train",
+    "bf16_gemms_in_fp32",
     # processes
     "run_ranks",
 ]

@@ -26,8 +26,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import quant_fsdp
 import quant_tensors as qt
-from quant_core.testing import bf16_gemms_in_fp32
 from quant_lab._all_gather_counter import count_all_gather_bytes
+from quant_lab.demo._cpu_gemms import bf16_gemms_in_fp32
 from quant_lab.demo._launch import run_ranks
 from quant_lab.demo._model import MarkovTask, TinyTransformer, TransformerConfig, train
 
@@ -172,7 +172,7 @@ def _train_one(recipe: str | None, options: DemoOptions, rank: int, world_size: 
             last_time, last_bytes = time.perf_counter(), counted.bytes
 
         # On the CPU the recipes' GEMMs run in fp32 (emulated); bf16's do too, with its bf16 operands
-        # and output ([Note: bf16 GEMMs on CPUs without bf16 instructions] in quant_core.testing).
+        # and output ([Note: bf16 GEMMs on CPUs without bf16 instructions] in quant_lab.demo._cpu_gemms).
         fp32_gemms = recipe is None and device.type == "cpu"
         with bf16_gemms_in_fp32() if fp32_gemms else contextlib.nullcontext():
             train(

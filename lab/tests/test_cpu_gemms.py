@@ -1,11 +1,11 @@
-"""quant_core.testing's helpers that change how tests compute: `bf16_gemms_in_fp32`."""
+"""`quant_lab.demo.bf16_gemms_in_fp32`: bf16 GEMMs on the CPU computed the fp32 way."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from quant_core.testing import bf16_gemms_in_fp32
+from quant_lab.demo import bf16_gemms_in_fp32
 
 aten = torch.ops.aten
 
