@@ -198,6 +198,13 @@ def test_quantize_compiles_to_one_operator_and_updates_the_history_as_eager():
         delayed = quant_core.quantize_fp8_delayed(x, history, E5M2, margin=1, columnwise=True)
         return current, delayed
 
+    targets = [str(node.target).removesuffix(".default") for node in _quant_core_calls_compiled_like_eager(quantize)]
+    assert targets == ["quant_core.quantize_fp8", "quant_core.quantize_fp8_delayed"]
+
+
+def _quant_core_calls_compiled_like_eager(quantize: Callable[..., object]) -> list[torch.fx.Node]:
+    """The quant_core operator nodes of `quantize(x, history)` compiled (aot_eager, one graph),
+    after checking over 3 steps that its results and the history it updates equal eager's."""
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(quantize, backend=counter, fullgraph=True)
     history, eager_history = torch.zeros(3), torch.zeros(3)
@@ -206,12 +213,11 @@ def test_quantize_compiles_to_one_operator_and_updates_the_history_as_eager():
         assert_bitwise_equal(compiled(x, history), quantize(x, eager_history))
         assert_bitwise_equal(history, eager_history)
     assert counter.frame_count == 1
-    targets = [
-        str(node.target).removesuffix(".default")
+    return [
+        node
         for node in counter.graphs[0].graph.nodes
         if node.op == "call_function" and str(node.target).startswith("quant_core.")
     ]
-    assert targets == ["quant_core.quantize_fp8", "quant_core.quantize_fp8_delayed"]
 
 
 def _every_per_tensor_quantize(x: torch.Tensor, history: torch.Tensor) -> object:
@@ -248,19 +254,7 @@ def test_quantizes_scale_with_an_amax_traced_as_torch_ops_and_equal_eager():
     # [Note: fused FP8 quantize]: under torch.compile every per-tensor quantize hands its operator
     # x's amax, measured by torch ops in the graph (which Inductor fuses into x's producer), not
     # by the `amax` operator or inside the quantize operator; amax_out and the history get it.
-    counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(_every_per_tensor_quantize, backend=counter, fullgraph=True)
-    history, eager_history = torch.zeros(3), torch.zeros(3)
-    for step in range(3):
-        x = adversarial((48, 80), torch.bfloat16, seed=step) * 4.0**step
-        assert_bitwise_equal(compiled(x, history), _every_per_tensor_quantize(x, eager_history))
-        assert_bitwise_equal(history, eager_history)
-    assert counter.frame_count == 1
-    calls = [
-        node
-        for node in counter.graphs[0].graph.nodes
-        if node.op == "call_function" and str(node.target).startswith("quant_core.")
-    ]
+    calls = _quant_core_calls_compiled_like_eager(_every_per_tensor_quantize)
     targets = [str(node.target).removesuffix(".default") for node in calls]
     assert targets == [
         *(["quant_core.quantize_fp8", "quant_core.quantize_fp8_delayed"] * 3),
