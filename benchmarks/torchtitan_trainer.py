@@ -31,7 +31,8 @@ step lines and writes a table and JSON:
 Runs: "bf16" (torchtitan's AdamW), "float8-tensorwise" (float8 all-gather, precomputed scales),
 "float8-rowwise", and ours as `<recipe>:<hp|qw|qw-bf16>[+<states>]` (e.g. "fp8:qw-bf16",
 "fp8:qw-bf16+master-bf16-m-fp8"): quantized weights step with FusedAdam, high-precision ones with
-torchtitan's AdamW; the states are those of benchmarks/_optimizer_states.py.
+torchtitan's AdamW; the states are those of benchmarks/_optimizer_states.py. A last
+"+rowwise-weights" keeps quantized weights rowwise only (`weight_columnwise_on_demand`).
 """
 
 # No `from __future__ import annotations`: torchtitan merges the JobConfig sections below by their
@@ -61,6 +62,7 @@ VOCAB_SIZE = 32000
 BASELINES = ("bf16", "float8-tensorwise", "float8-rowwise")
 DEFAULT_RUNS = "bf16,float8-tensorwise,float8-rowwise,fp8:qw-bf16"
 WEIGHTS = ("hp", "qw", "qw-bf16")
+ROWWISE_WEIGHTS = "rowwise-weights"  # run option: quantized weights keep rowwise data only
 
 
 # The JobConfig extension (`--job.custom_config_module torchtitan_trainer`): torchtitan merges these
@@ -75,6 +77,8 @@ class QuantLinear:
     """Linear layers to keep in high precision: those whose name contains an entry."""
     bf16_layers: bool = False
     """Build the decoder layers' parameters in bf16 (FusedAdam keeps an fp32 master of each)."""
+    weight_columnwise_on_demand: bool = False
+    """Quantized weights keep rowwise data only (the recipe's `weight_columnwise_on_demand`)."""
 
 
 @dataclass
@@ -165,6 +169,8 @@ def _register_with_torchtitan() -> None:
         def __init__(self, job_config, parallel_dims) -> None:
             self.config = job_config.quant_linear
             self.recipe = recipe_of(self.config.recipe_name, "--quant_linear")
+            if self.config.weight_columnwise_on_demand:
+                self.recipe = dataclasses.replace(self.recipe, weight_columnwise_on_demand=True)
             if self.config.quantized_weights and job_config.optimizer.name != "FusedAdam":
                 raise ValueError(
                     f"--quant_linear.quantized_weights needs quant_optim's FusedAdam to step the quantized weights; "
@@ -188,7 +194,8 @@ def _register_with_torchtitan() -> None:
                 with_quantized_init(model)
             logger.info(
                 f"quant_linear: {len(selected)} Linear layers to qt.nn.Linear ({self.config.recipe_name}, "
-                f"quantized_weights={self.config.quantized_weights}, bf16_layers={self.config.bf16_layers})"
+                f"quantized_weights={self.config.quantized_weights}, bf16_layers={self.config.bf16_layers}, "
+                f"weight_columnwise_on_demand={self.config.weight_columnwise_on_demand})"
             )
 
         def post_optimizer_hook(self, model) -> None:
@@ -421,18 +428,21 @@ def run_flags(name: str) -> list[str]:
             "--quantize.linear.float8.filter_fqns",
             "output",
         ]
-    base, _, states = name.partition("+")
+    base, *options = name.split("+")
+    rowwise_weights = ROWWISE_WEIGHTS in options
+    states = "+".join(option for option in options if option != ROWWISE_WEIGHTS)
     recipe, _, weights = base.partition(":")
     if weights not in WEIGHTS:
         raise ValueError(
-            f"unknown run {name!r}: runs are {', '.join(BASELINES)} or <recipe>:<{'|'.join(WEIGHTS)}>[+<states>], "
-            "e.g. fp8:qw-bf16"
+            f"unknown run {name!r}: runs are {', '.join(BASELINES)} or "
+            f"<recipe>:<{'|'.join(WEIGHTS)}>[+<states>][+{ROWWISE_WEIGHTS}], e.g. fp8:qw-bf16"
         )
     flags = ["--model.converters", CONVERTER, "--quant_linear.recipe_name", recipe]
     if weights == "hp":
-        if states:
+        if states or rowwise_weights:
             raise ValueError(
-                f"run {name!r}: high-precision weights step with torchtitan's AdamW, which takes no states"
+                f"run {name!r}: high-precision weights step with torchtitan's AdamW and are quantized for each "
+                f"GEMM; states and +{ROWWISE_WEIGHTS} apply to quantized weights (qw, qw-bf16)"
             )
         return flags
     flags += ["--quant_linear.quantized_weights", "--optimizer.name", "FusedAdam"]
@@ -445,6 +455,8 @@ def run_flags(name: str) -> list[str]:
             raise ValueError(f"run {name!r}: unknown states {states!r}; choose one of {', '.join(FUSED_ADAM_STATES)}")
         for option, dtype in FUSED_ADAM_STATES[states].items():
             flags += [f"--optimizer.{option}", str(dtype).removeprefix("torch.")]
+    if rowwise_weights:
+        flags.append("--quant_linear.weight_columnwise_on_demand")
     return flags
 
 

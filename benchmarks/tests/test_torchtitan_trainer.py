@@ -136,6 +136,9 @@ def test_run_flags_of_ours_name_the_converter_fused_adam_and_the_states():
     assert flags[flags.index("--optimizer.exp_avg_sq_dtype") + 1] == "bfloat16"
     assert titan.run_flags("mxfp8:hp") == ["--model.converters", "quant_linear", "--quant_linear.recipe_name", "mxfp8"]
     assert "--quant_linear.bf16_layers" not in titan.run_flags("fp8:qw")
+    assert "--quant_linear.weight_columnwise_on_demand" not in flags
+    rowwise_weights = titan.run_flags("fp8:qw-bf16+master-bf16-m-fp8+rowwise-weights")
+    assert rowwise_weights == [*flags, "--quant_linear.weight_columnwise_on_demand"]
     assert titan.run_flags("bf16") == []
     rowwise = titan.run_flags("float8-rowwise")
     assert rowwise[rowwise.index("--quantize.linear.float8.recipe_name") + 1] == "rowwise"
@@ -148,6 +151,7 @@ def test_run_flags_of_ours_name_the_converter_fused_adam_and_the_states():
         ("fp8", r"unknown run 'fp8'.*bf16, float8-tensorwise, float8-rowwise or <recipe>:<hp\|qw\|qw-bf16>"),
         ("fp8:qw+m-fp16", r"unknown states 'm-fp16'; choose one of m-bf16, m-fp8"),
         ("fp8:hp+m-bf16", r"high-precision weights step with torchtitan's AdamW"),
+        ("fp8:hp+rowwise-weights", r"\+rowwise-weights apply to quantized weights"),
     ],
 )
 def test_run_flags_refuse_unknown_runs_naming_the_choices(name, message):
