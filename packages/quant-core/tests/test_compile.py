@@ -250,6 +250,24 @@ def _every_per_tensor_quantize(x: torch.Tensor, history: torch.Tensor) -> object
     )
 
 
+def test_compiling_is_true_while_a_compile_traces_and_false_in_eager():
+    # AOTAutograd traces a tensor subclass's __torch_dispatch__ inside the tracing context Dynamo
+    # holds for its compile; torch.compiler.is_compiling() says so there only from torch 2.13 on.
+    assert not quant_core.compiling()
+    with torch._guards.tracing(torch._guards.TracingContext(None)):
+        assert quant_core.compiling()
+    assert not quant_core.compiling()
+    seen = []
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def traced(x):
+        seen.append(quant_core.compiling())
+        return x + 1
+
+    traced(torch.zeros(2))
+    assert seen == [True]
+
+
 def test_quantizes_scale_with_an_amax_traced_as_torch_ops_and_equal_eager():
     # [Note: fused FP8 quantize]: under torch.compile every per-tensor quantize hands its operator
     # x's amax, measured by torch ops in the graph (which Inductor fuses into x's producer), not

@@ -118,11 +118,14 @@ def test_compiled_layers_recompute_input_codes_rather_than_save_them(name, quant
     assert not codes, f"the compiled layers save the codes or scales of their inputs: {codes}"
 
 
+@pytest.mark.parametrize("quantized_weights", [False, True])
 @pytest.mark.parametrize("name", ["fp8", "fp8-delayed", "nvfp4"])
-def test_compiled_layers_measure_per_tensor_amaxes_as_torch_ops(name):
+def test_compiled_layers_measure_per_tensor_amaxes_as_torch_ops(name, quantized_weights):
     # [Note: fused FP8 quantize] in quant_core: under torch.compile a per-tensor quantize not given
     # an amax gets x's from torch ops, which Inductor fuses into the kernel producing x, rather
-    # than from the amax operator or a measuring step inside the quantize operator.
+    # than from the amax operator or a measuring step inside the quantize operator. With quantized
+    # weights the input is quantized inside the weight's __torch_dispatch__, which AOTAutograd
+    # traces (`quant_core.compiling`).
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -133,7 +136,9 @@ def test_compiled_layers_measure_per_tensor_amaxes_as_torch_ops(name):
         return make_boxed_func(module.forward)
 
     torch._dynamo.reset()
-    layer = qt.nn.Linear(128, 128, recipe=qt.recipe_from_name(name))
+    layer = qt.convert(
+        torch.nn.Sequential(torch.nn.Linear(128, 128)), qt.recipe_from_name(name), quantized_weights=quantized_weights
+    )
     backend = aot_autograd(fw_compiler=record, bw_compiler=record)
     torch.compile(layer, backend=backend, fullgraph=True)(torch.randn(16, 128, requires_grad=True)).sum().backward()
     assert len(graphs) == 2  # forward and backward
@@ -148,9 +153,9 @@ def test_compiled_layers_measure_per_tensor_amaxes_as_torch_ops(name):
         for op in ("quantize_fp8", "quantize_fp8_delayed", "quantize_nvfp4")
         for node in operators.get(f"quant_core.{op}", [])
     ]
-    # x and the weight in the forward, the output gradient in the backward (NVFP4 also recasts
-    # the weight there, with the forward's amax)
-    assert len(quantizes) >= 3
+    # x and (not quantized already) the weight in the forward, the output gradient in the
+    # backward (NVFP4 also recasts a high-precision weight there, with the forward's amax)
+    assert len(quantizes) >= (2 if quantized_weights else 3)
     for node in quantizes:
         amax = node.kwargs.get("amax", node.kwargs.get("global_amax"))
         assert isinstance(amax, torch.fx.Node), node.format_node()

@@ -108,6 +108,7 @@ from quant_core.nvfp4._hadamard import (
 )
 from quant_core.nvfp4._nvfp4 import NVFP4_BLOCK, nvfp4_tensor_scale, quantize_nvfp4, quantize_nvfp4_reference
 from quant_core.nvfp4._transpose import transpose_nvfp4
+from quant_core.shared._compile import compiling
 
 # The Triton kernels register on the CUDA dispatch key where they can run ([Note: custom ops] in
 # quant_core._library); the C++ kernels registered on the CPU key with their formats' modules.
@@ -116,6 +117,7 @@ if _library.triton_usable():
 
 __all__ = [
     # backends
+    "compiling",
     "BACKENDS",
     "BACKEND_ENV_VAR",
     "Backend",

@@ -245,7 +245,7 @@ class NVFP4Quantizer(BlockQuantizer):
             state.add_(1)
         if amax is not None:
             global_amax = amax.reshape(())
-        elif torch.compiler.is_compiling():  # torch ops, which Inductor fuses into the kernel producing x
+        elif quant_core.compiling():  # torch ops, which Inductor fuses into the kernel producing x
             global_amax = quant_core.amax_torch_ops(x)
         else:
             global_amax = quant_core.unchecked.amax(x)

@@ -58,6 +58,7 @@ from quant_core.fp8._scale import (
     fp8_scale_reference,
 )
 from quant_core.shared._checks import check_scalar
+from quant_core.shared._compile import compiling
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ def quantize_fp8_unchecked(
     scale_inv = torch.empty(1, dtype=torch.float32, device=x.device).view(())  # as `new_scalar`
     x_MK = x if x.dim() == 2 else x.reshape(M, K)
     rowwise_MK = rowwise_data if rowwise_data is None or x.dim() == 2 else rowwise_data.view(M, K)
-    if torch.compiler.is_compiling():
+    if compiling():
         amax, amax_out = _amax_in_graph(x_MK, amax, amax_out)
     call("quantize_fp8", x_MK, amax, fp8_dtype, power_2_scales, rowwise_MK, columnwise_KM, scale_inv, scale, amax_out)
     return rowwise_data, columnwise_KM, scale_inv, scale
@@ -179,7 +180,7 @@ def quantize_fp8_into(
     """
     x_MK, rowwise_MK, columnwise_KM = _checked_into(x, fp8_dtype, rowwise_out, columnwise_out, scale_inv_out)
     amax = _checked_amax(amax, x.device)
-    if torch.compiler.is_compiling():
+    if compiling():
         amax, _ = _amax_in_graph(x_MK, amax, None)
     call("quantize_fp8", x_MK, amax, fp8_dtype, power_2_scales, rowwise_MK, columnwise_KM, scale_inv_out, None, None)
 
@@ -314,7 +315,7 @@ def quantize_fp8_delayed_unchecked(
     scale_inv = torch.empty(1, dtype=torch.float32, device=x.device).view(())  # as `new_scalar`
     x_MK = x if x.dim() == 2 else x.reshape(M, K)
     rowwise_MK = rowwise_data if rowwise_data is None or x.dim() == 2 else rowwise_data.view(M, K)
-    if torch.compiler.is_compiling():
+    if compiling():
         amax, amax_out = _amax_in_graph(x_MK, amax, amax_out)
     call(
         "quantize_fp8_delayed",
@@ -352,7 +353,7 @@ def quantize_fp8_delayed_into(
     x_MK, rowwise_MK, columnwise_KM = _checked_into(x, fp8_dtype, rowwise_out, columnwise_out, scale_inv_out)
     _check_delayed(x, amax_history, margin, amax_compute_algo)
     amax = _checked_amax(amax, x.device)
-    if torch.compiler.is_compiling():
+    if compiling():
         amax, _ = _amax_in_graph(x_MK, amax, None)
     call(
         "quantize_fp8_delayed",
@@ -456,7 +457,7 @@ def _amax_in_graph(
     x_MK: torch.Tensor, amax: torch.Tensor | None, amax_out: torch.Tensor | None
 ) -> tuple[torch.Tensor, None]:
     """(amax, amax_out) for a quantize operator traced by torch.compile (callers test
-    `torch.compiler.is_compiling()` first, so eager code never calls this): an amax not given is
+    `compiling()` first, so eager code never calls this): an amax not given is
     x's as torch ops (`amax_torch_ops`), which Inductor fuses into the kernel that produces x, and
     is written into amax_out if given; the operator, given an amax, measures none and leaves
     amax_out alone."""

@@ -68,6 +68,7 @@ from quant_core.blocks._layout import (
 from quant_core.fp8._fp8 import amax, amax_reference, amax_torch_ops
 from quant_core.nvfp4._hadamard import hadamard_amaxes, hadamard_amaxes_reference, hadamard_transform_16_reference
 from quant_core.shared._checks import as_2d, check_scalar
+from quant_core.shared._compile import compiling
 from quant_core.shared._cpp import _C, outputs, x_args
 from quant_core.shared._numerics import (
     E2M1_MAX,
@@ -264,7 +265,7 @@ def quantize_nvfp4(
         global_amax = both[0] if global_amax is None else global_amax
         columnwise_amax = both[1]
     if global_amax is None:  # under torch.compile as torch ops, fused into x's producer
-        global_amax = amax_torch_ops(x) if torch.compiler.is_compiling() else amax(x)
+        global_amax = amax_torch_ops(x) if compiling() else amax(x)
     check_scalar(global_amax, "global_amax", x.device)
     global_amax = global_amax.reshape(())
     if transform:
