@@ -251,6 +251,49 @@ def test_unknown_recipe_names_the_choices() -> None:
         QuantLinearConverter.Config(recipe_name="fp9").build()
 
 
+def _debug_llama_on_cpu(**converter: object) -> torch.nn.Module:
+    """torchtitan's debug llama3 (one layer) with our converter, built and initialised on the CPU, unsharded."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import model_registry
+
+    from quant_fsdp.torchtitan import QuantLinearConverter
+
+    spec = model_registry("debugmodel", converters=[QuantLinearConverter.Config(**converter)])
+    spec.model.layers = spec.model.layers[:1]
+    spec.model.layers[0].attention.inner_attention = ScaledDotProductAttention.Config()
+    torch.manual_seed(0)
+    model = spec.model.build()
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8-block", "nvfp4"])
+def test_rowwise_only_weights_hold_no_columnwise_data_and_train_alike(recipe) -> None:
+    from quant_fsdp.torchtitan import QuantLinear
+
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=torch.Generator().manual_seed(0))
+    gradients = []
+    for on_demand in (False, True):
+        model = _debug_llama_on_cpu(recipe_name=recipe, quantized_weights=True, weight_columnwise_on_demand=on_demand)
+        layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        assert layers
+        assert all((m.weight.columnwise_data is None) == on_demand for m in layers)
+        model(tokens).float().square().mean().backward()
+        gradients.append({n: p.grad for n, p in model.named_parameters()})
+    # the dgrad operand derived from rowwise data is the columnwise data bit for bit
+    assert gradients[0].keys() == gradients[1].keys()
+    for name, grad in gradients[0].items():
+        torch.testing.assert_close(gradients[1][name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_rowwise_only_weights_are_refused_for_mxfp8_naming_the_recipes_that_take_them() -> None:
+    from quant_fsdp.torchtitan import QuantLinearConverter
+
+    with pytest.raises(ValueError, match=r"weight_columnwise_on_demand=True\).*fp8, fp8-delayed, fp8-block, nvfp4"):
+        QuantLinearConverter.Config(recipe_name="mxfp8", weight_columnwise_on_demand=True).build()
+
+
 def test_unquantizable_linear_stays_high_precision_with_one_warning() -> None:
     from torchtitan.models.common.linear import Linear
     from torchtitan.models.llama3 import model_registry

@@ -53,6 +53,8 @@ class QuantLinear(qt.nn.Linear, Module):
         """A quant_tensors recipe name (`qt.recipe_from_name`)."""
         quantized_weights: bool = False
         """Quantized primary weights (stepped by quant_optim's FusedAdam) instead of high-precision ones."""
+        weight_columnwise_on_demand: bool = False
+        """Weights keep rowwise data only (the recipe's `weight_columnwise_on_demand`)."""
 
     def __init__(self, config: Config) -> None:
         qt.nn.Linear.__init__(
@@ -60,7 +62,7 @@ class QuantLinear(qt.nn.Linear, Module):
             config.in_features,
             config.out_features,
             config.bias,
-            recipe=qt.recipe_from_name(config.recipe_name),
+            recipe=_recipe(config.recipe_name, config.weight_columnwise_on_demand, "QuantLinear.Config"),
         )
         if config.quantized_weights and not self.high_precision_reason:
             # torchtitan shards with torch's fully_shard: the context makes the gathers count in comm_stats()
@@ -101,10 +103,13 @@ class QuantLinearConverter(QuantizationConverter):
         """Quantized primary weights; needs `quant_optim.torchtitan.FusedAdamOptimizers` as the optimizer."""
         filter_fqns: list[str] = field(default_factory=lambda: ["output", "lm_head"])
         """Layers to keep in high precision: a Linear whose fully qualified name contains any entry."""
+        weight_columnwise_on_demand: bool = False
+        """Weights keep rowwise data only and derive the dgrad GEMM's operand in each backward: the
+        quantized weights' memory and gathered bytes halve (every recipe but "mxfp8"; docs/formats.md)."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.recipe = recipe_of(config.recipe_name, "QuantLinearConverter.Config")
+        self.recipe = _recipe(config.recipe_name, config.weight_columnwise_on_demand, "QuantLinearConverter.Config")
 
     def convert(self, model_config: Module.Config) -> Module.Config:
         """Swaps every selected Linear config in `model_config` (in place; returns the root)."""
@@ -133,9 +138,21 @@ class QuantLinearConverter(QuantizationConverter):
                 sharding_config=linear.sharding_config,
                 recipe_name=self.config.recipe_name,
                 quantized_weights=self.config.quantized_weights,
+                weight_columnwise_on_demand=self.config.weight_columnwise_on_demand,
             )
             model_config = _replaced(model_config, parent, attribute, replacement)
         return model_config
+
+
+def _recipe(recipe_name: str, weight_columnwise_on_demand: bool, owner: str) -> qt.Recipe:
+    """The recipe `recipe_name` names, with rowwise-only weights if asked; a ValueError naming `owner`."""
+    recipe = recipe_of(recipe_name, owner)
+    if not weight_columnwise_on_demand:
+        return recipe
+    try:
+        return replace(recipe, weight_columnwise_on_demand=True)
+    except ValueError as error:
+        raise ValueError(f"{owner}(recipe_name={recipe_name!r}, weight_columnwise_on_demand=True): {error}") from None
 
 
 def unfuse_qkv(model_config: Module.Config) -> Module.Config:
