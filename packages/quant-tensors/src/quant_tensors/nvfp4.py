@@ -249,7 +249,10 @@ class NVFP4Quantizer(BlockQuantizer):
             global_amax = quant_core.amax_torch_ops(x)
         else:
             global_amax = quant_core.unchecked.amax(x)
-        block_shape = self.block_shape
+        block_shape = (
+            quant_core.NVFP4_BLOCK if self.tiled else 1,
+            quant_core.NVFP4_BLOCK,
+        )  # as the property, a call less
         buffers = quant_core.unchecked.quantize_nvfp4(
             x,
             block_shape[0],
