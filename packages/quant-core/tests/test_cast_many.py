@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import quant_core
-from quant_core.testing import FLOAT_DTYPES, adversarial, run_in_triton_interpreter
+from quant_core.testing import FLOAT_DTYPES, adversarial
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu-suite.sh)")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -87,9 +87,10 @@ for fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
 """
 
 
-def test_kernel_equals_the_reference_in_the_triton_interpreter():
+@pytest.mark.triton_interpreter(_INTERPRETED)
+def test_kernel_equals_the_reference_in_the_triton_interpreter(triton_interpreter):
     pytest.importorskip("triton")
-    run_in_triton_interpreter(_INTERPRETED)
+    triton_interpreter.check()
 
 
 @pytest.mark.cuda

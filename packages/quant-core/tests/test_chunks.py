@@ -14,7 +14,7 @@ import torch
 
 import quant_core
 from quant_core.shared._numerics import encode_fp8_stochastic
-from quant_core.testing import adversarial, run_in_triton_interpreter, splitmix64_int
+from quant_core.testing import adversarial, splitmix64_int
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -205,9 +205,10 @@ for world_size, chunk, block_size, fp8_dtype in [(2, 300, 128, E4M3), (3, 200, 3
 """
 
 
-def test_triton_kernels_equal_the_reference_in_the_triton_interpreter():
+@pytest.mark.triton_interpreter(_INTERPRETED)
+def test_triton_kernels_equal_the_reference_in_the_triton_interpreter(triton_interpreter):
     pytest.importorskip("triton")
-    run_in_triton_interpreter(_INTERPRETED)
+    triton_interpreter.check()
 
 
 def test_bad_arguments_are_refused_with_the_fix():

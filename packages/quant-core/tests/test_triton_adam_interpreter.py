@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import pytest
 
-from quant_core.testing import run_in_triton_interpreter
-
 pytest.importorskip("triton")
 
 _SCRIPT = """
@@ -122,8 +120,9 @@ assert torch.equal(raw_bits(out), raw_bits(_numerics.round_to_bfloat16_stochasti
 """
 
 
-def test_adam_kernels_equal_reference_in_the_interpreter():
-    run_in_triton_interpreter(_SCRIPT)
+@pytest.mark.triton_interpreter(_SCRIPT)
+def test_adam_kernels_equal_reference_in_the_interpreter(triton_interpreter):
+    triton_interpreter.check()
 
 
 # fp8 moments ([Note: fp8 moments in the Adam pass]): the amaxes pass and the step with
@@ -194,5 +193,6 @@ for moments, found, adam_w_mode in [((E4M3, E5M2), 0.0, True), ((FP32, E4M3), 0.
 """
 
 
-def test_fp8_moment_kernels_equal_reference_in_the_interpreter():
-    run_in_triton_interpreter(_FP8_SCRIPT)
+@pytest.mark.triton_interpreter(_FP8_SCRIPT)
+def test_fp8_moment_kernels_equal_reference_in_the_interpreter(triton_interpreter):
+    triton_interpreter.check()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import quant_core
-from quant_core.testing import FLOAT_DTYPES, adversarial, run_in_triton_interpreter
+from quant_core.testing import FLOAT_DTYPES, adversarial
 
 triton_module = pytest.importorskip("quant_core.fp8._triton_amax_many")
 
@@ -63,8 +63,9 @@ assert got.view(torch.int32).tolist() == want.view(torch.int32).tolist(), (got, 
 """
 
 
-def test_kernel_equals_the_reference_in_the_triton_interpreter():
-    run_in_triton_interpreter(_INTERPRETED)
+@pytest.mark.triton_interpreter(_INTERPRETED)
+def test_kernel_equals_the_reference_in_the_triton_interpreter(triton_interpreter):
+    triton_interpreter.check()
 
 
 @pytest.mark.cuda

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from quant_core.testing import run_in_triton_interpreter
-
 pytest.importorskip("triton")
 
-# Run from a file in a fresh process (`run_in_triton_interpreter`): the script defines a kernel.
+# Run from a file in a fresh process (`quant_core.testing.TritonInterpreterRun`): the script defines a kernel.
 _SCRIPT = """
 import torch
 import triton
@@ -113,5 +111,6 @@ for a, b in [(operands[0], operands[1]), (operands[1], operands[0]), (operands[2
 """
 
 
-def test_two_pass_kernel_equals_the_reference_in_the_triton_interpreter():
-    run_in_triton_interpreter(_SCRIPT)
+@pytest.mark.triton_interpreter(_SCRIPT)
+def test_two_pass_kernel_equals_the_reference_in_the_triton_interpreter(triton_interpreter):
+    triton_interpreter.check()

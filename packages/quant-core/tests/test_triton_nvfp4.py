@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import quant_core
-from quant_core.testing import FLOAT_DTYPES, adversarial, run_in_triton_interpreter
+from quant_core.testing import FLOAT_DTYPES, adversarial
 
 pytest.importorskip("triton")
 from quant_core.nvfp4 import _triton_dequantize, _triton_quantize  # after the skip: imports Triton
@@ -274,8 +274,9 @@ for a_amax, b_amax, with_bias, dtype in [(3.0e3, 1.0e-3, True, torch.bfloat16), 
 """
 
 
-def test_new_kernels_index_like_the_reference_in_the_triton_interpreter():
-    run_in_triton_interpreter(_INTERPRETED.format(tests=os.path.dirname(__file__)))
+@pytest.mark.triton_interpreter(_INTERPRETED.format(tests=os.path.dirname(__file__)))
+def test_new_kernels_index_like_the_reference_in_the_triton_interpreter(triton_interpreter):
+    triton_interpreter.check()
 
 
 @pytest.mark.cuda
@@ -460,8 +461,9 @@ for shape in [(34, 50), (16, 16), (7, 3)]:
 """
 
 
-def test_hadamard_kernels_index_like_the_reference_in_the_triton_interpreter():
-    run_in_triton_interpreter(_INTERPRETED_HADAMARD.format(tests=os.path.dirname(__file__)))
+@pytest.mark.triton_interpreter(_INTERPRETED_HADAMARD.format(tests=os.path.dirname(__file__)))
+def test_hadamard_kernels_index_like_the_reference_in_the_triton_interpreter(triton_interpreter):
+    triton_interpreter.check()
 
 
 @pytest.mark.parametrize("seed", [0, 1, -1, 2**31, -(2**31) - 1, 2**63 - 1, -(2**63), -(2**63) + 5, -3])

@@ -18,7 +18,7 @@ import torch
 import quant_core
 from quant_core.blocks._blockwise import QuantizeFp8BlockwiseArgs
 from quant_core.blocks._mxfp8 import QuantizeMxfp8Args
-from quant_core.testing import FLOAT_DTYPES, adversarial, quantize_many_inputs, run_in_triton_interpreter
+from quant_core.testing import FLOAT_DTYPES, adversarial, quantize_many_inputs
 
 tbm = pytest.importorskip("quant_core.blocks._triton_many")  # CI machines have no Triton
 tb = pytest.importorskip("quant_core.blocks._triton_quantize")
@@ -93,8 +93,9 @@ for name, config, dtype in [
 """
 
 
-def test_many_kernel_equals_the_single_kernel_in_the_triton_interpreter():
-    run_in_triton_interpreter(_INTERPRETED)
+@pytest.mark.triton_interpreter(_INTERPRETED)
+def test_many_kernel_equals_the_single_kernel_in_the_triton_interpreter(triton_interpreter):
+    triton_interpreter.check()
 
 
 class Launch(NamedTuple):

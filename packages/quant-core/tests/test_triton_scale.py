@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import quant_core
-from quant_core.testing import FP8_DTYPES, adversarial, adversarial_amaxes, raw_bits, run_in_triton_interpreter
+from quant_core.testing import FP8_DTYPES, adversarial, adversarial_amaxes, raw_bits
 
 pytest.importorskip("triton")
 
@@ -107,8 +107,9 @@ for shape, columnwise in [((100, 700), True), ((9, 2000), False)]:
 """
 
 
-def test_kernels_equal_the_reference_in_the_triton_interpreter():
-    run_in_triton_interpreter(_INTERPRETED)
+@pytest.mark.triton_interpreter(_INTERPRETED)
+def test_kernels_equal_the_reference_in_the_triton_interpreter(triton_interpreter):
+    triton_interpreter.check()
 
 
 @pytest.mark.cuda

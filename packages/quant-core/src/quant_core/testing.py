@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,12 +21,14 @@ from quant_core.shared._checks import FLOAT_DTYPES, FP8_DTYPES
 __all__ = [
     "FLOAT_DTYPES",
     "FP8_DTYPES",
+    "TritonInterpreterRun",
     "adversarial",
     "adversarial_amaxes",
     "kernel_backends",
     "no_host_syncs",
     "quantize_many_inputs",
     "raw_bits",
+    "run_in_triton_interpreter",
     "splitmix64_int",
 ]
 
@@ -188,14 +191,41 @@ def kernel_backends() -> tuple[Backend, ...]:
     return tuple(b for b in available_backends() if b != "reference")
 
 
-def run_in_triton_interpreter(source: str) -> None:
-    """Runs `source` (dedented) in a fresh Python process under TRITON_INTERPRET=1, which Triton
-    reads when kernels are defined, from a file (Triton reads a kernel's source text); raises
-    AssertionError with the end of its stderr if the process fails."""
-    with tempfile.TemporaryDirectory() as folder:
-        script = os.path.join(folder, "interpreted.py")
+class TritonInterpreterRun:
+    """`source` (dedented) running in a fresh Python process under TRITON_INTERPRET=1, which Triton
+    reads when kernels are defined, from a file (Triton reads a kernel's source text). Started when
+    made; `check` waits for it (from any thread)."""
+
+    def __init__(self, source: str) -> None:
+        self._folder = tempfile.TemporaryDirectory()
+        script = os.path.join(self._folder.name, "interpreted.py")
         with open(script, "w") as file:
             file.write(textwrap.dedent(source))
         environment = {**os.environ, "TRITON_INTERPRET": "1"}
-        run = subprocess.run([sys.executable, script], env=environment, capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-3000:]
+        self._process = subprocess.Popen(
+            [sys.executable, script], env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        self._stderr: str | None = None
+        self._lock = threading.Lock()  # one thread reads the pipe, any thread may wait
+
+    def wait(self) -> None:
+        """Waits for the process to end."""
+        with self._lock:
+            if self._stderr is None:
+                self._stderr = self._process.communicate()[1]
+                self._folder.cleanup()
+
+    def kill(self) -> None:
+        """Ends the process now."""
+        self._process.kill()
+        self.wait()
+
+    def check(self) -> None:
+        """Waits for the process; AssertionError with the end of its stderr if it failed."""
+        self.wait()
+        assert self._process.returncode == 0, self._stderr[-3000:]
+
+
+def run_in_triton_interpreter(source: str) -> None:
+    """Runs `source` in the Triton interpreter (`TritonInterpreterRun`) and checks that it passed."""
+    TritonInterpreterRun(source).check()
