@@ -108,12 +108,16 @@ class _BackgroundBuild:
     goes on (quant-core's C++ build, ~1.5 min on 2 cores, beside the test dependencies' install)."""
 
     def __init__(self, session: nox.Session, command: list[str]) -> None:
-        path = os.pathsep.join([str(session.bin), os.environ.get("PATH", "")])
+        env = dict(os.environ)
+        for name, value in session.env.items():  # as session.run: None unsets a variable
+            if value is None:
+                env.pop(name, None)
+            else:
+                env[name] = value
+        env["PATH"] = os.pathsep.join([str(session.bin), env.get("PATH", "")])
         session.log(f"{' '.join(command)} (in the background)")
         self._command = command
-        self._process = subprocess.Popen(
-            command, env={**os.environ, **session.env, "PATH": path}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-        )
+        self._process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
     def finish(self, session: nox.Session) -> None:
         """Waits for the build, prints its output, fails the session if the build failed."""
