@@ -112,6 +112,7 @@ def test_a_rank_that_dies_fails_the_call_with_its_signal(tmp_path):
 
 
 def test_worlds_beyond_the_limit_close_the_least_recently_used(tmp_path, monkeypatch):
+    testing._close_worlds()  # from no world up, whatever tests ran before in this process
     monkeypatch.setattr(testing, "_MAX_WORLDS", 1)
     run_on_warm_ranks(_record, 1, str(tmp_path))
     one = testing._worlds[1]
