@@ -1,7 +1,7 @@
 """Does FSDP2 with the FP8 gradient reduce-scatter train like FSDP2's bf16 reduce-scatter? N ranks simulated on one device.
 
     python benchmarks/reduce_scatter_fidelity.py --device cuda --out results [--ranks 8] [--steps 1000]
-        [--runs bf16:eager,*:hp:eager] [--config default|large|tiny] [--rank-batch B]
+        [--runs bf16:eager,*:hp:eager] [--config default|large|tiny] [--rank-batch B] [--include FILE ...]
 
 Each run of e2e.py's fidelity comparison (bf16 compute and each recipe with high-precision
 weights, eager) trains twice from the same initial weights on the same batches of the fidelity
@@ -21,8 +21,12 @@ elements (rank j's shard is chunk j of that, whole 128-element blocks):
 Each rank's shard of the reduced gradient is the parameter's gradient; every simulated rank would
 take the same optimizer step, so one model stands for all of them. The final loss is the mean of
 the last tenth of the steps; the fp8 reduction's relative to the bf16 reduction's is compared
-with BOUNDS. Writes reduce_scatter_fidelity.json/.md/.png into --out; a bad argument exits with
-code 2 and one line naming it.
+with BOUNDS. Writes reduce_scatter_fidelity.json/.md/.png into --out, again after each run (a call
+cut short keeps the runs it finished); a bad argument exits with code 2 and one line naming it.
+
+Runs of 1000 steps take minutes each on a GPU: spread them over several calls and pass the
+earlier calls' reduce_scatter_fidelity.json with `--include`; their rows (checked to be the same
+training) come first in this call's table and plot.
 """
 
 from __future__ import annotations
@@ -67,6 +71,20 @@ REDUCTIONS = ("bf16", "fp8")
 # Largest |final loss with the FP8 reduce-scatter / with the bf16 one - 1|.
 BOUNDS = {"nvfp4": 0.01, "nvfp4-rht": 0.01}
 DEFAULT_BOUND = 0.003  # bf16 compute and every FP8 recipe
+# Report keys that must agree for rows of two calls to sit in one table (`--include`).
+SAME_TRAINING = (
+    "model",
+    "config",
+    "num_steps",
+    "ranks",
+    "rank_batch",
+    "markov_states",
+    "learning_rate",
+    "lr_warmup_steps",
+    "init_seed",
+    "reductions",
+    "layout",
+)
 
 
 @dataclass(frozen=True)
@@ -249,10 +267,13 @@ def run_reduce_scatter_fidelity(
     ranks: int,
     num_steps: int,
     rank_batch: int,
+    included: Sequence[pathlib.Path] = (),
     console: Console | None = None,
 ) -> int:
     """Trains each of `runs` with both reductions; prints the table, writes
-    reduce_scatter_fidelity.json/.md/.png; 1 if a run failed."""
+    reduce_scatter_fidelity.json/.md/.png (after each run), the rows of the `included` reports
+    first; 1 if a run failed. ValueError if an included report is unreadable, was trained
+    differently, or already holds one of `runs`."""
     console = console or console_for_logs()
     device = options.torch_device()
     source = resolve_model_source(options.model_source)
@@ -275,27 +296,25 @@ def run_reduce_scatter_fidelity(
         },
         layout=f"Each parameter's gradient flattened and zero-padded to a multiple of {ranks} x {BLOCK} elements.",
     )
+    rows = [row for path in included for row in load_rows(path, report, runs)]
     console.print(f"generating {num_steps} batches of {ranks} x {rank_batch} sequences", highlight=False)
     data = task.batches(range(num_steps), ranks * rank_batch, config.sequence_length)
     if device.type == "cuda":
         data = data.pin_memory()
-    rows = []
     for row in each_run(
         runs, device, console, lambda spec: _measure(spec, data, ranks, options, device, source, console), ReductionRow
     ):
         if row.error:
             console.print(f"    {row.error}", highlight=False)
         rows.append(row)
+        write_report(out, report, rows)
     table = Table(title=f"FP8 vs bf16 reduce-scatter: {report['model']}, {ranks} simulated ranks, {num_steps} steps")
     for column in COLUMNS:
         table.add_column(column, justify="left" if column in ("run", "error") else "right")
     for r in rows:
         table.add_row(*_cells(r), style="red" if r.within is False or r.error else None)
     console.print(table)
-    out.mkdir(parents=True, exist_ok=True)
     stem = out / "reduce_scatter_fidelity"
-    stem.with_suffix(".json").write_text(json.dumps({**report, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown(report, rows))
     curves = {f"{r.run} {name} RS": getattr(r, f"{name}_losses") for r in rows for name in REDUCTIONS}
     baselines = {f"{r.run} fp8 RS": f"{r.run} bf16 RS" for r in rows}
     plot_losses(console, curves, baselines, report, stem.with_suffix(".png"), "the bf16 reduce-scatter")
@@ -303,6 +322,36 @@ def run_reduce_scatter_fidelity(
     if failed:
         console.print(f"runs that failed: {', '.join(failed)}")
     return 1 if failed else 0
+
+
+def write_report(out: pathlib.Path, report: dict, rows: Sequence[ReductionRow]) -> None:
+    """reduce_scatter_fidelity.json and .md in `out`, with every row so far."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / "reduce_scatter_fidelity"
+    stem.with_suffix(".json").write_text(json.dumps({**report, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(markdown(report, rows))
+
+
+def load_rows(path: pathlib.Path, report: dict, runs: Sequence[RunSpec]) -> list[ReductionRow]:
+    """The rows of an earlier reduce_scatter_fidelity.json (`--include`) of the same training as
+    `report`, none of them one of `runs`; ValueError naming the problem."""
+    try:
+        earlier = json.loads(path.read_text())
+        rows = [ReductionRow(**row) for row in earlier["rows"]]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"--include {path}: not a readable reduce_scatter_fidelity.json ({type(error).__name__}: {error})"
+        ) from None
+    differ = [key for key in SAME_TRAINING if earlier.get(key) != report.get(key)]
+    if differ:
+        raise ValueError(
+            f"--include {path} was trained differently ({', '.join(differ)}): pass the same --config, --steps, "
+            "--ranks, --rank-batch, --lr and --model as its call"
+        )
+    again = sorted({spec.name for spec in runs} & {row.run for row in rows})
+    if again:
+        raise ValueError(f"--include {path} already holds {', '.join(again)}: leave it out of --runs")
+    return rows
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -334,6 +383,15 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.ArgumentPars
         help="transformers' LlamaForCausalLM or the built-in equivalent (default auto: transformers when it imports)",
     )
     parser.add_argument("--lr", type=float, help="AdamW learning rate, in (0, 1) (default 3e-4)")
+    parser.add_argument(
+        "--include",
+        type=pathlib.Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="an earlier call's reduce_scatter_fidelity.json of the same training: its rows join this call's "
+        "table and plot (repeatable)",
+    )
     return parser, parser.parse_args(argv)
 
 
@@ -357,9 +415,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"(bf16:eager, <recipe>:hp:eager); pass patterns such as {DEFAULT_FIDELITY_RUNS!r}"
         )
     rank_batch = args.rank_batch or max(1, options.decoder.batch_size // args.ranks)
-    return run_reduce_scatter_fidelity(
-        args.out, runs, options, ranks=args.ranks, num_steps=args.steps, rank_batch=rank_batch
-    )
+    try:
+        return run_reduce_scatter_fidelity(
+            args.out,
+            runs,
+            options,
+            ranks=args.ranks,
+            num_steps=args.steps,
+            rank_batch=rank_batch,
+            included=args.include,
+        )
+    except ValueError as error:
+        parser.error(str(error))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,10 @@
 # "--runs bf16:compiled,fp8:qw:compiled --repeats 3"; ~35 s per run on the 2.2B model), and titan
 # (benchmarks/torchtitan_trainer.py: inside torchtitan 0.2.2's own Trainer on one GPU, bf16 and
 # torchtitan's float8 vs ours, each run a torchrun process, ending by its --deadline-s (450 s);
-# TITAN_ARGS adds options, e.g. "--runs bf16,fp8:qw-bf16 --repeats 3"; not in the default steps).
+# TITAN_ARGS adds options, e.g. "--runs bf16,fp8:qw-bf16 --repeats 3"; not in the default steps), and
+# rsfidelity (benchmarks/reduce_scatter_fidelity.py: the FP8 gradient reduce-scatter against bf16's
+# over 8 simulated ranks, 1000 steps per run; RS_FIDELITY_ARGS adds options, e.g.
+# "--runs fp8:hp:eager --include docs/data/reduce_scatter_fidelity_part.json"; not in the defaults).
 # `--multi` is GPU_SUITE_STEPS=nccl,leak,multi.
 #
 # The GPU image has torch, Triton, pytest, hypothesis, rich, scikit-build-core and pybind11 but no
@@ -43,7 +46,7 @@ else
 fi
 export PYTHONPATH="$PWD/packages/quant-tensors/src:$PWD/packages/quant-fsdp/src:$PWD/packages/quant-optim/src:$PWD/lab/src${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c 'import quant_core; print("quant_core", quant_core.__version__, "backends", quant_core.available_backends())'
-if (want tests || want e2e || want linear || want multi || want titan) && compgen -G ".whl/*.whl" > /dev/null; then
+if (want tests || want e2e || want linear || want multi || want titan || want rsfidelity) && compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -3
   export PYTHONPATH="$PYTHONPATH:/tmp/site"  # after ours, still before site-packages: only what the image lacks
 fi
@@ -119,6 +122,11 @@ if want titan; then
   python3 benchmarks/torchtitan_trainer.py --out "$out/torchtitan" ${TITAN_ARGS:-} 2>&1 | tee "$out/titan.log"
   bench_rc=$(( bench_rc | PIPESTATUS[0] ))
 fi
+if want rsfidelity; then
+  # shellcheck disable=SC2086  # RS_FIDELITY_ARGS is a list of options
+  python3 benchmarks/reduce_scatter_fidelity.py --device cuda --out "$out/rs_fidelity" ${RS_FIDELITY_ARGS:-} 2>&1 | tee "$out/rs_fidelity.log"
+  bench_rc=$(( bench_rc | PIPESTATUS[0] ))
+fi
 if want optim; then
   python3 benchmarks/optim.py --device cuda --out "$out" 2>&1 | tee "$out/bench_optim.log"
   bench_rc=$(( bench_rc | PIPESTATUS[0] ))
@@ -144,5 +152,6 @@ if want nccl; then tail -n 1 "$out/multi-tests.log"; grep '"collective"' "$out/b
 if want leak; then grep -hE "spread|passed|failed" "$out"/leak-*.log || true; fi
 if want multi; then grep "^|" "$out/multi_gpu/multi_gpu.md" || true; fi
 if want titan; then sed -n "/^torchtitan 0.2 Trainer, one GPU/,\$p" "$out/titan.log" || true; fi
+if want rsfidelity && [[ -f "$out/rs_fidelity/reduce_scatter_fidelity.md" ]]; then grep "^|" "$out/rs_fidelity/reduce_scatter_fidelity.md"; fi
 if want optim; then sed -n "/^FusedAdam vs torch AdamW/,/^wrote /{/^wrote /!p}" "$out/bench_optim.log" || true; fi
 exit $(( tests_rc == 5 ? bench_rc : tests_rc | bench_rc ))

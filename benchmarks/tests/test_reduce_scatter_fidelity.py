@@ -40,6 +40,39 @@ def test_a_tiny_run_writes_the_table_the_curves_and_the_plot(tmp_path):
     assert (tmp_path / "reduce_scatter_fidelity.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_runs_of_several_calls_join_one_table_with_include(tmp_path, capsys):
+    """A call's report holds its rows from the first run on; --include puts an earlier call's rows
+    of the same training first, and refuses a report of another training or one holding a run again."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main([*TINY, "--steps", "3", "--runs", "bf16:eager", "--out", str(first)]) == 0
+    earlier = first / "reduce_scatter_fidelity.json"
+    command = [*TINY, "--steps", "3", "--runs", "fp8:hp:eager", "--include", str(earlier), "--out", str(second)]
+    assert main(command) == 0
+    (bf16_row,) = json.loads(earlier.read_text())["rows"]
+    report = json.loads((second / "reduce_scatter_fidelity.json").read_text())
+    assert [row["run"] for row in report["rows"]] == ["bf16:eager", "fp8:hp:eager"]
+    assert report["rows"][0] == bf16_row
+    assert len(report["rows"][1]["fp8_losses"]) == 3
+    table = (second / "reduce_scatter_fidelity.md").read_text()
+    assert "| bf16:eager |" in table
+    assert "| fp8:hp:eager |" in table
+    capsys.readouterr()
+    for arguments, message in [
+        (["--steps", "2", "--runs", "fp8:hp:eager"], "was trained differently (num_steps)"),
+        (["--steps", "3", "--ranks", "1", "--runs", "fp8:hp:eager"], "was trained differently (ranks, rank_batch"),
+        (["--steps", "3", "--runs", "bf16:eager"], "already holds bf16:eager: leave it out of --runs"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main([*TINY, *arguments, "--include", str(earlier), "--out", str(tmp_path / "refused")])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(SystemExit):
+        main([*TINY, "--include", str(tmp_path / "broken.json"), "--out", str(tmp_path / "refused")])
+    assert "not a readable reduce_scatter_fidelity.json" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()  # a refused call writes nothing
+
+
 def _dequantized_chunk(x: torch.Tensor) -> torch.Tensor:
     """One rank's chunk (whole 128-element blocks) through quant-core's reference blockwise FP8 (E4M3, 1 x 128)."""
     quantized = quant_core.quantize_fp8_blockwise_reference(x.float().reshape(-1, 128), (1, 128), torch.float8_e4m3fn)
