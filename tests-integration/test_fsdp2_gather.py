@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 import quant_fsdp
 import quant_tensors as qt
 from quant_core.testing import raw_bits
-from quant_lab.demo import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig
+from quant_lab.demo import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig, adamw
 from quant_lab.testing import (
     SharedWorld,
     count_all_gather_bytes,
@@ -361,7 +361,7 @@ def _no_growth(rank: int, world_size: int, mode: str) -> None:
             quant_fsdp.fully_shard(block, quantize_on_gather=mode == "quantize-on-gather")
         quant_fsdp.fully_shard(model, quantize_on_gather=mode == "quantize-on-gather")
         masters = MasterWeights(model)
-        optimizer = torch.optim.AdamW(masters.parameters, lr=1e-3)
+        optimizer = adamw(masters.parameters, lr=1e-3, weight_decay=0.01)
         task = MarkovTask(128)
         live = []
         for step in range(LEAK_STEPS):

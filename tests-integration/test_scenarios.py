@@ -194,7 +194,7 @@ def unsharded_model(recipe_name: str, weights: str, config: TransformerConfig) -
 def make_optimizer(weights: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     if weights == "qw":
         return FusedAdam(model.parameters(), lr=LR)
-    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    return demo.adamw(model.parameters(), lr=LR)
 
 
 # ---- rank work ---------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 import quant_fsdp
 import quant_tensors as qt
 from quant_fsdp.parallel import QuantColwiseParallel, QuantRowwiseParallel
-from quant_lab.demo import MarkovTask, TransformerConfig, train
+from quant_lab.demo import MarkovTask, TransformerConfig, adamw, train
 from quant_lab.testing import (
     SharedWorld,
     TensorParallelModel,
@@ -316,7 +316,7 @@ def _checkpoint_resumes_bitwise(rank: int, world_size: int, path: str) -> None:
     def build() -> tuple[TensorParallelModel, torch.optim.Optimizer]:
         model = make_model("mxfp8")
         parallelize_module(model, mesh, tensor_parallel_plan(model, sequence_parallel=True))
-        return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+        return model, adamw(model.parameters(), lr=LR)
 
     model, optimizer = build()
     train_steps(model, optimizer, range(2))

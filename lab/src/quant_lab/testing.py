@@ -45,7 +45,7 @@ import quant_tensors as qt
 from quant_fsdp import QuantizeOnGatherTensor, fully_shard
 from quant_fsdp.parallel import QuantColwiseParallel, QuantRowwiseParallel
 from quant_lab._all_gather_counter import AllGatherBytes, count_all_gather_bytes
-from quant_lab.demo import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig, train
+from quant_lab.demo import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig, adamw, train
 from quant_lab.demo._launch import load_by_path
 
 __all__ = [
@@ -101,7 +101,7 @@ def train_replicas(
         raise ValueError(f"batch_size {batch_size} does not split over {world_size} replicas")
     if optimizer is None:
         masters = [MasterWeights(model) for model in replicas]
-        optimizers = [torch.optim.AdamW(m.parameters, lr=lr, weight_decay=0.0) for m in masters]
+        optimizers = [adamw(m.parameters, lr=lr) for m in masters]
         steppers = [functools.partial(m.step, o) for m, o in zip(masters, optimizers, strict=True)]
     else:
         optimizers = [optimizer(model) for model in replicas]

@@ -8,7 +8,7 @@ process groups with `run_ranks`.
 
 from quant_lab.demo._cpu_gemms import bf16_gemms_in_fp32
 from quant_lab.demo._launch import run_ranks
-from quant_lab.demo._model import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig, train
+from quant_lab.demo._model import MarkovTask, MasterWeights, TinyTransformer, TransformerConfig, adamw, train
 
 __all__ = [
     # model and task
@@ -17,6 +17,7 @@ __all__ = [
     "TransformerConfig",
     # training
     "MasterWeights",
+    "adamw",
     "train",
     "bf16_gemms_in_fp32",
     # processes

@@ -11,12 +11,13 @@ run with the same seeds sees the same initial weights and the same batches.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 import quant_tensors as qt
 
@@ -165,6 +166,16 @@ class MasterWeights:
                 p.copy_(master)
 
 
+def adamw(parameters: Iterable[torch.Tensor], *, lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
+    """torch's AdamW, with foreach ops (one call per op over every parameter, the same results as
+    its loop over parameters, where under FSDP2 each op dispatches through DTensor once per
+    parameter) unless DTensors and plain tensors mix, which foreach ops refuse (tensor parallelism
+    leaves some parameters unsharded)."""
+    parameters = list(parameters)
+    uniform = len({isinstance(p, DTensor) for p in parameters}) <= 1
+    return torch.optim.AdamW(parameters, lr=lr, weight_decay=weight_decay, foreach=uniform)
+
+
 def _dequantized(p: torch.Tensor) -> torch.Tensor:
     return qt.shard_like(p, qt.local_quantized(p).dequantize())
 
@@ -201,7 +212,7 @@ def train(
     index, num_slices = batch_slice
     if optimizer is None:
         masters = MasterWeights(model)
-        optimizer = torch.optim.AdamW(masters.parameters, lr=lr, weight_decay=0.0)
+        optimizer = adamw(masters.parameters, lr=lr)
         step_optimizer = functools.partial(masters.step, optimizer)
     else:
         step_optimizer = optimizer.step
