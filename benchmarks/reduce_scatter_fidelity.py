@@ -2,9 +2,10 @@
 
     python benchmarks/reduce_scatter_fidelity.py --device cuda --out results [--ranks 8] [--steps 1000]
         [--runs bf16:eager,*:hp:eager] [--config default|large|tiny] [--rank-batch B] [--include FILE ...]
+        [--compile-backend inductor|aot_eager]
 
 Each run of e2e.py's fidelity comparison (bf16 compute and each recipe with high-precision
-weights, eager) trains twice from the same initial weights on the same batches of the fidelity
+weights, eager by default; `:compiled` runs compile the model with `torch.compile`) trains twice from the same initial weights on the same batches of the fidelity
 task (_e2e_fidelity: the Markov task over FIDELITY_STATES ids, AdamW with its warm-up), each
 step's gradient reduced over N simulated ranks: rank i's micro-batch is slice i of the step's
 batch (N x B sequences), its gradient computed on its own (forward, backward) and kept in bf16,
@@ -118,15 +119,21 @@ def padded_numel(numel: int, ranks: int) -> int:
 
 
 def rank_gradients(
-    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, ranks: int, out: list[torch.Tensor]
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    ranks: int,
+    out: list[torch.Tensor],
+    forward: Callable[[torch.Tensor], object] | None = None,
 ) -> torch.Tensor:
     """Fills out[k][i] (a (ranks, padded_numel) bf16 buffer per parameter, in `model.parameters()`
     order) with parameter k's flat, zero-padded gradient on rank i's micro-batch, slice i of
-    `inputs`/`targets`; leaves no gradient on the model; returns the mean of the ranks' losses."""
+    `inputs`/`targets`, computed by `forward` (default: the model itself; e.g. its compiled
+    module); leaves no gradient on the model; returns the mean of the ranks' losses."""
     parameters = list(model.parameters())
     losses = []
     for rank, (x, y) in enumerate(zip(inputs.chunk(ranks), targets.chunk(ranks), strict=True)):
-        loss = loss_of(model, x, y)
+        loss = loss_of(model if forward is None else forward, x, y)
         loss.backward()
         for p, buffer in zip(parameters, out, strict=True):
             row = buffer[rank]
@@ -168,6 +175,7 @@ def train(
     """One run trained on `data` (steps, ranks x B, sequence + 1) with each step's gradient `reduce`d
     over the ranks; the loss curve."""
     model, optimizer, _ = build_run(spec, options, device, source)
+    forward = torch.compile(model, backend=options.compile_backend) if spec.mode == "compiled" else model
     parameters = list(model.parameters())
     gradients = [
         torch.empty(ranks, padded_numel(p.numel(), ranks), dtype=REDUCE_DTYPE, device=device) for p in parameters
@@ -177,7 +185,7 @@ def train(
     for s in range(num_steps):
         set_learning_rate(optimizer, options.learning_rate, s, num_steps)
         batch = data[s].to(device, non_blocking=True)
-        losses.append(rank_gradients(model, batch[:, :-1], batch[:, 1:], ranks, gradients))
+        losses.append(rank_gradients(model, batch[:, :-1], batch[:, 1:], ranks, gradients, forward))
         for p, g in zip(parameters, gradients, strict=True):
             p.grad = reduce(g)[: p.numel()].view_as(p).to(p.dtype)
         optimizer.step()
@@ -363,7 +371,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.ArgumentPars
     parser.add_argument(
         "--runs",
         default=DEFAULT_FIDELITY_RUNS,
-        help=f"comma-separated globs on e2e.py's eager runs with high-precision weights (default {DEFAULT_FIDELITY_RUNS})",
+        help="comma-separated globs on e2e.py's eager or compiled runs with high-precision weights "
+        f"(default {DEFAULT_FIDELITY_RUNS})",
     )
     parser.add_argument("--config", choices=("default", "large", "tiny"), default="default", help="model size")
     parser.add_argument("--ranks", type=positive, default=8, metavar="N", help="simulated ranks (default 8)")
@@ -383,6 +392,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.ArgumentPars
         help="transformers' LlamaForCausalLM or the built-in equivalent (default auto: transformers when it imports)",
     )
     parser.add_argument("--lr", type=float, help="AdamW learning rate, in (0, 1) (default 3e-4)")
+    parser.add_argument(
+        "--compile-backend",
+        choices=("inductor", "aot_eager"),
+        default="inductor",
+        help="torch.compile backend of :compiled runs (aot_eager traces the same graphs without generating code)",
+    )
     parser.add_argument(
         "--include",
         type=pathlib.Path,
@@ -404,15 +419,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         settings = {"learning_rate": args.lr} if args.lr is not None else {}
         options = E2EOptions(
-            config=args.config, device=args.device, model_source=args.model, command=command, **settings
+            config=args.config,
+            device=args.device,
+            model_source=args.model,
+            compile_backend=args.compile_backend,
+            command=command,
+            **settings,
         )
     except ValueError as error:
         parser.error(str(error))
-    others = [spec.name for spec in runs if spec.mode != "eager" or spec.quantized_weights]
+    others = [spec.name for spec in runs if spec.mode not in ("eager", "compiled") or spec.quantized_weights]
     if others:
         parser.error(
-            f"--runs: {', '.join(others)}: the simulation trains eager runs with high-precision weights "
-            f"(bf16:eager, <recipe>:hp:eager); pass patterns such as {DEFAULT_FIDELITY_RUNS!r}"
+            f"--runs: {', '.join(others)}: the simulation trains eager or compiled runs with high-precision "
+            f"weights (bf16:eager, <recipe>:hp:compiled, ...); pass patterns such as {DEFAULT_FIDELITY_RUNS!r}"
         )
     rank_batch = args.rank_batch or max(1, options.decoder.batch_size // args.ranks)
     try:

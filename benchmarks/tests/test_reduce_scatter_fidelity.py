@@ -40,6 +40,19 @@ def test_a_tiny_run_writes_the_table_the_curves_and_the_plot(tmp_path):
     assert (tmp_path / "reduce_scatter_fidelity.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_a_compiled_run_trains_like_its_eager_twin(tmp_path):
+    """`:compiled` runs compile the model (here with aot_eager: the same graphs traced, the same
+    kernels run), so both reductions' losses equal the eager run's bit for bit."""
+    arguments = ["--steps", "2", "--runs", "fp8:hp:eager,fp8:hp:compiled", "--compile-backend", "aot_eager"]
+    torch._dynamo.utils.counters.clear()
+    assert main([*TINY, *arguments, "--out", str(tmp_path)]) == 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # only the compiled run compiles
+    eager, compiled = json.loads((tmp_path / "reduce_scatter_fidelity.json").read_text())["rows"]
+    assert (eager["run"], compiled["run"]) == ("fp8:hp:eager", "fp8:hp:compiled")
+    assert compiled["bf16_losses"] == eager["bf16_losses"]
+    assert compiled["fp8_losses"] == eager["fp8_losses"]
+
+
 def test_runs_of_several_calls_join_one_table_with_include(tmp_path, capsys):
     """A call's report holds its rows from the first run on; --include puts an earlier call's rows
     of the same training first, and refuses a report of another training or one holding a run again."""
@@ -121,8 +134,8 @@ def test_one_steps_reduced_gradients_equal_each_ranks_gradient_reduced_by_hand()
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
-        (["--runs", "fp8:qw:eager"], "fp8:qw:eager: the simulation trains eager runs with high-precision weights"),
-        (["--runs", "bf16:compiled"], "bf16:compiled: the simulation trains eager runs"),
+        (["--runs", "fp8:qw:eager"], "fp8:qw:eager: the simulation trains eager or compiled runs with high-precision"),
+        (["--runs", "bf16:graphed"], "bf16:graphed: the simulation trains eager or compiled runs"),
         (["--runs", "fp9"], "'fp9' matches no run"),
         (["--ranks", "0"], "--ranks: must be >= 1"),
     ],
