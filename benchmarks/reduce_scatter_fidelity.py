@@ -4,14 +4,15 @@
         [--runs bf16:eager,*:hp:eager] [--config default|large|tiny] [--rank-batch B] [--include FILE ...]
         [--compile-backend inductor|aot_eager]
 
-Each run of e2e.py's fidelity comparison (bf16 compute and each recipe with high-precision
-weights, eager by default; `:compiled` runs compile the model with `torch.compile`) trains twice from the same initial weights on the same batches of the fidelity
-task (_e2e_fidelity: the Markov task over FIDELITY_STATES ids, AdamW with its warm-up), each
-step's gradient reduced over N simulated ranks: rank i's micro-batch is slice i of the step's
-batch (N x B sequences), its gradient computed on its own (forward, backward) and kept in bf16,
-the reduce dtype of `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`. The two
-reductions of the N gradients, each parameter flattened and zero-padded to a multiple of N x 128
-elements (rank j's shard is chunk j of that, whole 128-element blocks):
+Each run of e2e.py's fidelity comparison (bf16 compute and each recipe with high-precision weights,
+eager, or `:compiled` with the model under `torch.compile`) trains twice from the same initial
+weights on the same batches of the fidelity task (_e2e_fidelity: the Markov task over
+FIDELITY_STATES ids, AdamW with its warm-up), each step's gradient reduced over N simulated ranks:
+rank i's micro-batch is slice i of the step's batch (N x B sequences), its gradient computed on its
+own (forward, backward) and kept in bf16, the reduce dtype of
+`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`. The two reductions of the N gradients,
+each parameter flattened and zero-padded to a multiple of N x 128 elements (rank j's shard is chunk
+j of that, whole 128-element blocks):
 - bf16: FSDP2's reduce-scatter in bf16 (AVG): the ranks' gradients summed in bf16 in rank order
   ((g0 + g1) + g2 ...), each sum rounded to bf16, then divided by N in bf16. NCCL sums in its
   ring's (or tree's) order instead, and may divide before summing;
