@@ -81,7 +81,7 @@ class FidelityRow:
 
 
 # What must agree between a baseline file and this call for its bf16 curve to be comparable.
-_SAME_TRAINING = ("model", "config", "num_steps", "markov_states", "learning_rate", "lr_warmup_steps", "init_seed")
+SAME_TRAINING = ("model", "config", "num_steps", "markov_states", "learning_rate", "lr_warmup_steps", "init_seed")
 
 
 def load_baseline(path: pathlib.Path) -> tuple[dict, FidelityRow]:
@@ -99,7 +99,7 @@ def load_baseline(path: pathlib.Path) -> tuple[dict, FidelityRow]:
 
 
 def _check_baseline(report: dict, baseline: dict, path: pathlib.Path) -> None:
-    differ = [key for key in _SAME_TRAINING if report.get(key) != baseline.get(key)]
+    differ = [key for key in SAME_TRAINING if report.get(key) != baseline.get(key)]
     if differ:
         raise ValueError(
             f"--baseline {path} was trained differently ({', '.join(differ)}): run bf16 in this call or pass a "

@@ -60,7 +60,14 @@ from _e2e import (
     loss_of,
     select_runs,
 )
-from _e2e_fidelity import fidelity_task, final_window, lr_warmup_steps, plot_losses, set_learning_rate
+from _e2e_fidelity import (
+    SAME_TRAINING,
+    fidelity_task,
+    final_window,
+    lr_warmup_steps,
+    plot_losses,
+    set_learning_rate,
+)
 from _e2e_model import resolve_model_source
 from rich.console import Console
 from rich.table import Table
@@ -74,19 +81,7 @@ REDUCTIONS = ("bf16", "fp8")
 BOUNDS = {"nvfp4": 0.01, "nvfp4-rht": 0.01}
 DEFAULT_BOUND = 0.003  # bf16 compute and every FP8 recipe
 # Report keys that must agree for rows of two calls to sit in one table (`--include`).
-SAME_TRAINING = (
-    "model",
-    "config",
-    "num_steps",
-    "ranks",
-    "rank_batch",
-    "markov_states",
-    "learning_rate",
-    "lr_warmup_steps",
-    "init_seed",
-    "reductions",
-    "layout",
-)
+SAME_REDUCTION_TRAINING = (*SAME_TRAINING, "ranks", "rank_batch", "reductions", "layout")
 
 
 @dataclass(frozen=True)
@@ -351,7 +346,7 @@ def load_rows(path: pathlib.Path, report: dict, runs: Sequence[RunSpec]) -> list
         raise ValueError(
             f"--include {path}: not a readable reduce_scatter_fidelity.json ({type(error).__name__}: {error})"
         ) from None
-    differ = [key for key in SAME_TRAINING if earlier.get(key) != report.get(key)]
+    differ = [key for key in SAME_REDUCTION_TRAINING if earlier.get(key) != report.get(key)]
     if differ:
         raise ValueError(
             f"--include {path} was trained differently ({', '.join(differ)}): pass the same --config, --steps, "

@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import reduce_scatter_fidelity
 import torch
 import torch.nn.functional as F
 from _e2e import E2EOptions, build_run, select_runs
@@ -84,6 +85,26 @@ def test_runs_of_several_calls_join_one_table_with_include(tmp_path, capsys):
         main([*TINY, "--include", str(tmp_path / "broken.json"), "--out", str(tmp_path / "refused")])
     assert "not a readable reduce_scatter_fidelity.json" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()  # a refused call writes nothing
+
+
+def test_a_call_cut_short_keeps_the_runs_it_finished(tmp_path, monkeypatch):
+    """The report is written after each run: a call stopped in its second run (here an interrupt
+    in that run's training) leaves the first run's row on disk."""
+    trained = []
+    train = reduce_scatter_fidelity.train
+
+    def train_then_stop(spec, *args, **kwargs):
+        if trained and spec.name != trained[-1]:
+            raise KeyboardInterrupt
+        trained.append(spec.name)
+        return train(spec, *args, **kwargs)
+
+    monkeypatch.setattr(reduce_scatter_fidelity, "train", train_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        main([*TINY, "--steps", "2", "--runs", "bf16:eager,fp8:hp:eager", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "reduce_scatter_fidelity.json").read_text())["rows"]
+    assert [(row["run"], len(row["fp8_losses"])) for row in rows] == [("bf16:eager", 2)]
+    assert "| bf16:eager |" in (tmp_path / "reduce_scatter_fidelity.md").read_text()
 
 
 def _dequantized_chunk(x: torch.Tensor) -> torch.Tensor:
