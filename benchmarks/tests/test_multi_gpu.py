@@ -5,10 +5,10 @@ The driver trains four runs once each, each launch its own torchrun (~18 s a lau
 most of it the three processes' imports): bf16, FP8 with quantized weights eager and compiled,
 and MXFP8 quantized on gather (the other weight mode and the format whose gathers differ between
 forward and backward, in one launch); how it orders repeats and folds them into rows is checked
-with launches stubbed out (test_repeats_launch_round_robin_into_median_rows). The compiled run uses the `aot_eager`
-backend: Dynamo and AOTAutograd trace as for Inductor and the same kernels run, so it trains bit
-for bit like its eager twin (as test_fsdp2_compile.py checks in one process), without Inductor's
-~20 s per compile.
+with launches stubbed out (test_repeats_launch_round_robin_into_median_rows). The compiled run
+uses the `aot_eager` backend: Dynamo and AOTAutograd trace as for Inductor and the same kernels
+run, so it trains bit for bit like its eager twin (as test_fsdp2_compile.py checks in one
+process), without Inductor's ~20 s per compile.
 """
 
 from __future__ import annotations
