@@ -2,7 +2,7 @@
 
     python benchmarks/reduce_scatter_fidelity.py --device cuda --out results [--ranks 8] [--steps 1000]
         [--runs bf16:eager,*:hp:eager] [--config default|large|tiny] [--rank-batch B] [--include FILE ...]
-        [--compile-backend inductor|aot_eager]
+        [--compile-backend inductor|aot_eager] [--reductions bf16,fp8]
 
 Each run of e2e.py's fidelity comparison (bf16 compute and each recipe with high-precision weights,
 eager, or `:compiled` with the model under `torch.compile`) trains twice from the same initial
@@ -28,12 +28,14 @@ cut short keeps the runs it finished); a bad argument exits with code 2 and one 
 
 Runs of 1000 steps take minutes each on a GPU: spread them over several calls and pass the
 earlier calls' reduce_scatter_fidelity.json with `--include`; their rows (checked to be the same
-training) come first in this call's table and plot.
+training) come first in this call's table and plot. `--reductions bf16` or `--reductions fp8`
+trains one reduction of each run: the other call's row of the same run completes it.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import shlex
@@ -97,7 +99,7 @@ class ReductionRow:
     """fp8_final_loss / bf16_final_loss - 1."""
     bound: float | None = None
     seconds: float | None = None
-    """Both trainings, wall time."""
+    """Wall time of the row's trainings."""
     error: str = ""
     bf16_losses: list[float] = field(default_factory=list)
     fp8_losses: list[float] = field(default_factory=list)
@@ -107,6 +109,47 @@ class ReductionRow:
         if self.fp8_vs_bf16 is None or self.bound is None:
             return None
         return abs(self.fp8_vs_bf16) <= self.bound
+
+    @property
+    def trained(self) -> set[str]:
+        """The reductions this row holds a loss curve of."""
+        return {name for name in REDUCTIONS if getattr(self, f"{name}_losses")}
+
+
+def reduction_row(run: str, curves: dict[str, list[float]], bound: float, seconds: float) -> ReductionRow:
+    """The row of `run` from its loss curve of each reduction trained (one or both)."""
+    window = final_window(len(next(iter(curves.values()))))
+    finals = {name: statistics.fmean(curve[-window:]) for name, curve in curves.items()}
+    bf16, fp8 = finals.get("bf16"), finals.get("fp8")
+    return ReductionRow(
+        run,
+        bf16_final_loss=bf16,
+        fp8_final_loss=fp8,
+        fp8_vs_bf16=None if bf16 is None or fp8 is None else fp8 / bf16 - 1,
+        bound=bound,
+        seconds=seconds,
+        bf16_losses=curves.get("bf16", []),
+        fp8_losses=curves.get("fp8", []),
+    )
+
+
+def merge_rows(rows: Sequence[ReductionRow]) -> list[ReductionRow]:
+    """`rows` with each run's rows of different reductions (calls with `--reductions`) made one, in
+    the order the runs first appear; ValueError if two rows hold the same run's same reduction."""
+    merged: list[ReductionRow] = []
+    for row in rows:
+        partner = next((i for i, r in enumerate(merged) if r.run == row.run and r.trained and row.trained), None)
+        if partner is None:
+            merged.append(row)
+            continue
+        earlier = merged[partner]
+        again = sorted(earlier.trained & row.trained)
+        if again:
+            raise ValueError(f"two rows hold {row.run} with the {' and '.join(again)} reduce-scatter")
+        curves = {name: getattr(r, f"{name}_losses") for r in (earlier, row) for name in r.trained}
+        seconds = (earlier.seconds or 0.0) + (row.seconds or 0.0)
+        merged[partner] = reduction_row(row.run, curves, row.bound, seconds)
+    return merged
 
 
 def padded_numel(numel: int, ranks: int) -> int:
@@ -199,30 +242,25 @@ def _measure(
     device: torch.device,
     source: str,
     console: Console,
+    reductions: Sequence[str] = REDUCTIONS,
 ) -> ReductionRow:
     comm = quant_fsdp.QuantizedReduceScatter()
     reducers = {"bf16": reduce_bf16, "fp8": lambda g: reduce_fp8(g, comm)}
     curves = {}
     start = time.perf_counter()
     try:
-        for name in REDUCTIONS:
+        for name in reductions:
             console.print(f"  {name} reduce-scatter", highlight=False)
             curves[name] = train(spec, reducers[name], data, ranks, options, device, source, console)
     except Exception as error:  # a benchmark row, not a test: report it and go on
         return ReductionRow(spec.name, error=f"{type(error).__name__}: {first_line(error)}")
-    window = final_window(data.shape[0])
-    bf16, fp8 = (statistics.fmean(curves[name][-window:]) for name in REDUCTIONS)
-    row = ReductionRow(
-        spec.name,
-        bf16_final_loss=bf16,
-        fp8_final_loss=fp8,
-        fp8_vs_bf16=fp8 / bf16 - 1,
-        bound=BOUNDS.get(spec.base, DEFAULT_BOUND),
-        seconds=time.perf_counter() - start,
-        bf16_losses=curves["bf16"],
-        fp8_losses=curves["fp8"],
-    )
-    console.print(f"    final loss {bf16:.4f} (bf16), {fp8:.4f} (fp8): {100 * row.fp8_vs_bf16:+.3f}%", highlight=False)
+    row = reduction_row(spec.name, curves, BOUNDS.get(spec.base, DEFAULT_BOUND), time.perf_counter() - start)
+    if row.fp8_vs_bf16 is not None:
+        console.print(
+            f"    final loss {row.bf16_final_loss:.4f} (bf16), {row.fp8_final_loss:.4f} (fp8): "
+            f"{100 * row.fp8_vs_bf16:+.3f}%",
+            highlight=False,
+        )
     return row
 
 
@@ -272,12 +310,14 @@ def run_reduce_scatter_fidelity(
     num_steps: int,
     rank_batch: int,
     included: Sequence[pathlib.Path] = (),
+    reductions: Sequence[str] = REDUCTIONS,
     console: Console | None = None,
 ) -> int:
-    """Trains each of `runs` with both reductions; prints the table, writes
+    """Trains each of `runs` with each of `reductions`; prints the table, writes
     reduce_scatter_fidelity.json/.md/.png (after each run), the rows of the `included` reports
-    first; 1 if a run failed. ValueError if an included report is unreadable, was trained
-    differently, or already holds one of `runs`."""
+    first (a run's rows of different reductions made one); 1 if a run failed. ValueError if an
+    included report is unreadable, was trained differently, or already holds one of `runs` with
+    one of `reductions`."""
     console = console or console_for_logs()
     device = options.torch_device()
     source = resolve_model_source(options.model_source)
@@ -300,17 +340,21 @@ def run_reduce_scatter_fidelity(
         },
         layout=f"Each parameter's gradient flattened and zero-padded to a multiple of {ranks} x {BLOCK} elements.",
     )
-    rows = [row for path in included for row in load_rows(path, report, runs)]
+    earlier = merge_rows([row for path in included for row in load_rows(path, report, runs, reductions)])
+    rows = list(earlier)
     console.print(f"generating {num_steps} batches of {ranks} x {rank_batch} sequences", highlight=False)
     data = task.batches(range(num_steps), ranks * rank_batch, config.sequence_length)
     if device.type == "cuda":
         data = data.pin_memory()
-    for row in each_run(
-        runs, device, console, lambda spec: _measure(spec, data, ranks, options, device, source, console), ReductionRow
-    ):
+    measure = functools.partial(
+        _measure, data=data, ranks=ranks, options=options, device=device, source=source, console=console
+    )
+    new = []
+    for row in each_run(runs, device, console, functools.partial(measure, reductions=reductions), ReductionRow):
         if row.error:
             console.print(f"    {row.error}", highlight=False)
-        rows.append(row)
+        new.append(row)
+        rows = merge_rows([*earlier, *new])
         write_report(out, report, rows)
     table = Table(title=f"FP8 vs bf16 reduce-scatter: {report['model']}, {ranks} simulated ranks, {num_steps} steps")
     for column in COLUMNS:
@@ -336,9 +380,11 @@ def write_report(out: pathlib.Path, report: dict, rows: Sequence[ReductionRow]) 
     stem.with_suffix(".md").write_text(markdown(report, rows))
 
 
-def load_rows(path: pathlib.Path, report: dict, runs: Sequence[RunSpec]) -> list[ReductionRow]:
+def load_rows(
+    path: pathlib.Path, report: dict, runs: Sequence[RunSpec], reductions: Sequence[str]
+) -> list[ReductionRow]:
     """The rows of an earlier reduce_scatter_fidelity.json (`--include`) of the same training as
-    `report`, none of them one of `runs`; ValueError naming the problem."""
+    `report`, none of them one of `runs` with one of `reductions`; ValueError naming the problem."""
     try:
         earlier = json.loads(path.read_text())
         rows = [ReductionRow(**row) for row in earlier["rows"]]
@@ -352,9 +398,17 @@ def load_rows(path: pathlib.Path, report: dict, runs: Sequence[RunSpec]) -> list
             f"--include {path} was trained differently ({', '.join(differ)}): pass the same --config, --steps, "
             "--ranks, --rank-batch, --lr and --model as its call"
         )
-    again = sorted({spec.name for spec in runs} & {row.run for row in rows})
+    names = {spec.name for spec in runs}
+    again = [
+        f"{row.run} ({', '.join(sorted(row.trained & set(reductions)))})"
+        for row in rows
+        if row.run in names and row.trained & set(reductions)
+    ]
     if again:
-        raise ValueError(f"--include {path} already holds {', '.join(again)}: leave it out of --runs")
+        raise ValueError(
+            f"--include {path} already holds {'; '.join(again)}: leave it out of --runs, or train the other "
+            "reduction with --reductions"
+        )
     return rows
 
 
@@ -395,6 +449,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.ArgumentPars
         help="torch.compile backend of :compiled runs (aot_eager traces the same graphs without generating code)",
     )
     parser.add_argument(
+        "--reductions",
+        default=",".join(REDUCTIONS),
+        help="comma-separated reductions to train each run with (default bf16,fp8; one of them to spread a "
+        "run's two trainings over two calls, joined with --include)",
+    )
+    parser.add_argument(
         "--include",
         type=pathlib.Path,
         action="append",
@@ -430,6 +490,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--runs: {', '.join(others)}: the simulation trains eager or compiled runs with high-precision "
             f"weights (bf16:eager, <recipe>:hp:compiled, ...); pass patterns such as {DEFAULT_FIDELITY_RUNS!r}"
         )
+    reductions = [name for name in args.reductions.split(",") if name]
+    unknown = [name for name in reductions if name not in REDUCTIONS]
+    if unknown or not reductions or len(set(reductions)) < len(reductions):
+        parser.error(f"--reductions: {args.reductions!r}: name bf16, fp8 or both, once each")
     rank_batch = args.rank_batch or max(1, options.decoder.batch_size // args.ranks)
     try:
         return run_reduce_scatter_fidelity(
@@ -440,6 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             num_steps=args.steps,
             rank_batch=rank_batch,
             included=args.include,
+            reductions=[name for name in REDUCTIONS if name in reductions],
         )
     except ValueError as error:
         parser.error(str(error))

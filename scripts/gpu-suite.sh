@@ -13,8 +13,8 @@
 # torchtitan's float8 vs ours, each run a torchrun process, ending by its --deadline-s (450 s);
 # TITAN_ARGS adds options, e.g. "--runs bf16,fp8:qw-bf16 --repeats 3"; not in the default steps), and
 # rsfidelity (benchmarks/reduce_scatter_fidelity.py: the FP8 gradient reduce-scatter against bf16's
-# over 8 simulated ranks, 1000 steps per run; RS_FIDELITY_ARGS adds options, e.g.
-# "--runs fp8:hp:eager --include docs/data/reduce_scatter_fidelity_part.json"; not in the defaults).
+# over 8 simulated ranks, 1000 steps per run; RS_FIDELITY_ARGS adds options, e.g. "--runs
+# fp8:hp:compiled --reductions bf16", then "... --reductions fp8 --include FILE"; not in the defaults).
 # `--multi` is GPU_SUITE_STEPS=nccl,leak,multi.
 #
 # The GPU image has torch, Triton, pytest, hypothesis, rich, scikit-build-core and pybind11 but no

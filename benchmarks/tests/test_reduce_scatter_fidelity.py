@@ -74,7 +74,7 @@ def test_runs_of_several_calls_join_one_table_with_include(tmp_path, capsys):
     for arguments, message in [
         (["--steps", "2", "--runs", "fp8:hp:eager"], "was trained differently (num_steps)"),
         (["--steps", "3", "--ranks", "1", "--runs", "fp8:hp:eager"], "was trained differently (ranks, rank_batch"),
-        (["--steps", "3", "--runs", "bf16:eager"], "already holds bf16:eager: leave it out of --runs"),
+        (["--steps", "3", "--runs", "bf16:eager"], "already holds bf16:eager (bf16, fp8): leave it out of --runs"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
             main([*TINY, *arguments, "--include", str(earlier), "--out", str(tmp_path / "refused")])
@@ -85,6 +85,33 @@ def test_runs_of_several_calls_join_one_table_with_include(tmp_path, capsys):
         main([*TINY, "--include", str(tmp_path / "broken.json"), "--out", str(tmp_path / "refused")])
     assert "not a readable reduce_scatter_fidelity.json" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()  # a refused call writes nothing
+
+
+def test_two_calls_each_training_one_reduction_make_the_row_of_one_call(tmp_path, capsys):
+    """--reductions trains one reduction per call; the second call's --include of the first makes
+    one row, equal to the row of a call that trains both (the same curves, finals and comparison);
+    a reduction the included report holds already is refused."""
+    common = [*TINY, "--steps", "3", "--runs", "fp8:hp:eager"]
+    assert main([*common, "--out", str(tmp_path / "both")]) == 0
+    assert main([*common, "--reductions", "fp8", "--out", str(tmp_path / "fp8")]) == 0
+    fp8_only = tmp_path / "fp8" / "reduce_scatter_fidelity.json"
+    (half,) = json.loads(fp8_only.read_text())["rows"]
+    assert half["bf16_losses"] == []
+    assert half["bf16_final_loss"] is None
+    assert half["fp8_vs_bf16"] is None
+    assert "| fp8:hp:eager | - |" in (tmp_path / "fp8" / "reduce_scatter_fidelity.md").read_text()
+    command = [*common, "--reductions", "bf16", "--include", str(fp8_only), "--out", str(tmp_path / "joined")]
+    assert main(command) == 0
+    (joined,) = json.loads((tmp_path / "joined" / "reduce_scatter_fidelity.json").read_text())["rows"]
+    (both,) = json.loads((tmp_path / "both" / "reduce_scatter_fidelity.json").read_text())["rows"]
+    for key in ("run", "bf16_losses", "fp8_losses", "bf16_final_loss", "fp8_final_loss", "fp8_vs_bf16", "bound"):
+        assert joined[key] == both[key], key
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main([*common, "--include", str(fp8_only), "--out", str(tmp_path / "refused")])
+    assert exit_info.value.code == 2
+    assert "already holds fp8:hp:eager (fp8): leave it out of --runs" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()
 
 
 def test_a_call_cut_short_keeps_the_runs_it_finished(tmp_path, monkeypatch):
@@ -159,6 +186,8 @@ def test_one_steps_reduced_gradients_equal_each_ranks_gradient_reduced_by_hand()
         (["--runs", "bf16:graphed"], "bf16:graphed: the simulation trains eager or compiled runs"),
         (["--runs", "fp9"], "'fp9' matches no run"),
         (["--ranks", "0"], "--ranks: must be >= 1"),
+        (["--reductions", "fp16"], "--reductions: 'fp16': name bf16, fp8 or both, once each"),
+        (["--reductions", "fp8,fp8"], "--reductions: 'fp8,fp8': name bf16, fp8 or both"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line_naming_them(arguments, message, capsys):
