@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from quant_lab.demo import bf16_gemms_in_fp32
 
@@ -48,13 +49,35 @@ def test_other_dtypes_and_ops_run_as_they_would():
     assert torch.equal(gelu, torch.nn.functional.gelu(x))
 
 
-def test_the_backward_gemms_of_a_bf16_linear_run_the_fp32_way_too():
+class _GemmOperands(TorchDispatchMode):
+    """Records the operand dtypes of every GEMM that runs below the modes pushed after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, set[torch.dtype]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in (aten.mm.default, aten.addmm.default):
+            self.seen.append((func.overloadpacket.__name__, {a.dtype for a in args if isinstance(a, torch.Tensor)}))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_gemm_of_a_bf16_linear_runs_the_fp32_way(bias):
+    """The forward (addmm with the bias Parameter itself, or mm) and both backward GEMMs run as
+    fp32 GEMMs (at these sizes torch's bf16 kernel would give the same values: the spy tells)."""
     torch.manual_seed(0)
-    layer = torch.nn.Linear(64, 32, bias=False).bfloat16()
+    layer = torch.nn.Linear(64, 32, bias=bias).bfloat16()
     x, dy = _operands(2, (16, 64), (16, 32))
     x.requires_grad_(True)
-    with bf16_gemms_in_fp32():
-        layer(x).backward(dy)
+    with _GemmOperands() as spy, bf16_gemms_in_fp32():
+        y = layer(x)
+        y.backward(dy)
+    assert spy.seen == [("addmm" if bias else "mm", {torch.float32}), ("mm", {torch.float32}), ("mm", {torch.float32})]
     weight = layer.weight.detach()
+    want = x.detach().float() @ weight.float().t()
+    if bias:
+        want = want + layer.bias.detach().float()
+    assert torch.equal(y, want.bfloat16())
     assert torch.equal(x.grad, (dy.float() @ weight.float()).bfloat16())
     assert torch.equal(layer.weight.grad, (dy.t().float() @ x.detach().float()).bfloat16())

@@ -23,11 +23,16 @@ _GEMMS = {
 }
 
 
+# Plain tensors only (a Linear's bias reaches addmm as the Parameter itself); a tensor subclass
+# (a quantized weight) runs its own GEMM.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 class _Bf16GemmsInFp32(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if func in _GEMMS and all(
-            type(a) is torch.Tensor and a.dtype == torch.bfloat16 and a.device.type == "cpu"
+            type(a) in _PLAIN and a.dtype == torch.bfloat16 and a.device.type == "cpu"
             for a in args
             if isinstance(a, torch.Tensor)
         ):
