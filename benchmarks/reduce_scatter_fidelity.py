@@ -347,10 +347,17 @@ def run_reduce_scatter_fidelity(
     if device.type == "cuda":
         data = data.pin_memory()
     measure = functools.partial(
-        _measure, data=data, ranks=ranks, options=options, device=device, source=source, console=console
+        _measure,
+        data=data,
+        ranks=ranks,
+        options=options,
+        device=device,
+        source=source,
+        console=console,
+        reductions=reductions,
     )
     new = []
-    for row in each_run(runs, device, console, functools.partial(measure, reductions=reductions), ReductionRow):
+    for row in each_run(runs, device, console, measure, ReductionRow):
         if row.error:
             console.print(f"    {row.error}", highlight=False)
         new.append(row)

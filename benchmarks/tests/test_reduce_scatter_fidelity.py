@@ -111,6 +111,10 @@ def test_two_calls_each_training_one_reduction_make_the_row_of_one_call(tmp_path
         main([*common, "--include", str(fp8_only), "--out", str(tmp_path / "refused")])
     assert exit_info.value.code == 2
     assert "already holds fp8:hp:eager (fp8): leave it out of --runs" in capsys.readouterr().err
+    twice = ["--include", str(fp8_only), "--include", str(fp8_only)]
+    with pytest.raises(SystemExit):
+        main([*common, "--reductions", "bf16", *twice, "--out", str(tmp_path / "refused")])
+    assert "two rows hold fp8:hp:eager with the fp8 reduce-scatter" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()
 
 
