@@ -212,6 +212,78 @@ def host_time_by_kind(trace_events: Sequence[dict]) -> dict[str, float]:
     return {kind: sum(end - start for start, end in union(intervals)) for kind, intervals in spans.items()}
 
 
+GPU_GROUPS = (
+    "GEMMs and attention",
+    "optimizer",
+    "FSDP2 gradients",
+    "FSDP2 gathers",
+    "Inductor",
+    "quantize",
+    "other",
+)
+"""What `gpu_time_by_group` sorts the GPU's work into: by the host span that launched it (the
+optimizer step; FSDP2's post-backward spans: gradient copy-in, reduce-scatter and casts; its
+pre-forward, pre-backward and prefetch spans: weight copy-in, all-gather, casts, quantize on
+gather), else by kernel name (cuBLAS and cuDNN; Inductor's `triton_*`; quant-core's Triton
+kernels, named `_*_kernel`)."""
+_LAUNCH_GROUPS = (
+    ("Optimizer.step#", "optimizer"),
+    ("FSDP::post_backward", "FSDP2 gradients"),
+    ("FSDP::root_post_backward", "FSDP2 gradients"),
+    ("FSDP::pre_forward", "FSDP2 gathers"),
+    ("FSDP::root_pre_forward", "FSDP2 gathers"),
+    ("FSDP::pre_backward", "FSDP2 gathers"),
+    ("FSDP::backward_prefetch", "FSDP2 gathers"),
+)
+_GEMM_NAMES = ("gemm", "nvjet", "cutlass", "cublas", "sm90_xmma", "cudnn", "flash", "fmha")
+
+
+def _group_by_name(name: str) -> str:
+    lowered = name.lower()
+    if any(part in lowered for part in _GEMM_NAMES):
+        return "GEMMs and attention"
+    if name.startswith("triton_"):
+        return "Inductor"
+    if name.startswith("_") and name.endswith("_kernel"):
+        return "quantize"
+    return "other"
+
+
+def gpu_time_by_group(trace_events: Sequence[dict]) -> dict[str, float]:
+    """Microseconds of the GPU's work in a chrome trace's `traceEvents`, by GPU_GROUPS (kernels,
+    memory copies and sets; those on concurrent streams each counted), plus "copies only": how long
+    copies or sets run while no kernel does, and "idle": how long nothing runs, between the first
+    and the last of them. A GPU event finds its launch through its correlation id."""
+    launches: dict[object, float] = {}
+    spans: list[tuple[float, float, str]] = []
+    work: list[dict] = []
+    for event in trace_events:
+        if event.get("ph") != "X":
+            continue
+        category = event.get("cat")
+        if category in ("cuda_runtime", "cuda_driver"):
+            launches[event.get("args", {}).get("correlation")] = float(event["ts"])
+        elif category == "user_annotation":
+            group = next((g for prefix, g in _LAUNCH_GROUPS if event.get("name", "").startswith(prefix)), None)
+            if group is not None:
+                spans.append((float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0)), group))
+        elif category in ("kernel", "gpu_memcpy", "gpu_memset"):
+            work.append(event)
+    if not work:
+        return {}
+    totals = dict.fromkeys(GPU_GROUPS, 0.0)
+    for event in work:
+        launched = launches.get(event.get("args", {}).get("correlation"))
+        held = (group for start, end, group in spans if launched is not None and start <= launched <= end)
+        totals[next(held, None) or _group_by_name(event.get("name", ""))] += float(event.get("dur", 0))
+    intervals = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in work]
+    kernels = [i for e, i in zip(work, intervals, strict=True) if e.get("cat") == "kernel"]
+    busy = sum(end - start for start, end in union(intervals))
+    totals["copies only"] = busy - sum(end - start for start, end in union(kernels))
+    totals["idle"] = max(end for _, end in intervals) - min(start for start, _ in intervals) - busy
+    return totals
+
+
 def kernel_intervals(trace_events: Sequence[dict]) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
     """(communication, compute) intervals in microseconds of the GPU kernels in a chrome trace's
     `traceEvents` (torch.profiler's export_chrome_trace): NCCL kernels (names containing "nccl")

@@ -50,6 +50,9 @@ class Row:
     """Per step, rank 0: time some non-NCCL kernel runs; median over repeats (--profile only)."""
     host_ms: dict[str, float] = field(default_factory=dict)
     """Per step, rank 0: host time by kind (fsdp_hooks, compiled_graphs, optimizer); medians (--profile only)."""
+    gpu_ms_by_group: dict[str, float] = field(default_factory=dict)
+    """Per step, rank 0: GPU time by kernel group (_multi_gpu_measure.GPU_GROUPS, "copies only",
+    "idle"); medians (--profile on a GPU only)."""
     error: str = ""
     exit_codes: list[int] = field(default_factory=list)
 
@@ -88,6 +91,10 @@ def build_row(run: str, launches: Sequence[dict]) -> Row:
     row.gpu_compute_ms = _median([r.get("gpu_compute_ms") for r in results])
     kinds = {kind for r in results for kind in r.get("host_ms") or {}}
     row.host_ms = {kind: _median([(r.get("host_ms") or {}).get(kind) for r in results]) for kind in sorted(kinds)}
+    groups = [g for r in results for g in r.get("gpu_ms_by_group") or {}]
+    row.gpu_ms_by_group = {
+        g: _median([(r.get("gpu_ms_by_group") or {}).get(g) for r in results]) for g in dict.fromkeys(groups)
+    }
     return row
 
 
@@ -204,7 +211,9 @@ def _compact_cells(r: Row) -> list[str]:
 
 
 def table(columns: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "| --- |" + " ---: |" * (len(columns) - 2) + " --- |"]
+    """A markdown table: the run and error columns left-aligned, the numbers right-aligned."""
+    rule = " | ".join("---" if column in ("run", "error") else "---:" for column in columns)
+    lines = ["| " + " | ".join(columns) + " |", "| " + rule + " |"]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in cells]
     return "\n".join(lines)
 
@@ -239,4 +248,16 @@ def markdown(report: dict, rows: Sequence[Row]) -> str:
         "",
         table(FULL_COLUMNS, [_full_cells(r) for r in rows]),
     ]
+    profiled = [r for r in rows if r.gpu_ms_by_group]
+    if profiled:
+        groups = list(dict.fromkeys(g for r in profiled for g in r.gpu_ms_by_group))
+        lines += [
+            "",
+            "GPU ms per step by kernel group (rank 0, profiled steps; benchmarks/multi_gpu.py says what each holds):",
+            "",
+            table(
+                ["run", *groups],
+                [[r.run, *(_value(r.gpu_ms_by_group.get(g), ".1f") for g in groups)] for r in profiled],
+            ),
+        ]
     return "\n".join(lines) + "\n"

@@ -77,6 +77,10 @@ Columns of DIR/multi_gpu.md (DIR/multi_gpu.json holds the same and every launch)
   within a run and calls per step across runs).
 - host ms hooks/graphs/optim (--profile): per step, rank 0's host time in FSDP2's hooks, in the
   Python of compiled graphs and in the optimizer step (_multi_gpu_measure.host_time_by_kind).
+- GPU ms per step by kernel group (--profile, a second table): rank 0's GPU work over its
+  profiled steps by what launched it (_multi_gpu_measure.gpu_time_by_group: the optimizer, FSDP2's
+  gradient reduction and weight gathers, GEMMs and attention, Inductor's kernels, quant-core's
+  quantize kernels, the rest), and how long only copies ran and nothing ran; medians over repeats.
 - error: the first line of what a run raised; a launch that exits non-zero without a result
   takes the error a rank printed, else its exit code. The other runs go on.
 """
@@ -114,6 +118,7 @@ from _multi_gpu_measure import (
     count_collectives,
     dynamo_counts,
     exposed_time,
+    gpu_time_by_group,
     gradient_bytes,
     host_time_by_kind,
     kernel_intervals,
@@ -267,6 +272,7 @@ def _profile(
         "exposed_comm_ms": exposed_time(communication, compute) * per_step_ms if communication or compute else None,
         "gpu_compute_ms": sum(end - start for start, end in union(compute)) * per_step_ms if compute else None,
         "host_ms": {kind: us * per_step_ms for kind, us in host_time_by_kind(events).items()},
+        "gpu_ms_by_group": {group: us * per_step_ms for group, us in gpu_time_by_group(events).items()},
     }
 
 
@@ -298,6 +304,7 @@ def summarize(spec: RunSpec, options: Options, per_rank: list[dict], device: tor
         "dynamo": per_rank[0]["dynamo"],
         "exposed_comm_ms": per_rank[0].get("exposed_comm_ms"),
         "gpu_compute_ms": per_rank[0].get("gpu_compute_ms"),
+        "gpu_ms_by_group": per_rank[0].get("gpu_ms_by_group"),
         "host_ms": per_rank[0].get("host_ms", {}),
         "trace": per_rank[0].get("trace"),
     }

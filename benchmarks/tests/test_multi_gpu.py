@@ -203,6 +203,7 @@ def test_profiles_split_host_time_by_kind(report):
     # of FSDP2's hooks and the optimizer step are in every run's trace.
     for row in report["rows"]:
         assert row["gpu_compute_ms"] is None, row["run"]
+        assert row["gpu_ms_by_group"] == {}, row["run"]
         assert row["host_ms"]["fsdp_hooks"] > 0, row["run"]
         assert row["host_ms"]["optimizer"] > 0, row["run"]
         python = (report["out"] / "traces" / f"{row['run'].replace(':', '_')}.rank0.python.txt").read_text()
@@ -271,6 +272,47 @@ def test_host_time_by_kind_unites_nested_and_repeated_spans():
     assert measure.host_time_by_kind(events) == {"fsdp_hooks": 15.0, "compiled_graphs": 10.0, "optimizer": 3.0}
 
 
+def test_gpu_time_by_group_follows_the_launching_span_then_the_kernel_name():
+    def launch(correlation, ts):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1.0,
+                "args": {"correlation": correlation}}  # fmt: skip
+
+    def gpu(correlation, name, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"correlation": correlation}}
+
+    def span(name, ts, dur):
+        return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur}
+
+    events = [
+        span("FSDP::pre_backward (layers.1)", 0.0, 10.0),
+        span("FSDP::post_backward_reduce (layers.1)", 20.0, 10.0),
+        span("FSDP::post_backward_accumulate (layers.1)", 22.0, 1.0),  # nested in the reduce span
+        span("Optimizer.step#FusedAdam.step", 40.0, 10.0),
+        launch(1, 1.0), gpu(1, "void at::native::vectorized_elementwise_kernel<8>", 100.0, 4.0),
+        launch(2, 2.0), gpu(2, "Memcpy DtoD (Device -> Device)", 104.0, 6.0, "gpu_memcpy"),
+        launch(3, 12.0), gpu(3, "nvjet_sm90_tst_64x24", 110.0, 20.0),  # outside every span: by name
+        launch(4, 13.0), gpu(4, "triton_red_fused_abs_amax_mul_0", 130.0, 5.0),
+        launch(5, 14.0), gpu(5, "_cast_kernel", 135.0, 3.0),
+        launch(6, 22.5), gpu(6, "void at::native::detail::chunk_cat_cuda_kernel", 140.0, 8.0),
+        launch(7, 45.0), gpu(7, "_adam_kernel", 150.0, 30.0),
+        launch(8, 46.0), gpu(8, "Memset (Device)", 200.0, 10.0, "gpu_memset"),
+        launch(9, 15.0), gpu(9, "void at::native::reduce_kernel", 205.0, 2.0),  # beside the memset
+        gpu(10, "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 120.0, 5.0),  # launch not traced
+    ]  # fmt: skip
+    assert measure.gpu_time_by_group(events) == {
+        "GEMMs and attention": 25.0,
+        "optimizer": 40.0,
+        "FSDP2 gradients": 8.0,
+        "FSDP2 gathers": 10.0,
+        "Inductor": 5.0,
+        "quantize": 3.0,
+        "other": 2.0,
+        "copies only": 6.0 + 8.0,  # the memcpy, and the memset but the 2 us beside the reduce
+        "idle": 2.0 + 2.0 + 20.0,  # 138-140, 148-150, 180-200
+    }
+    assert measure.gpu_time_by_group([span("FSDP::pre_forward", 0.0, 1.0)]) == {}  # a CPU trace
+
+
 def _result(tokens: float, peak: int) -> dict:
     collectives = {"all_gather": {"output_bytes": 8}, "reduce_scatter": {"input_bytes": 16}}
     memory = {"peak": peak, "parameters": 1, "gradients": 2, "optimizer_states": 3, "activations_other": peak - 6}
@@ -281,7 +323,11 @@ def _result(tokens: float, peak: int) -> dict:
         "recompiles_after_warmup": 0,
     }
     speed = {"tokens_per_s_per_gpu": tokens, "step_ms": 1e3 / tokens}
-    profile = {"gpu_compute_ms": 1e3 / tokens / 2, "host_ms": {"fsdp_hooks": tokens / 100, "optimizer": 1.0}}
+    profile = {
+        "gpu_compute_ms": 1e3 / tokens / 2,
+        "host_ms": {"fsdp_hooks": tokens / 100, "optimizer": 1.0},
+        "gpu_ms_by_group": {"optimizer": tokens / 10, "idle": 1.0},
+    }
     return {
         "error": "",
         **speed,
@@ -309,6 +355,7 @@ def test_rows_take_medians_spreads_peaks_and_errors():
     assert row.repeats == 3
     assert row.gpu_compute_ms == 1e3 / 200 / 2
     assert row.host_ms == {"fsdp_hooks": 2.0, "optimizer": 1.0}
+    assert row.gpu_ms_by_group == {"optimizer": 20.0, "idle": 1.0}
     assert row.exit_codes == [0, 1, 0, 0]
     assert row.error == "1/4 repeats failed: RuntimeError: out of memory"
     failed = report_rows.build_row("nvfp4:hp:eager", [launches[1]])
@@ -421,3 +468,13 @@ def test_qw_bf16_rounds_the_decoder_layers_and_keeps_the_root_fp32():
     for name, param in model.named_parameters():
         assert param.dtype == (torch.bfloat16 if name in in_layers else torch.float32), name
         assert torch.equal(param, before[name].to(param.dtype)), name
+
+
+def test_the_markdown_adds_the_kernel_groups_of_profiled_rows():
+    runs = ["bf16:compiled", "fp8:qw:compiled"]
+    header = multi_gpu.environment(multi_gpu.parse_args(["--drive", "--runs", ",".join(runs)]), 1, runs)
+    plain = report_rows.Row(runs[0])
+    profiled = report_rows.Row(runs[1], gpu_ms_by_group={"optimizer": 25.44, "idle": 5.26})
+    text = report_rows.markdown(header, [plain, profiled])
+    assert text.endswith("| run | optimizer | idle |\n| --- | ---: | ---: |\n| fp8:qw:compiled | 25.4 | 5.3 |\n")
+    assert "kernel group" not in report_rows.markdown(header, [plain])
