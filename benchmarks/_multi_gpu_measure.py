@@ -261,8 +261,8 @@ def gpu_time_by_group(trace_events: Sequence[dict]) -> dict[str, float]:
         if event.get("ph") != "X":
             continue
         category = event.get("cat")
-        if category in ("cuda_runtime", "cuda_driver"):
-            launches[event.get("args", {}).get("correlation")] = float(event["ts"])
+        if category in ("cuda_runtime", "cuda_driver") and "correlation" in event.get("args", {}):
+            launches[event["args"]["correlation"]] = float(event["ts"])
         elif category == "user_annotation":
             group = next((g for prefix, g in _LAUNCH_GROUPS if event.get("name", "").startswith(prefix)), None)
             if group is not None:
