@@ -12,7 +12,9 @@ rank i's micro-batch is slice i of the step's batch (N x B sequences), its gradi
 own (forward, backward) and kept in bf16, the reduce dtype of
 `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)`. The two reductions of the N gradients,
 each parameter flattened and zero-padded to a multiple of N x 128 elements (rank j's shard is chunk
-j of that, whole 128-element blocks):
+j of that, whole 128-element blocks; the parameters' regions lie end to end in one row per rank,
+reduced in one call per step: each element's result is its 128-element block's, as with one call
+per parameter):
 - bf16: FSDP2's reduce-scatter in bf16 (AVG): the ranks' gradients summed in bf16 in rank order
   ((g0 + g1) + g2 ...), each sum rounded to bf16, then divided by N in bf16. NCCL sums in its
   ring's (or tree's) order instead, and may divide before summing;
@@ -157,30 +159,45 @@ def padded_numel(numel: int, ranks: int) -> int:
     return -(-numel // (ranks * BLOCK)) * ranks * BLOCK
 
 
+def gradient_offsets(parameters: Sequence[torch.Tensor], ranks: int) -> list[int]:
+    """Where each parameter's gradient starts in a rank's row of the gradient buffer: the
+    parameters' padded regions (`padded_numel`) end to end, in order; the last entry is the row's
+    length. Every region is whole 128-element blocks, so a block never holds two parameters and
+    reducing the rows whole gives each element what reducing its parameter's region alone would."""
+    offsets = [0]
+    for p in parameters:
+        offsets.append(offsets[-1] + padded_numel(p.numel(), ranks))
+    return offsets
+
+
 def rank_gradients(
     model: torch.nn.Module,
     inputs: torch.Tensor,
     targets: torch.Tensor,
     ranks: int,
-    out: list[torch.Tensor],
+    out: torch.Tensor,
     forward: Callable[[torch.Tensor], object] | None = None,
 ) -> torch.Tensor:
-    """Fills out[k][i] (a (ranks, padded_numel) bf16 buffer per parameter, in `model.parameters()`
-    order) with parameter k's flat, zero-padded gradient on rank i's micro-batch, slice i of
-    `inputs`/`targets`, computed by `forward` (default: the model itself; e.g. its compiled
-    module); leaves no gradient on the model; returns the mean of the ranks' losses."""
+    """Fills row i of `out` (ranks, gradient_offsets(...)[-1]), zero outside the parameters'
+    regions, with rank i's gradients, computed on its micro-batch, slice i of `inputs`/`targets`,
+    by `forward` (default: the model itself; e.g. its compiled module): parameter k's flat gradient
+    at its offset (`gradient_offsets`, `model.parameters()` order). Leaves no gradient on the
+    model; returns the mean of the ranks' losses."""
     parameters = list(model.parameters())
+    offsets = gradient_offsets(parameters, ranks)
     losses = []
     for rank, (x, y) in enumerate(zip(inputs.chunk(ranks), targets.chunk(ranks), strict=True)):
         loss = loss_of(model if forward is None else forward, x, y)
         loss.backward()
-        for p, buffer in zip(parameters, out, strict=True):
-            row = buffer[rank]
+        regions, grads = [], []
+        for p, start in zip(parameters, offsets[:-1], strict=True):
+            region = out[rank, start : start + p.numel()]
             if p.grad is None:  # FSDP2 would leave the parameter out of the reduce-scatter
-                row.zero_()
+                region.zero_()
             else:
-                row[: p.numel()].copy_(p.grad.reshape(-1))
-                row[p.numel() :].zero_()
+                regions.append(region)
+                grads.append(p.grad.reshape(-1))
+        torch._foreach_copy_(regions, grads)
         model.zero_grad(set_to_none=True)
         losses.append(loss.detach())
     return torch.stack(losses).mean()
@@ -216,17 +233,18 @@ def train(
     model, optimizer, _ = build_run(spec, options, device, source)
     forward = torch.compile(model, backend=options.compile_backend) if spec.mode == "compiled" else model
     parameters = list(model.parameters())
-    gradients = [
-        torch.empty(ranks, padded_numel(p.numel(), ranks), dtype=REDUCE_DTYPE, device=device) for p in parameters
-    ]
+    offsets = gradient_offsets(parameters, ranks)
+    # Zeros: the padding between regions is never written.
+    gradients = torch.zeros(ranks, offsets[-1], dtype=REDUCE_DTYPE, device=device)
     num_steps = data.shape[0]
     losses = []
     for s in range(num_steps):
         set_learning_rate(optimizer, options.learning_rate, s, num_steps)
         batch = data[s].to(device, non_blocking=True)
         losses.append(rank_gradients(model, batch[:, :-1], batch[:, 1:], ranks, gradients, forward))
-        for p, g in zip(parameters, gradients, strict=True):
-            p.grad = reduce(g)[: p.numel()].view_as(p).to(p.dtype)
+        reduced = reduce(gradients)  # one reduction of every parameter's region
+        for p, start in zip(parameters, offsets[:-1], strict=True):
+            p.grad = reduced[start : start + p.numel()].view_as(p).to(p.dtype)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if (s + 1) % final_window(num_steps) == 0:

@@ -3,6 +3,7 @@ the report it writes, and one step's reduced gradients against an independent co
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from _e2e import E2EOptions, build_run, select_runs
 from _e2e_fidelity import fidelity_task
-from reduce_scatter_fidelity import main, padded_numel, rank_gradients, reduce_bf16, reduce_fp8
+from reduce_scatter_fidelity import gradient_offsets, main, padded_numel, rank_gradients, reduce_bf16, reduce_fp8
 
 import quant_core
 import quant_fsdp
@@ -153,9 +154,17 @@ def test_one_steps_reduced_gradients_equal_each_ranks_gradient_reduced_by_hand()
     tokens = fidelity_task(options.decoder).batches(range(1), ranks, options.decoder.sequence_length)[0]
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     parameters = list(model.parameters())
-    buffers = [torch.empty(ranks, padded_numel(p.numel(), ranks), dtype=torch.bfloat16) for p in parameters]
-    loss = rank_gradients(model, inputs, targets, ranks, buffers)
+    offsets = gradient_offsets(parameters, ranks)
+    assert offsets == [0, *itertools.accumulate(padded_numel(p.numel(), ranks) for p in parameters)]
+    buffer = torch.full((ranks, offsets[-1]), 7.0, dtype=torch.bfloat16)
+    for start, p in zip(offsets, parameters, strict=False):  # the padding starts zero, as in train()
+        buffer[:, start + p.numel() : start + padded_numel(p.numel(), ranks)] = 0
+    loss = rank_gradients(model, inputs, targets, ranks, buffer)
     assert all(p.grad is None for p in parameters)
+    # The whole rows reduced at once, as train() does; each parameter's region checked below
+    # against its own chunks reduced by hand.
+    reduced_fp8 = reduce_fp8(buffer, quant_fsdp.QuantizedReduceScatter())
+    reduced_bf16 = reduce_bf16(buffer)
 
     # Rank r's gradient, computed on its own sequence (one per rank).
     losses, grads = [], []
@@ -165,9 +174,10 @@ def test_one_steps_reduced_gradients_equal_each_ranks_gradient_reduced_by_hand()
         losses.append(rank_loss.detach())
         grads.append(torch.autograd.grad(rank_loss, parameters))
     assert torch.equal(loss, torch.stack(losses).mean())
-    comm = quant_fsdp.QuantizedReduceScatter()
     for k, p in enumerate(parameters):
-        flats = [F.pad(g[k].reshape(-1), (0, buffers[k].shape[1] - p.numel())) for g in grads]
+        region = slice(offsets[k], offsets[k] + p.numel())
+        flats = [F.pad(g[k].reshape(-1), (0, padded_numel(p.numel(), ranks) - p.numel())) for g in grads]
+        assert all(torch.equal(buffer[rank, region], flats[rank][: p.numel()]) for rank in range(ranks)), k
         chunks = [flat.chunk(ranks) for flat in flats]
         # FP8: rank j's shard is the sum over ranks, in order, of their chunk j quantized alone, / ranks.
         shards = []
@@ -177,9 +187,9 @@ def test_one_steps_reduced_gradients_equal_each_ranks_gradient_reduced_by_hand()
                 total = total + _dequantized_chunk(chunks[rank][j])
             shards.append((total / ranks).bfloat16())
         want = torch.cat(shards)[: p.numel()]
-        assert torch.equal(reduce_fp8(buffers[k], comm)[: p.numel()], want), k
+        assert torch.equal(reduced_fp8[region], want), k
         # bf16: the ranks' gradients summed in bf16, then halved in bf16.
-        assert torch.equal(reduce_bf16(buffers[k])[: p.numel()], (flats[0] + flats[1])[: p.numel()] / ranks), k
+        assert torch.equal(reduced_bf16[region], (flats[0] + flats[1])[: p.numel()] / ranks), k
         assert not torch.equal(want, (flats[0] + flats[1])[: p.numel()] / ranks), k  # FP8 rounds
 
 
