@@ -31,7 +31,9 @@ cut short keeps the runs it finished); a bad argument exits with code 2 and one 
 Runs of 1000 steps take minutes each on a GPU: spread them over several calls and pass the
 earlier calls' reduce_scatter_fidelity.json with `--include`; their rows (checked to be the same
 training) come first in this call's table and plot. `--reductions bf16` or `--reductions fp8`
-trains one reduction of each run: the other call's row of the same run completes it.
+trains one reduction of each run: the other call's row of the same run completes it. Processes
+that train side by side on one GPU each write their own --out; `--runs ''` with each of their
+reports as an --include joins them into one table and plot without training.
 """
 
 from __future__ import annotations
@@ -360,10 +362,12 @@ def run_reduce_scatter_fidelity(
     )
     earlier = merge_rows([row for path in included for row in load_rows(path, report, runs, reductions)])
     rows = list(earlier)
-    console.print(f"generating {num_steps} batches of {ranks} x {rank_batch} sequences", highlight=False)
-    data = task.batches(range(num_steps), ranks * rank_batch, config.sequence_length)
-    if device.type == "cuda":
-        data = data.pin_memory()
+    data = torch.empty(0)
+    if runs:
+        console.print(f"generating {num_steps} batches of {ranks} x {rank_batch} sequences", highlight=False)
+        data = task.batches(range(num_steps), ranks * rank_batch, config.sequence_length)
+        if device.type == "cuda":
+            data = data.pin_memory()
     measure = functools.partial(
         _measure,
         data=data,
@@ -380,6 +384,8 @@ def run_reduce_scatter_fidelity(
             console.print(f"    {row.error}", highlight=False)
         new.append(row)
         rows = merge_rows([*earlier, *new])
+        write_report(out, report, rows)
+    if not runs:  # only joining the included reports
         write_report(out, report, rows)
     table = Table(title=f"FP8 vs bf16 reduce-scatter: {report['model']}, {ranks} simulated ranks, {num_steps} steps")
     for column in COLUMNS:
@@ -447,7 +453,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.ArgumentPars
         "--runs",
         default=DEFAULT_FIDELITY_RUNS,
         help="comma-separated globs on e2e.py's eager or compiled runs with high-precision weights "
-        f"(default {DEFAULT_FIDELITY_RUNS})",
+        f"(default {DEFAULT_FIDELITY_RUNS}); '' trains none, joining the --include reports",
     )
     parser.add_argument("--config", choices=("default", "large", "tiny"), default="default", help="model size")
     parser.add_argument("--ranks", type=positive, default=8, metavar="N", help="simulated ranks (default 8)")
@@ -494,7 +500,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.ArgumentPars
 def main(argv: Sequence[str] | None = None) -> int:
     parser, args = parse_args(argv)
     try:
-        runs = select_runs(args.runs)
+        runs = select_runs(args.runs) if args.runs else []
         command = shlex.join(
             ["python", "benchmarks/reduce_scatter_fidelity.py", *(sys.argv[1:] if argv is None else argv)]
         )
@@ -515,6 +521,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--runs: {', '.join(others)}: the simulation trains eager or compiled runs with high-precision "
             f"weights (bf16:eager, <recipe>:hp:compiled, ...); pass patterns such as {DEFAULT_FIDELITY_RUNS!r}"
         )
+    if not runs and not args.include:
+        parser.error("--runs '' trains nothing: pass the reports to join with --include FILE")
     reductions = [name for name in args.reductions.split(",") if name]
     unknown = [name for name in reductions if name not in REDUCTIONS]
     if unknown or not reductions or len(set(reductions)) < len(reductions):

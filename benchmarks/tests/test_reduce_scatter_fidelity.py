@@ -107,6 +107,15 @@ def test_two_calls_each_training_one_reduction_make_the_row_of_one_call(tmp_path
     (both,) = json.loads((tmp_path / "both" / "reduce_scatter_fidelity.json").read_text())["rows"]
     for key in ("run", "bf16_losses", "fp8_losses", "bf16_final_loss", "fp8_final_loss", "fp8_vs_bf16", "bound"):
         assert joined[key] == both[key], key
+    # Side by side: each reduction in a call of its own, then `--runs ''` joins the two reports.
+    assert main([*common, "--reductions", "bf16", "--out", str(tmp_path / "bf16")]) == 0
+    bf16_only = tmp_path / "bf16" / "reduce_scatter_fidelity.json"
+    halves = ["--include", str(bf16_only), "--include", str(fp8_only)]
+    assert main([*TINY, "--steps", "3", "--runs", "", *halves, "--out", str(tmp_path / "side")]) == 0
+    (side,) = json.loads((tmp_path / "side" / "reduce_scatter_fidelity.json").read_text())["rows"]
+    for key in ("run", "bf16_losses", "fp8_losses", "bf16_final_loss", "fp8_final_loss", "fp8_vs_bf16", "bound"):
+        assert side[key] == both[key], key
+    assert (tmp_path / "side" / "reduce_scatter_fidelity.png").read_bytes().startswith(b"\x89PNG")
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         main([*common, "--include", str(fp8_only), "--out", str(tmp_path / "refused")])
@@ -199,6 +208,7 @@ def test_one_steps_reduced_gradients_equal_each_ranks_gradient_reduced_by_hand()
         (["--runs", "fp8:qw:eager"], "fp8:qw:eager: the simulation trains eager or compiled runs with high-precision"),
         (["--runs", "bf16:graphed"], "bf16:graphed: the simulation trains eager or compiled runs"),
         (["--runs", "fp9"], "'fp9' matches no run"),
+        (["--runs", ""], "--runs '' trains nothing: pass the reports to join with --include FILE"),
         (["--ranks", "0"], "--ranks: must be >= 1"),
         (["--reductions", "fp16"], "--reductions: 'fp16': name bf16, fp8 or both, once each"),
         (["--reductions", "fp8,fp8"], "--reductions: 'fp8,fp8': name bf16, fp8 or both"),
