@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import quant_core
-from quant_core import _library
+from quant_core import _backends, _library
 
 
 @pytest.fixture(autouse=True)
@@ -192,7 +192,7 @@ def test_each_backend_is_registered_on_its_dispatch_key():
 
 
 def test_every_module_with_triton_kernels_is_among_the_triton_modules():
-    # register_triton_kernels imports `_library.TRITON_MODULES` (found on disk), so a module
+    # register_triton_kernels imports `_backends.TRITON_MODULES` (found on disk), so a module
     # registering a Triton kernel outside them would leave its op without a CUDA kernel. In a fresh
     # process (the Triton modules set Inductor options when imported), every module of quant_core
     # is imported; the modules of the Triton kernels registered then must all be among them.
@@ -200,7 +200,7 @@ def test_every_module_with_triton_kernels_is_among_the_triton_modules():
     code = """
 import importlib, json, pkgutil
 import quant_core
-from quant_core import _library
+from quant_core import _backends, _library
 for module in pkgutil.walk_packages(quant_core.__path__, "quant_core."):
     importlib.import_module(module.name)
 kernels = {name: op.kernels["triton"].__module__ for name, op in _library.OPERATORS.items() if "triton" in op.kernels}
@@ -209,7 +209,7 @@ print(json.dumps(kernels))
     run = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     modules = json.loads(run.stdout.splitlines()[-1])
     assert set(modules) == set(_library.OPERATORS)  # every op has one
-    missing = {op: module for op, module in modules.items() if module not in _library.TRITON_MODULES}
+    missing = {op: module for op, module in modules.items() if module not in _backends.TRITON_MODULES}
     assert not missing, f"Triton kernels in modules register_triton_kernels does not import: {missing}"
 
 

@@ -12,16 +12,9 @@ have validated already may call those operators directly (contracts in each form
 docstring), or the functions of `quant_core.unchecked`, which allocate the outputs too.
 """
 
-from quant_core import _library, unchecked
-from quant_core._library import (
-    BACKEND_ENV_VAR,
-    BACKENDS,
-    Backend,
-    available_backends,
-    reload_backend_env,
-    selected_backend,
-    use_backend,
-)
+from quant_core import _backends, unchecked
+from quant_core._backends import BACKENDS, Backend, available_backends
+from quant_core._library import BACKEND_ENV_VAR, reload_backend_env, selected_backend, use_backend
 from quant_core._version import __version__
 from quant_core.adam._adam import (
     MOMENT_DTYPES,
@@ -112,8 +105,8 @@ from quant_core.shared._compile import compiling
 
 # The Triton kernels register on the CUDA dispatch key where they can run ([Note: custom ops] in
 # quant_core._library); the C++ kernels registered on the CPU key with their formats' modules.
-if _library.triton_usable():
-    _library.register_triton_kernels()
+if _backends.triton_usable():
+    _backends.register_triton_kernels()
 
 __all__ = [
     # backends

@@ -51,11 +51,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
-import importlib.util
 import inspect
 import os
-import pkgutil
 import typing
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, TypeVar
@@ -63,19 +60,16 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
+from quant_core._backends import BACKEND_DEVICE, BACKENDS, Backend, cpp_extension, unavailable_reason
 from quant_core._recompute import prefer_recompute
 
 NAMESPACE = "quant_core"
-Backend = Literal["reference", "cpp", "triton"]
-BACKENDS: tuple[Backend, ...] = ("reference", "cpp", "triton")
 BACKEND_ENV_VAR = "QUANT_CORE_BACKEND"
 Kernel = Callable[..., Any]  # one backend's kernel of an op, as its body calls it
 ArgsT = TypeVar("ArgsT", bound=tuple)  # an operator's arguments ([Note: operator arguments])
 
-# The dispatch key each backend's kernels are registered on, and the device type they run on
-# (None: any device).
+# The dispatch key each backend's kernels are registered on.
 _DISPATCH_KEY: dict[Backend, str] = {"reference": "CompositeExplicitAutograd", "cpp": "CPU", "triton": "CUDA"}
-_BACKEND_DEVICE: dict[Backend, str | None] = {"reference": None, "cpp": "cpu", "triton": "cuda"}
 
 _library = torch.library.Library(NAMESPACE, "DEF")
 
@@ -122,17 +116,17 @@ class Operator:
         nothing is); raises if the forced backend cannot run it there."""
         if forced is None:
             for backend in _AUTO_ORDER.get(device_type, ("reference",)):
-                if backend in self.implementations and _unavailable_reason(backend) is None:
+                if backend in self.implementations and unavailable_reason(backend) is None:
                     return backend
             raise NotImplementedError(f"no quant_core backend runs {self.name!r} on {device_type} tensors")
         backend = forced.checked_backend()
-        backend_device = _BACKEND_DEVICE[backend]
+        backend_device = BACKEND_DEVICE[backend]
         if backend_device is not None and backend_device != device_type:
             raise ValueError(
                 f"{forced.by} runs on {backend_device} tensors only, but {self.name!r} got a {device_type} tensor; "
                 f"{forced.undo} to choose the backend automatically, or force 'reference' (any device)"
             )
-        reason = _unavailable_reason(backend)
+        reason = unavailable_reason(backend)
         if reason is not None:
             raise RuntimeError(f"the {backend} backend is unavailable: {reason}")
         if backend not in self.implementations:
@@ -446,74 +440,6 @@ def use_backend(backend: Backend) -> Iterator[None]:
 def selected_backend(op: str, device: torch.device) -> Backend:
     """The backend that `op` runs on for tensors on `device`; raises if a forced one cannot."""
     return OPERATORS[op].select(torch.device(device).type, _forced)
-
-
-def available_backends(device: torch.device | str | None = None) -> tuple[Backend, ...]:
-    """The backends that loaded on this machine, e.g. ('reference', 'cpp').
-
-    With `device`, only those whose kernels run on tensors of that device.
-    """
-    device_type = None if device is None else torch.device(device).type
-    return tuple(
-        b
-        for b in BACKENDS
-        if _unavailable_reason(b) is None and (device_type is None or _BACKEND_DEVICE[b] in (None, device_type))
-    )
-
-
-def _unavailable_reason(backend: Backend) -> str | None:
-    if backend == "cpp" and cpp_extension() is None:
-        return f"quant_core._C failed to import: {_extension_error}"
-    if backend == "triton" and not triton_usable():
-        return "needs the triton package and a CUDA device"
-    return None
-
-
-_extension: Any = None
-_extension_error: str | None = None
-
-
-def cpp_extension() -> Any:
-    """quant_core._C, or None where it failed to import (a broken build)."""
-    global _extension, _extension_error
-    if _extension is None and _extension_error is None:
-        try:
-            from quant_core import _C
-
-            _extension = _C
-        except ImportError as error:
-            _extension_error = str(error)
-    return _extension
-
-
-def _triton_modules() -> tuple[str, ...]:
-    """Every `_triton*` module of quant_core's subpackages, found on disk: a format folder's
-    register their kernels when imported, `shared`'s hold what the kernels share. A module is
-    registered by its name alone, so none can be left out of a list."""
-    root = os.path.dirname(__file__)
-    return tuple(
-        f"{NAMESPACE}.{package.name}.{module.name}"
-        for package in pkgutil.iter_modules([root])
-        if package.ispkg
-        for module in pkgutil.iter_modules([os.path.join(root, package.name)])
-        if module.name.startswith("_triton")
-    )
-
-
-# The modules whose import registers the Triton kernels (CUDA key), imported only where they can run.
-TRITON_MODULES = _triton_modules()
-
-
-def register_triton_kernels() -> None:
-    """Imports the Triton modules (`TRITON_MODULES`), whose kernels register on the CUDA dispatch key."""
-    for module in TRITON_MODULES:
-        importlib.import_module(module)
-
-
-@functools.cache
-def triton_usable() -> bool:
-    """Whether the Triton kernels can run here: the triton package and a CUDA device."""
-    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
 
 
 # ---- calls ------------------------------------------------------------------------------------

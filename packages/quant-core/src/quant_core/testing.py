@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
-from quant_core._library import Backend, available_backends
+from quant_core._backends import Backend, available_backends
 from quant_core.shared._checks import FLOAT_DTYPES, FP8_DTYPES
 
 __all__ = [

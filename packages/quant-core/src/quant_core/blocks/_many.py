@@ -31,7 +31,8 @@ from typing import Any, NamedTuple, NoReturn
 
 import torch
 
-from quant_core._library import Backend, Kernel, backend_kernel, call, cpp_extension, define_op, register_kernel
+from quant_core._backends import Backend, cpp_extension
+from quant_core._library import Kernel, backend_kernel, call, define_op, register_kernel
 from quant_core.blocks._blockwise import BLOCKWISE_BLOCK, BLOCKWISE_SHAPES, QuantizeFp8BlockwiseArgs
 from quant_core.blocks._layout import (
     QUANTIZE_BUFFERS,

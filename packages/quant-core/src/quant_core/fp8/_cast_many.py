@@ -21,7 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-from quant_core._library import Backend, Kernel, backend_kernel, call, define_op, register_kernel
+from quant_core._backends import Backend
+from quant_core._library import Kernel, backend_kernel, call, define_op, register_kernel
 from quant_core.fp8._fp8 import CastToFp8Args
 from quant_core.shared._checks import as_2d, check_float_input, check_fp8_dtype
 

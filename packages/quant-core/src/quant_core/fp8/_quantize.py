@@ -36,7 +36,8 @@ from typing import NamedTuple
 
 import torch
 
-from quant_core._library import Backend, backend_kernel, call, define_kernel_op, register_kernel
+from quant_core._backends import Backend
+from quant_core._library import backend_kernel, call, define_kernel_op, register_kernel
 from quant_core.fp8._fp8 import (
     AmaxArgs,
     CastToFp8Args,

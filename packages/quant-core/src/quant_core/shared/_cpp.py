@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from quant_core._library import cpp_extension
+from quant_core._backends import cpp_extension
 
 _C = cpp_extension()  # None where the extension failed to import: no C++ kernel is registered then
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
