@@ -101,3 +101,19 @@ def test_256_mib_of_gradients_round_trip_like_the_reference():
         got_sum = quant_core.dequantize_sum_fp8_chunks(want.to(CUDA), chunk, block_size, average=True)
     want_sum = quant_core.dequantize_sum_fp8_chunks_reference(want, chunk, block_size, average=True)
     assert torch.equal(got_sum.cpu().view(torch.int32), want_sum.view(torch.int32))
+
+
+def test_a_chunk_of_more_tiles_than_a_second_grid_axis_holds_equals_the_reference():
+    # A row's tiles run along the grid's first axis: 65536 tiles of 1024 elements and more per
+    # chunk (FSDP2 hands one flat input per parameter group, e.g. a large embedding at 2 ranks)
+    # would not launch on the second axis, which stops at 65535 programs.
+    world_size, chunk, block_size = 2, 65536 * 1024 + 1000, 128
+    x = torch.randn(world_size * chunk, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with quant_core.use_backend("triton"):
+        got = quant_core.quantize_fp8_chunks(x.to(CUDA), world_size, block_size)
+    want = quant_core.quantize_fp8_chunks_reference(x, world_size, block_size)
+    assert torch.equal(got.cpu(), want)
+    with quant_core.use_backend("triton"):
+        got_sum = quant_core.dequantize_sum_fp8_chunks(want.to(CUDA), chunk, block_size, average=True)
+    want_sum = quant_core.dequantize_sum_fp8_chunks_reference(want, chunk, block_size, average=True)
+    assert torch.equal(got_sum.cpu().view(torch.int32), want_sum.view(torch.int32))

@@ -1,7 +1,9 @@
 """Triton kernels of the blockwise FP8 chunks ([Note: FP8 chunk rows] in quant_core.blocks._chunks):
 the quantize of world_size chunks into byte rows (one program per tile of a row) and the
 dequantize-and-sum of received rows (one program per tile of the chunk, looping over the rows in
-rank order)."""
+rank order). The tiles of a row run along the grid's first axis, whose size may reach 2^31 - 1
+(the second axis stops at 65535 programs: 64 Mi elements of 1024-element tiles); positions are
+computed in int64, so a chunk may exceed 2^31 elements."""
 
 from __future__ import annotations
 
@@ -47,8 +49,8 @@ def _quantize_chunks_kernel(
     RESIDUAL: tl.constexpr,
     HARDWARE: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    blocks = tl.program_id(1) * (TILE // BLOCK) + tl.arange(0, TILE // BLOCK)
+    row = tl.program_id(1).to(tl.int64)
+    blocks = tl.program_id(0).to(tl.int64) * (TILE // BLOCK) + tl.arange(0, TILE // BLOCK)
     positions = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # in the padded row
     valid = positions < chunk
     index = row * chunk + positions  # x's element index (padding: never read)
@@ -86,7 +88,7 @@ def _quantize_fp8_chunks(args: QuantizeFp8ChunksArgs) -> None:
     counter = args.counter if args.stochastic_rounding else None
     launch(
         _quantize_chunks_kernel,
-        (world_size, cdiv(padded, TILE)),
+        (cdiv(padded, TILE), world_size),
         args.x,
         out if args.residual is None else args.residual,  # not read without a residual
         out if counter is None else counter,  # not read without a counter
@@ -121,7 +123,7 @@ def _dequantize_sum_kernel(
     AVERAGE: tl.constexpr,
     HARDWARE: tl.constexpr,
 ):
-    blocks = tl.program_id(0) * (TILE // BLOCK) + tl.arange(0, TILE // BLOCK)
+    blocks = tl.program_id(0).to(tl.int64) * (TILE // BLOCK) + tl.arange(0, TILE // BLOCK)
     positions = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     valid = positions < chunk
     in_row = blocks < padded // BLOCK
