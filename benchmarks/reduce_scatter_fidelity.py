@@ -384,31 +384,30 @@ def run_reduce_scatter_fidelity(
             console.print(f"    {row.error}", highlight=False)
         new.append(row)
         rows = merge_rows([*earlier, *new])
-        write_report(out, report, rows)
+        write_report(out, report, rows, console)
     if not runs:  # only joining the included reports
-        write_report(out, report, rows)
+        write_report(out, report, rows, console)
     table = Table(title=f"FP8 vs bf16 reduce-scatter: {report['model']}, {ranks} simulated ranks, {num_steps} steps")
     for column in COLUMNS:
         table.add_column(column, justify="left" if column in ("run", "error") else "right")
     for r in rows:
         table.add_row(*_cells(r), style="red" if r.within is False or r.error else None)
     console.print(table)
-    stem = out / "reduce_scatter_fidelity"
-    curves = {f"{r.run} {name} RS": getattr(r, f"{name}_losses") for r in rows for name in REDUCTIONS}
-    baselines = {f"{r.run} fp8 RS": f"{r.run} bf16 RS" for r in rows}
-    plot_losses(console, curves, baselines, report, stem.with_suffix(".png"), "the bf16 reduce-scatter")
     failed = [r.run for r in rows if r.error]
     if failed:
         console.print(f"runs that failed: {', '.join(failed)}")
     return 1 if failed else 0
 
 
-def write_report(out: pathlib.Path, report: dict, rows: Sequence[ReductionRow]) -> None:
-    """reduce_scatter_fidelity.json and .md in `out`, with every row so far."""
+def write_report(out: pathlib.Path, report: dict, rows: Sequence[ReductionRow], console: Console) -> None:
+    """reduce_scatter_fidelity.json, .md and .png (the loss curves) in `out`, with every row so far."""
     out.mkdir(parents=True, exist_ok=True)
     stem = out / "reduce_scatter_fidelity"
     stem.with_suffix(".json").write_text(json.dumps({**report, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
     stem.with_suffix(".md").write_text(markdown(report, rows))
+    curves = {f"{r.run} {name} RS": getattr(r, f"{name}_losses") for r in rows for name in REDUCTIONS}
+    baselines = {f"{r.run} fp8 RS": f"{r.run} bf16 RS" for r in rows}
+    plot_losses(console, curves, baselines, report, stem.with_suffix(".png"), "the bf16 reduce-scatter")
 
 
 def load_rows(

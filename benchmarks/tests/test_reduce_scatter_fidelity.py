@@ -129,8 +129,8 @@ def test_two_calls_each_training_one_reduction_make_the_row_of_one_call(tmp_path
 
 
 def test_a_call_cut_short_keeps_the_runs_it_finished(tmp_path, monkeypatch):
-    """The report is written after each run: a call stopped in its second run (here an interrupt
-    in that run's training) leaves the first run's row on disk."""
+    """The report and plot are written after each run: a call stopped in its second run (here an
+    interrupt in that run's training) leaves the first run's row and curves on disk."""
     trained = []
     train = reduce_scatter_fidelity.train
 
@@ -146,6 +146,7 @@ def test_a_call_cut_short_keeps_the_runs_it_finished(tmp_path, monkeypatch):
     rows = json.loads((tmp_path / "reduce_scatter_fidelity.json").read_text())["rows"]
     assert [(row["run"], len(row["fp8_losses"])) for row in rows] == [("bf16:eager", 2)]
     assert "| bf16:eager |" in (tmp_path / "reduce_scatter_fidelity.md").read_text()
+    assert (tmp_path / "reduce_scatter_fidelity.png").read_bytes().startswith(b"\x89PNG")
 
 
 def _dequantized_chunk(x: torch.Tensor) -> torch.Tensor:
