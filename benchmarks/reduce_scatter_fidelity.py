@@ -25,8 +25,9 @@ per parameter):
 Each rank's shard of the reduced gradient is the parameter's gradient; every simulated rank would
 take the same optimizer step, so one model stands for all of them. The final loss is the mean of
 the last tenth of the steps; the fp8 reduction's relative to the bf16 reduction's is compared
-with BOUNDS. Writes reduce_scatter_fidelity.json/.md/.png into --out, again after each run (a call
-cut short keeps the runs it finished); a bad argument exits with code 2 and one line naming it.
+with BOUNDS. Writes reduce_scatter_fidelity.json/.md/.png into --out, again after each reduction of
+each run (a call cut short keeps the reductions it finished; a reduction that fails leaves an
+error row with the curves trained before it); a bad argument exits with code 2 and one line naming it.
 
 Runs of 1000 steps take minutes each on a GPU: spread them over several calls and pass the
 earlier calls' reduce_scatter_fidelity.json with `--include`; their rows (checked to be the same
@@ -47,7 +48,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -263,18 +264,26 @@ def _measure(
     source: str,
     console: Console,
     reductions: Sequence[str] = REDUCTIONS,
+    on_reduction: Callable[[ReductionRow], None] | None = None,
 ) -> ReductionRow:
+    """The row of `spec` trained with each of `reductions`; `on_reduction` gets the row so far after
+    each reduction but the last (a call stopped in the next keeps it). A reduction that raises ends
+    the row with the error, keeping the curves trained before it."""
     comm = quant_fsdp.QuantizedReduceScatter()
     reducers = {"bf16": reduce_bf16, "fp8": lambda g: reduce_fp8(g, comm)}
-    curves = {}
+    bound = BOUNDS.get(spec.base, DEFAULT_BOUND)
+    curves: dict[str, list[float]] = {}
     start = time.perf_counter()
-    try:
-        for name in reductions:
-            console.print(f"  {name} reduce-scatter", highlight=False)
+    for name in reductions:
+        console.print(f"  {name} reduce-scatter", highlight=False)
+        try:
             curves[name] = train(spec, reducers[name], data, ranks, options, device, source, console)
-    except Exception as error:  # a benchmark row, not a test: report it and go on
-        return ReductionRow(spec.name, error=f"{type(error).__name__}: {first_line(error)}")
-    row = reduction_row(spec.name, curves, BOUNDS.get(spec.base, DEFAULT_BOUND), time.perf_counter() - start)
+        except Exception as error:  # a benchmark row, not a test: report it and go on
+            so_far = reduction_row(spec.name, curves, bound, time.perf_counter() - start) if curves else None
+            return replace(so_far or ReductionRow(spec.name), error=f"{type(error).__name__}: {first_line(error)}")
+        if on_reduction is not None and len(curves) < len(reductions):
+            on_reduction(reduction_row(spec.name, curves, bound, time.perf_counter() - start))
+    row = reduction_row(spec.name, curves, bound, time.perf_counter() - start)
     if row.fp8_vs_bf16 is not None:
         console.print(
             f"    final loss {row.bf16_final_loss:.4f} (bf16), {row.fp8_final_loss:.4f} (fp8): "
@@ -334,7 +343,7 @@ def run_reduce_scatter_fidelity(
     console: Console | None = None,
 ) -> int:
     """Trains each of `runs` with each of `reductions`; prints the table, writes
-    reduce_scatter_fidelity.json/.md/.png (after each run), the rows of the `included` reports
+    reduce_scatter_fidelity.json/.md/.png (after each reduction), the rows of the `included` reports
     first (a run's rows of different reductions made one); 1 if a run failed. ValueError if an
     included report is unreadable, was trained differently, or already holds one of `runs` with
     one of `reductions`."""
@@ -368,6 +377,7 @@ def run_reduce_scatter_fidelity(
         data = task.batches(range(num_steps), ranks * rank_batch, config.sequence_length)
         if device.type == "cuda":
             data = data.pin_memory()
+    new: list[ReductionRow] = []
     measure = functools.partial(
         _measure,
         data=data,
@@ -377,8 +387,8 @@ def run_reduce_scatter_fidelity(
         source=source,
         console=console,
         reductions=reductions,
+        on_reduction=lambda row: write_report(out, report, merge_rows([*earlier, *new, row]), console),
     )
-    new = []
     for row in each_run(runs, device, console, measure, ReductionRow):
         if row.error:
             console.print(f"    {row.error}", highlight=False)

@@ -149,6 +149,42 @@ def test_a_call_cut_short_keeps_the_runs_it_finished(tmp_path, monkeypatch):
     assert (tmp_path / "reduce_scatter_fidelity.png").read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, RuntimeError])
+def test_a_run_stopped_in_its_second_reduction_keeps_the_first(tmp_path, monkeypatch, stop):
+    """The report is written after each reduction too: a call stopped in a run's second reduction
+    (an interrupt: the device call's deadline) or one whose second reduction fails (an error row)
+    leaves the first reduction's curve on disk, which a later call completes with --include."""
+    calls = []
+    train = reduce_scatter_fidelity.train
+
+    def train_then_stop(*args, **kwargs):
+        calls.append(args[0].name)
+        if len(calls) == 2:
+            raise stop("stopped in the fp8 reduce-scatter")
+        return train(*args, **kwargs)
+
+    common = [*TINY, "--steps", "2", "--runs", "fp8:hp:eager"]
+    monkeypatch.setattr(reduce_scatter_fidelity, "train", train_then_stop)
+    if stop is KeyboardInterrupt:
+        with pytest.raises(KeyboardInterrupt):
+            main([*common, "--out", str(tmp_path / "first")])
+    else:
+        assert main([*common, "--out", str(tmp_path / "first")]) == 1
+    first = tmp_path / "first" / "reduce_scatter_fidelity.json"
+    (row,) = json.loads(first.read_text())["rows"]
+    assert (row["run"], len(row["bf16_losses"]), row["fp8_losses"]) == ("fp8:hp:eager", 2, [])
+    assert row["error"] == ("" if stop is KeyboardInterrupt else "RuntimeError: stopped in the fp8 reduce-scatter")
+    assert (tmp_path / "first" / "reduce_scatter_fidelity.png").read_bytes().startswith(b"\x89PNG")
+    monkeypatch.setattr(reduce_scatter_fidelity, "train", train)
+    command = [*common, "--reductions", "fp8", "--include", str(first), "--out", str(tmp_path / "second")]
+    assert main(command) == 0
+    (joined,) = json.loads((tmp_path / "second" / "reduce_scatter_fidelity.json").read_text())["rows"]
+    assert joined["bf16_losses"] == row["bf16_losses"]
+    assert len(joined["fp8_losses"]) == 2
+    assert not joined["error"]
+    assert joined["fp8_vs_bf16"] == joined["fp8_final_loss"] / joined["bf16_final_loss"] - 1
+
+
 def _dequantized_chunk(x: torch.Tensor) -> torch.Tensor:
     """One rank's chunk (whole 128-element blocks) through quant-core's reference blockwise FP8 (E4M3, 1 x 128)."""
     quantized = quant_core.quantize_fp8_blockwise_reference(x.float().reshape(-1, 128), (1, 128), torch.float8_e4m3fn)
