@@ -25,7 +25,8 @@ per parameter):
 Each rank's shard of the reduced gradient is the parameter's gradient; every simulated rank would
 take the same optimizer step, so one model stands for all of them. The final loss is the mean of
 the last tenth of the steps; the fp8 reduction's relative to the bf16 reduction's is compared
-with BOUNDS. Writes reduce_scatter_fidelity.json/.md/.png into --out, again after each reduction of
+with BOUNDS; each reduction's median wall time per step (after the first tenth) is reported beside
+it. Writes reduce_scatter_fidelity.json/.md/.png into --out, again after each reduction of
 each run (a call cut short keeps the reductions it finished; a reduction that fails leaves an
 error row with the curves trained before it); a bad argument exits with code 2 and one line naming it.
 
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import pathlib
 import shlex
@@ -105,6 +107,10 @@ class ReductionRow:
     bound: float | None = None
     seconds: float | None = None
     """Wall time of the row's trainings."""
+    bf16_step_ms: float | None = None
+    """Median wall time of a step after the first tenth (compilation, warm-up), bf16 reduce-scatter."""
+    fp8_step_ms: float | None = None
+    """The same with the FP8 reduce-scatter."""
     error: str = ""
     bf16_losses: list[float] = field(default_factory=list)
     fp8_losses: list[float] = field(default_factory=list)
@@ -121,8 +127,10 @@ class ReductionRow:
         return {name for name in REDUCTIONS if getattr(self, f"{name}_losses")}
 
 
-def reduction_row(run: str, curves: dict[str, list[float]], bound: float, seconds: float) -> ReductionRow:
-    """The row of `run` from its loss curve of each reduction trained (one or both)."""
+def reduction_row(
+    run: str, curves: dict[str, list[float]], bound: float, seconds: float, step_ms: dict[str, float | None]
+) -> ReductionRow:
+    """The row of `run` from its loss curve and median step time of each reduction trained (one or both)."""
     window = final_window(len(next(iter(curves.values()))))
     finals = {name: statistics.fmean(curve[-window:]) for name, curve in curves.items()}
     bf16, fp8 = finals.get("bf16"), finals.get("fp8")
@@ -133,6 +141,8 @@ def reduction_row(run: str, curves: dict[str, list[float]], bound: float, second
         fp8_vs_bf16=None if bf16 is None or fp8 is None else fp8 / bf16 - 1,
         bound=bound,
         seconds=seconds,
+        bf16_step_ms=step_ms.get("bf16"),
+        fp8_step_ms=step_ms.get("fp8"),
         bf16_losses=curves.get("bf16", []),
         fp8_losses=curves.get("fp8", []),
     )
@@ -152,8 +162,9 @@ def merge_rows(rows: Sequence[ReductionRow]) -> list[ReductionRow]:
         if again:
             raise ValueError(f"two rows hold {row.run} with the {' and '.join(again)} reduce-scatter")
         curves = {name: getattr(r, f"{name}_losses") for r in (earlier, row) for name in r.trained}
+        step_ms = {name: getattr(r, f"{name}_step_ms") for r in (earlier, row) for name in r.trained}
         seconds = (earlier.seconds or 0.0) + (row.seconds or 0.0)
-        merged[partner] = reduction_row(row.run, curves, row.bound, seconds)
+        merged[partner] = reduction_row(row.run, curves, row.bound, seconds, step_ms)
     return merged
 
 
@@ -230,9 +241,12 @@ def train(
     device: torch.device,
     source: str,
     console: Console,
-) -> list[float]:
+) -> tuple[list[float], float]:
     """One run trained on `data` (steps, ranks x B, sequence + 1) with each step's gradient `reduce`d
-    over the ranks; the loss curve."""
+    over the ranks: (the loss curve, the median wall time in ms of a step after the first tenth).
+    Steps are timed as the host issues them (no synchronize): once the device's queue is full, a
+    step waits for the device, so the median is the device's time per step where it is the
+    bottleneck."""
     model, optimizer, _ = build_run(spec, options, device, source)
     forward = torch.compile(model, backend=options.compile_backend) if spec.mode == "compiled" else model
     parameters = list(model.parameters())
@@ -240,8 +254,9 @@ def train(
     # Zeros: the padding between regions is never written.
     gradients = torch.zeros(ranks, offsets[-1], dtype=REDUCE_DTYPE, device=device)
     num_steps = data.shape[0]
-    losses = []
+    losses, starts = [], []
     for s in range(num_steps):
+        starts.append(time.perf_counter())
         set_learning_rate(optimizer, options.learning_rate, s, num_steps)
         batch = data[s].to(device, non_blocking=True)
         losses.append(rank_gradients(model, batch[:, :-1], batch[:, 1:], ranks, gradients, forward))
@@ -252,7 +267,11 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         if (s + 1) % final_window(num_steps) == 0:
             console.print(f"    step {s + 1}/{num_steps}: loss {losses[-1].item():.4f}", highlight=False)
-    return torch.stack(losses).float().cpu().tolist()
+    starts.append(time.perf_counter())
+    steps_ms = [1e3 * (b - a) for a, b in itertools.pairwise(starts)]
+    step_ms = statistics.median(steps_ms[min(final_window(num_steps), num_steps - 1) :])
+    console.print(f"    {step_ms:.1f} ms per step (median after step {final_window(num_steps)})", highlight=False)
+    return torch.stack(losses).float().cpu().tolist(), step_ms
 
 
 def _measure(
@@ -273,17 +292,18 @@ def _measure(
     reducers = {"bf16": reduce_bf16, "fp8": lambda g: reduce_fp8(g, comm)}
     bound = BOUNDS.get(spec.base, DEFAULT_BOUND)
     curves: dict[str, list[float]] = {}
+    step_ms: dict[str, float | None] = {}
     start = time.perf_counter()
     for name in reductions:
         console.print(f"  {name} reduce-scatter", highlight=False)
         try:
-            curves[name] = train(spec, reducers[name], data, ranks, options, device, source, console)
+            curves[name], step_ms[name] = train(spec, reducers[name], data, ranks, options, device, source, console)
         except Exception as error:  # a benchmark row, not a test: report it and go on
-            so_far = reduction_row(spec.name, curves, bound, time.perf_counter() - start) if curves else None
+            so_far = reduction_row(spec.name, curves, bound, time.perf_counter() - start, step_ms) if curves else None
             return replace(so_far or ReductionRow(spec.name), error=f"{type(error).__name__}: {first_line(error)}")
         if on_reduction is not None and len(curves) < len(reductions):
-            on_reduction(reduction_row(spec.name, curves, bound, time.perf_counter() - start))
-    row = reduction_row(spec.name, curves, bound, time.perf_counter() - start)
+            on_reduction(reduction_row(spec.name, curves, bound, time.perf_counter() - start, step_ms))
+    row = reduction_row(spec.name, curves, bound, time.perf_counter() - start, step_ms)
     if row.fp8_vs_bf16 is not None:
         console.print(
             f"    final loss {row.bf16_final_loss:.4f} (bf16), {row.fp8_final_loss:.4f} (fp8): "
@@ -293,7 +313,17 @@ def _measure(
     return row
 
 
-COLUMNS = ("run", "final loss, bf16 RS", "final loss, FP8 RS", "FP8 vs bf16", "bound", "within", "seconds", "error")
+COLUMNS = (
+    "run",
+    "final loss, bf16 RS",
+    "final loss, FP8 RS",
+    "FP8 vs bf16",
+    "bound",
+    "within",
+    "ms per step, bf16 / FP8 RS",
+    "seconds",
+    "error",
+)
 
 
 def _cells(r: ReductionRow) -> list[str]:
@@ -304,6 +334,7 @@ def _cells(r: ReductionRow) -> list[str]:
         format_value(None if r.fp8_vs_bf16 is None else 100 * r.fp8_vs_bf16, "+.3f", "%"),
         format_value(None if r.bound is None else 100 * r.bound, ".1f", "%"),
         {None: "-", True: "yes", False: "NO"}[r.within],
+        f"{format_value(r.bf16_step_ms, '.0f')} / {format_value(r.fp8_step_ms, '.0f')}",
         format_value(r.seconds, ".0f"),
         r.error,
     ]

@@ -34,10 +34,15 @@ def test_a_tiny_run_writes_the_table_the_curves_and_the_plot(tmp_path):
         assert row["bf16_final_loss"] == row["bf16_losses"][-1]  # the last tenth of 3 steps: one step
         assert row["fp8_vs_bf16"] == row["fp8_final_loss"] / row["bf16_final_loss"] - 1
         assert row["bound"] == 0.003
+        assert row["bf16_step_ms"] > 0
+        assert row["fp8_step_ms"] > 0
     # Both reductions start from the same weights and batch: their first losses agree.
     assert rows["fp8-block:hp:eager"]["bf16_losses"][0] == rows["fp8-block:hp:eager"]["fp8_losses"][0]
     table = (tmp_path / "reduce_scatter_fidelity.md").read_text()
     assert "| fp8-block:hp:eager |" in table
+    assert "| ms per step, bf16 / FP8 RS |" in table
+    step_ms = f"{rows['bf16:eager']['bf16_step_ms']:.0f} / {rows['bf16:eager']['fp8_step_ms']:.0f}"
+    assert f"| {step_ms} |" in table
     assert "2 simulated ranks with a micro-batch of 1 x 64 tokens each" in table
     assert (tmp_path / "reduce_scatter_fidelity.png").read_bytes().startswith(b"\x89PNG")
 
