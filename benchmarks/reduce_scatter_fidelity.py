@@ -232,6 +232,16 @@ def reduce_fp8(gradients: torch.Tensor, comm: quant_fsdp.QuantizedReduceScatter)
     return torch.cat(comm.simulate(list(gradients.unbind()), dist.ReduceOp.AVG))
 
 
+def _allocator_counts(device: torch.device, since: dict[str, int] | None = None) -> dict[str, int]:
+    """The caching allocator's counts of retried allocations (each frees cached blocks and waits for
+    the device) and of device mallocs and frees, minus `since`'s; empty off CUDA."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+    return {k: stats.get(k, 0) - (since or {}).get(k, 0) for k in keys}
+
+
 def train(
     spec: RunSpec,
     reduce: Callable[[torch.Tensor], torch.Tensor],
@@ -255,12 +265,20 @@ def train(
     gradients = torch.zeros(ranks, offsets[-1], dtype=REDUCE_DTYPE, device=device)
     num_steps = data.shape[0]
     losses, starts = [], []
+    # The reduction's share of a step on the device: an event before and after it (CUDA only).
+    events = [] if device.type == "cuda" else None
+    allocations = _allocator_counts(device)
     for s in range(num_steps):
         starts.append(time.perf_counter())
         set_learning_rate(optimizer, options.learning_rate, s, num_steps)
         batch = data[s].to(device, non_blocking=True)
         losses.append(rank_gradients(model, batch[:, :-1], batch[:, 1:], ranks, gradients, forward))
+        if events is not None:
+            events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            events[-1][0].record()
         reduced = reduce(gradients)  # one reduction of every parameter's region
+        if events is not None:
+            events[-1][1].record()
         for p, start in zip(parameters, offsets[:-1], strict=True):
             p.grad = reduced[start : start + p.numel()].view_as(p).to(p.dtype)
         optimizer.step()
@@ -269,8 +287,14 @@ def train(
             console.print(f"    step {s + 1}/{num_steps}: loss {losses[-1].item():.4f}", highlight=False)
     starts.append(time.perf_counter())
     steps_ms = [1e3 * (b - a) for a, b in itertools.pairwise(starts)]
-    step_ms = statistics.median(steps_ms[min(final_window(num_steps), num_steps - 1) :])
+    first = min(final_window(num_steps), num_steps - 1)
+    step_ms = statistics.median(steps_ms[first:])
     console.print(f"    {step_ms:.1f} ms per step (median after step {final_window(num_steps)})", highlight=False)
+    if events is not None:
+        torch.cuda.synchronize(device)
+        reduce_ms = statistics.median(a.elapsed_time(b) for a, b in events[first:])
+        counts = ", ".join(f"{k} {v}" for k, v in _allocator_counts(device, since=allocations).items())
+        console.print(f"    of which the reduction {reduce_ms:.1f} ms on the device; allocator: {counts}", highlight=False)
     return torch.stack(losses).float().cpu().tolist(), step_ms
 
 
