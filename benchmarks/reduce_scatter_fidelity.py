@@ -294,7 +294,9 @@ def train(
         torch.cuda.synchronize(device)
         reduce_ms = statistics.median(a.elapsed_time(b) for a, b in events[first:])
         counts = ", ".join(f"{k} {v}" for k, v in _allocator_counts(device, since=allocations).items())
-        console.print(f"    of which the reduction {reduce_ms:.1f} ms on the device; allocator: {counts}", highlight=False)
+        console.print(
+            f"    of which the reduction {reduce_ms:.1f} ms on the device; allocator: {counts}", highlight=False
+        )
     return torch.stack(losses).float().cpu().tolist(), step_ms
 
 
