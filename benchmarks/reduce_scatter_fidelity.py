@@ -2,7 +2,7 @@
 
     python benchmarks/reduce_scatter_fidelity.py --device cuda --out results [--ranks 8] [--steps 1000]
         [--runs bf16:eager,*:hp:eager] [--config default|large|tiny] [--rank-batch B] [--include FILE ...]
-        [--compile-backend inductor|aot_eager] [--reductions bf16,fp8]
+        [--compile-backend inductor|aot_eager] [--reductions bf16,fp8] [--deadline-s SECONDS]
 
 Each run of e2e.py's fidelity comparison (bf16 compute and each recipe with high-precision weights,
 eager, or `:compiled` with the model under `torch.compile`) trains twice from the same initial
@@ -33,7 +33,10 @@ error row with the curves trained before it); a bad argument exits with code 2 a
 Runs of 1000 steps take minutes each on a GPU: spread them over several calls and pass the
 earlier calls' reduce_scatter_fidelity.json with `--include`; their rows (checked to be the same
 training) come first in this call's table and plot. `--reductions bf16` or `--reductions fp8`
-trains one reduction of each run: the other call's row of the same run completes it. Processes
+trains one reduction of each run: the other call's row of the same run completes it. With
+`--deadline-s`, a reduction that would end past that many seconds from the start stops (at each
+tenth of its steps, projected from its median step so far) or does not start, and its row says so:
+a call of fixed length spends its time on reductions that finish. Processes
 that train side by side on one GPU each write their own --out; `--runs ''` with each of their
 reports as an --include joins them into one table and plot without training.
 """
@@ -54,7 +57,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
-from _arguments import Parser, positive
+from _arguments import Parser, positive, positive_seconds
 from _e2e import (
     DEFAULT_FIDELITY_RUNS,
     E2EOptions,
@@ -89,6 +92,12 @@ REDUCTIONS = ("bf16", "fp8")
 # Largest |final loss with the FP8 reduce-scatter / with the bf16 one - 1|.
 BOUNDS = {"nvfp4": 0.01, "nvfp4-rht": 0.01}
 DEFAULT_BOUND = 0.003  # bf16 compute and every FP8 recipe
+
+
+class DeadlineError(RuntimeError):
+    """A reduction that would end after --deadline-s: stopped, or not started."""
+
+
 # Report keys that must agree for rows of two calls to sit in one table (`--include`).
 SAME_REDUCTION_TRAINING = (*SAME_TRAINING, "ranks", "rank_batch", "reductions", "layout")
 
@@ -251,12 +260,14 @@ def train(
     device: torch.device,
     source: str,
     console: Console,
+    deadline: float | None = None,
 ) -> tuple[list[float], float]:
     """One run trained on `data` (steps, ranks x B, sequence + 1) with each step's gradient `reduce`d
     over the ranks: (the loss curve, the median wall time in ms of a step after the first tenth).
     Steps are timed as the host issues them (no synchronize): once the device's queue is full, a
     step waits for the device, so the median is the device's time per step where it is the
-    bottleneck."""
+    bottleneck. DeadlineError at a tenth of the steps if the rest, at the median step so far,
+    would end after `deadline` (a `time.perf_counter()` value)."""
     model, optimizer, _ = build_run(spec, options, device, source)
     forward = torch.compile(model, backend=options.compile_backend) if spec.mode == "compiled" else model
     parameters = list(model.parameters())
@@ -285,6 +296,15 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         if (s + 1) % final_window(num_steps) == 0:
             console.print(f"    step {s + 1}/{num_steps}: loss {losses[-1].item():.4f}", highlight=False)
+            if deadline is not None and s + 1 < num_steps:
+                now = time.perf_counter()
+                step_s = statistics.median(b - a for a, b in itertools.pairwise([*starts, now]))
+                end = now + (num_steps - s - 1) * step_s
+                if end > deadline:
+                    raise DeadlineError(
+                        f"stopped after step {s + 1}: its {num_steps - s - 1} steps left at {1e3 * step_s:.0f} ms "
+                        f"would end {end - deadline:.0f} s past --deadline-s; train it in a call of its own"
+                    )
     starts.append(time.perf_counter())
     steps_ms = [1e3 * (b - a) for a, b in itertools.pairwise(starts)]
     first = min(final_window(num_steps), num_steps - 1)
@@ -310,10 +330,12 @@ def _measure(
     console: Console,
     reductions: Sequence[str] = REDUCTIONS,
     on_reduction: Callable[[ReductionRow], None] | None = None,
+    deadline: float | None = None,
 ) -> ReductionRow:
     """The row of `spec` trained with each of `reductions`; `on_reduction` gets the row so far after
     each reduction but the last (a call stopped in the next keeps it). A reduction that raises ends
-    the row with the error, keeping the curves trained before it."""
+    the row with the error, keeping the curves trained before it; so does one that would end after
+    `deadline` (`train`), or that finds it passed."""
     comm = quant_fsdp.QuantizedReduceScatter()
     reducers = {"bf16": reduce_bf16, "fp8": lambda g: reduce_fp8(g, comm)}
     bound = BOUNDS.get(spec.base, DEFAULT_BOUND)
@@ -323,7 +345,11 @@ def _measure(
     for name in reductions:
         console.print(f"  {name} reduce-scatter", highlight=False)
         try:
-            curves[name], step_ms[name] = train(spec, reducers[name], data, ranks, options, device, source, console)
+            if deadline is not None and time.perf_counter() > deadline:
+                raise DeadlineError("not started: --deadline-s has passed")
+            curves[name], step_ms[name] = train(
+                spec, reducers[name], data, ranks, options, device, source, console, deadline
+            )
         except Exception as error:  # a benchmark row, not a test: report it and go on
             so_far = reduction_row(spec.name, curves, bound, time.perf_counter() - start, step_ms) if curves else None
             return replace(so_far or ReductionRow(spec.name), error=f"{type(error).__name__}: {first_line(error)}")
@@ -397,13 +423,14 @@ def run_reduce_scatter_fidelity(
     rank_batch: int,
     included: Sequence[pathlib.Path] = (),
     reductions: Sequence[str] = REDUCTIONS,
+    deadline: float | None = None,
     console: Console | None = None,
 ) -> int:
     """Trains each of `runs` with each of `reductions`; prints the table, writes
     reduce_scatter_fidelity.json/.md/.png (after each reduction), the rows of the `included` reports
     first (a run's rows of different reductions made one); 1 if a run failed. ValueError if an
     included report is unreadable, was trained differently, or already holds one of `runs` with
-    one of `reductions`."""
+    one of `reductions`. `deadline` (a `time.perf_counter()` value): see `_measure`."""
     console = console or console_for_logs()
     device = options.torch_device()
     source = resolve_model_source(options.model_source)
@@ -444,6 +471,7 @@ def run_reduce_scatter_fidelity(
         source=source,
         console=console,
         reductions=reductions,
+        deadline=deadline,
         on_reduction=lambda row: write_report(out, report, merge_rows([*earlier, *new, row]), console),
     )
     for row in each_run(runs, device, console, measure, ReductionRow):
@@ -560,10 +588,17 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.ArgumentPars
         help="an earlier call's reduce_scatter_fidelity.json of the same training: its rows join this call's "
         "table and plot (repeatable)",
     )
+    parser.add_argument(
+        "--deadline-s",
+        type=positive_seconds,
+        metavar="SECONDS",
+        help="stop or skip a reduction that would end more than this many seconds after the start (default: none)",
+    )
     return parser, parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    start = time.perf_counter()
     parser, args = parse_args(argv)
     try:
         runs = select_runs(args.runs) if args.runs else []
@@ -604,6 +639,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rank_batch=rank_batch,
             included=args.include,
             reductions=[name for name in REDUCTIONS if name in reductions],
+            deadline=None if args.deadline_s is None else start + args.deadline_s,
         )
     except ValueError as error:
         parser.error(str(error))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import types
 
 import pytest
 import reduce_scatter_fidelity
@@ -190,6 +191,43 @@ def test_a_run_stopped_in_its_second_reduction_keeps_the_first(tmp_path, monkeyp
     assert joined["fp8_vs_bf16"] == joined["fp8_final_loss"] / joined["bf16_final_loss"] - 1
 
 
+@pytest.mark.parametrize(
+    ("deadline_s", "begins", "ends"),
+    [
+        ("1", "DeadlineError: not started: --deadline-s has passed", "has passed"),
+        (
+            "5",
+            "DeadlineError: stopped after step 2: its 18 steps left at 1000 ms would end ",
+            " s past --deadline-s; train it in a call of its own",
+        ),
+    ],
+)
+def test_a_reduction_that_would_end_past_the_deadline_stops_or_does_not_start(
+    tmp_path, monkeypatch, deadline_s, begins, ends
+):
+    """--deadline-s, on a clock that advances one second each time the script reads it: the first
+    reduction finds the deadline passed before it starts, or at its first tenth (2 of 20 steps)
+    projects the rest past it and stops; its row says which, with no curve, and the call fails."""
+    ticks = itertools.count()
+    monkeypatch.setattr(reduce_scatter_fidelity, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    command = [*TINY, "--steps", "20", "--runs", "bf16:eager", "--deadline-s", deadline_s, "--out", str(tmp_path)]
+    assert main(command) == 1
+    (row,) = json.loads((tmp_path / "reduce_scatter_fidelity.json").read_text())["rows"]
+    assert row["error"].startswith(begins), row["error"]
+    assert row["error"].endswith(ends), row["error"]
+    assert (row["bf16_losses"], row["fp8_losses"]) == ([], [])
+
+
+def test_a_deadline_the_reductions_end_before_changes_nothing(tmp_path):
+    common = [*TINY, "--steps", "3", "--runs", "fp8:hp:eager"]
+    assert main([*common, "--out", str(tmp_path / "free")]) == 0
+    assert main([*common, "--deadline-s", "600", "--out", str(tmp_path / "deadline")]) == 0
+    (free,) = json.loads((tmp_path / "free" / "reduce_scatter_fidelity.json").read_text())["rows"]
+    (deadline,) = json.loads((tmp_path / "deadline" / "reduce_scatter_fidelity.json").read_text())["rows"]
+    assert not deadline["error"]
+    assert (deadline["bf16_losses"], deadline["fp8_losses"]) == (free["bf16_losses"], free["fp8_losses"])
+
+
 def _dequantized_chunk(x: torch.Tensor) -> torch.Tensor:
     """One rank's chunk (whole 128-element blocks) through quant-core's reference blockwise FP8 (E4M3, 1 x 128)."""
     quantized = quant_core.quantize_fp8_blockwise_reference(x.float().reshape(-1, 128), (1, 128), torch.float8_e4m3fn)
@@ -254,6 +292,7 @@ def test_one_steps_reduced_gradients_equal_each_ranks_gradient_reduced_by_hand()
         (["--ranks", "0"], "--ranks: must be >= 1"),
         (["--reductions", "fp16"], "--reductions: 'fp16': name bf16, fp8 or both, once each"),
         (["--reductions", "fp8,fp8"], "--reductions: 'fp8,fp8': name bf16, fp8 or both"),
+        (["--deadline-s", "0"], "--deadline-s: must be > 0 seconds, got 0"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line_naming_them(arguments, message, capsys):
