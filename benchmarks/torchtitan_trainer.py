@@ -53,6 +53,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from _arguments import Parser, positive, positive_seconds, whole_number
+
 HERE = Path(__file__).resolve().parent
 TOKENIZER = HERE / "assets" / "torchtitan_tokenizer"
 CONVERTER = "quant_linear"
@@ -526,14 +528,14 @@ def torchtitan_command(name: str, args: argparse.Namespace, data: Path, dump: Pa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="torchtitan_trainer.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", default=DEFAULT_RUNS, help=f"comma-separated (default {DEFAULT_RUNS})")
-    parser.add_argument("--repeats", type=int, default=2, help="processes per run, alternating over the runs")
-    parser.add_argument("--layers", type=int, default=8, help="decoder layers of Llama 3 8B's shapes (1-32)")
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=1, help="local batch size")
-    parser.add_argument("--steps", type=int, default=25)
-    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
+    parser.add_argument("--repeats", type=positive, default=2, help="processes per run, alternating over the runs")
+    parser.add_argument("--layers", type=positive, default=8, help="decoder layers of Llama 3 8B's shapes (1-32)")
+    parser.add_argument("--seq-len", type=positive, default=4096)
+    parser.add_argument("--batch", type=positive, default=1, help="local batch size")
+    parser.add_argument("--steps", type=positive, default=25)
+    parser.add_argument("--warmup", type=whole_number, default=5, help="steps left out of the medians")
     parser.add_argument(
         "--ac",
         choices=("op", "none", "full"),
@@ -544,16 +546,23 @@ def main(argv: list[str] | None = None) -> int:
         "--no-fsdp", dest="fsdp", action="store_false", help="train as torchtitan does on one GPU: without FSDP"
     )
     parser.add_argument(
-        "--deadline-s", type=float, default=450.0, help="start no run that would end after this many seconds"
+        "--deadline-s", type=positive_seconds, default=450.0, help="start no run that would end after this many seconds"
     )
-    parser.add_argument("--run-timeout-s", type=float, default=240.0)
+    parser.add_argument("--run-timeout-s", type=positive_seconds, default=240.0)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "results")) / "torchtitan")
     args = parser.parse_args(argv)
     runs = [r for r in args.runs.split(",") if r]
     for name in runs:
-        run_flags(name)  # unknown names fail before anything runs
+        try:
+            run_flags(name)  # unknown names fail before anything runs
+        except ValueError as error:
+            parser.error(f"--runs: {error}")
+    if not runs:
+        parser.error("--runs: name at least one run")
     if not 1 <= args.layers <= 32:
         parser.error(f"--layers {args.layers}: Llama 3 8B has 32 layers; give 1 to 32")
+    if not 0 <= args.warmup < args.steps:
+        parser.error(f"--warmup {args.warmup}: give 0 to --steps - 1 ({args.steps - 1}), so that some steps are timed")
     args.out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="torchtitan_trainer_"))  # the text set and torchtitan's dump folder
     data = write_text_set(scratch / "data")

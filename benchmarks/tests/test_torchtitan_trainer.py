@@ -168,3 +168,25 @@ def test_the_text_set_is_deterministic_json_lines_of_the_size_asked(tmp_path):
     texts = [json.loads(line)["text"] for line in first.splitlines()]
     assert all(texts)
     assert len(set(texts)) == len(texts)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--runs", "fp8"], "--runs: unknown run 'fp8'"),
+        (["--runs", ","], "--runs: name at least one run"),
+        (["--repeats", "0"], "--repeats: must be >= 1, got 0"),
+        (["--layers", "33"], "--layers 33: Llama 3 8B has 32 layers; give 1 to 32"),
+        (["--steps", "5", "--warmup", "5"], "--warmup 5: give 0 to --steps - 1 (4)"),
+        (["--deadline-s", "-1"], "--deadline-s: must be > 0 seconds, got -1"),
+        (["--run-timeout-s", "0"], "--run-timeout-s: must be > 0 seconds, got 0"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line_naming_them_before_anything_runs(arguments, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        titan.main([*arguments, "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
