@@ -42,6 +42,7 @@ from quant_fsdp._amax import HistorySyncHook, amax_histories
 from quant_fsdp._context import ShardedWeight
 from quant_fsdp._quantize_on_gather import QuantizeOnGatherTensor
 from quant_fsdp._reduce_scatter import QuantizedReduceScatter
+from quant_fsdp._reduce_scatter import install as install_reduce_scatter
 from quant_tensors import QuantizedTensor
 
 logger = logging.getLogger("quant_fsdp")
@@ -131,11 +132,7 @@ def fully_shard(
             owner.register_parameter(attribute, torch.nn.Parameter(wrapped, requires_grad=param.requires_grad))
     torch_fully_shard(module, **{**kwargs, "mesh": mesh})
     if reduce_scatter_comm is not None:
-        module.set_custom_reduce_scatter(reduce_scatter_comm)
-        if reduce_scatter_comm.stochastic_rounding or reduce_scatter_comm.error_feedback:
-            trained = [param for *_, param in managed if param.requires_grad]
-            device = next((p.device for p in module.parameters()), torch.device(mesh.device_type))
-            reduce_scatter_comm.bind(module, mesh, _reduce_scatter_numel(trained, world_size), device)
+        install_reduce_scatter(module, reduce_scatter_comm)
     if amax_histories(module):  # [Note: shared amax histories]
         HistorySyncHook(tuple(mesh.get_group(d) for d in range(mesh.ndim))).register(module)
     _attach_init_value_shards(module, init_values, mesh)
@@ -161,17 +158,6 @@ def _reduce_scatter_comm(option: Any) -> QuantizedReduceScatter | None:
         f'reduce_scatter={option!r}: use None (FSDP2\'s own reduce-scatter), "fp8" or a '
         "quant_fsdp.QuantizedReduceScatter(...); another torch ReduceScatter goes to module.set_custom_reduce_scatter"
     )
-
-
-def _reduce_scatter_numel(params: list[torch.nn.Parameter], world_size: int) -> int:
-    """The numel of FSDP2's reduce-scatter input for gradients of these parameters: each (its local
-    tensor under tensor parallelism) padded along dim 0 to a multiple of the shard group size."""
-    total = 0
-    for param in params:
-        local = param.to_local() if isinstance(param, DTensor) else param
-        rows = local.shape[0] if local.dim() else 1
-        total += -(-rows // world_size) * world_size * (local.numel() // rows if rows else 0)
-    return total
 
 
 def _drop_derivable_columnwise(weight: QuantizedTensor) -> None:

@@ -54,6 +54,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 # torch.distributed.fsdp does not export it (2.11 to 2.13); FSDPModule.set_custom_reduce_scatter takes one.
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
@@ -285,6 +286,30 @@ class QuantizedReduceScatter(ReduceScatter):
         quant_core.dequantize_sum_fp8_chunks(
             received, chunk, self.block_size, self.dtype, average=average, out=out.view(-1)
         )
+
+
+def install(module: FSDPModule, comm: QuantizedReduceScatter) -> None:
+    """Makes `comm` the gradient reduce-scatter of `module`, which torch's or quant_fsdp's
+    fully_shard has sharded, and binds a comm that keeps state to it (`bind`). The residual's size
+    comes from FSDP2's record of the parameters it manages: the reduce-scatter input holds each
+    trained parameter's shard, padded along dim 0, once per rank of the shard group."""
+    module.set_custom_reduce_scatter(comm)
+    if not (comm.stochastic_rounding or comm.error_feedback):
+        return
+    group = module._get_fsdp_state()._fsdp_param_group  # torch 2.11 to 2.13
+    if group is None:  # no parameters of its own: FSDP2 never calls its reduce-scatter
+        return
+    trained = [p for p in group.fsdp_params if p.sharded_param.requires_grad]
+    shard_size = sum(p.padded_sharded_param_size.numel() for p in trained)
+    device = group.fsdp_params[0].sharded_param.device
+    # The state goes into the module a wrapper wraps (activation checkpointing's CheckpointWrapper,
+    # torch.compile's OptimizedModule): DCP's state-dict names skip the wrappers, so a buffer of
+    # the wrapper itself would not load back.
+    while isinstance(
+        inner := getattr(module, "_checkpoint_wrapped_module", getattr(module, "_orig_mod", None)), torch.nn.Module
+    ):
+        module = inner
+    comm.bind(module, group.mesh_info.mesh, shard_size * group.mesh_info.shard_mesh_size, device)
 
 
 def _is_average(op: dist.ReduceOp | dist.ReduceOp.RedOpType) -> bool:

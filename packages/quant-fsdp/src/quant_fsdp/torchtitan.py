@@ -8,8 +8,12 @@ initialised by torchtitan's `init_weights` with the model's own initialisers, in
 and then quantized when the weights are quantized). torchtitan's parallelize function then shards
 the model with torch's `fully_shard`, which gathers quantized bytes (the gather hooks are methods
 of the quantized tensors; each quantized weight's quantizer holds a quant_fsdp context, so its
-gathers count in `comm_stats()`). docs/integrations.md shows a config registry entry that lists the
-converter beside quant-optim's FusedAdam optimizer config.
+gathers count in `comm_stats()`). With `reduce_scatter="fp8"` the converter also wraps the root
+config: the model it builds installs a `QuantizedReduceScatter` on each of its FSDP2 modules when
+torchtitan initialises it (`init_states`, which the Trainer calls after the parallelize function
+and before loading a checkpoint, so that error feedback's residuals load with it).
+docs/integrations.md shows a config registry entry that lists the converter beside quant-optim's
+FusedAdam optimizer config.
 
 Limits: data parallelism (FSDP2, HSDP) only, under torchtitan's "partial_dtensor" backend
 (`QuantLinear.parallelize`, which torchtitan calls for tensor parallelism and for the other
@@ -18,10 +22,12 @@ backends, refuses with the fix named).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter  # torch 2.11 to 2.13
 from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.components.quantization.utils import has_quantization
 from torchtitan.distributed import ParallelDims
@@ -31,6 +37,8 @@ from torchtitan.protocols.module import Module
 
 import quant_tensors as qt
 from quant_fsdp._context import ShardedWeight
+from quant_fsdp._reduce_scatter import QuantizedReduceScatter
+from quant_fsdp._reduce_scatter import install as install_reduce_scatter
 from quant_fsdp.linear_selection import recipe_of, select_linears
 
 __all__ = ["QuantLinear", "QuantLinearConverter", "unfuse_qkv"]
@@ -106,10 +114,29 @@ class QuantLinearConverter(QuantizationConverter):
         weight_columnwise_on_demand: bool = False
         """Weights keep rowwise data only and derive the dgrad GEMM's operand in each backward: the
         quantized weights' memory and gathered bytes halve (every recipe but "mxfp8"; docs/formats.md)."""
+        reduce_scatter: str | None = None
+        """None: FSDP2's own gradient reduce-scatter; "fp8": `quant_fsdp.QuantizedReduceScatter` on every
+        FSDP2 module of the model, with the four options below (docs/fsdp.md)."""
+        reduce_scatter_dtype: str = "float8_e4m3fn"
+        """The FP8 reduce-scatter's code dtype: "float8_e4m3fn" or "float8_e5m2"."""
+        reduce_scatter_block_size: int = 128
+        """Elements per scale of the FP8 reduce-scatter: 16, 32, 64 or 128."""
+        reduce_scatter_stochastic_rounding: bool = False
+        """Round the FP8 reduce-scatter's codes stochastically."""
+        reduce_scatter_error_feedback: bool = False
+        """Carry what each FP8 reduce-scatter did not send into the next (residuals saved with the model)."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
         self.recipe = _recipe(config.recipe_name, config.weight_columnwise_on_demand, "QuantLinearConverter.Config")
+        self.reduce_scatter = _reduce_scatter_options(config)
+        if self.reduce_scatter is not None:
+            try:
+                QuantizedReduceScatter(**self.reduce_scatter)  # refuses a bad block size now
+            except ValueError as error:
+                raise ValueError(
+                    f"QuantLinearConverter.Config(reduce_scatter_block_size={config.reduce_scatter_block_size!r}): {error}"
+                ) from None
 
     def convert(self, model_config: Module.Config) -> Module.Config:
         """Swaps every selected Linear config in `model_config` (in place; returns the root)."""
@@ -141,7 +168,83 @@ class QuantLinearConverter(QuantizationConverter):
                 weight_columnwise_on_demand=self.config.weight_columnwise_on_demand,
             )
             model_config = _replaced(model_config, parent, attribute, replacement)
+        if self.reduce_scatter is not None:
+            model_config = _with_fp8_reduce_scatter(model_config, self.reduce_scatter)
         return model_config
+
+
+def _reduce_scatter_options(config: QuantLinearConverter.Config) -> dict[str, Any] | None:
+    """QuantizedReduceScatter's keyword arguments from the converter's `reduce_scatter*` fields, or
+    None for FSDP2's own reduce-scatter; a ValueError naming the field and its choices."""
+    if config.reduce_scatter is None:
+        return None
+    if config.reduce_scatter != "fp8":
+        raise ValueError(
+            f"QuantLinearConverter.Config(reduce_scatter={config.reduce_scatter!r}): use None (FSDP2's own "
+            'reduce-scatter) or "fp8" (quant_fsdp.QuantizedReduceScatter)'
+        )
+    dtypes = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+    if config.reduce_scatter_dtype not in dtypes:
+        raise ValueError(
+            f"QuantLinearConverter.Config(reduce_scatter_dtype={config.reduce_scatter_dtype!r}): use "
+            '"float8_e4m3fn" or "float8_e5m2"'
+        )
+    return {
+        "dtype": dtypes[config.reduce_scatter_dtype],
+        "block_size": config.reduce_scatter_block_size,
+        "stochastic_rounding": config.reduce_scatter_stochastic_rounding,
+        "error_feedback": config.reduce_scatter_error_feedback,
+    }
+
+
+def _with_fp8_reduce_scatter(root: Module.Config, options: dict[str, Any]) -> Module.Config:
+    """`root` as an instance of a subclass of its config class whose `build` returns the same model,
+    except that the model's `init_states` first gives each FSDP2 module in it a
+    `QuantizedReduceScatter(**options)` of its own (as torchtitan's LoRA converter subclasses
+    configs to adjust what they build). torchtitan initialises the model after its parallelize
+    function and before it loads a checkpoint, so the modules are sharded by then and the error
+    feedback residuals exist, zeroed, when the checkpoint is loaded into them."""
+    config_class = type(root)
+
+    def build(self: Module.Config, **kwargs: Any) -> Module:
+        model = config_class.build(self, **kwargs)
+        init_states = model.init_states
+
+        def init_states_with_fp8_reduce_scatter(*args: Any, **kwargs: Any) -> None:
+            # One module per FSDP2 state: torchtitan shards [norm, lm_head] as one group.
+            states = {}
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    states.setdefault(id(module._get_fsdp_state()), module)
+            sharded = list(states.values())
+            for module in sharded:
+                _check_own_reduce_scatter(module)
+            for module in sharded:
+                # torchtitan sets a gradient divide factor of 1 (PREMUL_SUM), which this comm
+                # takes as a SUM with the factor applied around it.
+                module.set_force_sum_reduction_for_comms(True)
+                install_reduce_scatter(module, QuantizedReduceScatter(**options))
+            init_states(*args, **kwargs)
+
+        model.init_states = init_states_with_fp8_reduce_scatter
+        return model
+
+    subclass = type(f"FP8ReduceScatter{config_class.__name__}", (config_class,), {"build": build})
+    subclass.__qualname__ = f"FP8ReduceScatter{config_class.__qualname__}"
+    return subclass(**{f.name: getattr(root, f.name) for f in fields(root) if f.init})
+
+
+def _check_own_reduce_scatter(module: FSDPModule) -> None:
+    """Refuses a module whose reduce-scatter is neither FSDP2's default nor ours (an earlier
+    initialisation's): another comm set by the parallelize function, e.g. symmetric memory's."""
+    group = module._get_fsdp_state()._fsdp_param_group  # torch 2.11 to 2.13
+    comm = None if group is None else group._reduce_scatter_comm
+    if comm is not None and not isinstance(comm, (DefaultReduceScatter, QuantizedReduceScatter)):
+        raise ValueError(
+            f"QuantLinearConverter.Config(reduce_scatter='fp8'): an FSDP2 module of the model already reduce-scatters "
+            f"with {type(comm).__name__}, which the FP8 reduce-scatter would replace; set "
+            "parallelism.enable_fsdp_symm_mem = False or leave reduce_scatter=None"
+        )
 
 
 def _recipe(recipe_name: str, weight_columnwise_on_demand: bool, owner: str) -> qt.Recipe:
