@@ -23,6 +23,7 @@ backends, refuses with the fix named).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from types import MethodType
 from typing import Any
 
 import torch
@@ -206,27 +207,26 @@ def _with_fp8_reduce_scatter(root: Module.Config, options: dict[str, Any]) -> Mo
     feedback residuals exist, zeroed, when the checkpoint is loaded into them."""
     config_class = type(root)
 
+    def init_states_with_fp8_reduce_scatter(model: Module, *args: Any, **kwargs: Any) -> None:
+        # One module per FSDP2 state: torchtitan shards [norm, lm_head] as one group.
+        states = {}
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                states.setdefault(id(module._get_fsdp_state()), module)
+        sharded = list(states.values())
+        for module in sharded:
+            _check_own_reduce_scatter(module)
+        for module in sharded:
+            # torchtitan sets a gradient divide factor of 1 (PREMUL_SUM), which this comm takes
+            # as a SUM with the factor applied around it.
+            module.set_force_sum_reduction_for_comms(True)
+            install_reduce_scatter(module, QuantizedReduceScatter(**options))
+        type(model).init_states(model, *args, **kwargs)
+
     def build(self: Module.Config, **kwargs: Any) -> Module:
         model = config_class.build(self, **kwargs)
-        init_states = model.init_states
-
-        def init_states_with_fp8_reduce_scatter(*args: Any, **kwargs: Any) -> None:
-            # One module per FSDP2 state: torchtitan shards [norm, lm_head] as one group.
-            states = {}
-            for module in model.modules():
-                if isinstance(module, FSDPModule):
-                    states.setdefault(id(module._get_fsdp_state()), module)
-            sharded = list(states.values())
-            for module in sharded:
-                _check_own_reduce_scatter(module)
-            for module in sharded:
-                # torchtitan sets a gradient divide factor of 1 (PREMUL_SUM), which this comm
-                # takes as a SUM with the factor applied around it.
-                module.set_force_sum_reduction_for_comms(True)
-                install_reduce_scatter(module, QuantizedReduceScatter(**options))
-            init_states(*args, **kwargs)
-
-        model.init_states = init_states_with_fp8_reduce_scatter
+        # A method bound to the model: a deep copy of it (a pipeline stage) binds to the copy.
+        model.init_states = MethodType(init_states_with_fp8_reduce_scatter, model)
         return model
 
     subclass = type(f"FP8ReduceScatter{config_class.__name__}", (config_class,), {"build": build})
