@@ -284,6 +284,63 @@ def gpu_time_by_group(trace_events: Sequence[dict]) -> dict[str, float]:
     return totals
 
 
+IDLE_SPANS = (
+    "FSDP::root_pre_forward",
+    "FSDP::pre_forward",
+    "FSDP::post_forward",
+    "FSDP::pre_backward",
+    "FSDP::backward_prefetch",
+    "FSDP::root_post_backward",
+    "FSDP::post_backward",
+    "## Call CompiledFxGraph",
+    "Optimizer.zero_grad#",
+    "Optimizer.step#",
+)
+"""The host spans `gpu_idle_by_launching_span` names (torch.profiler's names, matched as prefixes;
+the first match names a span): FSDP2's hooks, the compiled graphs' Python, the optimizer."""
+
+
+def gpu_idle_by_launching_span(trace_events: Sequence[dict]) -> dict[str, float]:
+    """Microseconds the GPU runs nothing, between its first and last work of a chrome trace's
+    `traceEvents`, by what the host was running when it launched the work that ends each gap: the
+    innermost span of IDLE_SPANS around that launch (by its IDLE_SPANS prefix), else "elsewhere"
+    (eager ops, autograd's engine, the training loop), or "launch not traced". A gap the GPU waits
+    through has the host behind it: these are the spans to make cheaper."""
+    launches: dict[object, float] = {}
+    spans: list[tuple[float, float, str]] = []
+    work: list[tuple[float, float, object]] = []
+    for event in trace_events:
+        if event.get("ph") != "X":
+            continue
+        category, name = event.get("cat"), event.get("name", "")
+        start, end = float(event.get("ts", 0)), float(event.get("ts", 0)) + float(event.get("dur", 0))
+        if category in ("cuda_runtime", "cuda_driver") and "correlation" in event.get("args", {}):
+            launches[event["args"]["correlation"]] = start
+        elif category in ("cpu_op", "user_annotation"):
+            label = next((prefix for prefix in IDLE_SPANS if name.startswith(prefix)), None)
+            if label is not None:
+                spans.append((start, end, label))
+        elif category in ("kernel", "gpu_memcpy", "gpu_memset"):
+            work.append((start, end, event.get("args", {}).get("correlation")))
+    idle: dict[str, float] = {}
+    work.sort(key=lambda w: w[0])
+    busy_until = work[0][1] if work else 0.0
+    for start, end, correlation in work[1:]:
+        if start > busy_until:
+            launched = launches.get(correlation)
+            around = [s for s in spans if launched is not None and s[0] <= launched <= s[1]]
+            label = (
+                max(around, key=lambda s: (s[0], -s[1]))[2]
+                if around
+                else "elsewhere"
+                if launched is not None
+                else "launch not traced"
+            )
+            idle[label] = idle.get(label, 0.0) + start - busy_until
+        busy_until = max(busy_until, end)
+    return idle
+
+
 def kernel_intervals(trace_events: Sequence[dict]) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
     """(communication, compute) intervals in microseconds of the GPU kernels in a chrome trace's
     `traceEvents` (torch.profiler's export_chrome_trace): NCCL kernels (names containing "nccl")

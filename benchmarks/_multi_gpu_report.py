@@ -53,6 +53,10 @@ class Row:
     gpu_ms_by_group: dict[str, float] = field(default_factory=dict)
     """Per step, rank 0: GPU time by kernel group (_multi_gpu_measure.GPU_GROUPS, "copies only",
     "idle"); medians (--profile on a GPU only)."""
+    gpu_idle_ms_by_span: dict[str, float] = field(default_factory=dict)
+    """Per step, rank 0: the GPU's idle time by the host span whose launch ended it
+    (_multi_gpu_measure.gpu_idle_by_launching_span); medians, a span absent from a repeat 0 there
+    (--profile on a GPU only)."""
     error: str = ""
     exit_codes: list[int] = field(default_factory=list)
 
@@ -94,6 +98,10 @@ def build_row(run: str, launches: Sequence[dict]) -> Row:
     groups = [g for r in results for g in r.get("gpu_ms_by_group") or {}]
     row.gpu_ms_by_group = {
         g: _median([(r.get("gpu_ms_by_group") or {}).get(g) for r in results]) for g in dict.fromkeys(groups)
+    }
+    idle = [r["gpu_idle_ms_by_span"] for r in results if r.get("gpu_idle_ms_by_span") is not None]
+    row.gpu_idle_ms_by_span = {
+        span: statistics.median(i.get(span, 0.0) for i in idle) for span in dict.fromkeys(s for i in idle for s in i)
     }
     return row
 
@@ -258,6 +266,21 @@ def markdown(report: dict, rows: Sequence[Row]) -> str:
             table(
                 ["run", *groups],
                 [[r.run, *(_value(r.gpu_ms_by_group.get(g), ".1f") for g in groups)] for r in profiled],
+            ),
+        ]
+    waited = [r for r in rows if r.gpu_idle_ms_by_span]
+    if waited:
+        spans = sorted(
+            {s for r in waited for s in r.gpu_idle_ms_by_span},
+            key=lambda s: -max(r.gpu_idle_ms_by_span.get(s, 0.0) for r in waited),
+        )
+        lines += [
+            "",
+            "GPU idle ms per step by the host span that launched the work ending each gap (rank 0, profiled steps):",
+            "",
+            table(
+                ["run", *spans],
+                [[r.run, *(_value(r.gpu_idle_ms_by_span.get(s, 0.0), ".1f") for s in spans)] for r in waited],
             ),
         ]
     return "\n".join(lines) + "\n"

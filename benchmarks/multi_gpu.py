@@ -81,6 +81,9 @@ Columns of DIR/multi_gpu.md (DIR/multi_gpu.json holds the same and every launch)
   profiled steps by what launched it (_multi_gpu_measure.gpu_time_by_group: the optimizer, FSDP2's
   gradient reduction and weight gathers, GEMMs and attention, Inductor's kernels, quant-core's
   quantize kernels, the rest), and how long only copies ran and nothing ran; medians over repeats.
+- GPU idle ms by host span (--profile, a third table): each gap in which rank 0's GPU runs
+  nothing, by the host span (FSDP2 hook, compiled graph, optimizer, else elsewhere) that launched
+  the work ending it (_multi_gpu_measure.gpu_idle_by_launching_span): where the host holds the GPU up.
 - error: the first line of what a run raised; a launch that exits non-zero without a result
   takes the error a rank printed, else its exit code. The other runs go on.
 """
@@ -118,6 +121,7 @@ from _multi_gpu_measure import (
     count_collectives,
     dynamo_counts,
     exposed_time,
+    gpu_idle_by_launching_span,
     gpu_time_by_group,
     gradient_bytes,
     host_time_by_kind,
@@ -273,6 +277,7 @@ def _profile(
         "gpu_compute_ms": sum(end - start for start, end in union(compute)) * per_step_ms if compute else None,
         "host_ms": {kind: us * per_step_ms for kind, us in host_time_by_kind(events).items()},
         "gpu_ms_by_group": {group: us * per_step_ms for group, us in gpu_time_by_group(events).items()},
+        "gpu_idle_ms_by_span": {span: us * per_step_ms for span, us in gpu_idle_by_launching_span(events).items()},
     }
 
 
@@ -305,6 +310,7 @@ def summarize(spec: RunSpec, options: Options, per_rank: list[dict], device: tor
         "exposed_comm_ms": per_rank[0].get("exposed_comm_ms"),
         "gpu_compute_ms": per_rank[0].get("gpu_compute_ms"),
         "gpu_ms_by_group": per_rank[0].get("gpu_ms_by_group"),
+        "gpu_idle_ms_by_span": per_rank[0].get("gpu_idle_ms_by_span"),
         "host_ms": per_rank[0].get("host_ms", {}),
         "trace": per_rank[0].get("trace"),
     }
