@@ -302,10 +302,13 @@ the first match names a span): FSDP2's hooks, the compiled graphs' Python, the o
 
 def gpu_idle_by_launching_span(trace_events: Sequence[dict]) -> dict[str, float]:
     """Microseconds the GPU runs nothing, between its first and last work of a chrome trace's
-    `traceEvents`, by what the host was running when it launched the work that ends each gap: the
-    innermost span of IDLE_SPANS around that launch (by its IDLE_SPANS prefix), else "elsewhere"
-    (eager ops, autograd's engine, the training loop), or "launch not traced". A gap the GPU waits
-    through has the host behind it: these are the spans to make cheaper."""
+    `traceEvents`, by where the host launched the work on either side of each gap, as
+    "BEFORE -> AFTER": BEFORE for the work whose end opens the gap, AFTER for the work that closes
+    it. Each is the innermost span of IDLE_SPANS around the launch (by its IDLE_SPANS prefix), else
+    "elsewhere" (eager ops, autograd's engine, the training loop), or "not traced". The GPU waits
+    through a gap for the host: the host time between those two launches is what to make cheaper
+    ("## Call CompiledFxGraph -> ## Call CompiledFxGraph": launches within one graph's call, or
+    from one graph to the next with no hook between)."""
     launches: dict[object, float] = {}
     spans: list[tuple[float, float, str]] = []
     work: list[tuple[float, float, object]] = []
@@ -322,22 +325,23 @@ def gpu_idle_by_launching_span(trace_events: Sequence[dict]) -> dict[str, float]
                 spans.append((start, end, label))
         elif category in ("kernel", "gpu_memcpy", "gpu_memset"):
             work.append((start, end, event.get("args", {}).get("correlation")))
+
+    def launched_in(correlation: object) -> str:
+        launched = launches.get(correlation)
+        if launched is None:
+            return "not traced"
+        around = [s for s in spans if s[0] <= launched <= s[1]]
+        return max(around, key=lambda s: (s[0], -s[1]))[2] if around else "elsewhere"
+
     idle: dict[str, float] = {}
     work.sort(key=lambda w: w[0])
-    busy_until = work[0][1] if work else 0.0
+    busy_until, last = (work[0][1], work[0][2]) if work else (0.0, None)
     for start, end, correlation in work[1:]:
         if start > busy_until:
-            launched = launches.get(correlation)
-            around = [s for s in spans if launched is not None and s[0] <= launched <= s[1]]
-            label = (
-                max(around, key=lambda s: (s[0], -s[1]))[2]
-                if around
-                else "elsewhere"
-                if launched is not None
-                else "launch not traced"
-            )
+            label = f"{launched_in(last)} -> {launched_in(correlation)}"
             idle[label] = idle.get(label, 0.0) + start - busy_until
-        busy_until = max(busy_until, end)
+        if end > busy_until:
+            busy_until, last = end, correlation
     return idle
 
 

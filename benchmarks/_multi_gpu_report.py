@@ -54,11 +54,15 @@ class Row:
     """Per step, rank 0: GPU time by kernel group (_multi_gpu_measure.GPU_GROUPS, "copies only",
     "idle"); medians (--profile on a GPU only)."""
     gpu_idle_ms_by_span: dict[str, float] = field(default_factory=dict)
-    """Per step, rank 0: the GPU's idle time by the host span whose launch ended it
-    (_multi_gpu_measure.gpu_idle_by_launching_span); medians, a span absent from a repeat 0 there
-    (--profile on a GPU only)."""
+    """Per step, rank 0: the GPU's idle time by the host spans that launched the work before and
+    after each gap (_multi_gpu_measure.gpu_idle_by_launching_span); medians, 0 for a repeat
+    without that pair (--profile on a GPU only)."""
     error: str = ""
     exit_codes: list[int] = field(default_factory=list)
+
+
+IDLE_ROWS = 6
+"""Rows per run in the report's table of GPU idle time by launching spans."""
 
 
 def _median(values: Sequence[float | None]) -> float | None:
@@ -219,8 +223,8 @@ def _compact_cells(r: Row) -> list[str]:
 
 
 def table(columns: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
-    """A markdown table: the run and error columns left-aligned, the numbers right-aligned."""
-    rule = " | ".join("---" if column in ("run", "error") else "---:" for column in columns)
+    """A markdown table: the columns of names left-aligned, the numbers right-aligned."""
+    rule = " | ".join("---" if column in ("run", "error", "before -> after") else "---:" for column in columns)
     lines = ["| " + " | ".join(columns) + " |", "| " + rule + " |"]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in cells]
     return "\n".join(lines)
@@ -270,17 +274,18 @@ def markdown(report: dict, rows: Sequence[Row]) -> str:
         ]
     waited = [r for r in rows if r.gpu_idle_ms_by_span]
     if waited:
-        spans = sorted(
-            {s for r in waited for s in r.gpu_idle_ms_by_span},
-            key=lambda s: -max(r.gpu_idle_ms_by_span.get(s, 0.0) for r in waited),
-        )
         lines += [
             "",
-            "GPU idle ms per step by the host span that launched the work ending each gap (rank 0, profiled steps):",
+            f"GPU idle ms per step by the host spans that launched the work before and after each gap (rank 0, "
+            f"profiled steps; each run's {IDLE_ROWS} largest):",
             "",
             table(
-                ["run", *spans],
-                [[r.run, *(_value(r.gpu_idle_ms_by_span.get(s, 0.0), ".1f") for s in spans)] for r in waited],
+                ["run", "before -> after", "idle ms"],
+                [
+                    [r.run, spans, _value(ms, ".1f")]
+                    for r in waited
+                    for spans, ms in sorted(r.gpu_idle_ms_by_span.items(), key=lambda item: -item[1])[:IDLE_ROWS]
+                ],
             ),
         ]
     return "\n".join(lines) + "\n"

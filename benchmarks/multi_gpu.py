@@ -81,9 +81,10 @@ Columns of DIR/multi_gpu.md (DIR/multi_gpu.json holds the same and every launch)
   profiled steps by what launched it (_multi_gpu_measure.gpu_time_by_group: the optimizer, FSDP2's
   gradient reduction and weight gathers, GEMMs and attention, Inductor's kernels, quant-core's
   quantize kernels, the rest), and how long only copies ran and nothing ran; medians over repeats.
-- GPU idle ms by host span (--profile, a third table): each gap in which rank 0's GPU runs
-  nothing, by the host span (FSDP2 hook, compiled graph, optimizer, else elsewhere) that launched
-  the work ending it (_multi_gpu_measure.gpu_idle_by_launching_span): where the host holds the GPU up.
+- GPU idle ms by host spans (--profile, a third table): each gap in which rank 0's GPU runs
+  nothing, by the host spans (FSDP2 hook, compiled graph, optimizer, else elsewhere) that launched
+  the work before and after it (_multi_gpu_measure.gpu_idle_by_launching_span): where the host
+  holds the GPU up; each run's largest pairs.
 - error: the first line of what a run raised; a launch that exits non-zero without a result
   takes the error a rank printed, else its exit code. The other runs go on.
 """

@@ -314,7 +314,7 @@ def test_gpu_time_by_group_follows_the_launching_span_then_the_kernel_name():
     assert measure.gpu_time_by_group([span("FSDP::pre_forward", 0.0, 1.0)]) == {}  # a CPU trace
 
 
-def test_gpu_idle_goes_to_the_innermost_span_launching_the_work_after_each_gap():
+def test_gpu_idle_goes_to_the_innermost_spans_launching_the_work_around_each_gap():
     def launch(correlation, ts):
         return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1.0,
                 "args": {"correlation": correlation}}  # fmt: skip
@@ -325,31 +325,34 @@ def test_gpu_idle_goes_to_the_innermost_span_launching_the_work_after_each_gap()
     def span(name, ts, dur, cat="user_annotation"):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
 
+    graph, hook = "## Call CompiledFxGraph", "FSDP::pre_forward"
     events = [
         span("FSDP::pre_forward (layers.0)", 0.0, 10.0),
         span("FSDP::all_gather (layers.0)", 1.0, 2.0),  # not a span of its own: its hook's
         span("## Call CompiledFxGraph abc ##", 5.0, 4.0, "cpu_op"),  # nested in the pre-forward span
         span("FSDP::post_backward_reduce (layers.0)", 20.0, 10.0),
         span("Optimizer.step#FusedAdam.step", 40.0, 10.0),
-        launch(1, 1.5), gpu(1, 100.0, 10.0),
-        launch(2, 2.0), gpu(2, 105.0, 10.0, "gpu_memcpy"),  # overlaps the first: no gap
-        launch(3, 6.0), gpu(3, 118.0, 2.0),  # gap 115-118 from the compiled graph inside the hook
-        launch(4, 8.0), gpu(4, 121.0, 1.0),  # gap 120-121, the same graph
-        launch(5, 21.0), gpu(5, 130.0, 5.0, "gpu_memset"),  # gap 122-130 from the post-backward hook
-        launch(6, 35.0), gpu(6, 140.0, 5.0),  # gap 135-140 from no span
+        launch(1, 1.5), gpu(1, 100.0, 20.0),  # ends last of the first three
+        launch(2, 2.0), gpu(2, 105.0, 10.0, "gpu_memcpy"),  # inside the first: no gap
+        launch(3, 6.0), gpu(3, 110.0, 2.0),  # inside the first: no gap
+        launch(4, 8.0), gpu(4, 121.0, 1.0),  # gap 120-121: hook -> graph
+        launch(5, 21.0), gpu(5, 130.0, 5.0, "gpu_memset"),  # gap 122-130: graph -> post-backward
+        launch(6, 35.0), gpu(6, 140.0, 5.0),  # gap 135-140: post-backward -> no span
         launch(7, 41.0), gpu(7, 145.0, 5.0),  # right after: no gap
-        launch(8, 3.0), gpu(8, 152.0, 1.0),  # gap 150-152: the pre-forward hook itself
-        gpu(9, 160.0, 1.0),  # gap 153-160, its launch not traced
+        launch(8, 7.0), gpu(8, 152.0, 1.0),  # gap 150-152: optimizer -> graph
+        launch(9, 8.5), gpu(9, 153.5, 1.0),  # gap 153-153.5: graph -> graph
+        gpu(10, 160.0, 1.0),  # gap 154.5-160, its launch not traced
     ]  # fmt: skip
-    assert measure.gpu_idle_by_launching_span(events) == {
-        "## Call CompiledFxGraph": 3.0 + 1.0,
-        "FSDP::post_backward": 8.0,
-        "elsewhere": 5.0,
-        "FSDP::pre_forward": 2.0,
-        "launch not traced": 7.0,
+    idle = measure.gpu_idle_by_launching_span(events)
+    assert idle == {
+        f"{hook} -> {graph}": 1.0,
+        f"{graph} -> FSDP::post_backward": 8.0,
+        "FSDP::post_backward -> elsewhere": 5.0,
+        f"Optimizer.step# -> {graph}": 2.0,
+        f"{graph} -> {graph}": 0.5,
+        f"{graph} -> not traced": 5.5,
     }
-    groups = measure.gpu_time_by_group(events)
-    assert sum(measure.gpu_idle_by_launching_span(events).values()) == groups["idle"]
+    assert sum(idle.values()) == measure.gpu_time_by_group(events)["idle"]
     assert measure.gpu_idle_by_launching_span([span("FSDP::pre_forward", 0.0, 1.0)]) == {}  # a CPU trace
 
 
@@ -367,7 +370,7 @@ def _result(tokens: float, peak: int) -> dict:
         "gpu_compute_ms": 1e3 / tokens / 2,
         "host_ms": {"fsdp_hooks": tokens / 100, "optimizer": 1.0},
         "gpu_ms_by_group": {"optimizer": tokens / 10, "idle": 1.0},
-        "gpu_idle_ms_by_span": {"elsewhere": tokens / 100, **({"FSDP::pre_forward": 3.0} if tokens > 250 else {})},
+        "gpu_idle_ms_by_span": {"a -> b": tokens / 100, **({"c -> d": 3.0} if tokens > 250 else {})},
     }
     return {
         "error": "",
@@ -397,7 +400,7 @@ def test_rows_take_medians_spreads_peaks_and_errors():
     assert row.gpu_compute_ms == 1e3 / 200 / 2
     assert row.host_ms == {"fsdp_hooks": 2.0, "optimizer": 1.0}
     assert row.gpu_ms_by_group == {"optimizer": 20.0, "idle": 1.0}
-    assert row.gpu_idle_ms_by_span == {"elsewhere": 2.0, "FSDP::pre_forward": 0.0}  # 0 where absent
+    assert row.gpu_idle_ms_by_span == {"a -> b": 2.0, "c -> d": 0.0}  # 0 where absent
     assert row.exit_codes == [0, 1, 0, 0]
     assert row.error == "1/4 repeats failed: RuntimeError: out of memory"
     failed = report_rows.build_row("nvfp4:hp:eager", [launches[1]])
@@ -520,11 +523,13 @@ def test_the_markdown_adds_the_kernel_groups_of_profiled_rows():
     text = report_rows.markdown(header, [plain, profiled])
     assert text.endswith("| run | optimizer | idle |\n| --- | ---: | ---: |\n| fp8:qw:compiled | 25.4 | 5.3 |\n")
     assert "kernel group" not in report_rows.markdown(header, [plain])
-    waited = dataclasses.replace(profiled, gpu_idle_ms_by_span={"elsewhere": 1.04, "FSDP::post_backward": 3.96})
-    other = report_rows.Row("bf16:compiled", gpu_idle_ms_by_span={"elsewhere": 2.0})
+    waited = dataclasses.replace(profiled, gpu_idle_ms_by_span={"a -> b": 1.04, "c -> d": 3.96})
+    other = report_rows.Row("bf16:compiled", gpu_idle_ms_by_span={f"x -> {i}": float(i) for i in range(8)})
     text = report_rows.markdown(header, [other, waited])
+    largest = "".join(f"| bf16:compiled | x -> {i} | {i}.0 |\n" for i in range(7, 7 - report_rows.IDLE_ROWS, -1))
     assert text.endswith(
-        "| run | FSDP::post_backward | elsewhere |\n| --- | ---: | ---: |\n"
-        "| bf16:compiled | 0.0 | 2.0 |\n| fp8:qw:compiled | 4.0 | 1.0 |\n"
+        "| run | before -> after | idle ms |\n| --- | --- | ---: |\n"
+        + largest
+        + "| fp8:qw:compiled | c -> d | 4.0 |\n| fp8:qw:compiled | a -> b | 1.0 |\n"
     )
     assert "idle ms" not in report_rows.markdown(header, [plain, profiled])
