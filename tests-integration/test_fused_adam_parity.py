@@ -22,7 +22,7 @@ from quant_optim import FusedAdam
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 CONFIG = TransformerConfig(vocab=128, hidden=128, layers=2, heads=2, sequence=32)
 BATCH = 16
-STEPS = 20
+STEPS = 10
 LR = 1e-3
 LOSS_TOLERANCE = 5e-3  # relative, at every step
 
@@ -67,11 +67,11 @@ def _parity(rank: int, world_size: int, expected: dict[str, tuple[float, ...]]) 
 def test_losses_match_single_process_training(world_2):
     """Every step's loss within 0.5% of one process on the same global batches. The ranks differ
     from one process only in the order gradients are summed and in quantizing activations per
-    slice (per-tensor amaxes of the slice). Observed maxima over the 20 steps (lr 1e-3, CPU,
+    slice (per-tensor amaxes of the slice). Observed maxima over the 10 steps (lr 1e-3, CPU,
     torch 2.13, printed with -s):
 
         fp8      fp8-delayed  mxfp8    fp8-block  nvfp4
-        5.8e-4   1.2e-3       1.2e-7   2.8e-4     1.7e-3
+        4.3e-4   7.8e-4       1.1e-7   1.1e-7     1.4e-3
     """
     world_2.check("parity")
 

@@ -2,17 +2,19 @@
 run that was never interrupted (docs/checkpointing.md, "Interrupted saves").
 
 fp8 quantized weights with FusedAdam on 2 ranks, a DCP save every EVERY steps into a directory of
-its own (`step-<n>`). The interrupted run loses rank 1 to SIGKILL between two saves; fresh ranks
-load the newest directory holding a `.metadata` and train to the end. On gloo (CI: 40 steps, a
-save every 10, the kill at step 25) every loss after the resume equals the uninterrupted run's bit
-for bit. On 2 GPUs over NCCL (the 2-GPU suite: 2000 steps, a save every 500, the kill at step 1250)
-the losses agree within NCCL_TOLERANCE: CUDA's attention backward may sum in another order from
-one run to the next, so two uninterrupted runs need not be bitwise equal either; the largest
-difference is printed.
+its own (`step-<n>`). The interrupted run, in processes of its own, loses rank 1 to SIGKILL between
+two saves; the ranks of another process group load the newest directory holding a `.metadata` and
+train to the end. On gloo (CI: 40 steps, a save every 10, the kill at step 25; the uninterrupted
+and the resumed run on warm ranks, [Note: warm ranks] in quant_lab.testing) every loss after the
+resume equals the uninterrupted run's bit for bit. On 2 GPUs over NCCL (the 2-GPU suite: 2000
+steps, a save every 500, the kill at step 1250) the losses agree within NCCL_TOLERANCE: CUDA's
+attention backward may sum in another order from one run to the next, so two uninterrupted runs
+need not be bitwise equal either; the largest difference is printed.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -26,7 +28,7 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from quant_lab.demo import MarkovTask, TransformerConfig, run_ranks, train
-from quant_lab.testing import quantized_transformer
+from quant_lab.testing import quantized_transformer, run_on_warm_ranks
 from quant_optim import FusedAdam
 
 CONFIG = TransformerConfig(vocab=128, hidden=128, layers=2, heads=2, sequence=32)
@@ -71,13 +73,15 @@ def _run(rank: int, world_size: int, root: pathlib.Path, steps: int, every: int,
 
 
 def _killed_and_resumed(root: pathlib.Path, steps: int, every: int, dies_at: int, backend: str) -> tuple[list, list]:
-    """The uninterrupted run's losses from the resume point on, and the resumed run's."""
-    run_ranks(_run, 2, root / "uninterrupted", steps, every, None, backend=backend)
+    """The uninterrupted run's losses from the resume point on, and the resumed run's. The killed
+    run's ranks are processes of their own; on gloo, the other two runs take warm ranks."""
+    launch = run_on_warm_ranks if backend == "gloo" else functools.partial(run_ranks, backend=backend)
+    launch(_run, 2, root / "uninterrupted", steps, every, None)
     with pytest.raises(mp.ProcessExitedException, match="signal SIGKILL"):
         run_ranks(_run, 2, root / "interrupted", steps, every, dies_at, backend=backend)
     resumed_from = dies_at // every * every
     assert not (root / "interrupted" / f"step-{resumed_from + every}").exists()
-    run_ranks(_run, 2, root / "interrupted", steps, every, None, backend=backend)
+    launch(_run, 2, root / "interrupted", steps, every, None)
     uninterrupted = json.loads((root / "uninterrupted" / "losses-from-0.json").read_text())
     resumed = json.loads((root / "interrupted" / f"losses-from-{resumed_from}.json").read_text())
     return [float.fromhex(h) for h in uninterrupted[resumed_from:]], [float.fromhex(h) for h in resumed]

@@ -39,7 +39,7 @@ RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 LOSS_TOLERANCE = 5e-3  # relative, at every step, as the parity tests
 LR = 3e-4  # as the parity tests
 CONFIG = TransformerConfig(vocab=256, hidden=256, layers=2, heads=4, sequence=64)
-STEPS, BATCH = 10, 8
+STEPS, BATCH = 5, 8
 TASK = MarkovTask(CONFIG.vocab)
 
 
