@@ -8,6 +8,7 @@ weight wrapper all implement.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import inspect
 import resource
@@ -308,10 +309,15 @@ def gpu_idle_by_launching_span(trace_events: Sequence[dict]) -> dict[str, float]
     "elsewhere" (eager ops, autograd's engine, the training loop), or "not traced". The GPU waits
     through a gap for the host: the host time between those two launches is what to make cheaper
     ("## Call CompiledFxGraph -> ## Call CompiledFxGraph": launches within one graph's call, or
-    from one graph to the next with no hook between)."""
+    from one graph to the next with no hook between). ", synced" marks a gap whose host waited for
+    the GPU between the two launches (a `cuda*Synchronize` call, or a copy from or to pageable host
+    memory, which synchronizes): the GPU drained while the host waited, and refills only as fast as
+    the host launches."""
     launches: dict[object, float] = {}
     spans: list[tuple[float, float, str]] = []
     work: list[tuple[float, float, object]] = []
+    syncs: list[float] = []  # host times at which the host waited for the GPU
+    pageable: list[object] = []  # correlations of copies from or to pageable memory
     for event in trace_events:
         if event.get("ph") != "X":
             continue
@@ -325,6 +331,12 @@ def gpu_idle_by_launching_span(trace_events: Sequence[dict]) -> dict[str, float]
                 spans.append((start, end, label))
         elif category in ("kernel", "gpu_memcpy", "gpu_memset"):
             work.append((start, end, event.get("args", {}).get("correlation")))
+            if category == "gpu_memcpy" and "Pageable" in name:
+                pageable.append(event.get("args", {}).get("correlation"))
+        if category in ("cuda_runtime", "cuda_driver") and "Synchronize" in name:
+            syncs.append(start)
+    syncs += [launches[c] for c in pageable if c in launches]
+    syncs.sort()
 
     def launched_in(correlation: object) -> str:
         launched = launches.get(correlation)
@@ -339,6 +351,13 @@ def gpu_idle_by_launching_span(trace_events: Sequence[dict]) -> dict[str, float]
     for start, end, correlation in work[1:]:
         if start > busy_until:
             label = f"{launched_in(last)} -> {launched_in(correlation)}"
+            before, after = launches.get(last), launches.get(correlation)
+            if (
+                before is not None
+                and after is not None
+                and bisect.bisect_left(syncs, before) < bisect.bisect_right(syncs, after)
+            ):
+                label += ", synced"
             idle[label] = idle.get(label, 0.0) + start - busy_until
         if end > busy_until:
             busy_until, last = end, correlation

@@ -355,6 +355,26 @@ def test_gpu_idle_goes_to_the_innermost_spans_launching_the_work_around_each_gap
     assert sum(idle.values()) == measure.gpu_time_by_group(events)["idle"]
     assert measure.gpu_idle_by_launching_span([span("FSDP::pre_forward", 0.0, 1.0)]) == {}  # a CPU trace
 
+    # The host waits for the GPU between two launches: in a synchronize call, or in a copy from
+    # pageable memory; a pinned copy waits for nothing.
+    def copy(correlation, ts, memory):
+        return {"ph": "X", "cat": "gpu_memcpy", "name": f"Memcpy HtoD ({memory} -> Device)", "ts": ts, "dur": 1.0,
+                "args": {"correlation": correlation}}  # fmt: skip
+
+    waited = {**launch(2, 2.0), "name": "cudaStreamSynchronize", "dur": 100.0}
+    synced = [
+        launch(1, 1.0), gpu(1, 100.0, 10.0), waited,
+        launch(3, 103.0), gpu(3, 112.0, 1.0),  # gap 110-112: after the sync
+        launch(4, 104.0), copy(4, 113.0, "Pinned"),
+        launch(5, 105.0), gpu(5, 120.0, 1.0),  # gap 114-120: nothing waited between launches 4 and 5
+        launch(6, 106.0), copy(6, 122.0, "Pageable"),  # gap 121-122: the copy waits at its launch
+        launch(7, 124.0), gpu(7, 130.0, 1.0),  # gap 123-130: after the pageable copy
+    ]  # fmt: skip
+    assert measure.gpu_idle_by_launching_span(synced) == {
+        "elsewhere -> elsewhere, synced": 2.0 + 1.0 + 7.0,
+        "elsewhere -> elsewhere": 6.0,
+    }
+
 
 def _result(tokens: float, peak: int) -> dict:
     collectives = {"all_gather": {"output_bytes": 8}, "reduce_scatter": {"input_bytes": 16}}
