@@ -39,6 +39,7 @@ import os
 import pathlib
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -80,6 +81,7 @@ MODES = ("eager", "compiled", "graphed")
 DEFAULT_RUNS = "*:eager,bf16:compiled,torchao-tensorwise:compiled,fp8:*:compiled"
 DEFAULT_FIDELITY_RUNS = "bf16:eager,*:hp:eager"
 BF16_BASELINE = "bf16:eager"
+BF16_COMPILED = "bf16:compiled"
 TORCHAO_BASELINE = "torchao-tensorwise:compiled"
 SEED = 0
 LEARNING_RATE = 3e-4
@@ -177,7 +179,11 @@ class E2ERow:
     error: str = ""
     """'<type>: <first line>' of what the run raised, or 'skipped: <why>'."""
     step_ms_all: list[float] = field(default_factory=list)
-    """Each timed step's time."""
+    """Each timed step's time (with processes per run: each process's median)."""
+    vs_bf16_compiled: float | None = None
+    """Over bf16 compiled of the same invocation."""
+    tokens_per_s_spread: tuple[float, float] | None = None
+    """With processes per run (`run_e2e_processes`): the lowest and highest process's tokens/s."""
 
 
 def all_runs() -> list[RunSpec]:
@@ -437,11 +443,12 @@ def measure_run(spec: RunSpec, batches: torch.Tensor, options: E2EOptions, devic
 
 def _with_ratios(rows: list[E2ERow]) -> list[E2ERow]:
     speeds = {r.run: r.tokens_per_s for r in rows}
-    bf16, torchao = speeds.get(BF16_BASELINE), speeds.get(TORCHAO_BASELINE)
+    bf16, compiled, torchao = (speeds.get(b) for b in (BF16_BASELINE, BF16_COMPILED, TORCHAO_BASELINE))
     return [
         replace(
             r,
             vs_bf16_eager=r.tokens_per_s / bf16 if r.tokens_per_s and bf16 else None,
+            vs_bf16_compiled=r.tokens_per_s / compiled if r.tokens_per_s and compiled else None,
             vs_torchao_compiled=r.tokens_per_s / torchao if r.tokens_per_s and torchao else None,
         )
         for r in rows
@@ -520,10 +527,14 @@ def format_value(value: float | None, spec: str, suffix: str = "") -> str:
 
 def _cells(r: E2ERow) -> list[str]:
     tokens = None if r.tokens_per_s is None else r.tokens_per_s / 1e3
+    spread = (
+        "" if r.tokens_per_s_spread is None else " ({:.1f}-{:.1f}k)".format(*(t / 1e3 for t in r.tokens_per_s_spread))
+    )
     return [
         r.run,
-        format_value(tokens, ".1f", "k"),
+        format_value(tokens, ".1f", "k") + spread,
         format_value(r.vs_bf16_eager, ".2f", "x"),
+        format_value(r.vs_bf16_compiled, ".2f", "x"),
         format_value(r.vs_torchao_compiled, ".2f", "x"),
         format_value(r.peak_memory_gib, ".1f"),
         format_value(r.host_ms_per_step, ".1f"),
@@ -532,15 +543,33 @@ def _cells(r: E2ERow) -> list[str]:
     ]
 
 
-COLUMNS = ("run", "tokens/s", "vs bf16 eager", "vs torchao tw compiled", "peak GiB", "host ms/step", "loss", "error")
+COLUMNS = (
+    "run",
+    "tokens/s",
+    "vs bf16 eager",
+    "vs bf16 compiled",
+    "vs torchao tw compiled",
+    "peak GiB",
+    "host ms/step",
+    "loss",
+    "error",
+)
 
 
 def markdown(report: dict, rows: list[E2ERow]) -> str:
     """e2e.md: the header and one table row per run, ready for docs/benchmarks.md."""
     lines = [f"## End to end, {report['config_name']} configuration", "", *header_lines(report)]
+    steps = f"{report['num_steps']} steps after {report['num_warmup']} warm-up steps"
+    repeats = report.get("repeats", 1)
     lines.append(
-        f"- Median of {report['num_steps']} steps after {report['num_warmup']} warm-up steps; host ms/step is "
-        "process CPU time over the timed steps; peak GiB is torch.cuda.max_memory_allocated."
+        (
+            f"- Each run in processes of its own, {repeats} per run, launched round-robin: tokens/s is the median "
+            f"(spread: lowest-highest) of the processes' medians of {steps}; host ms/step and loss medians, "
+            "peak GiB the highest."
+            if repeats > 1
+            else f"- Median of {steps}."
+        )
+        + " Host ms/step is process CPU time over the timed steps; peak GiB is torch.cuda.max_memory_allocated."
     )
     lines += ["", "| " + " | ".join(COLUMNS) + " |", "| --- |" + " ---: |" * (len(COLUMNS) - 2) + " --- |"]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in _cells(r)) + " |" for r in rows]
@@ -551,7 +580,9 @@ def _table(report: dict, rows: list[E2ERow]) -> Table:
     c = report["config"]
     table = Table(
         title=f"End to end on {report['device']}: {report['model']}, {format_count(report['num_parameters'])}, "
-        f"{c['batch_size']}x{c['sequence_length']} tokens, median of {report['num_steps']} steps"
+        f"{c['batch_size']}x{c['sequence_length']} tokens, median of "
+        + (f"{report['repeats']} processes' medians of " if report.get("repeats", 1) > 1 else "")
+        + f"{report['num_steps']} steps"
     )
     for column in COLUMNS:
         table.add_column(column, justify="left" if column in ("run", "error") else "right")
@@ -615,4 +646,89 @@ def run_e2e(out: pathlib.Path, runs: Sequence[RunSpec], options: E2EOptions, con
     failed = [r.run for r in rows if r.error and not r.error.startswith("skipped")]
     if failed:
         console.print(f"runs that failed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+E2E_SCRIPT = pathlib.Path(__file__).with_name("e2e.py")
+
+
+def fold_repeats(name: str, rows: Sequence[E2ERow]) -> E2ERow:
+    """One run's row from the rows of its processes: the median tokens/s with its spread, the
+    medians of step time, host time and loss, the highest peak; processes that failed are counted
+    in the error."""
+    good = [r for r in rows if not r.error]
+    errors = [r.error for r in rows if r.error]
+    if not good:
+        return E2ERow(name, error=errors[0] if errors else "no process ran")
+    speeds = [r.tokens_per_s for r in good]
+    peaks = [r.peak_memory_gib for r in good if r.peak_memory_gib is not None]
+    return E2ERow(
+        name,
+        tokens_per_s=statistics.median(speeds),
+        tokens_per_s_spread=(min(speeds), max(speeds)),
+        peak_memory_gib=max(peaks) if peaks else None,
+        host_ms_per_step=statistics.median(r.host_ms_per_step for r in good),
+        step_ms=statistics.median(r.step_ms for r in good),
+        loss=statistics.median(r.loss for r in good),
+        error=f"{len(errors)}/{len(rows)} processes failed: {errors[0]}" if errors else "",
+        step_ms_all=[r.step_ms for r in good],
+    )
+
+
+def _one_process(name: str, argv: Sequence[str], folder: pathlib.Path) -> tuple[E2ERow, dict | None]:
+    """Runs `e2e.py ARGV` (one run, its report into `folder`, its output into folder/e2e.log): the
+    run's row and the report's header, or a row with the error when it wrote no report."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "e2e.json").unlink(missing_ok=True)
+    with (folder / "e2e.log").open("w") as log:
+        exit_code = subprocess.run(
+            [sys.executable, str(E2E_SCRIPT), *argv], stdout=log, stderr=subprocess.STDOUT
+        ).returncode
+    report_path = folder / "e2e.json"
+    if not report_path.exists():
+        return E2ERow(name, error=f"exit code {exit_code} without a report ({folder / 'e2e.log'})"), None
+    report = json.loads(report_path.read_text())
+    (row,) = report.pop("rows")
+    fields = {**row, "tokens_per_s_spread": None}
+    return E2ERow(**fields), report
+
+
+def run_e2e_processes(
+    out: pathlib.Path,
+    runs: Sequence[RunSpec],
+    repeats: int,
+    process_argv: Callable[[RunSpec, pathlib.Path], list[str]],
+    command: str,
+    console: Console | None = None,
+) -> int:
+    """Each run `repeats` times, each time in a process of its own (`e2e.py` with `process_argv(run,
+    folder)`), the runs alternating (run 1, run 2, ..., run 1, ...); one row per run from its
+    processes' rows (`fold_repeats`) into e2e.json and e2e.md in `out`, each process's own report
+    and log in out/processes/. Returns 1 if a process failed."""
+    console = console or console_for_logs()
+    results: dict[str, list[E2ERow]] = {spec.name: [] for spec in runs}
+    header: dict | None = None
+    total, index = repeats * len(runs), 0
+    for repeat in range(1, repeats + 1):
+        for spec in runs:
+            index += 1
+            console.print(f"[{index}/{total}] {spec.name} (repeat {repeat}/{repeats}) ...", highlight=False)
+            folder = out / "processes" / f"{spec.name.replace(':', '_')}.{repeat}"
+            row, report = _one_process(spec.name, process_argv(spec, folder), folder)
+            header = header or report
+            console.print(
+                f"    {row.error or f'{row.tokens_per_s:,.0f} tokens/s, loss {row.loss:.4f}'}", highlight=False
+            )
+            results[spec.name].append(row)
+    rows = _with_ratios([fold_repeats(name, rows) for name, rows in results.items()])
+    if header is None:
+        console.print("no process wrote a report: see the logs in " + str(out / "processes"))
+        return 1
+    report = {**header, "command": command, "repeats": repeats}
+    console.print(_table(report, rows))
+    (out / "e2e.json").write_text(json.dumps({**report, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
+    (out / "e2e.md").write_text(markdown(report, rows))
+    failed = [r.run for r in rows if r.error and not r.error.startswith("skipped")]
+    if failed:
+        console.print(f"runs with a failed process: {', '.join(failed)}")
     return 1 if failed else 0

@@ -1,7 +1,7 @@
 """Train a Llama-style decoder on one device: bf16, torchao float8 and every recipe (_e2e.py says
 what each run does and measures); `--fidelity STEPS` compares how each run trains (_e2e_fidelity.py).
 
-    python benchmarks/e2e.py --device cuda --out results [--runs ...] [--config default|large|tiny]
+    python benchmarks/e2e.py --device cuda --out results [--runs ...] [--config default|large|tiny] [--repeats N]
 
 Writes e2e.json and e2e.md (with --fidelity: e2e_fidelity.json/.md/.png) into --out. Every
 argument is checked before any work starts: a bad value exits with code 2 and one line naming it.
@@ -10,6 +10,7 @@ argument is checked before any work starts: a bad value exits with code 2 and on
 from __future__ import annotations
 
 import argparse
+import functools
 import pathlib
 import shlex
 import sys
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 from _arguments import Parser, positive, seed
-from _e2e import DEFAULT_FIDELITY_RUNS, DEFAULT_RUNS, E2EOptions, run_e2e, select_runs
+from _e2e import DEFAULT_FIDELITY_RUNS, DEFAULT_RUNS, E2EOptions, RunSpec, run_e2e, run_e2e_processes, select_runs
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -57,6 +58,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.ArgumentPars
         default=None,
         help="with high-precision weights, quantize each weight once per step (qt.nn.weight_cache around the "
         "micro-batches) instead of once per micro-batch",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=positive,
+        metavar="N",
+        help="run each run N times, each time in a process of its own, the runs alternating; a row per run "
+        "with the median tokens/s and its spread (default 1: every run in this process)",
     )
     parser.add_argument(
         "--fidelity",
@@ -105,6 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(error))
     if args.baseline is not None and not args.fidelity:
         parser.error("--baseline is the bf16 curve of a fidelity comparison: add --fidelity STEPS")
+    if args.repeats is not None and args.fidelity:
+        parser.error("--repeats times runs in processes of their own: leave out --fidelity, or --repeats")
     if args.workers is not None and not args.fidelity:
         parser.error("--workers spreads the runs of a fidelity comparison: add --fidelity STEPS")
     on_cuda = options.device != "cpu" and torch.cuda.is_available()
@@ -121,7 +131,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_fidelity(
             args.out, runs, options, num_steps=args.fidelity, baseline=args.baseline, workers=args.workers or 1
         )
+    if (args.repeats or 1) > 1:
+        return run_e2e_processes(args.out, runs, args.repeats, functools.partial(_process_argv, args), options.command)
     return run_e2e(args.out, runs, options)
+
+
+def _process_argv(args: argparse.Namespace, run: RunSpec, out: pathlib.Path) -> list[str]:
+    """This invocation's options for one process of `run` (--repeats), its report into `out`."""
+    argv = ["--device", args.device, "--runs", run.name, "--out", str(out)]
+    options = {
+        "--config": args.config,
+        "--steps": args.steps,
+        "--warmup": args.warmup,
+        "--model": args.model,
+        "--compile-backend": args.compile_backend,
+        "--lr": args.lr,
+        "--init-seed": args.init_seed,
+        "--micro-batches": args.micro_batches,
+    }
+    argv += [part for flag, value in options.items() if value is not None for part in (flag, str(value))]
+    return argv + (["--weight-cache"] if args.weight_cache else [])
 
 
 if __name__ == "__main__":

@@ -397,3 +397,84 @@ def test_each_run_measures_in_turn_and_skips_torchao_where_it_does_not_import(mo
         ("fp8:hp:eager", ""),
     ]
     assert "[2/3] torchao-tensorwise:compiled ..." in console.file.getvalue()
+
+
+def test_repeats_alternate_the_runs_one_process_each_into_median_rows(tmp_path, monkeypatch):
+    launched = []
+    speeds = {"bf16:eager": [100.0, 120.0, 110.0], "bf16:compiled": [200.0, 180.0, 240.0], "fp8:hp:compiled": [300.0]}
+    options = E2EOptions(config="tiny", device="cpu", model_source="builtin", command="a child's")
+    header = environment(options, torch.device("cpu"), "builtin")
+
+    def one_process(name, argv, folder):
+        launched.append((name, folder.name, argv))
+        repeat = int(folder.name.rsplit(".", 1)[1])
+        if name == "fp8:hp:compiled" and repeat > 1:
+            return bench_e2e.E2ERow(name, error=f"RuntimeError: repeat {repeat}"), None
+        speed = speeds[name][repeat - 1]
+        row = bench_e2e.E2ERow(
+            name, tokens_per_s=speed, peak_memory_gib=speed / 100, host_ms_per_step=speed / 10, step_ms=1e3 / speed,
+            loss=speed / 1e3, vs_bf16_eager=9.0,
+        )  # fmt: skip
+        return row, header
+
+    monkeypatch.setattr(bench_e2e, "_one_process", one_process)
+    runs = select_runs("bf16:eager,bf16:compiled,fp8:hp:compiled")
+    console = Console(file=io.StringIO(), width=200)
+    code = bench_e2e.run_e2e_processes(
+        tmp_path, runs, 3, lambda run, out: ["--runs", run.name, "--out", str(out)], "e2e.py --repeats 3", console
+    )
+    assert code == 1  # a process failed
+    order = [name for name, _, _ in launched]
+    assert order == ["bf16:eager", "bf16:compiled", "fp8:hp:compiled"] * 3
+    assert launched[4][1:] == (
+        "bf16_compiled.2",
+        ["--runs", "bf16:compiled", "--out", str(tmp_path / "processes" / "bf16_compiled.2")],
+    )
+
+    report = json.loads((tmp_path / "e2e.json").read_text())
+    assert (report["command"], report["repeats"], report["config_name"]) == ("e2e.py --repeats 3", 3, "tiny")
+    rows = {row["run"]: row for row in report["rows"]}
+    assert rows["bf16:eager"]["tokens_per_s"] == 110.0
+    assert rows["bf16:eager"]["tokens_per_s_spread"] == [100.0, 120.0]
+    assert rows["bf16:eager"]["peak_memory_gib"] == 1.2
+    assert rows["bf16:eager"]["host_ms_per_step"] == 11.0
+    assert rows["bf16:compiled"]["tokens_per_s"] == 200.0
+    assert rows["bf16:compiled"]["vs_bf16_eager"] == pytest.approx(200 / 110)  # from the medians, not the children
+    assert rows["bf16:compiled"]["vs_bf16_compiled"] == 1.0
+    assert rows["fp8:hp:compiled"]["tokens_per_s"] == 300.0
+    assert rows["fp8:hp:compiled"]["vs_bf16_compiled"] == 1.5
+    assert rows["fp8:hp:compiled"]["error"] == "2/3 processes failed: RuntimeError: repeat 2"
+    table = (tmp_path / "e2e.md").read_text()
+    assert "| bf16:eager | 0.1k (0.1-0.1k) | 1.00x | 0.55x |" in table
+    assert "3 per run, launched round-robin" in table
+    assert "[5/9] bf16:compiled (repeat 2/3) ..." in console.file.getvalue()
+    assert "median of 3 processes' medians of 8 steps" in console.file.getvalue()
+    assert "runs with a failed process: fp8:hp:compiled" in console.file.getvalue()
+
+
+def test_repeats_run_each_process_with_this_invocations_options(tmp_path):
+    out = tmp_path / "out"
+    argv = ["--device", "cpu", "--config", "tiny", "--model", "builtin", "--steps", "1", "--warmup", "0"]
+    assert main([*argv, "--runs", "bf16:eager", "--repeats", "2", "--out", str(out)]) == 0
+    report = json.loads((out / "e2e.json").read_text())
+    assert report["repeats"] == 2
+    assert report["num_steps"] == 1
+    assert report["num_warmup"] == 0
+    assert report["config"]["hidden_size"] == CONFIGS["tiny"].hidden_size
+    (row,) = report["rows"]
+    assert row["run"] == "bf16:eager"
+    assert row["error"] == ""
+    low, high = row["tokens_per_s_spread"]
+    assert low <= row["tokens_per_s"] <= high
+    assert len(row["step_ms_all"]) == 2
+    for repeat in (1, 2):
+        child = json.loads((out / "processes" / f"bf16_eager.{repeat}" / "e2e.json").read_text())
+        assert [r["run"] for r in child["rows"]] == ["bf16:eager"]
+        assert "--repeats" not in child["command"]
+
+
+def test_repeats_with_fidelity_exit_2_with_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--out", str(tmp_path / "out"), "--fidelity", "10", "--repeats", "3"])
+    assert exit_info.value.code == 2
+    assert "leave out --fidelity, or --repeats" in capsys.readouterr().err
