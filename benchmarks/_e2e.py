@@ -689,8 +689,7 @@ def _one_process(name: str, argv: Sequence[str], folder: pathlib.Path) -> tuple[
         return E2ERow(name, error=f"exit code {exit_code} without a report ({folder / 'e2e.log'})"), None
     report = json.loads(report_path.read_text())
     (row,) = report.pop("rows")
-    fields = {**row, "tokens_per_s_spread": None}
-    return E2ERow(**fields), report
+    return E2ERow(**row), report
 
 
 def run_e2e_processes(
