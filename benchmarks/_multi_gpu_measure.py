@@ -301,21 +301,39 @@ IDLE_SPANS = (
 the first match names a span): FSDP2's hooks, the compiled graphs' Python, the optimizer."""
 
 
-def gpu_idle_by_launching_span(trace_events: Sequence[dict]) -> dict[str, float]:
-    """Microseconds the GPU runs nothing, between its first and last work of a chrome trace's
-    `traceEvents`, by where the host launched the work on either side of each gap, as
-    "BEFORE -> AFTER": BEFORE for the work whose end opens the gap, AFTER for the work that closes
-    it. Each is the innermost span of IDLE_SPANS around the launch (by its IDLE_SPANS prefix), else
-    "elsewhere" (eager ops, autograd's engine, the training loop), or "not traced". The GPU waits
-    through a gap for the host: the host time between those two launches is what to make cheaper
-    ("## Call CompiledFxGraph -> ## Call CompiledFxGraph": launches within one graph's call, or
-    from one graph to the next with no hook between). ", synced" marks a gap whose host waited for
-    the GPU between the two launches (a `cuda*Synchronize` call, or a copy from or to pageable host
-    memory, which synchronizes): the GPU drained while the host waited, and refills only as fast as
-    the host launches."""
+@dataclass(frozen=True)
+class IdleGap:
+    """A stretch in which the GPU runs nothing, and the work on either side of it."""
+
+    start: float
+    """When it begins (the trace's microseconds)."""
+    length: float
+    """Microseconds."""
+    before: str
+    """The kernel or copy whose end opens it."""
+    before_span: str
+    """Where the host launched it (`idle_gaps`)."""
+    after: str
+    """The kernel or copy that closes it."""
+    after_span: str
+    """Where the host launched it."""
+    synced: bool
+    """Whether the host waited for the GPU between the two launches."""
+
+
+def idle_gaps(trace_events: Sequence[dict]) -> list[IdleGap]:
+    """Every stretch between the first and the last GPU work of a chrome trace's `traceEvents` in
+    which the GPU runs nothing, in time order. A launch's span is the innermost span of IDLE_SPANS
+    around it (by its IDLE_SPANS prefix), else "elsewhere" (eager ops, autograd's engine, the
+    training loop), or "not traced". The GPU waits through a gap for the host: the host time
+    between the two launches is what to make cheaper ("## Call CompiledFxGraph" on both sides:
+    launches within one graph's call, or from one graph to the next with no hook between).
+    `synced`: the host waited for the GPU between the two launches (a `cuda*Synchronize` call, or
+    a copy from or to pageable host memory, which synchronizes); the GPU drained while the host
+    waited, and refills only as fast as the host launches."""
     launches: dict[object, float] = {}
     spans: list[tuple[float, float, str]] = []
-    work: list[tuple[float, float, object]] = []
+    work: list[tuple[float, float, object, str]] = []
     syncs: list[float] = []  # host times at which the host waited for the GPU
     pageable: list[object] = []  # correlations of copies from or to pageable memory
     for event in trace_events:
@@ -330,7 +348,7 @@ def gpu_idle_by_launching_span(trace_events: Sequence[dict]) -> dict[str, float]
             if label is not None:
                 spans.append((start, end, label))
         elif category in ("kernel", "gpu_memcpy", "gpu_memset"):
-            work.append((start, end, event.get("args", {}).get("correlation")))
+            work.append((start, end, event.get("args", {}).get("correlation"), name))
             if category == "gpu_memcpy" and "Pageable" in name:
                 pageable.append(event.get("args", {}).get("correlation"))
         if category in ("cuda_runtime", "cuda_driver") and "Synchronize" in name:
@@ -345,22 +363,42 @@ def gpu_idle_by_launching_span(trace_events: Sequence[dict]) -> dict[str, float]
         around = [s for s in spans if s[0] <= launched <= s[1]]
         return max(around, key=lambda s: (s[0], -s[1]))[2] if around else "elsewhere"
 
-    idle: dict[str, float] = {}
+    def waited_between(a: object, b: object) -> bool:
+        before, after = launches.get(a), launches.get(b)
+        if before is None or after is None:
+            return False
+        return bisect.bisect_left(syncs, before) < bisect.bisect_right(syncs, after)
+
+    gaps: list[IdleGap] = []
     work.sort(key=lambda w: w[0])
-    busy_until, last = (work[0][1], work[0][2]) if work else (0.0, None)
-    for start, end, correlation in work[1:]:
+    busy_until, last = (work[0][1], work[0]) if work else (0.0, None)
+    for item in work[1:]:
+        start, end, correlation, name = item
         if start > busy_until:
-            label = f"{launched_in(last)} -> {launched_in(correlation)}"
-            before, after = launches.get(last), launches.get(correlation)
-            if (
-                before is not None
-                and after is not None
-                and bisect.bisect_left(syncs, before) < bisect.bisect_right(syncs, after)
-            ):
-                label += ", synced"
-            idle[label] = idle.get(label, 0.0) + start - busy_until
+            gaps.append(
+                IdleGap(
+                    start=busy_until,
+                    length=start - busy_until,
+                    before=last[3],
+                    before_span=launched_in(last[2]),
+                    after=name,
+                    after_span=launched_in(correlation),
+                    synced=waited_between(last[2], correlation),
+                )
+            )
         if end > busy_until:
-            busy_until, last = end, correlation
+            busy_until, last = end, item
+    return gaps
+
+
+def gpu_idle_by_launching_span(trace_events: Sequence[dict]) -> dict[str, float]:
+    """Microseconds the GPU runs nothing (`idle_gaps`) by the spans that launched the work on either
+    side of each gap, as "BEFORE -> AFTER", with ", synced" where the host waited for the GPU
+    between the two launches."""
+    idle: dict[str, float] = {}
+    for gap in idle_gaps(trace_events):
+        label = f"{gap.before_span} -> {gap.after_span}" + (", synced" if gap.synced else "")
+        idle[label] = idle.get(label, 0.0) + gap.length
     return idle
 
 

@@ -85,6 +85,10 @@ Columns of DIR/multi_gpu.md (DIR/multi_gpu.json holds the same and every launch)
   nothing, by the host spans (FSDP2 hook, compiled graph, optimizer, else elsewhere) that launched
   the work before and after it (_multi_gpu_measure.gpu_idle_by_launching_span): where the host
   holds the GPU up; each run's largest pairs.
+- DIR/traces/RUN.rank0.gaps.tsv (--profile on a GPU): rank 0's LISTED_GAPS longest idle gaps of
+  its profiled steps in time order: when, how long, whether the host synchronized between the
+  launches, and the kernel or copy on either side with the span that launched it (a few KiB,
+  where the chrome trace of the 2.2B model's steps is tens of MiB).
 - error: the first line of what a run raised; a launch that exits non-zero without a result
   takes the error a rank printed, else its exit code. The other runs go on.
 """
@@ -126,6 +130,7 @@ from _multi_gpu_measure import (
     gpu_time_by_group,
     gradient_bytes,
     host_time_by_kind,
+    idle_gaps,
     kernel_intervals,
     local_numel,
     optimizer_state_bytes,
@@ -148,6 +153,7 @@ DEFAULT_RUNS = (
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 ERROR_MARK = "MULTI_GPU_RUN_ERROR"
 PROFILED_STEPS = 2
+LISTED_GAPS = 200  # the longest idle gaps of the profiled steps in RUN.rank0.gaps.tsv
 
 
 def _synchronize(device: torch.device) -> None:
@@ -270,6 +276,15 @@ def _profile(
         stats.sort_stats(order).print_stats(60)
     (trace_dir / f"{spec.name.replace(':', '_')}.rank0.python.txt").write_text(text.getvalue())
     events = json.loads(trace.read_text())["traceEvents"]
+    gaps = idle_gaps(events)
+    longest = sorted(gaps, key=lambda g: -g.length)[:LISTED_GAPS]
+    first = min((g.start for g in gaps), default=0.0)
+    lines = ["at_us\tidle_us\tsynced\tbefore\tbefore_span\tafter\tafter_span"]  # at: after the first gap opens
+    lines += [
+        f"{g.start - first:.0f}\t{g.length:.1f}\t{int(g.synced)}\t{g.before}\t{g.before_span}\t{g.after}\t{g.after_span}"
+        for g in sorted(longest, key=lambda g: g.start)
+    ]
+    (trace_dir / f"{spec.name.replace(':', '_')}.rank0.gaps.tsv").write_text("\n".join(lines) + "\n")
     communication, compute = kernel_intervals(events)
     per_step_ms = 1e-3 / PROFILED_STEPS
     return {

@@ -205,6 +205,8 @@ def test_profiles_split_host_time_by_kind(report):
         assert row["gpu_compute_ms"] is None, row["run"]
         assert row["gpu_ms_by_group"] == {}, row["run"]
         assert row["gpu_idle_ms_by_span"] == {}, row["run"]
+        gaps = (report["out"] / "traces" / f"{row['run'].replace(':', '_')}.rank0.gaps.tsv").read_text()
+        assert gaps.splitlines() == ["at_us\tidle_us\tsynced\tbefore\tbefore_span\tafter\tafter_span"], row["run"]
         assert row["host_ms"]["fsdp_hooks"] > 0, row["run"]
         assert row["host_ms"]["optimizer"] > 0, row["run"]
         python = (report["out"] / "traces" / f"{row['run'].replace(':', '_')}.rank0.python.txt").read_text()
@@ -344,6 +346,16 @@ def test_gpu_idle_goes_to_the_innermost_spans_launching_the_work_around_each_gap
         gpu(10, 160.0, 1.0),  # gap 154.5-160, its launch not traced
     ]  # fmt: skip
     idle = measure.gpu_idle_by_launching_span(events)
+    gaps = measure.idle_gaps(events)
+    assert [(g.start, g.length) for g in gaps] == [
+        (120.0, 1.0),
+        (122.0, 8.0),
+        (135.0, 5.0),
+        (150.0, 2.0),
+        (153.0, 0.5),
+        (154.5, 5.5),
+    ]
+    assert gaps[1] == measure.IdleGap(122.0, 8.0, "k", graph, "k", "FSDP::post_backward", synced=False)
     assert idle == {
         f"{hook} -> {graph}": 1.0,
         f"{graph} -> FSDP::post_backward": 8.0,
