@@ -4,6 +4,7 @@ does. Multi-process runs (torch's fully_shard without quant_fsdp) live in tests-
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -164,10 +165,21 @@ def test_a_shard_refilled_in_place_sends_the_views_it_sent_before(recipe_name):
     replaced, _ = _fsdp.all_gather_inputs(shard, 2)
     assert replaced[0] is not first[0]
     assert replaced[0].data_ptr() == getattr(shard, name).data_ptr()
-    # One rank's inputs are kept where one input travels (a view); several travel packed into one
-    # copy, made at every gather.
-    alone = _fsdp.all_gather_inputs(shard, 1)[0]
-    assert (alone[0] is _fsdp.all_gather_inputs(shard, 1)[0][0]) == (len(payload.names) == 1)
+    # One rank's inputs are kept too: one input travels as a view, several packed into one byte
+    # tensor whose views the shard's sent buffers become ([Note: packed gathers]).
+    (alone,), payload_alone = _fsdp.all_gather_inputs(shard, 1)
+    assert _fsdp.all_gather_inputs(shard, 1)[0][0] is alone
+    if len(payload.names) > 1:
+        assert payload_alone.packed is not None
+        for name in payload.names:
+            assert getattr(shard, name).untyped_storage().data_ptr() == alone.untyped_storage().data_ptr()
+    source = torch.randn(256, 256)
+    expected = copy.deepcopy(quantizer).quantize(source)  # a delayed-scaling history as it is now
+    quantizer.quantize_(source, shard)  # written in place: the packed tensor carries the new bytes
+    (sent,), payload_sent = _fsdp.all_gather_inputs(shard, 1)
+    assert sent is alone
+    for name, view in zip(payload.names, _fsdp._unpacked((sent,), payload_sent), strict=True):
+        assert torch.equal(raw_bits(view.reshape(-1)), raw_bits(getattr(expected, name).reshape(-1)))
 
 
 def test_an_unsharded_tensor_holding_views_of_the_gathered_bytes_is_left_as_it_is():

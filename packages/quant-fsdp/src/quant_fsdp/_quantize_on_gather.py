@@ -320,10 +320,15 @@ def _free_storage(quantized: QuantizedTensor) -> None:
 
 
 def _allocate_storage(quantized: QuantizedTensor) -> None:
-    """Gives the buffers `_free_storage` freed their storage back (uninitialized)."""
+    """Gives the buffers `_free_storage` freed their storage back (uninitialized). Buffers may
+    share one storage (a packed gather's: [Note: packed gathers] in quant_tensors._fsdp): it grows
+    until it holds each of them."""
     for buffer in quantized.buffers().values():
-        if buffer is not None and buffer.dim() > 0 and buffer.untyped_storage().nbytes() == 0:
-            buffer.untyped_storage().resize_((buffer.storage_offset() + buffer.numel()) * buffer.element_size())
+        if buffer is None or buffer.dim() == 0:
+            continue
+        end = (buffer.storage_offset() + buffer.numel()) * buffer.element_size()
+        if buffer.untyped_storage().nbytes() < end:  # only a freed storage is smaller than a view of it
+            buffer.untyped_storage().resize_(end)
 
 
 def _count_writes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -55,10 +55,10 @@ explicit fallback, comm_stats(), checkpoint loads across weight forms).
 
 from __future__ import annotations
 
-import functools
+import itertools
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -146,7 +146,8 @@ def pre_all_gather(shard: QuantizedTensor, mesh: Any, module: torch.nn.Module | 
     quantizer = shard.quantizer
     context = quantizer._shard_context or shard_context(quantizer)
     context.before_gather(shard, mesh)
-    prepared = shard.__dict__.get("_prepared_gather")  # its mesh's size, asked once ([Note: gathers prepared once])
+    # its mesh's size, asked once ([Note: gathers prepared once])
+    prepared = next(iter(shard.__dict__.get("_prepared_gathers", {}).values()), None)
     world_size = prepared.world_size if prepared is not None and prepared.mesh is mesh else mesh.size()
     return all_gather_inputs(shard, world_size, module=module, context=context, mesh=mesh)
 
@@ -186,60 +187,75 @@ def all_gather_inputs(
         context = shard_context(shard.quantizer)
     if usages is None:
         usages = _gathered_usages(shard, module, context)
-    buffers = _buffer_getter(type(shard))(shard)
-    prepared: _PreparedGather | None = shard.__dict__.get("_prepared_gather")  # [Note: gathers prepared once]
+    # [Note: gathers prepared once]
+    prepared_gathers: dict[tuple[bool, bool], _PreparedGather] = shard.__dict__.setdefault("_prepared_gathers", {})
+    prepared = prepared_gathers.get(usages)
     if (
         prepared is not None
-        and prepared.usages == usages
         and prepared.world_size == world_size
-        and all(map(operator.is_, prepared.buffers, buffers))
+        # the shard's sent buffers are the tensors sent then (builtins only: no Python call per buffer)
+        and all(map(operator.is_, map(getattr, itertools.repeat(shard), prepared.names), prepared.buffers))
     ):
         context.count_gather(shard.quantizer.format_name, prepared.inputs, world_size)
-        return prepared.inputs, GatherPayload(shard, prepared.names, world_size)
+        return prepared.inputs, GatherPayload(shard, prepared.names, world_size, prepared.packed)
     inputs, names = _payload_of(shard, usages)
     context.count_gather(shard.quantizer.format_name, inputs, world_size)
+    sent = tuple(getattr(shard, name) for name in names)
     if world_size > 1 or len(inputs) == 1:
-        if all(b is None or b.is_contiguous() for b in buffers):  # the inputs are views of the buffers
-            shard._prepared_gather = _PreparedGather(usages, world_size, mesh, buffers, tuple(inputs), tuple(names))
+        if all(b.is_contiguous() for b in sent):  # the inputs are views of the buffers
+            prepared_gathers[usages] = _PreparedGather(world_size, mesh, sent, tuple(inputs), tuple(names))
         return tuple(inputs), GatherPayload(shard, tuple(names), world_size)
-    # FSDP2 (torch 2.11 to 2.13) copies only the first input when its shard group has one rank.
+    # FSDP2 (torch 2.11 to 2.13) copies only the first input when its shard group has one rank:
+    # the inputs travel as one byte tensor ([Note: packed gathers]).
     packed = tuple((t.dtype, t.shape) for t in inputs)
     pieces = []
     for t in inputs:  # each piece starts 16-byte aligned, so every dtype can view its bytes
-        pieces += [t.reshape(-1).view(torch.uint8), t.new_zeros(-_nbytes(t.dtype, t.shape) % 16, dtype=torch.uint8)]
-    return (torch.cat(pieces),), GatherPayload(shard, tuple(names), world_size, packed)
+        pieces += [
+            t.new_zeros(-sum(p.numel() for p in pieces) % 16, dtype=torch.uint8),
+            t.reshape(-1).view(torch.uint8),
+        ]
+    flat = torch.cat(pieces)  # ends with the last input's bytes: its storage holds exactly the inputs
+    if all(b.is_contiguous() for b in sent):
+        for name, view in zip(names, _unpack(flat, packed), strict=True):
+            setattr(shard, name, view.view(getattr(shard, name).dtype))
+        rehomed = tuple(getattr(shard, name) for name in names)
+        prepared_gathers[usages] = _PreparedGather(world_size, mesh, rehomed, (flat,), tuple(names), packed)
+    return (flat,), GatherPayload(shard, tuple(names), world_size, packed)
 
 
 class _PreparedGather(NamedTuple):
-    """What a shard sent at its last gather ([Note: gathers prepared once])."""
+    """What a shard sent at its last gather of some usages ([Note: gathers prepared once])."""
 
-    usages: tuple[bool, bool]
     world_size: int
     mesh: Any
     """The device mesh FSDP2 gathered over (None where the caller gave only a world size)."""
-    buffers: tuple[torch.Tensor | None, ...]
-    """The shard's buffers then, in `_buffer_names` order."""
+    buffers: tuple[torch.Tensor, ...]
+    """The buffers sent, the shard's then."""
     inputs: tuple[torch.Tensor, ...]
     names: tuple[str, ...]
-
-
-@functools.cache
-def _buffer_getter(cls: type) -> Callable[[Any], tuple[torch.Tensor | None, ...]]:
-    """The tuple of a tensor's buffers in `_buffer_names` order, read without a Python call."""
-    getter = operator.attrgetter(*cls._buffer_names)
-    return getter if len(cls._buffer_names) > 1 else lambda t: (getter(t),)
+    """The names of the buffers sent."""
+    packed: tuple[tuple[torch.dtype, torch.Size], ...] | None = None
+    """As GatherPayload's."""
 
 
 # [Note: gathers prepared once] A weight is gathered twice a step, each time by hooks of a few
 # dozen Python calls and tensor views per parameter, on the host's critical path between the
-# layers. A shard whose buffers are the same tensors as at its last gather (quantized primary
-# weights and quantize-on-gather shards are refilled in place) sends the same views: its
-# all-gather inputs, their buffer names and the size of the mesh FSDP2 gathers it over are kept
-# on the shard (where the inputs are views rather than a packed copy, and the buffers
-# contiguous; not the payload, which refers to the shard and would make a reference cycle of
-# it). After the gather, an unsharded tensor that already holds views of the storage FSDP2
-# refilled, and its shard's per-tensor values, needs nothing ([Note: refilled unsharded
+# layers. A shard whose sent buffers are the same tensors as at its last gather of the same
+# usages (quantized primary weights and quantize-on-gather shards are refilled in place) sends the
+# same inputs: they, their buffer names and the size of the mesh FSDP2 gathers it over are kept
+# on the shard, per usages sent (where the buffers are contiguous and the inputs views of them or
+# their packed tensor; not the payload, which refers to the shard and would make a reference
+# cycle of it). After the gather, an unsharded tensor that already holds views of the storage
+# FSDP2 refilled, and its shard's per-tensor values, needs nothing ([Note: refilled unsharded
 # buffers]). `benchmarks/step_host.py` counts what a training step calls.
+#
+# [Note: packed gathers] FSDP2 (torch 2.11 to 2.13) copies only the first all-gather input of a
+# parameter whose shard group has one rank, so a shard that sends several buffers (block formats:
+# codes and scales) sends one byte tensor holding them all, each 16-byte aligned. Packing copies
+# every byte sent; so the first packing makes the sent buffers views of the packed tensor, and
+# later gathers send that tensor as it is, kept current by the in-place writes of the optimizer,
+# a quantize-on-gather refill or a checkpoint load. A buffer replaced by another tensor ends this:
+# the next gather packs again.
 
 
 def _already_refilled(
@@ -370,8 +386,13 @@ def _unpacked(outputs: tuple[torch.Tensor, ...], payload: GatherPayload) -> tupl
     if payload.packed is None:
         return outputs
     (flat,) = outputs
+    return _unpack(flat, payload.packed)
+
+
+def _unpack(flat: torch.Tensor, packed: tuple[tuple[torch.dtype, torch.Size], ...]) -> tuple[torch.Tensor, ...]:
+    """Views of the tensors of dtypes and shapes `packed` that `flat` holds, each 16-byte aligned."""
     views, offset = [], 0
-    for dtype, shape in payload.packed:
+    for dtype, shape in packed:
         nbytes = _nbytes(dtype, shape)
         views.append(flat[offset : offset + nbytes].view(dtype).view(shape))
         offset += nbytes + -nbytes % 16
