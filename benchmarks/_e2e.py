@@ -636,9 +636,17 @@ def run_e2e(out: pathlib.Path, runs: Sequence[RunSpec], options: E2EOptions, con
     batches = markov_batches(options.decoder, options.num_warmup + options.num_steps).to(device)
     rows = []
     for r in each_run(runs, device, console, lambda spec: measure_run(spec, batches, options, device, source), E2ERow):
-        console.print(f"    {r.error or f'{r.tokens_per_s:,.0f} tokens/s, loss {r.loss:.4f}'}", highlight=False)
+        _print_outcome(console, r)
         rows.append(r)
-    rows = _with_ratios(rows)
+    return _write_report(out, report, _with_ratios(rows), console)
+
+
+def _print_outcome(console: Console, row: E2ERow) -> None:
+    console.print(f"    {row.error or f'{row.tokens_per_s:,.0f} tokens/s, loss {row.loss:.4f}'}", highlight=False)
+
+
+def _write_report(out: pathlib.Path, report: dict, rows: list[E2ERow], console: Console) -> int:
+    """Prints the table, writes e2e.json and e2e.md to `out`; 1 if a run failed."""
     console.print(_table(report, rows))
     out.mkdir(parents=True, exist_ok=True)
     (out / "e2e.json").write_text(json.dumps({**report, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
@@ -715,19 +723,10 @@ def run_e2e_processes(
             folder = out / "processes" / f"{spec.name.replace(':', '_')}.{repeat}"
             row, report = _one_process(spec.name, process_argv(spec, folder), folder)
             header = header or report
-            console.print(
-                f"    {row.error or f'{row.tokens_per_s:,.0f} tokens/s, loss {row.loss:.4f}'}", highlight=False
-            )
+            _print_outcome(console, row)
             results[spec.name].append(row)
     rows = _with_ratios([fold_repeats(name, rows) for name, rows in results.items()])
     if header is None:
         console.print("no process wrote a report: see the logs in " + str(out / "processes"))
         return 1
-    report = {**header, "command": command, "repeats": repeats}
-    console.print(_table(report, rows))
-    (out / "e2e.json").write_text(json.dumps({**report, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
-    (out / "e2e.md").write_text(markdown(report, rows))
-    failed = [r.run for r in rows if r.error and not r.error.startswith("skipped")]
-    if failed:
-        console.print(f"runs with a failed process: {', '.join(failed)}")
-    return 1 if failed else 0
+    return _write_report(out, {**header, "command": command, "repeats": repeats}, rows, console)

@@ -449,7 +449,7 @@ def test_repeats_alternate_the_runs_one_process_each_into_median_rows(tmp_path, 
     assert "3 per run, launched round-robin" in table
     assert "[5/9] bf16:compiled (repeat 2/3) ..." in console.file.getvalue()
     assert "median of 3 processes' medians of 8 steps" in console.file.getvalue()
-    assert "runs with a failed process: fp8:hp:compiled" in console.file.getvalue()
+    assert "runs that failed: fp8:hp:compiled" in console.file.getvalue()
 
 
 def test_repeats_run_each_process_with_this_invocations_options(tmp_path):
