@@ -66,6 +66,14 @@ def _use_threads(rank: int, world_size: int, threads: int, folder: str) -> None:
     torch.set_num_threads(threads)
 
 
+def _record_environment(rank: int, world_size: int, folder: str) -> None:
+    """Records TRITON_INTERPRET and what quant-core read from it when this rank imported it."""
+    from quant_core.shared import _triton_launch
+
+    variable = os.environ.get("TRITON_INTERPRET")
+    pathlib.Path(folder, f"environment-{rank}").write_text(f"{variable} {_triton_launch._INTERPRETED}")
+
+
 def _pids_and_counts(folder: pathlib.Path, world_size: int) -> list[tuple[int, int, str]]:
     out = []
     for rank in range(world_size):
@@ -125,3 +133,17 @@ def test_every_call_starts_with_one_intra_op_thread(tmp_path):
     run_on_warm_ranks(_use_threads, 2, 2, str(tmp_path))
     run_on_warm_ranks(_use_threads, 2, 1, str(tmp_path))
     assert [tmp_path.joinpath(f"threads-{rank}").read_text() for rank in range(2)] == ["1", "1"]
+
+
+def test_new_ranks_take_the_environment_of_the_process_that_starts_them(tmp_path, monkeypatch):
+    """Ranks start from a fork server that imported torch before any of them; each takes the
+    environment variables of its starting process when it starts, before it imports the quant-*
+    packages (quant-core reads TRITON_INTERPRET when imported), as a spawned rank would."""
+    run_on_warm_ranks(_record, 2, str(tmp_path))  # the fork server is up
+    testing._close_worlds()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    try:
+        run_on_warm_ranks(_record_environment, 2, str(tmp_path))
+    finally:
+        testing._close_worlds()  # no later call runs on ranks that hold the variable
+    assert [tmp_path.joinpath(f"environment-{rank}").read_text() for rank in range(2)] == ["1 True"] * 2
