@@ -8,6 +8,7 @@ import math
 from dataclasses import replace
 
 import _e2e as bench_e2e
+import e2e
 import pytest
 import torch
 from _e2e import (
@@ -471,6 +472,23 @@ def test_repeats_run_each_process_with_this_invocations_options(tmp_path):
         child = json.loads((out / "processes" / f"bf16_eager.{repeat}" / "e2e.json").read_text())
         assert [r["run"] for r in child["rows"]] == ["bf16:eager"]
         assert "--repeats" not in child["command"]
+
+
+def test_each_process_gets_every_option_of_the_invocation_but_its_runs_and_out(tmp_path):
+    argv = [
+        "--device", "cpu", "--config", "tiny", "--steps", "2", "--warmup", "1", "--model", "builtin",
+        "--compile-backend", "aot_eager", "--lr", "0.01", "--init-seed", "3", "--micro-batches", "2",
+        "--weight-cache", "--runs", "bf16:eager,fp8:hp:eager", "--repeats", "3", "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    _, args = e2e.parse_args(argv)
+    (run,) = select_runs("fp8:hp:eager")
+    _, child = e2e.parse_args(e2e._process_argv(args, run, tmp_path / "process"))
+    # Every option a later one adds is forwarded unless it is named here.
+    not_forwarded = {"runs", "out", "repeats", "fidelity", "workers", "baseline"}
+    for option, value in vars(args).items():
+        if option not in not_forwarded:
+            assert getattr(child, option) == value, option
+    assert (child.runs, child.out, child.repeats) == ("fp8:hp:eager", tmp_path / "process", None)
 
 
 def test_repeats_with_fidelity_exit_2_with_one_line(tmp_path, capsys):
