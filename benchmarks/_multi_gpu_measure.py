@@ -391,12 +391,12 @@ def idle_gaps(trace_events: Sequence[dict]) -> list[IdleGap]:
     return gaps
 
 
-def gpu_idle_by_launching_span(trace_events: Sequence[dict]) -> dict[str, float]:
-    """Microseconds the GPU runs nothing (`idle_gaps`) by the spans that launched the work on either
-    side of each gap, as "BEFORE -> AFTER", with ", synced" where the host waited for the GPU
-    between the two launches."""
+def gpu_idle_by_launching_span(gaps: Sequence[IdleGap]) -> dict[str, float]:
+    """Microseconds the GPU runs nothing in `gaps` (`idle_gaps` of a trace) by the spans that
+    launched the work on either side of each gap, as "BEFORE -> AFTER", with ", synced" where the
+    host waited for the GPU between the two launches."""
     idle: dict[str, float] = {}
-    for gap in idle_gaps(trace_events):
+    for gap in gaps:
         label = f"{gap.before_span} -> {gap.after_span}" + (", synced" if gap.synced else "")
         idle[label] = idle.get(label, 0.0) + gap.length
     return idle

@@ -278,7 +278,7 @@ def _profile(
     events = json.loads(trace.read_text())["traceEvents"]
     gaps = idle_gaps(events)
     longest = sorted(gaps, key=lambda g: -g.length)[:LISTED_GAPS]
-    first = min((g.start for g in gaps), default=0.0)
+    first = gaps[0].start if gaps else 0.0  # idle_gaps are in time order
     lines = ["at_us\tidle_us\tsynced\tbefore\tbefore_span\tafter\tafter_span"]  # at: after the first gap opens
     lines += [
         f"{g.start - first:.0f}\t{g.length:.1f}\t{int(g.synced)}\t{g.before}\t{g.before_span}\t{g.after}\t{g.after_span}"
@@ -293,7 +293,7 @@ def _profile(
         "gpu_compute_ms": sum(end - start for start, end in union(compute)) * per_step_ms if compute else None,
         "host_ms": {kind: us * per_step_ms for kind, us in host_time_by_kind(events).items()},
         "gpu_ms_by_group": {group: us * per_step_ms for group, us in gpu_time_by_group(events).items()},
-        "gpu_idle_ms_by_span": {span: us * per_step_ms for span, us in gpu_idle_by_launching_span(events).items()},
+        "gpu_idle_ms_by_span": {span: us * per_step_ms for span, us in gpu_idle_by_launching_span(gaps).items()},
     }
 
 

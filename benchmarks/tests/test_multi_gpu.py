@@ -345,8 +345,8 @@ def test_gpu_idle_goes_to_the_innermost_spans_launching_the_work_around_each_gap
         launch(9, 8.5), gpu(9, 153.5, 1.0),  # gap 153-153.5: graph -> graph
         gpu(10, 160.0, 1.0),  # gap 154.5-160, its launch not traced
     ]  # fmt: skip
-    idle = measure.gpu_idle_by_launching_span(events)
     gaps = measure.idle_gaps(events)
+    idle = measure.gpu_idle_by_launching_span(gaps)
     assert [(g.start, g.length) for g in gaps] == [
         (120.0, 1.0),
         (122.0, 8.0),
@@ -365,7 +365,7 @@ def test_gpu_idle_goes_to_the_innermost_spans_launching_the_work_around_each_gap
         f"{graph} -> not traced": 5.5,
     }
     assert sum(idle.values()) == measure.gpu_time_by_group(events)["idle"]
-    assert measure.gpu_idle_by_launching_span([span("FSDP::pre_forward", 0.0, 1.0)]) == {}  # a CPU trace
+    assert measure.idle_gaps([span("FSDP::pre_forward", 0.0, 1.0)]) == []  # a CPU trace
 
     # The host waits for the GPU between two launches: in a synchronize call, or in a copy from
     # pageable memory; a pinned copy waits for nothing.
@@ -382,7 +382,7 @@ def test_gpu_idle_goes_to_the_innermost_spans_launching_the_work_around_each_gap
         launch(6, 106.0), copy(6, 122.0, "Pageable"),  # gap 121-122: the copy waits at its launch
         launch(7, 124.0), gpu(7, 130.0, 1.0),  # gap 123-130: after the pageable copy
     ]  # fmt: skip
-    assert measure.gpu_idle_by_launching_span(synced) == {
+    assert measure.gpu_idle_by_launching_span(measure.idle_gaps(synced)) == {
         "elsewhere -> elsewhere, synced": 2.0 + 1.0 + 7.0,
         "elsewhere -> elsewhere": 6.0,
     }
