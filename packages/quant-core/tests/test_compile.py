@@ -8,7 +8,6 @@ CPU case of the traced amax's (one compile, ~5 s of CPU).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pathlib
 import re
@@ -21,7 +20,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import quant_core
-from quant_core.testing import adversarial
+from quant_core.testing import adversarial, assert_results_bitwise_equal
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -148,26 +147,6 @@ CASES: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
 }
 
 
-def _tensors(result: object) -> list[torch.Tensor | None]:
-    """Every tensor of a (nested) result of tuples and quantized dataclasses, in order."""
-    if isinstance(result, torch.Tensor) or result is None:
-        return [result]
-    if dataclasses.is_dataclass(result):
-        result = [getattr(result, f.name) for f in dataclasses.fields(result)]
-    return [t for item in result for t in _tensors(item)]
-
-
-def assert_bitwise_equal(got: object, want: object) -> None:
-    got, want = _tensors(got), _tensors(want)
-    assert len(got) == len(want)
-    for g, w in zip(got, want, strict=True):
-        assert (g is None) == (w is None)
-        if g is not None:
-            assert g.dtype == w.dtype
-            assert g.shape == w.shape
-            assert torch.equal(g.reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8))
-
-
 def _quant_core_calls(counter: CompileCounterWithBackend) -> set[str]:
     return {
         str(node.target)
@@ -186,7 +165,7 @@ def test_public_functions_compile_to_one_graph_and_equal_eager(name):
     got = torch.compile(CASES[name], backend=counter, fullgraph=True)(x, seed)
     assert counter.frame_count == 1
     assert _quant_core_calls(counter), "the kernels must be operators in the graph, not traced through"
-    assert_bitwise_equal(got, CASES[name](x, seed))
+    assert_results_bitwise_equal(got, CASES[name](x, seed))
 
 
 def test_quantize_compiles_to_one_operator_and_updates_the_history_as_eager():
@@ -210,8 +189,8 @@ def _quant_core_calls_compiled_like_eager(quantize: Callable[..., object]) -> li
     history, eager_history = torch.zeros(3), torch.zeros(3)
     for step in range(3):
         x = adversarial((48, 80), torch.bfloat16, seed=step) * 4.0**step
-        assert_bitwise_equal(compiled(x, history), quantize(x, eager_history))
-        assert_bitwise_equal(history, eager_history)
+        assert_results_bitwise_equal(compiled(x, history), quantize(x, eager_history))
+        assert_results_bitwise_equal(history, eager_history)
     assert counter.frame_count == 1
     return [
         node
@@ -311,8 +290,8 @@ def test_inductor_scale_arithmetic_equals_eager_and_the_seed_is_not_specialized(
     for seed in (torch.tensor(1), torch.tensor(-(2**63) + 5)):  # the seed's value never recompiles
         seed = seed.to(device)
         got = compiled(x, seed, history)
-        assert_bitwise_equal(got, quantize(x, seed, eager_history))
-        assert_bitwise_equal(history, eager_history)
+        assert_results_bitwise_equal(got, quantize(x, seed, eager_history))
+        assert_results_bitwise_equal(history, eager_history)
         outputs.append(got[2].rowwise_data)
     assert counter.frame_count == 1
     assert not torch.equal(outputs[0], outputs[1])
@@ -328,7 +307,7 @@ def test_inductor_on_cuda_equals_eager(name):
     seed = torch.tensor(2**62 + 1, device="cuda")
     torch._dynamo.reset()
     got = torch.compile(CASES[name], fullgraph=True)(x, seed)
-    assert_bitwise_equal(got, CASES[name](x, seed))
+    assert_results_bitwise_equal(got, CASES[name](x, seed))
 
 
 # Under Inductor, the amax of a per-tensor quantize not given one is computed by the kernel that
@@ -356,8 +335,8 @@ def test_inductor_fuses_the_amax_into_the_producer_and_equals_eager(device):
             assert "quant_core.amax" not in "\n".join(code)
         else:
             got = compiled(x, history)
-        assert_bitwise_equal(got, quantize(x, eager_history))
-        assert_bitwise_equal(history, eager_history)
+        assert_results_bitwise_equal(got, quantize(x, eager_history))
+        assert_results_bitwise_equal(history, eager_history)
 
 
 # On CUDA, Inductor launches the per-tensor FP8 Triton kernels
@@ -380,8 +359,8 @@ def test_inductor_launches_the_fp8_triton_kernels_itself_and_equals_eager():
         # (200, 328): partial tiles in both dims; growing values move the delayed scale.
         x = adversarial((200, 328), torch.bfloat16, seed=step).cuda() * 4.0**step
         got, code = run_and_get_code(compiled, x, history)
-        assert_bitwise_equal(got, quantize(x, eager_history))
-        assert_bitwise_equal(history, eager_history)
+        assert_results_bitwise_equal(got, quantize(x, eager_history))
+        assert_results_bitwise_equal(history, eager_history)
         if step == 0:
             source = "\n".join(code)
             assert "torch.ops.quant_core" not in source  # no opaque operator call left
@@ -400,7 +379,7 @@ import sys
 sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
 import torch
 from test_compile import CASES
-from quant_core.testing import adversarial
+from quant_core.testing import adversarial, assert_results_bitwise_equal
 x = adversarial((64, 160), torch.bfloat16, seed=0).cuda()
 seed = torch.tensor(2**62 + 1, device="cuda")
 for name, case in CASES.items():

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+import quant_core
 import quant_tensors as qt
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
@@ -160,3 +161,43 @@ def test_compiled_layers_measure_per_tensor_amaxes_as_torch_ops(name, quantized_
         amax = node.kwargs.get("amax", node.kwargs.get("global_amax"))
         assert isinstance(amax, torch.fx.Node), node.format_node()
     assert any(node.target == torch.ops.aten.amax.default for node in nodes)
+
+
+# Compiled kernels "inductor" ([Note: kernels Inductor fuses] in quant_core._library): the
+# quantizes (and MXFP8's dequantizes) are traced as torch ops that Inductor fuses with the ops
+# beside them; here the first layer's output rounding to bf16, which Inductor elides when it fuses
+# the second layer's quantize with it (forward, and the same for the gradients in the backward),
+# and the results stay eager's bit for bit, step after step.
+FUSED_RECIPES = [("fp8", False), ("fp8", True), ("mxfp8", False), ("mxfp8", True)]
+
+
+def _bf16_steps(forward, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    results = []
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(step)
+        x = (torch.randn(4, 32, 128, generator=generator) * 4**step).to(torch.bfloat16).requires_grad_(True)
+        dy = (torch.randn(4, 32, 128, generator=generator) / 4**step).to(torch.bfloat16)
+        y = forward(x)
+        y.backward(dy)
+        results.append((y.detach(), x.grad))
+    return results
+
+
+@pytest.mark.parametrize(("name", "quantized_weights"), FUSED_RECIPES)
+def test_inductor_kernels_equal_eager_bitwise_across_steps(name, quantized_weights):
+    from torch._inductor.utils import fresh_cache
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.Linear(256, 128, bias=False))
+    eager = qt.convert(model.to(torch.bfloat16), qt.recipe_from_name(name), quantized_weights=quantized_weights)
+    compiled = copy.deepcopy(eager)
+    expected = _bf16_steps(eager, 3)
+    with quant_core.use_compiled_kernels("inductor"), fresh_cache():
+        got = _bf16_steps(torch.compile(compiled, fullgraph=True), 3)
+    for step, ((y, dx), (compiled_y, compiled_dx)) in enumerate(zip(expected, got, strict=True)):
+        assert torch.equal(compiled_y, y), step
+        assert torch.equal(compiled_dx, dx), step
+    for p, q in zip(eager.parameters(), compiled.parameters(), strict=True):
+        if p.dim() == 2:  # the weights' (quantized GEMMs); a bias sums its gradient in Inductor's order
+            assert torch.equal(p.grad, q.grad)

@@ -14,7 +14,15 @@ docstring), or the functions of `quant_core.unchecked`, which allocate the outpu
 
 from quant_core import _backends, unchecked
 from quant_core._backends import BACKENDS, Backend, available_backends
-from quant_core._library import BACKEND_ENV_VAR, reload_backend_env, selected_backend, use_backend
+from quant_core._library import (
+    BACKEND_ENV_VAR,
+    COMPILED_KERNELS_ENV_VAR,
+    compiled_kernels,
+    reload_backend_env,
+    selected_backend,
+    use_backend,
+    use_compiled_kernels,
+)
 from quant_core._version import __version__
 from quant_core.adam._adam import (
     MOMENT_DTYPES,
@@ -113,11 +121,14 @@ __all__ = [
     "compiling",
     "BACKENDS",
     "BACKEND_ENV_VAR",
+    "COMPILED_KERNELS_ENV_VAR",
     "Backend",
+    "compiled_kernels",
     "available_backends",
     "reload_backend_env",
     "selected_backend",
     "use_backend",
+    "use_compiled_kernels",
     # Adam
     "MOMENT_DTYPES",
     "AdamScalars",

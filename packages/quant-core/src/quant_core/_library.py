@@ -62,6 +62,7 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 from quant_core._backends import BACKEND_DEVICE, BACKENDS, Backend, cpp_extension, unavailable_reason
 from quant_core._recompute import prefer_recompute
+from quant_core._version import __version__
 
 NAMESPACE = "quant_core"
 BACKEND_ENV_VAR = "QUANT_CORE_BACKEND"
@@ -97,6 +98,7 @@ class Operator:
         self.kernels: dict[Backend, Callable[..., Any]] = {}
         self.implementations: dict[Backend, Callable[..., Any]] = {}
         self.traceable: set[Backend] = set()
+        self.fused_kernel: Callable[..., Any] | None = None  # [Note: kernels Inductor fuses]
         self.eager: dict[str, Callable[..., Any]] = {}
         self.overload: Any = None
 
@@ -338,6 +340,22 @@ def register_kernel(
     return decorate
 
 
+def register_fused_kernel(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Registers the decorated function, written in torch ops and taking the arguments as `op`'s
+    kernels do, as the kernel torch.compile traces for `op` where compiled kernels are "inductor"
+    ([Note: kernels Inductor fuses]); it must give bit for bit the reference's results under
+    Inductor's fusion. Registering twice raises. The function is returned unchanged."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        operator = OPERATORS[op]
+        if operator.fused_kernel is not None:
+            raise RuntimeError(f"op {op!r} already has a fused kernel ({operator.fused_kernel.__qualname__})")
+        operator.fused_kernel = torch.no_grad()(fn)
+        return fn
+
+    return decorate
+
+
 def _device_type(args: Sequence[Any]) -> str:
     """The device type of an operator's first tensor argument (lists of tensors included)."""
     for arg in args:
@@ -537,12 +555,85 @@ def _traced_where_traceable(operator: Operator) -> Callable[..., Any]:
             prefer_recompute(args, operator.mutated_positions) if operator.recomputable else contextlib.nullcontext()
         )
         with tagging:
+            if _compiled_kernels == "inductor" and _forced is None and operator.fused_kernel is not None:
+                with mode:
+                    return operator.body(operator.fused_kernel, *args, **kwargs)
             if backend not in operator.traceable:
                 return mode.__torch_dispatch__(op, types, args, kwargs)
             with mode:
                 return operator.implementation(backend, version_bumps=False)(*args, **kwargs)
 
     return rule
+
+
+# [Note: kernels Inductor fuses] A traced Triton kernel is still a kernel of its own in Inductor's
+# code: a quantize reads the bf16 tensor that the kernel before it wrote, and an emulated GEMM's
+# operands are dequantized into bf16 copies by another kernel. Some operators also have a fused
+# kernel (`register_fused_kernel`): their reference written so that Inductor, which sees its torch
+# ops, can fuse it into the kernels around it (a norm, silu * up, a gradient's producer, the
+# dequantize that reads the codes), so that a tensor it alone read is not written at all. Compiled
+# kernels "inductor" (QUANT_CORE_COMPILED_KERNELS=inductor, read at import, or
+# `use_compiled_kernels("inductor")` around the compile) trace those kernels, on every device;
+# "quant-core" (the default) keeps quant-core's own (traced Triton launches on CUDA, opaque C++
+# operators on the CPU). A forced backend ([Note: backends]) wins over both. A fused kernel must
+# give the reference's bits under Inductor, which elides a bf16 rounding between the ops it fuses
+# (`emulate_precision_casts` off): one that reads a bf16 tensor rounds it again in integer
+# arithmetic (`bf16_rounded` in quant_core.shared._numerics), which Inductor keeps. The choice is
+# made when a graph is traced: a compiled graph keeps the kernels it was traced with. torch's
+# compile caches (AOTAutograd's, on disk too) key a graph by what Dynamo traced, which names
+# quant-core's operators but not the kernels traced for them, so quant-core adds its own tags to
+# `torch.compiler.config.cache_key_tag` (after the user's): its version, and while "inductor" is
+# chosen, that choice. A graph cached by another quant-core release or with the other choice is
+# then compiled again rather than served.
+COMPILED_KERNELS_ENV_VAR = "QUANT_CORE_COMPILED_KERNELS"
+CompiledKernels = Literal["quant-core", "inductor"]
+_COMPILED_KERNELS: tuple[CompiledKernels, ...] = ("quant-core", "inductor")
+_CACHE_TAGS = {"quant-core": (f"quant-core-{__version__}",)}
+_CACHE_TAGS["inductor"] = (*_CACHE_TAGS["quant-core"], "quant-core-compiled-kernels=inductor")
+
+
+def _checked_compiled_kernels(value: str, by: str) -> CompiledKernels:
+    if value not in _COMPILED_KERNELS:
+        raise ValueError(f"{by} is not one of {', '.join(map(repr, _COMPILED_KERNELS))}")
+    return value  # type: ignore[return-value]
+
+
+def _choose_compiled_kernels(kind: CompiledKernels) -> None:
+    """Makes `kind` the compiled kernels, with the compile caches' tag that goes with it."""
+    global _compiled_kernels
+    _compiled_kernels = kind
+    ours = set(_CACHE_TAGS["inductor"])
+    tags = [t for t in torch.compiler.config.cache_key_tag.split(",") if t and t not in ours]
+    torch.compiler.config.cache_key_tag = ",".join([*tags, *_CACHE_TAGS[kind]])
+
+
+_compiled_kernels: CompiledKernels = "quant-core"
+_choose_compiled_kernels(
+    _checked_compiled_kernels(
+        os.environ.get(COMPILED_KERNELS_ENV_VAR, "quant-core").strip().lower() or "quant-core",
+        f"{COMPILED_KERNELS_ENV_VAR}={os.environ.get(COMPILED_KERNELS_ENV_VAR)!r}",
+    )
+)
+
+
+def compiled_kernels() -> CompiledKernels:
+    """The kernels torch.compile traces for quant-core's operators now: "quant-core" or
+    "inductor" ([Note: kernels Inductor fuses])."""
+    return _compiled_kernels
+
+
+@contextlib.contextmanager
+def use_compiled_kernels(kind: CompiledKernels) -> Iterator[None]:
+    """Graphs traced inside the block use `kind`'s kernels: "inductor" for the operators that have a
+    fused kernel, "quant-core" for quant-core's own ([Note: kernels Inductor fuses]). Process-wide;
+    graphs compiled before keep theirs (`torch._dynamo.reset()` drops them)."""
+    checked = _checked_compiled_kernels(kind, f"use_compiled_kernels({kind!r})")
+    before = _compiled_kernels
+    _choose_compiled_kernels(checked)
+    try:
+        yield
+    finally:
+        _choose_compiled_kernels(before)
 
 
 reload_backend_env()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -24,6 +25,7 @@ __all__ = [
     "TritonInterpreterRun",
     "adversarial",
     "adversarial_amaxes",
+    "assert_results_bitwise_equal",
     "kernel_backends",
     "no_host_syncs",
     "quantize_many_inputs",
@@ -111,6 +113,28 @@ _SPECIAL_AMAXES = (
     -float("nan"),
     -5.0,
 )
+
+
+def _result_tensors(result: object) -> list[torch.Tensor | None]:
+    """Every tensor of a (nested) result of tuples, lists and quantized dataclasses, in order."""
+    if isinstance(result, torch.Tensor) or result is None:
+        return [result]
+    if dataclasses.is_dataclass(result):
+        result = [getattr(result, f.name) for f in dataclasses.fields(result)]
+    return [t for item in result for t in _result_tensors(item)]  # type: ignore[union-attr]
+
+
+def assert_results_bitwise_equal(got: object, want: object) -> None:
+    """Two (nested) results hold the same tensors, in order, with equal dtypes, shapes and bytes
+    (NaN payloads included)."""
+    got_tensors, want_tensors = _result_tensors(got), _result_tensors(want)
+    assert len(got_tensors) == len(want_tensors)
+    for g, w in zip(got_tensors, want_tensors, strict=True):
+        assert (g is None) == (w is None)
+        if g is not None:
+            assert g.dtype == w.dtype
+            assert g.shape == w.shape
+            assert torch.equal(g.reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8))
 
 
 def adversarial_amaxes(num_random: int = 400, seed: int = 0) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from quant_core._library import call, define_op, register_kernel
+from quant_core._library import call, define_op, register_fused_kernel, register_kernel
 from quant_core.blocks._layout import (
     QUANTIZE_BUFFERS,
     BlockQuantized,
@@ -40,7 +40,15 @@ from quant_core.blocks._layout import (
 )
 from quant_core.shared._checks import as_2d, check_output_dtype, with_shape
 from quant_core.shared._cpp import _C, out_dtype_code, outputs, x_args
-from quant_core.shared._numerics import E4M3_MAX, encode_fp8, max_exponent_within, power_of_two, to_output_dtype
+from quant_core.shared._numerics import (
+    E4M3_MAX,
+    bf16_rounded,
+    encode_fp8,
+    finite_abs,
+    max_exponent_within,
+    power_of_two,
+    to_output_dtype,
+)
 
 MXFP8_BLOCK = 32
 _BLOCK_SHAPE = (1, MXFP8_BLOCK)
@@ -182,6 +190,46 @@ define_op("dequantize_mxfp8_pair", DequantizeMxfp8PairArgs, fake=dequantize_pair
     dequantize_pair_body(1)
 )
 register_kernel("dequantize_mxfp8_pair", "reference")(pair_of(_dequantize_mxfp8_reference_kernel))
+
+
+# ---- fused kernels ([Note: kernels Inductor fuses] in quant_core._library) ----------------------
+# The reference's arithmetic, with whole blocks as a trailing dim of 32 where the blocks tile the
+# operand (Linear features always do): each element's block is then an index of its own, not a
+# division of its column, and a partial edge block (the columnwise usage of a token count that
+# is not a multiple of 32) takes the reference's padded path.
+
+
+def _rowwise_fused(x_MK: torch.Tensor, index_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    M, K = x_MK.shape
+    if K % MXFP8_BLOCK:
+        return _rowwise_reference(x_MK, index_offset)
+    blocks = x_MK.reshape(M, K // MXFP8_BLOCK, MXFP8_BLOCK)
+    exponent = (-max_exponent_within(finite_abs(blocks).amax(dim=2), E4M3_MAX)).clamp(-127, 127)
+    codes = encode_fp8(blocks * power_of_two(-exponent)[:, :, None], torch.float8_e4m3fn)
+    return codes.reshape(M, K), (exponent + E8M0_BIAS).to(torch.uint8)
+
+
+@register_fused_kernel("quantize_mxfp8")
+def _quantize_mxfp8_fused_kernel(args: QuantizeMxfp8Args) -> None:
+    rowwise, columnwise = args.rowwise_data is not None, args.columnwise_data is not None
+    result = quantize_blocks_reference(
+        bf16_rounded(args.x_MK), _BLOCK_SHAPE, _rowwise_fused, rowwise=rowwise, columnwise=columnwise
+    )
+    copy_into(result, *quantize_buffers(args))
+
+
+@register_fused_kernel("dequantize_mxfp8")
+def _dequantize_mxfp8_fused_kernel(args: DequantizeMxfp8Args, out_2d: torch.Tensor) -> None:
+    R, C = args.data_2d.shape
+    if C % MXFP8_BLOCK:
+        out_2d.copy_(dequantize_mxfp8_reference(args.data_2d, args.scale_inv, args.dtype))
+        return
+    factor = power_of_two(args.scale_inv.to(torch.int32) - E8M0_BIAS)
+    values = args.data_2d.float().reshape(R, C // MXFP8_BLOCK, MXFP8_BLOCK) * factor[:, :, None]
+    out_2d.copy_(to_output_dtype(values.reshape(R, C), args.dtype))
+
+
+register_fused_kernel("dequantize_mxfp8_pair")(pair_of(_dequantize_mxfp8_fused_kernel))
 
 
 # ---- C++ kernels (CPU tensors; [Note: C++ kernel arguments] in quant_core.shared._cpp) ----

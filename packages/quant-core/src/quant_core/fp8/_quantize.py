@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from quant_core._backends import Backend
-from quant_core._library import backend_kernel, call, define_kernel_op, register_kernel
+from quant_core._library import backend_kernel, call, define_kernel_op, register_fused_kernel, register_kernel
 from quant_core.fp8._fp8 import (
     AmaxArgs,
     CastToFp8Args,
@@ -60,6 +60,7 @@ from quant_core.fp8._scale import (
 )
 from quant_core.shared._checks import check_scalar
 from quant_core.shared._compile import compiling
+from quant_core.shared._numerics import bf16_rounded
 
 
 @dataclass(frozen=True)
@@ -414,6 +415,17 @@ define_kernel_op("quantize_fp8", QuantizeFp8Args, mutates_args=_FP8_BUFFERS, rec
 define_kernel_op("quantize_fp8_delayed", QuantizeFp8DelayedArgs, mutates_args=("amax_history", *_FP8_BUFFERS))(
     composed_quantize_fp8_delayed("reference")
 )
+
+_reference_quantize_fp8 = composed_quantize_fp8("reference")
+
+
+@register_fused_kernel("quantize_fp8")
+def _quantize_fp8_fused_kernel(args: QuantizeFp8Args) -> None:
+    """The reference's amax, scale and cast as torch ops, which Inductor may fuse with the kernel
+    producing x ([Note: kernels Inductor fuses]); x rounded to its dtype again as the reference
+    would read it from memory. (The delayed quantize writes its history, a graph input: it keeps
+    quant-core's kernels.)"""
+    _reference_quantize_fp8(args._replace(x_MK=bf16_rounded(args.x_MK)))
 
 
 # ---- shared by the quantize functions ----------------------------------------------------------

@@ -67,6 +67,20 @@ def encode_fp8_stochastic(v: torch.Tensor, fp8_dtype: torch.dtype, random16: tor
     return encode_fp8(torch.where(torch.isnan(v), v, signed), fp8_dtype)
 
 
+def bf16_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as fp32; a bf16 x rounded to bf16 again in integer arithmetic on its fp32 bits (nearest
+    even; NaNs kept as they are, since a NaN's carry could reach the sign bit). On a bf16 tensor
+    this changes nothing, except under torch.compile: Inductor elides the rounding of a bf16
+    intermediate between the ops it fuses, so a fused consumer may see the producer's unrounded
+    fp32 value, but it keeps integer ops ([Note: kernels Inductor fuses] in quant_core._library)."""
+    values = x.float()
+    if x.dtype != torch.bfloat16:
+        return values
+    bits = values.view(torch.int32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).view(torch.float32)
+    return torch.where(torch.isnan(values), values, rounded)
+
+
 def power_of_two(exponent: torch.Tensor) -> torch.Tensor:
     """2^exponent as fp32, exactly, for int32 exponents in [-127, 127] (2^-127 is subnormal)."""
     exponent = exponent.to(torch.int32)
