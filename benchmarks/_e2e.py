@@ -8,9 +8,10 @@ same batches of the Markov task. Runs are named `<base>[:<weights>]:<mode>`:
   torch.optim.AdamW (fused on CUDA); `qw` makes them quantized primary weights
   (`quantized_weights=True`) stepped by quant_optim.FusedAdam (fp32 masters and moments, or the
   state configuration a `+<states>` suffix names: FUSED_ADAM_STATES in _optimizer_states);
-- mode: `eager`; `compiled` (`torch.compile(model)`); or `graphed`: eager code whose whole
-  training step (forward, backward, optimizer) is captured once in a CUDA graph and replayed
-  ([Note: graphed runs]; CUDA only).
+- mode: `eager`; `compiled` (`torch.compile(model)`); `fused` (recipes only: compiled with
+  quant-core's compiled kernels "inductor", `_compile_modes`); or `graphed`: eager code whose
+  whole training step (forward, backward, optimizer) is captured once in a CUDA graph and
+  replayed ([Note: graphed runs]; CUDA only).
 bf16 and torchao runs use torch.optim.AdamW too. The lm_head is never converted.
 
 Per run: tokens/s from the median step time of `num_steps` steps after `num_warmup` warm-up
@@ -48,6 +49,7 @@ from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
+from _compile_modes import COMPILED_MODES, compile_backend
 from _e2e_model import (
     CONFIGS,
     MODEL_SOURCES,
@@ -76,7 +78,7 @@ OPT_IN_RECIPES: dict[str, Callable[[], qt.Recipe]] = {
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4", *OPT_IN_RECIPES)
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
 STATEFUL_WEIGHT_RECIPES = ("fp8-delayed",)  # weight quantizers with state (an amax history)
-MODES = ("eager", "compiled", "graphed")
+MODES = ("eager", "compiled", "fused", "graphed")
 # Every eager run and the compiled runs docs/benchmarks.md's one-GPU table compares (~7 min on one H100).
 DEFAULT_RUNS = "*:eager,bf16:compiled,torchao-tensorwise:compiled,fp8:*:compiled"
 DEFAULT_FIDELITY_RUNS = "bf16:eager,*:hp:eager"
@@ -96,7 +98,8 @@ class RunSpec:
     quantized_weights: bool = False
     """Recipes only: quantized primary weights, stepped by quant_optim.FusedAdam."""
     mode: str = "eager"
-    """One of MODES: eager, torch.compile(model), or the eager step captured in a CUDA graph."""
+    """One of MODES: eager, torch.compile(model) (with quant-core's fused kernels: `fused`), or the
+    eager step captured in a CUDA graph."""
     states: str = ""
     """Quantized weights only: FusedAdam's state configuration, a key of FUSED_ADAM_STATES ("":
     fp32 masters and moments)."""
@@ -189,7 +192,7 @@ class E2ERow:
 def all_runs() -> list[RunSpec]:
     """Every run, in the order they execute and print."""
     bases = ("bf16", *(f"torchao-{r}" for r in TORCHAO_RECIPES))
-    runs = [RunSpec(base, mode=mode) for base in bases for mode in MODES]
+    runs = [RunSpec(base, mode=mode) for base in bases for mode in MODES if mode != "fused"]
     runs += [RunSpec(recipe, qw, mode) for recipe in RECIPES for qw in (False, True) for mode in MODES]
     # A captured FusedAdam step cannot requantize weights whose quantizer keeps state (a skipped
     # step would change it): such recipes have no graphed run with quantized weights.
@@ -301,7 +304,8 @@ def build_run(
     if spec.mode == "graphed" and device.type != "cuda":
         raise ValueError(f"{spec.name} captures CUDA graphs: run it with --device cuda")
     optimizer = _optimizer(model, spec, options, device)
-    forward = torch.compile(model, backend=options.compile_backend) if spec.mode == "compiled" else model
+    compiled = spec.mode in COMPILED_MODES
+    forward = torch.compile(model, backend=compile_backend(options.compile_backend, spec.mode)) if compiled else model
     cached = options.weight_cache and spec.base in RECIPES and not spec.quantized_weights
     parts = options.micro_batches
 

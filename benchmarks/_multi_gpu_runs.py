@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+from _compile_modes import COMPILED_MODES, compile_backend
 from _e2e_model import CONFIGS, DecoderConfig, build_decoder, resolve_model_source
 from _optimizer_states import FUSED_ADAM_STATES
 from torch.distributed.device_mesh import DeviceMesh
@@ -17,7 +18,8 @@ from quant_lab.demo import MarkovTask
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 TORCHAO_BASES = ("torchao-tensorwise", "torchao-rowwise")
-MODES = ("eager", "compiled")
+MODES = ("eager", "compiled")  # bf16 and torchao; our recipes also "fused" (_compile_modes)
+RECIPE_MODES = (*MODES, "fused")
 MODELS = {
     # The multi-GPU model of docs/benchmarks.md: a 2.2B Llama.
     "llama-2b": DecoderConfig(
@@ -66,7 +68,7 @@ WEIGHTS = ("hp", "qw", "qw-bf16")
 
 def all_run_names() -> list[str]:
     names = [f"{base}:{mode}" for base in ("bf16", *TORCHAO_BASES) for mode in MODES]
-    return names + [f"{r}:{w}:{mode}" for r in RECIPES for w in WEIGHTS for mode in MODES]
+    return names + [f"{r}:{w}:{mode}" for r in RECIPES for w in WEIGHTS for mode in RECIPE_MODES]
 
 
 # Optimizer states a run may name after "+" (default: fp32 states): FUSED_ADAM_STATES for
@@ -88,7 +90,8 @@ def parse_run(name: str) -> RunSpec:
     parts = run.split(":")
     if ":".join(parts) not in all_run_names():
         raise ValueError(
-            f"unknown run {name!r}; runs are <base>[:{'|'.join(WEIGHTS)}]:eager|compiled[+<states>][+rs-fp8]: "
+            f"unknown run {name!r}; runs are <base>[:{'|'.join(WEIGHTS)}]:eager|compiled|fused[+<states>][+rs-fp8] "
+            "(fused: our recipes only): "
             f"{', '.join(all_run_names())}"
         )
     reduce_scatter = [s for s in suffixes if s in REDUCE_SCATTERS]
@@ -210,9 +213,9 @@ def build_run(
         if not spec.quantized_weights:  # one amax all-reduce for every weight (docs/fsdp.md), as torchao's precompute
             after_step = lambda: quant_fsdp.sync_amax_(model.parameters())  # noqa: E731
     layers = decoder_layers(model)
-    if spec.mode == "compiled":
+    if spec.mode in COMPILED_MODES:
         for layer in layers:
-            layer.compile(backend=options.compile_backend)
+            layer.compile(backend=compile_backend(options.compile_backend, spec.mode))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in layers:
         shard(layer, mesh=mesh, mp_policy=policy)

@@ -18,7 +18,8 @@ Runs are named `<base>[:<weights>]:<mode>[+<states>][+rs-fp8]`:
   is `qw` with the decoder layers' other parameters (norms) in bf16 (FusedAdam keeps an fp32
   master of each), so that the layers' sharded gradients are bf16 (FSDP2 gives a layer's
   gradients its parameters' one dtype); the root's embedding, norm and lm_head stay fp32;
-- mode `eager`, or `compiled`: `block.compile()` on each decoder layer before sharding;
+- mode `eager`, or `compiled`: `block.compile()` on each decoder layer before sharding; or (our
+  recipes) `fused`: compiled with quant-core's compiled kernels "inductor" (_compile_modes);
 - states (optional): smaller optimizer states. Quantized-weight runs (FusedAdam): `m-bf16` (both
   moments bf16), `m-fp8` (first moment FP8 E4M3 with a per-tensor scale, second bf16),
   `master-bf16` (bf16 masters with stochastic rounding), `master-bf16-m-fp8` (both); the others

@@ -58,6 +58,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 import torch.distributed as dist
 from _arguments import Parser, positive, positive_seconds
+from _compile_modes import COMPILED_MODES, compile_backend
 from _e2e import (
     DEFAULT_FIDELITY_RUNS,
     E2EOptions,
@@ -269,7 +270,8 @@ def train(
     bottleneck. DeadlineError at a tenth of the steps if the rest, at the median step so far,
     would end after `deadline` (a `time.perf_counter()` value)."""
     model, optimizer, _ = build_run(spec, options, device, source)
-    forward = torch.compile(model, backend=options.compile_backend) if spec.mode == "compiled" else model
+    compiled = spec.mode in COMPILED_MODES
+    forward = torch.compile(model, backend=compile_backend(options.compile_backend, spec.mode)) if compiled else model
     parameters = list(model.parameters())
     offsets = gradient_offsets(parameters, ranks)
     # Zeros: the padding between regions is never written.
@@ -616,7 +618,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ValueError as error:
         parser.error(str(error))
-    others = [spec.name for spec in runs if spec.mode not in ("eager", "compiled") or spec.quantized_weights]
+    others = [spec.name for spec in runs if spec.mode not in ("eager", *COMPILED_MODES) or spec.quantized_weights]
     if others:
         parser.error(
             f"--runs: {', '.join(others)}: the simulation trains eager or compiled runs with high-precision "

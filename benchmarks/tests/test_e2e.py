@@ -11,6 +11,7 @@ import _e2e as bench_e2e
 import e2e
 import pytest
 import torch
+from _compile_modes import COMPILED_MODES, compile_backend
 from _e2e import (
     DEFAULT_FIDELITY_RUNS,
     DEFAULT_RUNS,
@@ -32,6 +33,7 @@ from _optimizer_states import FUSED_ADAM_STATES
 from e2e import main
 from rich.console import Console
 
+import quant_core
 import quant_tensors as qt
 from quant_lab.testing import local_bytes
 
@@ -42,26 +44,27 @@ def _names(patterns: str) -> list[str]:
 
 def test_run_filters_select_by_glob_and_by_name_prefix():
     assert _names("bf16") == ["bf16:eager", "bf16:compiled", "bf16:graphed"]
-    assert _names("fp8:hp") == ["fp8:hp:eager", "fp8:hp:compiled", "fp8:hp:graphed"]
-    assert _names("fp8:qw:*d, bf16:eager") == ["bf16:eager", "fp8:qw:compiled", "fp8:qw:graphed"]
+    assert _names("fp8:hp") == ["fp8:hp:eager", "fp8:hp:compiled", "fp8:hp:fused", "fp8:hp:graphed"]
+    assert _names("fp8:qw:*d, bf16:eager") == ["bf16:eager", "fp8:qw:compiled", "fp8:qw:fused", "fp8:qw:graphed"]
     assert _names("torchao-*:compiled") == ["torchao-tensorwise:compiled", "torchao-rowwise:compiled"]
     assert _names("fp8:hp,bf16") == [  # graphed runs last (what a capture leaves would count in later peaks)
         "bf16:eager",
         "bf16:compiled",
         "fp8:hp:eager",
         "fp8:hp:compiled",
+        "fp8:hp:fused",
         "bf16:graphed",
         "fp8:hp:graphed",
     ]
     named = [r for r in RECIPES if r not in OPT_IN_RECIPES]  # what globs select
     assert _names("*:hp:eager") == [f"{r}:hp:eager" for r in named]
-    assert len(_names("all")) == 3 + 2 * 3 + 2 * 3 * len(named) - 1  # less fp8-delayed:qw:graphed
+    assert len(_names("all")) == 3 + 2 * 3 + 2 * 4 * len(named) - 1  # less fp8-delayed:qw:graphed
     default = _names(DEFAULT_RUNS)
     assert all(n.endswith(":eager") for n in default if not n.startswith(("bf16", "torchao-tensorwise", "fp8:")))
     assert _names(DEFAULT_FIDELITY_RUNS) == ["bf16:eager", *(f"{r}:hp:eager" for r in named)]
-    assert _names("nvfp4:hp:*d") == ["nvfp4:hp:compiled", "nvfp4:hp:graphed"]  # not nvfp4-rht's
-    assert _names("nvfp4-rht:hp:*d") == ["nvfp4-rht:hp:compiled", "nvfp4-rht:hp:graphed"]
-    assert _names("fp8-delayed:qw") == ["fp8-delayed:qw:eager", "fp8-delayed:qw:compiled"]
+    assert _names("nvfp4:hp:*d") == ["nvfp4:hp:compiled", "nvfp4:hp:fused", "nvfp4:hp:graphed"]  # not nvfp4-rht's
+    assert _names("nvfp4-rht:hp:*d") == ["nvfp4-rht:hp:compiled", "nvfp4-rht:hp:fused", "nvfp4-rht:hp:graphed"]
+    assert _names("fp8-delayed:qw") == ["fp8-delayed:qw:eager", "fp8-delayed:qw:compiled", "fp8-delayed:qw:fused"]
     assert [r for r in RECIPES if not recipe_of(r).quantizer("weight").stateless] == list(STATEFUL_WEIGHT_RECIPES)
     assert recipe_of("nvfp4-rht").quantizer("input").random_hadamard_transform
 
@@ -80,6 +83,7 @@ def test_quantized_weight_runs_take_fused_adam_states_after_a_plus():
     assert _names("fp8:qw+master-bf16") == [
         "fp8:qw:eager+master-bf16",
         "fp8:qw:compiled+master-bf16",
+        "fp8:qw:fused+master-bf16",
         "fp8:qw:graphed+master-bf16",
     ]
     with pytest.raises(ValueError, match=r"FusedAdam's state configurations are m-bf16, m-fp8"):
@@ -153,6 +157,54 @@ def _same_training(a: tuple[torch.Tensor, dict], b: tuple[torch.Tensor, dict]) -
         and state_a.keys() == state_b.keys()
         and all(all(map(torch.equal, state_a[k], state_b[k])) for k in state_a)
     )
+
+
+def test_fused_runs_trace_the_fused_kernels_and_compiled_runs_do_not():
+    """`_compile_modes.compile_backend`: a fused run's graphs hold torch ops where a compiled run's
+    hold quant-core's quantize and dequantize operators ([Note: kernels Inductor fuses])."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: list[torch.fx.Graph] = []
+
+    def record(module: torch.fx.GraphModule, inputs: list[torch.Tensor]):  # type: ignore[no-untyped-def]
+        graphs.append(module.graph)
+        return make_boxed_func(module.forward)
+
+    torch._dynamo.register_backend(aot_autograd(fw_compiler=record, bw_compiler=record), "test_e2e_recording")
+
+    def mxfp8(x: torch.Tensor) -> torch.Tensor:
+        q = quant_core.quantize_mxfp8(x * 2)
+        return quant_core.dequantize_mxfp8(q.rowwise_data, q.rowwise_scale_inv)
+
+    operators = {}
+    for mode in COMPILED_MODES:
+        graphs.clear()
+        torch._dynamo.reset()
+        torch.compile(mxfp8, backend=compile_backend("test_e2e_recording", mode))(torch.randn(8, 64))
+        (graph,) = graphs
+        operators[mode] = {
+            str(node.args[0] if "auto_functionalized" in str(node.target) else node.target)
+            for node in graph.nodes
+            if node.op == "call_function"
+        }
+    assert {"quant_core.quantize_mxfp8.default", "quant_core.dequantize_mxfp8.default"} <= operators["compiled"]
+    assert not any("quant_core" in op for op in operators["fused"])
+    assert quant_core.compiled_kernels() == "quant-core"  # the choice held only while the graph was traced
+    with pytest.raises(ValueError, match="mode 'eager' does not compile"):
+        compile_backend("inductor", "eager")
+
+
+@pytest.mark.parametrize("run", ["fp8:hp", "mxfp8:qw"])
+def test_a_fused_run_trains_like_the_compiled_run_under_aot_eager(run):
+    """aot_eager runs the traced ops one by one, so no rounding is elided and the fused kernels'
+    torch ops give quant-core's kernels' bits: the runs train alike."""
+    options = E2EOptions(config="tiny", device="cpu", model_source="builtin", compile_backend="aot_eager")
+    device = torch.device("cpu")
+    torch._dynamo.reset()
+    compiled = _trained(f"{run}:compiled", options, device)
+    torch._dynamo.reset()
+    assert _same_training(_trained(f"{run}:fused", options, device), compiled)
 
 
 @pytest.mark.parametrize("recipe", ["fp8", "mxfp8", "nvfp4"])
