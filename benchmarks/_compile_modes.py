@@ -1,6 +1,6 @@
 """How the benchmarks' runs compile: `compiled` is `torch.compile` with the run's backend; `fused`
-is the same with quant-core's compiled kernels "inductor" while it traces (per-tensor FP8's and
-MXFP8's quantizes and dequantizes as torch ops that Inductor fuses with their neighbours:
+is the same with quant-core's compiled kernels "inductor" while it traces (per-tensor and
+blockwise FP8's quantizes, MXFP8's quantizes and dequantizes, as torch ops that Inductor fuses with their neighbours:
 [Note: kernels Inductor fuses] in quant_core._library). Only our recipes have fused runs."""
 
 from __future__ import annotations

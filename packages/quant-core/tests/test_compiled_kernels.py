@@ -18,7 +18,7 @@ from quant_core import _library
 from quant_core.testing import adversarial, assert_results_bitwise_equal
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-FUSED_OPS = ("quantize_fp8", "quantize_mxfp8", "dequantize_mxfp8", "dequantize_mxfp8_pair")
+FUSED_OPS = ("quantize_fp8", "quantize_mxfp8", "dequantize_mxfp8", "dequantize_mxfp8_pair", "quantize_fp8_blockwise")
 
 
 def _fp8(x: torch.Tensor) -> object:
@@ -35,16 +35,35 @@ def _mxfp8(x: torch.Tensor) -> object:
     return q, rowwise, columnwise, quant_core.dequantize_mxfp8(q.columnwise_data, q.columnwise_scale_inv)
 
 
+def _blockwise(x: torch.Tensor) -> object:
+    activations = quant_core.quantize_fp8_blockwise(x, (1, 128), rowwise=True, columnwise=True)
+    gradients = quant_core.quantize_fp8_blockwise(x, (1, 128), E5M2, power_2_scales=False, columnwise=True)
+    weights = quant_core.quantize_fp8_blockwise(x, (128, 128), rowwise=True, columnwise=True)
+    columnwise_only = quant_core.quantize_fp8_blockwise(
+        x, (128, 128), power_2_scales=False, rowwise=False, columnwise=True
+    )
+    return activations, gradients, weights, columnwise_only
+
+
 def test_every_fused_op_has_its_kernel():
     assert {name for name, op in _library.OPERATORS.items() if op.fused_kernel is not None} == set(FUSED_OPS)
 
 
 # The fused kernels' arithmetic, traced and run by aot_eager (no code generation): eager's bits for
-# every dtype, with blocks that tile x (the trailing-dim path) and partial edge blocks in both
-# directions (the reference's padded path), specials and 16 decades of magnitudes included.
-@pytest.mark.parametrize("shape", [(96, 320), (200, 328), (3, 5, 64)], ids=["tiled", "partial", "3d"])
+# every dtype, with blocks that tile x (the blocked path) or leave partial edge blocks (the
+# reference's padded path) along either dim, specials and 16 decades of magnitudes included.
+SHAPES = {
+    "tiled": (96, 320),
+    "tiled-128": (256, 384),
+    "partial-rows": (200, 320),
+    "partial-columns": (96, 328),
+    "partial": (200, 328),
+}
+
+
+@pytest.mark.parametrize("shape", [*SHAPES.values(), (3, 5, 64)], ids=[*SHAPES, "3d"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("case", [_fp8, _mxfp8], ids=["fp8", "mxfp8"])
+@pytest.mark.parametrize("case", [_fp8, _mxfp8, _blockwise], ids=["fp8", "mxfp8", "blockwise"])
 def test_fused_kernels_equal_eager(case, dtype, shape):
     x = adversarial(shape, dtype)
     torch._dynamo.reset()
@@ -79,8 +98,11 @@ def test_inductor_fuses_the_quantize_into_its_producer_and_equals_eager():
         q = quant_core.quantize_mxfp8(_bf16_producer(x), rowwise=True, columnwise=False)
         return quant_core.dequantize_mxfp8(q.rowwise_data, q.rowwise_scale_inv, torch.bfloat16)
 
+    def blockwise(x: torch.Tensor) -> object:
+        return quant_core.quantize_fp8_blockwise(_bf16_producer(x), (1, 128), rowwise=True, columnwise=False)
+
     x = torch.randn(128, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    for case in (fp8, mxfp8):
+    for case in (fp8, mxfp8, blockwise):
         torch._dynamo.reset()
         # A fresh cache: a graph cached while quant-core's fused kernels were edited is not theirs.
         with quant_core.use_compiled_kernels("inductor"), fresh_cache():
@@ -88,7 +110,7 @@ def test_inductor_fuses_the_quantize_into_its_producer_and_equals_eager():
         assert_results_bitwise_equal(got, case(x))
         kernels, calls = _kernels_and_calls("\n".join(code))
         assert not calls, case.__name__
-        # One kernel: the product, the amax (per tensor or per block), the codes and (MXFP8) their values.
+        # One kernel: the product, the amaxes (per tensor or per block), the codes and (MXFP8) their values.
         (kernel,) = kernels
         assert "amax" in kernel
         assert "mul" in kernel

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from quant_core._library import define_op, register_kernel
+from quant_core._library import define_op, register_fused_kernel, register_kernel
 from quant_core.blocks._layout import (
     QUANTIZE_BUFFERS,
     BlockQuantized,
@@ -35,12 +35,15 @@ from quant_core.blocks._layout import (
     quantize_blocks_reference,
     quantize_body,
     quantize_buffers,
+    quantize_tiled,
+    tiles,
 )
 from quant_core.fp8._fp8 import transpose_fp8
 from quant_core.shared._checks import as_2d, check_fp8_dtype
 from quant_core.shared._cpp import _C, FP8_FORMAT_CODES, out_dtype_code, outputs, x_args
 from quant_core.shared._numerics import (
     FLOAT32_MAX,
+    bf16_rounded,
     divide,
     encode_fp8,
     max_exponent_within,
@@ -145,6 +148,44 @@ def _quantize_fp8_blockwise_reference_kernel(args: QuantizeFp8BlockwiseArgs) -> 
         columnwise=args.columnwise_data is not None,
     )
     copy_into(result, *quantize_buffers(args))
+
+
+@register_fused_kernel("quantize_fp8_blockwise")
+def _quantize_fp8_blockwise_fused_kernel(args: QuantizeFp8BlockwiseArgs) -> None:
+    """[Note: kernels Inductor fuses] in quant_core._library: `quantize_tiled` where the blocks tile
+    a usage, the reference's padded path where they do not."""
+    x_MK = bf16_rounded(args.x_MK)
+    M, K = x_MK.shape
+    block_shape = (args.block_rows, BLOCKWISE_BLOCK)
+    fmax = torch.finfo(args.fp8_dtype).max
+
+    def scale_rule(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = _block_scale(amax, fmax, args.power_2_scales)
+        return scale, torch.reciprocal(scale)
+
+    def reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        result = quantize_fp8_blockwise_reference(
+            x, block_shape, args.fp8_dtype, power_2_scales=args.power_2_scales, rowwise=True
+        )
+        return result.rowwise_data, result.rowwise_scale_inv
+
+    rowwise = None
+    if args.rowwise_data is not None or block_shape[0] > 1:  # 128 x 128: columnwise is rowwise transposed
+        tiled = tiles(M, K, block_shape)
+        rowwise = quantize_tiled(x_MK, block_shape, scale_rule, args.fp8_dtype) if tiled else reference(x_MK)
+        if args.rowwise_data is not None:
+            args.rowwise_data.copy_(rowwise[0].reshape(args.rowwise_data.shape))
+            args.rowwise_scale_inv.copy_(rowwise[1])
+    if args.columnwise_data is not None:
+        if block_shape[0] > 1:
+            codes, scales = rowwise[0].t(), rowwise[1].t()
+        elif tiles(M, K, block_shape[::-1]):  # blocks along M: x^T's rowwise blocks
+            codes, scales = quantize_tiled(x_MK, block_shape[::-1], scale_rule, args.fp8_dtype)
+            codes, scales = codes.t(), scales.t()
+        else:
+            codes, scales = reference(x_MK.t())
+        args.columnwise_data.copy_(codes)
+        args.columnwise_scale_inv.copy_(scales)
 
 
 def dequantize_fp8_blockwise_reference(

@@ -39,7 +39,7 @@ import torch
 
 from quant_core._library import Kernel, call, with_contiguous
 from quant_core.shared._checks import as_2d, check_float_input, check_output_dtype, output_buffer, with_shape
-from quant_core.shared._numerics import finite_abs
+from quant_core.shared._numerics import encode_fp8, finite_abs
 
 # (rows, cols) of a 2-D block, e.g. (1, 32) or (128, 128).
 BlockShape = tuple[int, int]
@@ -294,6 +294,34 @@ def expand_blocks(per_block: torch.Tensor, block_shape: BlockShape, M: int, K: i
     """Repeats one value per block over the block's elements, cropped to (M, K)."""
     rows, cols = block_shape
     return per_block.repeat_interleave(rows, dim=0)[:M].repeat_interleave(cols, dim=1)[:, :K]
+
+
+# ---- fused kernels' building blocks ([Note: kernels Inductor fuses] in quant_core._library) ----
+
+# scale_rule(block amaxes) -> (what each block's elements are multiplied by before encoding, the
+# block scales as stored), the format's rule as its reference applies it.
+ScaleRule = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def tiles(rows: int, cols: int, block_shape: BlockShape) -> bool:
+    """Whether blocks of block_shape tile a (rows, cols) operand (no partial edge block)."""
+    return rows % block_shape[0] == 0 and cols % block_shape[1] == 0
+
+
+def quantize_tiled(
+    x_MK: torch.Tensor, block_shape: BlockShape, scale_rule: ScaleRule, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes in x's layout, (M / br, K / bc) stored scales) of fp32 x_MK in br x bc blocks that
+    tile it (`tiles`): the reference's arithmetic, with each block's rows and columns dims of
+    their own instead of divisions of x's indices, so that Inductor can fuse it with the kernel
+    producing x. (b, 1) blocks are those of x^T's 1 x b rowwise usage, reduced across x's rows so
+    that x is read along its contiguous dim."""
+    M, K = x_MK.shape
+    rows, cols = block_shape
+    blocks = x_MK.reshape(M // rows, rows, K // cols, cols)
+    multiplier, stored = scale_rule(finite_abs(blocks).amax(dim=(1, 3)))
+    codes = encode_fp8(blocks * multiplier[:, None, :, None], fp8_dtype)
+    return codes.reshape(M, K), stored
 
 
 # rowwise_fn(x_MK as fp32, index_offset) -> (codes of x_MK, 2-D scale_inv); index_offset is where

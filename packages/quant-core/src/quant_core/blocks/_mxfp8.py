@@ -37,6 +37,8 @@ from quant_core.blocks._layout import (
     quantize_blocks_reference,
     quantize_body,
     quantize_buffers,
+    quantize_tiled,
+    tiles,
 )
 from quant_core.shared._checks import as_2d, check_output_dtype, with_shape
 from quant_core.shared._cpp import _C, out_dtype_code, outputs, x_args
@@ -44,7 +46,6 @@ from quant_core.shared._numerics import (
     E4M3_MAX,
     bf16_rounded,
     encode_fp8,
-    finite_abs,
     max_exponent_within,
     power_of_two,
     to_output_dtype,
@@ -193,29 +194,35 @@ register_kernel("dequantize_mxfp8_pair", "reference")(pair_of(_dequantize_mxfp8_
 
 
 # ---- fused kernels ([Note: kernels Inductor fuses] in quant_core._library) ----------------------
-# The reference's arithmetic, with whole blocks as a trailing dim of 32 where the blocks tile the
-# operand (Linear features always do): each element's block is then an index of its own, not a
-# division of its column, and a partial edge block (the columnwise usage of a token count that
-# is not a multiple of 32) takes the reference's padded path.
+# `quantize_tiled` where the blocks tile the operand (Linear features always do), the reference
+# where a usage has partial edge blocks (the columnwise usage of a token count that is not a
+# multiple of 32).
 
 
-def _rowwise_fused(x_MK: torch.Tensor, index_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-    M, K = x_MK.shape
-    if K % MXFP8_BLOCK:
-        return _rowwise_reference(x_MK, index_offset)
-    blocks = x_MK.reshape(M, K // MXFP8_BLOCK, MXFP8_BLOCK)
-    exponent = (-max_exponent_within(finite_abs(blocks).amax(dim=2), E4M3_MAX)).clamp(-127, 127)
-    codes = encode_fp8(blocks * power_of_two(-exponent)[:, :, None], torch.float8_e4m3fn)
-    return codes.reshape(M, K), (exponent + E8M0_BIAS).to(torch.uint8)
+def _scale_rule(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    exponent = (-max_exponent_within(amax, E4M3_MAX)).clamp(-127, 127)
+    return power_of_two(-exponent), (exponent + E8M0_BIAS).to(torch.uint8)
 
 
 @register_fused_kernel("quantize_mxfp8")
 def _quantize_mxfp8_fused_kernel(args: QuantizeMxfp8Args) -> None:
-    rowwise, columnwise = args.rowwise_data is not None, args.columnwise_data is not None
-    result = quantize_blocks_reference(
-        bf16_rounded(args.x_MK), _BLOCK_SHAPE, _rowwise_fused, rowwise=rowwise, columnwise=columnwise
-    )
-    copy_into(result, *quantize_buffers(args))
+    x_MK = bf16_rounded(args.x_MK)
+    M, K = x_MK.shape
+    if args.rowwise_data is not None:
+        if tiles(M, K, _BLOCK_SHAPE):
+            codes, scales = quantize_tiled(x_MK, _BLOCK_SHAPE, _scale_rule, torch.float8_e4m3fn)
+        else:
+            codes, scales = _rowwise_reference(x_MK, 0)
+        args.rowwise_data.copy_(codes.reshape(args.rowwise_data.shape))
+        args.rowwise_scale_inv.copy_(scales)
+    if args.columnwise_data is not None:
+        if tiles(M, K, _BLOCK_SHAPE[::-1]):  # blocks along M: x^T's rowwise blocks
+            codes, scales = quantize_tiled(x_MK, _BLOCK_SHAPE[::-1], _scale_rule, torch.float8_e4m3fn)
+            codes, scales = codes.t(), scales.t()
+        else:
+            codes, scales = _rowwise_reference(x_MK.t(), M * K)
+        args.columnwise_data.copy_(codes)
+        args.columnwise_scale_inv.copy_(scales)
 
 
 @register_fused_kernel("dequantize_mxfp8")
