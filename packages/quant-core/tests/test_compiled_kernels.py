@@ -78,15 +78,18 @@ def _bf16_producer(x: torch.Tensor) -> torch.Tensor:
     return x * 1.7
 
 
-def _kernels_and_calls(code: str) -> tuple[set[str], bool]:
-    return set(re.findall(r"\bcpp_fused_\w+", code)), "torch.ops.quant_core" in code
+def _kernels_and_operators(code: str) -> tuple[set[str], set[str]]:
+    """Inductor's kernels and the quant_core operators called in a graph's generated code."""
+    return set(re.findall(r"\bcpp_fused_\w+", code)), set(re.findall(r"torch\.ops\.quant_core\.(\w+)", code))
 
 
 # Inductor fuses the producer, the quantize and (MXFP8) the dequantize into one kernel (with
 # quant-core's kernels, Inductor's kernel writes the product for an operator to read), and the
 # codes equal eager's, which reads the rounded bf16 tensor from memory: the fused kernel rounds
 # again what Inductor left unrounded (without `bf16_rounded` 214 of these FP8 codes and 597 MXFP8
-# values differ).
+# values differ). Per-tensor FP8 takes its scale from the fp8_scale operator (a division) between
+# the amax and the cast, each fused with the producer; blockwise FP8 with fmax / amax scales
+# keeps its operator.
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_inductor_fuses_the_quantize_into_its_producer_and_equals_eager():
     from torch._inductor.utils import fresh_cache, run_and_get_code
@@ -101,19 +104,26 @@ def test_inductor_fuses_the_quantize_into_its_producer_and_equals_eager():
     def blockwise(x: torch.Tensor) -> object:
         return quant_core.quantize_fp8_blockwise(_bf16_producer(x), (1, 128), rowwise=True, columnwise=False)
 
+    def blockwise_divided(x: torch.Tensor) -> object:
+        return quant_core.quantize_fp8_blockwise(_bf16_producer(x), (1, 128), power_2_scales=False)
+
+    expected = {  # (Inductor kernels, quant_core operators left)
+        fp8: (2, {"fp8_scale"}),
+        mxfp8: (1, set()),
+        blockwise: (1, set()),
+        blockwise_divided: (1, {"quantize_fp8_blockwise"}),
+    }
     x = torch.randn(128, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    for case in (fp8, mxfp8, blockwise):
+    for case, (num_kernels, operators) in expected.items():
         torch._dynamo.reset()
         # A fresh cache: a graph cached while quant-core's fused kernels were edited is not theirs.
         with quant_core.use_compiled_kernels("inductor"), fresh_cache():
             got, code = run_and_get_code(torch.compile(case, fullgraph=True), x)
         assert_results_bitwise_equal(got, case(x))
-        kernels, calls = _kernels_and_calls("\n".join(code))
-        assert not calls, case.__name__
-        # One kernel: the product, the amaxes (per tensor or per block), the codes and (MXFP8) their values.
-        (kernel,) = kernels
-        assert "amax" in kernel
-        assert "mul" in kernel
+        kernels, called = _kernels_and_operators("\n".join(code))
+        assert called == operators, case.__name__
+        assert len(kernels) == num_kernels, (case.__name__, kernels)
+        assert all("mul" in kernel for kernel in kernels), kernels  # each holds the producer
 
 
 # Graphs traced before the switch keep their kernels; torch's compile caches tell the two apart

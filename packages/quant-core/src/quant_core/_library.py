@@ -99,6 +99,7 @@ class Operator:
         self.implementations: dict[Backend, Callable[..., Any]] = {}
         self.traceable: set[Backend] = set()
         self.fused_kernel: Callable[..., Any] | None = None  # [Note: kernels Inductor fuses]
+        self.fused_applies: Callable[[Any], bool] | None = None  # which calls the fused kernel serves
         self.eager: dict[str, Callable[..., Any]] = {}
         self.overload: Any = None
 
@@ -107,6 +108,12 @@ class Operator:
         the versions of the mutated buffers."""
         run = functools.partial(self.body, self.kernels[backend])
         return _bumping_versions(run, self.mutated_positions) if self.mutates_args and version_bumps else run
+
+    def fuses(self, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+        """Whether the fused kernel serves a call with these arguments ([Note: kernels Inductor fuses])."""
+        if self.fused_kernel is None:
+            return False
+        return self.fused_applies is None or self.fused_applies(self.arguments(*args, **kwargs))
 
     @functools.cached_property
     def mutated_positions(self) -> tuple[int, ...]:
@@ -340,17 +347,21 @@ def register_kernel(
     return decorate
 
 
-def register_fused_kernel(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def register_fused_kernel(
+    op: str, *, applies: Callable[[Any], bool] | None = None
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Registers the decorated function, written in torch ops and taking the arguments as `op`'s
     kernels do, as the kernel torch.compile traces for `op` where compiled kernels are "inductor"
     ([Note: kernels Inductor fuses]); it must give bit for bit the reference's results under
-    Inductor's fusion. Registering twice raises. The function is returned unchanged."""
+    Inductor's fusion. `applies(args)` (the arguments tuple): whether it serves a call; the others
+    keep quant-core's kernel. Registering twice raises. The function is returned unchanged."""
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         operator = OPERATORS[op]
         if operator.fused_kernel is not None:
             raise RuntimeError(f"op {op!r} already has a fused kernel ({operator.fused_kernel.__qualname__})")
         operator.fused_kernel = torch.no_grad()(fn)
+        operator.fused_applies = applies
         return fn
 
     return decorate
@@ -555,7 +566,7 @@ def _traced_where_traceable(operator: Operator) -> Callable[..., Any]:
             prefer_recompute(args, operator.mutated_positions) if operator.recomputable else contextlib.nullcontext()
         )
         with tagging:
-            if _compiled_kernels == "inductor" and _forced is None and operator.fused_kernel is not None:
+            if _compiled_kernels == "inductor" and _forced is None and operator.fuses(args, kwargs):
                 with mode:
                     return operator.body(operator.fused_kernel, *args, **kwargs)
             if backend not in operator.traceable:
@@ -578,7 +589,10 @@ def _traced_where_traceable(operator: Operator) -> Callable[..., Any]:
 # operators on the CPU). A forced backend ([Note: backends]) wins over both. A fused kernel must
 # give the reference's bits under Inductor, which elides a bf16 rounding between the ops it fuses
 # (`emulate_precision_casts` off): one that reads a bf16 tensor rounds it again in integer
-# arithmetic (`bf16_rounded` in quant_core.shared._numerics), which Inductor keeps. The choice is
+# arithmetic (`bf16_rounded` in quant_core.shared._numerics), which Inductor keeps. Nor does
+# Inductor's generated code divide as IEEE does (quant-core's Triton kernels use `div_rn`): a fused
+# kernel multiplies, compares and works on bits only, takes a scale that needs a division from
+# quant-core's own operator, and serves only the calls it can (`applies`). The choice is
 # made when a graph is traced: a compiled graph keeps the kernels it was traced with. torch's
 # compile caches (AOTAutograd's, on disk too) key a graph by what Dynamo traced, which names
 # quant-core's operators but not the kernels traced for them, so quant-core adds its own tags to

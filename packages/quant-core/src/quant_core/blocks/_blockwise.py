@@ -150,23 +150,22 @@ def _quantize_fp8_blockwise_reference_kernel(args: QuantizeFp8BlockwiseArgs) -> 
     copy_into(result, *quantize_buffers(args))
 
 
-@register_fused_kernel("quantize_fp8_blockwise")
+@register_fused_kernel("quantize_fp8_blockwise", applies=lambda args: args.power_2_scales)
 def _quantize_fp8_blockwise_fused_kernel(args: QuantizeFp8BlockwiseArgs) -> None:
     """[Note: kernels Inductor fuses] in quant_core._library: `quantize_tiled` where the blocks tile
-    a usage, the reference's padded path where they do not."""
+    a usage, the reference's padded path where they do not; power-of-two scales only (fmax / amax
+    scales need a division)."""
     x_MK = bf16_rounded(args.x_MK)
     M, K = x_MK.shape
     block_shape = (args.block_rows, BLOCKWISE_BLOCK)
     fmax = torch.finfo(args.fp8_dtype).max
 
     def scale_rule(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scale = _block_scale(amax, fmax, args.power_2_scales)
-        return scale, torch.reciprocal(scale)
+        exponent = torch.where(amax > 0, max_exponent_within(amax, fmax).clamp(max=127), 0)
+        return power_of_two(exponent), power_of_two(-exponent)  # 1 / scale exactly, no division
 
     def reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        result = quantize_fp8_blockwise_reference(
-            x, block_shape, args.fp8_dtype, power_2_scales=args.power_2_scales, rowwise=True
-        )
+        result = quantize_fp8_blockwise_reference(x, block_shape, args.fp8_dtype, power_2_scales=True, rowwise=True)
         return result.rowwise_data, result.rowwise_scale_inv
 
     rowwise = None

@@ -416,16 +416,31 @@ define_kernel_op("quantize_fp8_delayed", QuantizeFp8DelayedArgs, mutates_args=("
     composed_quantize_fp8_delayed("reference")
 )
 
-_reference_quantize_fp8 = composed_quantize_fp8("reference")
-
 
 @register_fused_kernel("quantize_fp8")
 def _quantize_fp8_fused_kernel(args: QuantizeFp8Args) -> None:
-    """The reference's amax, scale and cast as torch ops, which Inductor may fuse with the kernel
-    producing x ([Note: kernels Inductor fuses]); x rounded to its dtype again as the reference
-    would read it from memory. (The delayed quantize writes its history, a graph input: it keeps
-    quant-core's kernels.)"""
-    _reference_quantize_fp8(args._replace(x_MK=bf16_rounded(args.x_MK)))
+    """The cast as torch ops, which Inductor may fuse with the kernel producing x ([Note: kernels
+    Inductor fuses]); x rounded to its dtype again as the reference would read it from memory, and
+    the scale from the `fp8_scale` operator (a division). (The delayed quantize writes its
+    history, a graph input: it keeps quant-core's kernels.)"""
+    x_MK = bf16_rounded(args.x_MK)
+    amax = args.amax
+    if amax is None:  # a max is exact in any order
+        amax = amax_torch_ops(x_MK) if x_MK.numel() else torch.zeros((), dtype=torch.float32, device=x_MK.device)
+        if args.amax_out is not None:
+            args.amax_out.copy_(amax)
+    scale, scale_inv = torch.ops.quant_core.fp8_scale(amax, FP8_MAX[args.fp8_dtype], 0, args.power_2_scales)
+    args.scale_inv.copy_(scale_inv)
+    if args.scale is not None:
+        args.scale.copy_(scale)
+    rowwise, columnwise = args.rowwise_MK is not None, args.columnwise_KM is not None
+    rowwise_codes, columnwise_codes = cast_to_fp8_reference(
+        x_MK, scale, args.fp8_dtype, rowwise=rowwise, columnwise=columnwise
+    )
+    if rowwise:
+        args.rowwise_MK.copy_(rowwise_codes)
+    if columnwise:
+        args.columnwise_KM.copy_(columnwise_codes)
 
 
 # ---- shared by the quantize functions ----------------------------------------------------------
