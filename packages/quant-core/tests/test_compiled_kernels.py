@@ -72,6 +72,23 @@ def test_fused_kernels_equal_eager(case, dtype, shape):
     assert_results_bitwise_equal(got, case(x))
 
 
+# On the GPU, Inductor generates Triton code of its own for these torch ops (its fp32 -> FP8
+# casts, its multiplies, with FMA contraction allowed and no div_rn): the fused kernels' results
+# there equal eager's (quant-core's Triton kernels) bit for bit, specials and tiny scales included.
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [SHAPES["tiled-128"], SHAPES["partial"]], ids=["tiled-128", "partial"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", [_fp8, _mxfp8, _blockwise], ids=["fp8", "mxfp8", "blockwise"])
+def test_inductor_kernels_on_cuda_equal_eager(case, dtype, shape):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run scripts/gpu-suite.sh on a GPU machine)")
+    x = adversarial(shape, dtype).cuda()
+    torch._dynamo.reset()
+    with quant_core.use_compiled_kernels("inductor"):
+        got = torch.compile(lambda t: case(t * 1), fullgraph=True)(x)  # `* 1`: a producer to fuse with
+    assert_results_bitwise_equal(got, case(x * 1))
+
+
 def _bf16_producer(x: torch.Tensor) -> torch.Tensor:
     """One rounding to bf16 per element, in eager and compiled alike, unless Inductor fuses the
     consumer and elides it."""
