@@ -32,7 +32,9 @@ Runs: "bf16" (torchtitan's AdamW), "float8-tensorwise" (float8 all-gather, preco
 "float8-rowwise", and ours as `<recipe>:<hp|qw|qw-bf16>[+<states>]` (e.g. "fp8:qw-bf16",
 "fp8:qw-bf16+master-bf16-m-fp8"): quantized weights step with FusedAdam, high-precision ones with
 torchtitan's AdamW; the states are those of benchmarks/_optimizer_states.py. A last
-"+rowwise-weights" keeps quantized weights rowwise only (`weight_columnwise_on_demand`).
+"+rowwise-weights" keeps quantized weights rowwise only (`weight_columnwise_on_demand`); "+fused"
+runs the process with QUANT_CORE_COMPILED_KERNELS=inductor (its compiled blocks trace quant-core's
+fused kernels: [Note: kernels Inductor fuses] in quant_core._library).
 """
 
 # No `from __future__ import annotations`: torchtitan merges the JobConfig sections below by their
@@ -65,6 +67,8 @@ BASELINES = ("bf16", "float8-tensorwise", "float8-rowwise")
 DEFAULT_RUNS = "bf16,float8-tensorwise,float8-rowwise,fp8:qw-bf16"
 WEIGHTS = ("hp", "qw", "qw-bf16")
 ROWWISE_WEIGHTS = "rowwise-weights"  # run option: quantized weights keep rowwise data only
+FUSED = "fused"  # run option: quant-core's compiled kernels "inductor" (QUANT_CORE_COMPILED_KERNELS)
+RUN_OPTIONS = (ROWWISE_WEIGHTS, FUSED)
 
 
 # The JobConfig extension (`--job.custom_config_module torchtitan_trainer`): torchtitan merges these
@@ -432,12 +436,12 @@ def run_flags(name: str) -> list[str]:
         ]
     base, *options = name.split("+")
     rowwise_weights = ROWWISE_WEIGHTS in options
-    states = "+".join(option for option in options if option != ROWWISE_WEIGHTS)
+    states = "+".join(option for option in options if option not in RUN_OPTIONS)
     recipe, _, weights = base.partition(":")
     if weights not in WEIGHTS:
         raise ValueError(
             f"unknown run {name!r}: runs are {', '.join(BASELINES)} or "
-            f"<recipe>:<{'|'.join(WEIGHTS)}>[+<states>][+{ROWWISE_WEIGHTS}], e.g. fp8:qw-bf16"
+            f"<recipe>:<{'|'.join(WEIGHTS)}>[+<states>][+{ROWWISE_WEIGHTS}][+{FUSED}], e.g. fp8:qw-bf16"
         )
     flags = ["--model.converters", CONVERTER, "--quant_linear.recipe_name", recipe]
     if weights == "hp":
@@ -460,6 +464,11 @@ def run_flags(name: str) -> list[str]:
     if rowwise_weights:
         flags.append("--quant_linear.weight_columnwise_on_demand")
     return flags
+
+
+def run_environment(name: str) -> dict[str, str]:
+    """What one run adds to the environment of its process (its `+fused` option)."""
+    return {"QUANT_CORE_COMPILED_KERNELS": "inductor"} if FUSED in name.split("+")[1:] else {}
 
 
 def write_text_set(folder: Path, kilobytes: int = 600, seed: int = 0) -> Path:
@@ -593,7 +602,9 @@ def main(argv: list[str] | None = None) -> int:
             command = torchtitan_command(name, args, data, scratch / "dump")
             began = time.monotonic()
             try:
-                done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.run_timeout_s)
+                done = subprocess.run(
+                    command, env=env | run_environment(name), capture_output=True, text=True, timeout=args.run_timeout_s
+                )
                 log, returncode = done.stdout + done.stderr, done.returncode
             except subprocess.TimeoutExpired as timeout:
                 log = (timeout.stdout or b"").decode() + (timeout.stderr or b"").decode()

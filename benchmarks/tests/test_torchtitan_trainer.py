@@ -145,6 +145,15 @@ def test_run_flags_of_ours_name_the_converter_fused_adam_and_the_states():
     assert "--quantize.linear.float8.enable_fsdp_float8_all_gather" in titan.run_flags("float8-tensorwise")
 
 
+def test_a_fused_run_is_its_run_with_quant_cores_fused_kernels_in_its_environment():
+    fused = "fp8-block:qw-bf16+master-bf16-m-fp8+rowwise-weights+fused"
+    assert titan.run_flags(fused) == titan.run_flags(fused.removesuffix("+fused"))
+    assert titan.run_environment(fused) == {"QUANT_CORE_COMPILED_KERNELS": "inductor"}
+    assert titan.run_environment("fp8-block:qw-bf16+master-bf16-m-fp8") == {}
+    assert titan.run_environment("float8-rowwise") == {}
+    assert titan.run_flags("mxfp8:hp+fused") == titan.run_flags("mxfp8:hp")
+
+
 @pytest.mark.parametrize(
     ("name", "message"),
     [
