@@ -589,7 +589,8 @@ def _traced_where_traceable(operator: Operator) -> Callable[..., Any]:
 # operators on the CPU). A forced backend ([Note: backends]) wins over both. A fused kernel must
 # give the reference's bits under Inductor, which elides a bf16 rounding between the ops it fuses
 # (`emulate_precision_casts` off): one that reads a bf16 tensor rounds it again in integer
-# arithmetic (`bf16_rounded` in quant_core.shared._numerics), which Inductor keeps. Nor does
+# arithmetic (`bf16_rounded` in quant_core.shared._numerics), which Inductor keeps (an fp16 input
+# keeps quant-core's kernels: `FUSABLE_INPUT_DTYPES`). Nor does
 # Inductor's generated code divide as IEEE does (quant-core's Triton kernels use `div_rn`): a fused
 # kernel multiplies, compares and works on bits only, takes a scale that needs a division from
 # quant-core's own operator, and serves only the calls it can (`applies`). The choice is

@@ -43,6 +43,7 @@ from quant_core.shared._checks import as_2d, check_fp8_dtype
 from quant_core.shared._cpp import _C, FP8_FORMAT_CODES, out_dtype_code, outputs, x_args
 from quant_core.shared._numerics import (
     FLOAT32_MAX,
+    FUSABLE_INPUT_DTYPES,
     bf16_rounded,
     divide,
     encode_fp8,
@@ -150,11 +151,13 @@ def _quantize_fp8_blockwise_reference_kernel(args: QuantizeFp8BlockwiseArgs) -> 
     copy_into(result, *quantize_buffers(args))
 
 
-@register_fused_kernel("quantize_fp8_blockwise", applies=lambda args: args.power_2_scales)
+@register_fused_kernel(
+    "quantize_fp8_blockwise", applies=lambda args: args.power_2_scales and args.x_MK.dtype in FUSABLE_INPUT_DTYPES
+)
 def _quantize_fp8_blockwise_fused_kernel(args: QuantizeFp8BlockwiseArgs) -> None:
     """[Note: kernels Inductor fuses] in quant_core._library: `quantize_tiled` where the blocks tile
     a usage, the reference's padded path where they do not; power-of-two scales only (fmax / amax
-    scales need a division)."""
+    scales need a division), fp32 and bf16 inputs only."""
     x_MK = bf16_rounded(args.x_MK)
     M, K = x_MK.shape
     block_shape = (args.block_rows, BLOCKWISE_BLOCK)

@@ -44,6 +44,7 @@ from quant_core.shared._checks import as_2d, check_output_dtype, with_shape
 from quant_core.shared._cpp import _C, out_dtype_code, outputs, x_args
 from quant_core.shared._numerics import (
     E4M3_MAX,
+    FUSABLE_INPUT_DTYPES,
     bf16_rounded,
     encode_fp8,
     max_exponent_within,
@@ -204,7 +205,7 @@ def _scale_rule(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return power_of_two(-exponent), (exponent + E8M0_BIAS).to(torch.uint8)
 
 
-@register_fused_kernel("quantize_mxfp8")
+@register_fused_kernel("quantize_mxfp8", applies=lambda args: args.x_MK.dtype in FUSABLE_INPUT_DTYPES)
 def _quantize_mxfp8_fused_kernel(args: QuantizeMxfp8Args) -> None:
     x_MK = bf16_rounded(args.x_MK)
     M, K = x_MK.shape

@@ -60,7 +60,7 @@ from quant_core.fp8._scale import (
 )
 from quant_core.shared._checks import check_scalar
 from quant_core.shared._compile import compiling
-from quant_core.shared._numerics import bf16_rounded
+from quant_core.shared._numerics import FUSABLE_INPUT_DTYPES, bf16_rounded
 
 
 @dataclass(frozen=True)
@@ -417,7 +417,7 @@ define_kernel_op("quantize_fp8_delayed", QuantizeFp8DelayedArgs, mutates_args=("
 )
 
 
-@register_fused_kernel("quantize_fp8")
+@register_fused_kernel("quantize_fp8", applies=lambda args: args.x_MK.dtype in FUSABLE_INPUT_DTYPES)
 def _quantize_fp8_fused_kernel(args: QuantizeFp8Args) -> None:
     """The cast as torch ops, which Inductor may fuse with the kernel producing x ([Note: kernels
     Inductor fuses]); x rounded to its dtype again as the reference would read it from memory, and

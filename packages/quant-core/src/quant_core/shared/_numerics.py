@@ -67,6 +67,12 @@ def encode_fp8_stochastic(v: torch.Tensor, fp8_dtype: torch.dtype, random16: tor
     return encode_fp8(torch.where(torch.isnan(v), v, signed), fp8_dtype)
 
 
+# Inputs a fused kernel reads exactly ([Note: kernels Inductor fuses] in quant_core._library): fp32,
+# which Inductor computes in anyway, and bf16, re-rounded by `bf16_rounded`; an fp16 input keeps
+# quant-core's kernels (its elided rounding is not redone).
+FUSABLE_INPUT_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def bf16_rounded(x: torch.Tensor) -> torch.Tensor:
     """x as fp32; a bf16 x rounded to bf16 again in integer arithmetic on its fp32 bits (nearest
     even; NaNs kept as they are, since a NaN's carry could reach the sign bit). On a bf16 tensor
