@@ -37,12 +37,11 @@ def _mxfp8(x: torch.Tensor) -> object:
 
 def _blockwise(x: torch.Tensor) -> object:
     activations = quant_core.quantize_fp8_blockwise(x, (1, 128), rowwise=True, columnwise=True)
-    gradients = quant_core.quantize_fp8_blockwise(x, (1, 128), E5M2, power_2_scales=False, columnwise=True)
+    gradients = quant_core.quantize_fp8_blockwise(x, (1, 128), E5M2, rowwise=False, columnwise=True)
     weights = quant_core.quantize_fp8_blockwise(x, (128, 128), rowwise=True, columnwise=True)
-    columnwise_only = quant_core.quantize_fp8_blockwise(
-        x, (128, 128), power_2_scales=False, rowwise=False, columnwise=True
-    )
-    return activations, gradients, weights, columnwise_only
+    columnwise_only = quant_core.quantize_fp8_blockwise(x, (128, 128), E5M2, rowwise=False, columnwise=True)
+    divided = quant_core.quantize_fp8_blockwise(x, (1, 128), power_2_scales=False, columnwise=True)  # not fused
+    return activations, gradients, weights, columnwise_only, divided
 
 
 def test_every_fused_op_has_its_kernel():
