@@ -207,6 +207,26 @@ def test_a_fused_run_trains_like_the_compiled_run_under_aot_eager(run):
     assert _same_training(_trained(f"{run}:fused", options, device), compiled)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("run", ["fp8:hp", "mxfp8:qw", "fp8-block:hp"])
+def test_a_fused_run_trains_like_the_compiled_run_bit_for_bit_under_inductor(run, monkeypatch):
+    """Inductor on CUDA with its bf16 roundings kept (`emulate_precision_casts`), so that the two
+    runs' graphs differ only in the quantizes: quant-core's fused kernels (Inductor's Triton code)
+    train as quant-core's own Triton kernels, bit for bit (checked on the CPU's Inductor too)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run scripts/gpu-suite.sh on a GPU machine)")
+    from torch._inductor.utils import fresh_cache
+
+    monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", True)
+    options = E2EOptions(config="tiny", device="cuda", model_source="builtin", compile_backend="inductor")
+    trained = []
+    for mode in ("compiled", "fused"):
+        torch._dynamo.reset()
+        with fresh_cache():
+            trained.append(_trained(f"{run}:{mode}", options, torch.device("cuda"), steps=3))
+    assert _same_training(*trained)
+
+
 @pytest.mark.parametrize("recipe", ["fp8", "mxfp8", "nvfp4"])
 def test_micro_batches_with_the_weight_cache_train_like_without_it(recipe, monkeypatch):
     """Stateless recipes: quantizing each weight once per step gives the same bytes as once per micro-batch."""
