@@ -23,6 +23,7 @@ from quant_core.blocks._layout import (
     QUANTIZE_BUFFERS,
     BlockQuantized,
     BlockShape,
+    RowwiseReference,
     block_amax,
     check_block_shape,
     check_quantize_input,
@@ -31,12 +32,11 @@ from quant_core.blocks._layout import (
     dequantize_body,
     dequantize_fake,
     expand_blocks,
+    fill_fused_quantize,
     quantize_blocks,
     quantize_blocks_reference,
     quantize_body,
     quantize_buffers,
-    quantize_tiled,
-    tiles,
 )
 from quant_core.fp8._fp8 import transpose_fp8
 from quant_core.shared._checks import as_2d, check_fp8_dtype
@@ -56,11 +56,28 @@ BLOCKWISE_BLOCK = 128
 BLOCKWISE_SHAPES: tuple[BlockShape, ...] = ((1, BLOCKWISE_BLOCK), (BLOCKWISE_BLOCK, BLOCKWISE_BLOCK))
 
 
+def _power_2_exponent(amax: torch.Tensor, fmax: float) -> torch.Tensor:
+    """Each block's power-of-two scale as its exponent: the largest s with amax * 2^s <= fmax (0
+    for an all-zero block), at most 127."""
+    return torch.where(amax > 0, max_exponent_within(amax, fmax).clamp(max=127), 0)
+
+
 def _block_scale(amax: torch.Tensor, fmax: float, power_2_scales: bool) -> torch.Tensor:
     if power_2_scales:
-        exponent = torch.where(amax > 0, max_exponent_within(amax, fmax).clamp(max=127), 0)
-        return power_of_two(exponent)
+        return power_of_two(_power_2_exponent(amax, fmax))
     return torch.where(amax > 0, divide(fmax, amax), 1.0).clamp(max=FLOAT32_MAX)
+
+
+def _rowwise_reference(block_shape: BlockShape, fp8_dtype: torch.dtype, power_2_scales: bool) -> RowwiseReference:
+    """The reference's quantization of one usage: (codes, scale_inv) of a 2-D fp32 operand."""
+    fmax = torch.finfo(fp8_dtype).max
+
+    def rowwise_fn(x_MK: torch.Tensor, index_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = _block_scale(block_amax(x_MK, block_shape), fmax, power_2_scales)
+        codes = encode_fp8(x_MK * expand_blocks(scale, block_shape, *x_MK.shape), fp8_dtype)
+        return codes, torch.reciprocal(scale)
+
+    return rowwise_fn
 
 
 def quantize_fp8_blockwise_reference(
@@ -75,13 +92,7 @@ def quantize_fp8_blockwise_reference(
     """Plain-torch blockwise FP8 quantization (the spec in code)."""
     check_quantize_input(x, "blockwise FP8")
     block_shape = check_block_shape(block_shape, BLOCKWISE_SHAPES, "blockwise FP8")
-    fmax = torch.finfo(check_fp8_dtype(fp8_dtype)).max
-
-    def rowwise_fn(x_MK: torch.Tensor, index_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-        scale = _block_scale(block_amax(x_MK, block_shape), fmax, power_2_scales)
-        codes = encode_fp8(x_MK * expand_blocks(scale, block_shape, *x_MK.shape), fp8_dtype)
-        return codes, torch.reciprocal(scale)
-
+    rowwise_fn = _rowwise_reference(block_shape, check_fp8_dtype(fp8_dtype), power_2_scales)
     return quantize_blocks_reference(x, block_shape, rowwise_fn, rowwise=rowwise, columnwise=columnwise)
 
 
@@ -155,39 +166,17 @@ def _quantize_fp8_blockwise_reference_kernel(args: QuantizeFp8BlockwiseArgs) -> 
     "quantize_fp8_blockwise", applies=lambda args: args.power_2_scales and args.x_MK.dtype in FUSABLE_INPUT_DTYPES
 )
 def _quantize_fp8_blockwise_fused_kernel(args: QuantizeFp8BlockwiseArgs) -> None:
-    """[Note: kernels Inductor fuses] in quant_core._library: `quantize_tiled` where the blocks tile
-    a usage, the reference's padded path where they do not; power-of-two scales only (fmax / amax
+    """[Note: kernels Inductor fuses] in quant_core._library: power-of-two scales only (fmax / amax
     scales need a division), fp32 and bf16 inputs only."""
-    x_MK = bf16_rounded(args.x_MK)
-    M, K = x_MK.shape
     block_shape = (args.block_rows, BLOCKWISE_BLOCK)
     fmax = torch.finfo(args.fp8_dtype).max
 
     def scale_rule(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        exponent = torch.where(amax > 0, max_exponent_within(amax, fmax).clamp(max=127), 0)
+        exponent = _power_2_exponent(amax, fmax)
         return power_of_two(exponent), power_of_two(-exponent)  # 1 / scale exactly, no division
 
-    def reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        result = quantize_fp8_blockwise_reference(x, block_shape, args.fp8_dtype, power_2_scales=True, rowwise=True)
-        return result.rowwise_data, result.rowwise_scale_inv
-
-    rowwise = None
-    if args.rowwise_data is not None or block_shape[0] > 1:  # 128 x 128: columnwise is rowwise transposed
-        tiled = tiles(M, K, block_shape)
-        rowwise = quantize_tiled(x_MK, block_shape, scale_rule, args.fp8_dtype) if tiled else reference(x_MK)
-        if args.rowwise_data is not None:
-            args.rowwise_data.copy_(rowwise[0].reshape(args.rowwise_data.shape))
-            args.rowwise_scale_inv.copy_(rowwise[1])
-    if args.columnwise_data is not None:
-        if block_shape[0] > 1:
-            codes, scales = rowwise[0].t(), rowwise[1].t()
-        elif tiles(M, K, block_shape[::-1]):  # blocks along M: x^T's rowwise blocks
-            codes, scales = quantize_tiled(x_MK, block_shape[::-1], scale_rule, args.fp8_dtype)
-            codes, scales = codes.t(), scales.t()
-        else:
-            codes, scales = reference(x_MK.t())
-        args.columnwise_data.copy_(codes)
-        args.columnwise_scale_inv.copy_(scales)
+    reference = _rowwise_reference(block_shape, args.fp8_dtype, power_2_scales=True)
+    fill_fused_quantize(args, bf16_rounded(args.x_MK), block_shape, scale_rule, args.fp8_dtype, reference)
 
 
 def dequantize_fp8_blockwise_reference(

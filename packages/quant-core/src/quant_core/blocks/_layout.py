@@ -296,6 +296,11 @@ def expand_blocks(per_block: torch.Tensor, block_shape: BlockShape, M: int, K: i
     return per_block.repeat_interleave(rows, dim=0)[:M].repeat_interleave(cols, dim=1)[:, :K]
 
 
+# rowwise_fn(x_MK as fp32, index_offset) -> (codes of x_MK, 2-D scale_inv); index_offset is where
+# the element counter of x_MK starts (stochastic rounding, [Note: counter RNG]).
+RowwiseReference = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
 # ---- fused kernels' building blocks ([Note: kernels Inductor fuses] in quant_core._library) ----
 
 # scale_rule(block amaxes) -> (what each block's elements are multiplied by before encoding, the
@@ -324,9 +329,39 @@ def quantize_tiled(
     return codes.reshape(M, K), stored
 
 
-# rowwise_fn(x_MK as fp32, index_offset) -> (codes of x_MK, 2-D scale_inv); index_offset is where
-# the element counter of x_MK starts (stochastic rounding, [Note: counter RNG]).
-RowwiseReference = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+def fill_fused_quantize(
+    args: Any,
+    x_MK: torch.Tensor,
+    block_shape: BlockShape,
+    scale_rule: ScaleRule,
+    fp8_dtype: torch.dtype,
+    rowwise_reference: RowwiseReference,
+) -> None:
+    """A block-format fused quantize kernel's work: the buffers of `args` (a quantize operator's
+    arguments) from fp32 x_MK, each usage by `quantize_tiled` where its blocks tile x and by the
+    format's `rowwise_reference` (of x, or of x^T for the columnwise usage) where they do not; a b x b
+    tiling's columnwise usage is its rowwise one transposed, as in `quantize_blocks_reference`."""
+    M, K = x_MK.shape
+    two_d = block_shape[0] > 1
+    rowwise = None
+    if args.rowwise_data is not None or (two_d and args.columnwise_data is not None):
+        if tiles(M, K, block_shape):
+            rowwise = quantize_tiled(x_MK, block_shape, scale_rule, fp8_dtype)
+        else:
+            rowwise = rowwise_reference(x_MK, 0)
+        if args.rowwise_data is not None:
+            args.rowwise_data.copy_(rowwise[0].reshape(args.rowwise_data.shape))
+            args.rowwise_scale_inv.copy_(rowwise[1])
+    if args.columnwise_data is not None:
+        if two_d:
+            codes, scales = rowwise[0].t(), rowwise[1].t()
+        elif tiles(M, K, block_shape[::-1]):  # blocks along M: x^T's rowwise blocks
+            codes, scales = quantize_tiled(x_MK, block_shape[::-1], scale_rule, fp8_dtype)
+            codes, scales = codes.t(), scales.t()
+        else:
+            codes, scales = rowwise_reference(x_MK.t(), M * K)
+        args.columnwise_data.copy_(codes)
+        args.columnwise_scale_inv.copy_(scales)
 
 
 def quantize_blocks_reference(

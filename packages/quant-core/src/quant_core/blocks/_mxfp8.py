@@ -32,13 +32,12 @@ from quant_core.blocks._layout import (
     dequantize_pair_body,
     dequantize_pair_fake,
     expand_blocks,
+    fill_fused_quantize,
     pair_of,
     quantize_blocks,
     quantize_blocks_reference,
     quantize_body,
     quantize_buffers,
-    quantize_tiled,
-    tiles,
 )
 from quant_core.shared._checks import as_2d, check_output_dtype, with_shape
 from quant_core.shared._cpp import _C, out_dtype_code, outputs, x_args
@@ -57,9 +56,14 @@ _BLOCK_SHAPE = (1, MXFP8_BLOCK)
 E8M0_BIAS = 127
 
 
+def _exponent(amax: torch.Tensor) -> torch.Tensor:
+    """Each block's e, the smallest integer with amax <= 448 * 2^e, in [-127, 127] (int32)."""
+    return (-max_exponent_within(amax, E4M3_MAX)).clamp(-127, 127)
+
+
 def _rowwise_reference(x_MK: torch.Tensor, index_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
     M, K = x_MK.shape
-    exponent = (-max_exponent_within(block_amax(x_MK, _BLOCK_SHAPE), E4M3_MAX)).clamp(-127, 127)
+    exponent = _exponent(block_amax(x_MK, _BLOCK_SHAPE))
     codes = encode_fp8(x_MK * expand_blocks(power_of_two(-exponent), _BLOCK_SHAPE, M, K), torch.float8_e4m3fn)
     return codes, (exponent + E8M0_BIAS).to(torch.uint8)
 
@@ -195,35 +199,17 @@ register_kernel("dequantize_mxfp8_pair", "reference")(pair_of(_dequantize_mxfp8_
 
 
 # ---- fused kernels ([Note: kernels Inductor fuses] in quant_core._library) ----------------------
-# `quantize_tiled` where the blocks tile the operand (Linear features always do), the reference
-# where a usage has partial edge blocks (the columnwise usage of a token count that is not a
-# multiple of 32).
 
 
 def _scale_rule(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    exponent = (-max_exponent_within(amax, E4M3_MAX)).clamp(-127, 127)
+    exponent = _exponent(amax)
     return power_of_two(-exponent), (exponent + E8M0_BIAS).to(torch.uint8)
 
 
 @register_fused_kernel("quantize_mxfp8", applies=lambda args: args.x_MK.dtype in FUSABLE_INPUT_DTYPES)
 def _quantize_mxfp8_fused_kernel(args: QuantizeMxfp8Args) -> None:
     x_MK = bf16_rounded(args.x_MK)
-    M, K = x_MK.shape
-    if args.rowwise_data is not None:
-        if tiles(M, K, _BLOCK_SHAPE):
-            codes, scales = quantize_tiled(x_MK, _BLOCK_SHAPE, _scale_rule, torch.float8_e4m3fn)
-        else:
-            codes, scales = _rowwise_reference(x_MK, 0)
-        args.rowwise_data.copy_(codes.reshape(args.rowwise_data.shape))
-        args.rowwise_scale_inv.copy_(scales)
-    if args.columnwise_data is not None:
-        if tiles(M, K, _BLOCK_SHAPE[::-1]):  # blocks along M: x^T's rowwise blocks
-            codes, scales = quantize_tiled(x_MK, _BLOCK_SHAPE[::-1], _scale_rule, torch.float8_e4m3fn)
-            codes, scales = codes.t(), scales.t()
-        else:
-            codes, scales = _rowwise_reference(x_MK.t(), M * K)
-        args.columnwise_data.copy_(codes)
-        args.columnwise_scale_inv.copy_(scales)
+    fill_fused_quantize(args, x_MK, _BLOCK_SHAPE, _scale_rule, torch.float8_e4m3fn, _rowwise_reference)
 
 
 @register_fused_kernel("dequantize_mxfp8")
