@@ -35,6 +35,7 @@ from rich.console import Console
 
 import quant_core
 import quant_tensors as qt
+from quant_core.testing import tracing_fused_kernels
 from quant_lab.testing import local_bytes
 
 
@@ -195,16 +196,20 @@ def test_fused_runs_trace_the_fused_kernels_and_compiled_runs_do_not():
         compile_backend("inductor", "eager")
 
 
-@pytest.mark.parametrize("run", ["mxfp8:qw"])
-def test_a_fused_run_trains_like_the_compiled_run_under_aot_eager(run):
+def test_a_fused_run_trains_like_the_compiled_run_under_aot_eager():
     """aot_eager runs the traced ops one by one, so no rounding is elided and the fused kernels'
     torch ops give quant-core's kernels' bits: the runs train alike."""
     options = E2EOptions(config="tiny", device="cpu", model_source="builtin", compile_backend="aot_eager")
     device = torch.device("cpu")
-    torch._dynamo.reset()
-    compiled = _trained(f"{run}:compiled", options, device)
-    torch._dynamo.reset()
-    assert _same_training(_trained(f"{run}:fused", options, device), compiled)
+    trained, traced = [], []
+    for mode in ("compiled", "fused"):
+        torch._dynamo.reset()
+        with tracing_fused_kernels() as counts:
+            trained.append(_trained(f"mxfp8:qw:{mode}", options, device))
+        traced.append(counts["quantize_mxfp8"])
+    assert traced[0] == 0
+    assert traced[1] > 0
+    assert _same_training(*trained)
 
 
 @pytest.mark.cuda
@@ -219,11 +224,14 @@ def test_a_fused_run_trains_like_the_compiled_run_bit_for_bit_under_inductor(run
 
     monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", True)
     options = E2EOptions(config="tiny", device="cuda", model_source="builtin", compile_backend="inductor")
-    trained = []
+    trained, traced = [], []
     for mode in ("compiled", "fused"):
         torch._dynamo.reset()
-        with fresh_cache():
+        with fresh_cache(), tracing_fused_kernels() as counts:
             trained.append(_trained(f"{run}:{mode}", options, torch.device("cuda"), steps=3))
+        traced.append(sum(counts.values()))
+    assert traced[0] == 0
+    assert traced[1] > 0
     assert _same_training(*trained)
 
 

@@ -10,6 +10,7 @@ import torch
 
 import quant_core
 import quant_tensors as qt
+from quant_core.testing import tracing_fused_kernels
 
 RECIPES = ("fp8", "fp8-delayed", "mxfp8", "fp8-block", "nvfp4")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -197,8 +198,9 @@ def test_inductor_kernels_equal_eager_bitwise_across_steps(name, quantized_weigh
     eager = qt.convert(model, qt.recipe_from_name(name), quantized_weights=quantized_weights)
     compiled = copy.deepcopy(eager)
     expected = _bf16_steps(eager, 3, device)
-    with quant_core.use_compiled_kernels("inductor"), fresh_cache():
+    with quant_core.use_compiled_kernels("inductor"), fresh_cache(), tracing_fused_kernels() as traced:
         got = _bf16_steps(torch.compile(compiled, fullgraph=True), 3, device)
+    assert traced[{"fp8": "quantize_fp8", "mxfp8": "quantize_mxfp8"}[name]] > 0  # the fused kernels ran
     # As in the test above: on CUDA only per-tensor FP8 runs the same GEMM kernels as eager.
     exact = device == "cpu" or name == "fp8"
     pairs = [(g, w) for (y, dx), (cy, cdx) in zip(expected, got, strict=True) for g, w in ((cy, y), (cdx, dx))]

@@ -602,7 +602,7 @@ def _traced_where_traceable(operator: Operator) -> Callable[..., Any]:
 # then compiled again rather than served.
 COMPILED_KERNELS_ENV_VAR = "QUANT_CORE_COMPILED_KERNELS"
 CompiledKernels = Literal["quant-core", "inductor"]
-_COMPILED_KERNELS: tuple[CompiledKernels, ...] = ("quant-core", "inductor")
+_COMPILED_KERNELS: tuple[CompiledKernels, ...] = typing.get_args(CompiledKernels)
 _CACHE_TAGS = {"quant-core": (f"quant-core-{__version__}",)}
 _CACHE_TAGS["inductor"] = (*_CACHE_TAGS["quant-core"], "quant-core-compiled-kernels=inductor")
 

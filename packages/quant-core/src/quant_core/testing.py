@@ -11,8 +11,10 @@ import tempfile
 import textwrap
 import threading
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -26,6 +28,7 @@ __all__ = [
     "adversarial",
     "adversarial_amaxes",
     "assert_results_bitwise_equal",
+    "tracing_fused_kernels",
     "kernel_backends",
     "no_host_syncs",
     "quantize_many_inputs",
@@ -135,6 +138,32 @@ def assert_results_bitwise_equal(got: object, want: object) -> None:
             assert g.dtype == w.dtype
             assert g.shape == w.shape
             assert torch.equal(g.reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8))
+
+
+@contextmanager
+def tracing_fused_kernels() -> Iterator[Counter[str]]:
+    """Counts, by operator name, the calls torch.compile traces through an operator's fused kernel
+    while the block is open ([Note: kernels Inductor fuses] in quant_core._library): nonzero only for
+    graphs traced (not served from a cache) with compiled kernels "inductor"."""
+    from quant_core._library import OPERATORS
+
+    traced: Counter[str] = Counter()
+    fused = {name: op.fused_kernel for name, op in OPERATORS.items() if op.fused_kernel is not None}
+
+    def counting(name: str, kernel: Any) -> Any:
+        def count(*args: Any) -> Any:
+            traced[name] += 1
+            return kernel(*args)
+
+        return count
+
+    for name, kernel in fused.items():
+        OPERATORS[name].fused_kernel = counting(name, kernel)
+    try:
+        yield traced
+    finally:
+        for name, kernel in fused.items():
+            OPERATORS[name].fused_kernel = kernel
 
 
 def adversarial_amaxes(num_random: int = 400, seed: int = 0) -> torch.Tensor:
