@@ -15,7 +15,7 @@ import torch
 
 import quant_core
 from quant_core import _library
-from quant_core.testing import adversarial, assert_results_bitwise_equal
+from quant_core.testing import adversarial, assert_results_bitwise_equal, tracing_fused_kernels
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FUSED_OPS = ("quantize_fp8", "quantize_mxfp8", "dequantize_mxfp8", "dequantize_mxfp8_pair", "quantize_fp8_blockwise")
@@ -66,8 +66,9 @@ SHAPES = {
 def test_fused_kernels_equal_eager(case, dtype, shape):
     x = adversarial(shape, dtype)
     torch._dynamo.reset()
-    with quant_core.use_compiled_kernels("inductor"):
+    with quant_core.use_compiled_kernels("inductor"), tracing_fused_kernels() as traced:
         got = torch.compile(case, backend="aot_eager", fullgraph=True)(x)
+    assert traced[{_fp8: "quantize_fp8", _mxfp8: "quantize_mxfp8", _blockwise: "quantize_fp8_blockwise"}[case]] > 0
     assert_results_bitwise_equal(got, case(x))
 
 
@@ -81,10 +82,13 @@ def test_fused_kernels_equal_eager(case, dtype, shape):
 def test_inductor_kernels_on_cuda_equal_eager(case, dtype, shape):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (run scripts/gpu-suite.sh on a GPU machine)")
+    from torch._inductor.utils import fresh_cache
+
     x = adversarial(shape, dtype).cuda()
     torch._dynamo.reset()
-    with quant_core.use_compiled_kernels("inductor"):
+    with quant_core.use_compiled_kernels("inductor"), fresh_cache(), tracing_fused_kernels() as traced:
         got = torch.compile(lambda t: case(t * 1), fullgraph=True)(x)  # `* 1`: a producer to fuse with
+    assert sum(traced.values()) > 0
     assert_results_bitwise_equal(got, case(x * 1))
 
 
